@@ -1,0 +1,250 @@
+"""The one config tree of a run: structured dataclasses, loaded from YAML + ``key=value`` overrides.
+
+Both sides use it: the login node (``jobs``) validates it before submitting, the compute node
+(``ddp_core``) reloads the resolved copy saved in the run directory. Only this module touches
+OmegaConf; everything past ``load_config`` works with plain dataclass instances.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import (
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
+
+from ddp_core.errors import DdpJobError
+
+
+class StrategyName(str, Enum):
+    ddp = "ddp"
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class OptimizerName(str, Enum):
+    adamw = "adamw"
+    sgd = "sgd"
+
+
+class Schedule(str, Enum):
+    constant = "constant"
+    cosine = "cosine"
+    linear = "linear"
+
+
+class WandbMode(str, Enum):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+@dataclass
+class RunConfig:
+    name: str = MISSING  # required: names the run directory, the Slurm job and the W&B run
+    # Run directories are created as <root>/<name>-<timestamp>; relative roots resolve against the cwd.
+    root: str = "runs"
+
+
+@dataclass
+class TaskConfig:
+    # "package.module:Class" of the user's task (see README "Plugging in your own model").
+    target: str = "ddp_core.tasks.digits:DigitsTask"
+    # Keyword arguments of the task's build_model(); they define the model's shape.
+    model: Dict[str, Any] = field(default_factory=dict)
+    # Keyword arguments of the task's build_datasets().
+    data: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    batch_size: int = 64  # per data-parallel replica (per rank for DDP)
+    eval_batch_size: int = 256
+    num_workers: int = 0
+    shuffle: bool = True
+
+
+@dataclass
+class OptimConfig:
+    name: OptimizerName = OptimizerName.adamw
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.9  # sgd only
+    schedule: Schedule = Schedule.cosine
+    warmup_steps: int = 0
+    grad_clip: float = 0.0  # max grad norm; 0 disables clipping
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 500  # optimizer steps
+    grad_accum: int = 1  # micro-batches per optimizer step
+    precision: Precision = Precision.fp32
+    seed: int = 0
+    eval_every: int = 100  # 0: evaluate only at the end
+    log_every: int = 20
+    deterministic: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 100  # 0: only at the end
+    keep_last: int = 3
+
+
+@dataclass
+class WandbConfig:
+    project: str = "ddpjob"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+    mode: WandbMode = WandbMode.offline
+
+
+@dataclass
+class StrategyConfig:
+    name: StrategyName = StrategyName.ddp
+    find_unused_parameters: bool = False
+
+
+@dataclass
+class SlurmConfig:
+    partition: Optional[str] = None
+    nodes: int = 1
+    gpus_per_node: int = 0  # GPU clusters: one rank per GPU
+    tasks_per_node: int = 1  # CPU clusters (gpus_per_node == 0): ranks per node
+    cpus_per_task: int = 1
+    mem_gb: Optional[float] = None
+    time_min: int = 60
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    job_name: Optional[str] = None  # default: run.name
+    # Shell lines run in the batch script before the ranks start (module load, conda activate, ...).
+    setup: List[str] = field(default_factory=list)
+    # Extra sbatch options without the leading "--", e.g. {constraint: a100, exclusive: true}.
+    additional: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.gpus_per_node if self.gpus_per_node > 0 else self.tasks_per_node
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """YAML file (optional) + dotlist overrides over the schema → validated ``Config``."""
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise DdpJobError(
+                f"override '{item}' is not of the form key=value",
+                "write e.g. optim.lr=3e-4; a bare key would silently become null",
+            )
+    layers = [OmegaConf.structured(Config)]
+    try:
+        if path is not None:
+            path = Path(path)
+            if not path.is_file():
+                raise DdpJobError(f"config file '{path}' not found", "pass a YAML file, e.g. configs/digits.yaml")
+            layers.append(OmegaConf.load(path))
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*layers)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise _explain(err) from None
+    assert isinstance(cfg, Config)
+    validate(cfg)
+    return cfg
+
+
+def _explain(err: OmegaConfBaseException) -> DdpJobError:
+    key = getattr(err, "full_key", None) or "?"
+    first_line = str(err).splitlines()[0]
+    if isinstance(err, MissingMandatoryValue):
+        return DdpJobError(f"config key '{key}' is required but has no value", f"set it: {key}=...")
+    if isinstance(err, ConfigKeyError):
+        return DdpJobError(
+            f"unknown config key '{key}': {first_line}", "check the spelling against the README's configuration reference"
+        )
+    if isinstance(err, ValidationError):
+        return DdpJobError(f"bad value for config key '{key}': {first_line}", "give a value of the key's type")
+    return DdpJobError(f"invalid config at '{key}': {first_line}")
+
+
+def _require(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise DdpJobError(f"config key '{key}' = {value!r} is invalid: {why}", f"fix it in the YAML or with {key}=...")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no cluster: ranges and combinations. Raises ``DdpJobError`` naming the key."""
+    positive = {
+        "data.batch_size": cfg.data.batch_size,
+        "data.eval_batch_size": cfg.data.eval_batch_size,
+        "train.max_steps": cfg.train.max_steps,
+        "train.grad_accum": cfg.train.grad_accum,
+        "train.log_every": cfg.train.log_every,
+        "checkpoint.keep_last": cfg.checkpoint.keep_last,
+        "slurm.nodes": cfg.slurm.nodes,
+        "slurm.cpus_per_task": cfg.slurm.cpus_per_task,
+        "slurm.time_min": cfg.slurm.time_min,
+    }
+    for key, value in positive.items():
+        _require(value > 0, key, value, "must be > 0")
+    non_negative = {
+        "data.num_workers": cfg.data.num_workers,
+        "train.eval_every": cfg.train.eval_every,
+        "checkpoint.every_steps": cfg.checkpoint.every_steps,
+        "optim.warmup_steps": cfg.optim.warmup_steps,
+        "optim.weight_decay": cfg.optim.weight_decay,
+        "optim.grad_clip": cfg.optim.grad_clip,
+        "slurm.gpus_per_node": cfg.slurm.gpus_per_node,
+    }
+    for key, value in non_negative.items():
+        _require(value >= 0, key, value, "must be >= 0")
+    _require(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "must be > 0")
+    _require(cfg.slurm.tasks_per_node > 0, "slurm.tasks_per_node", cfg.slurm.tasks_per_node, "must be > 0")
+    _require(
+        cfg.optim.warmup_steps < cfg.train.max_steps or cfg.optim.warmup_steps == 0,
+        "optim.warmup_steps",
+        cfg.optim.warmup_steps,
+        f"must be smaller than train.max_steps ({cfg.train.max_steps})",
+    )
+    _require(":" in cfg.task.target, "task.target", cfg.task.target, "must look like 'package.module:ClassName'")
+    _require(bool(cfg.run.name.strip()) and "/" not in cfg.run.name, "run.name", cfg.run.name, "must be a plain name")
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain, JSON-able dict (enums as strings) for W&B and checkpoints."""
+    out = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    assert isinstance(out, dict)
+    return out  # type: ignore[return-value]
+
+
+def replace(cfg: Config, **sections: Any) -> Config:
+    return dataclasses.replace(cfg, **sections)

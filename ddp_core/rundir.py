@@ -1,0 +1,121 @@
+"""The run directory: one folder per run holding config, identity, checkpoints, metrics, logs and W&B files.
+
+Layout::
+
+    <run>/config.yaml     resolved config (what the compute node trains with)
+    <run>/run.json        identity: run id, W&B id, created time, submitted job ids
+    <run>/checkpoints/    step_XXXXXXXX.pt + step_XXXXXXXX.json (manifest, written last)
+    <run>/metrics.jsonl   one JSON object per logged step (rank 0)
+    <run>/slurm/          submitit's and sbatch's job files and per-task logs
+    <run>/wandb/          W&B run files (offline runs are synced from here)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import string
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddp_core.config import Config, load_config, to_yaml
+from ddp_core.errors import DdpJobError
+
+CONFIG_FILE = "config.yaml"
+META_FILE = "run.json"
+
+
+def new_run_id(length: int = 8) -> str:
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(length))
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write-then-rename so readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / CONFIG_FILE
+
+    @property
+    def meta_file(self) -> Path:
+        return self.path / META_FILE
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def slurm(self) -> Path:
+        return self.path / "slurm"
+
+    @property
+    def wandb(self) -> Path:
+        return self.path / "wandb"
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def exists(self) -> bool:
+        return self.config_file.is_file()
+
+    def load_config(self) -> Config:
+        if not self.exists():
+            raise DdpJobError(f"'{self.path}' is not a run directory (no {CONFIG_FILE})", "pass a run directory")
+        return load_config(self.config_file)
+
+    def read_meta(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.meta_file.read_text())
+        except FileNotFoundError:
+            return {}
+
+    def update_meta(self, **fields: Any) -> dict[str, Any]:
+        meta = self.read_meta() | fields
+        atomic_write_text(self.meta_file, json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        return meta
+
+    def record_job(self, job_id: str, how: str) -> None:
+        jobs = self.read_meta().get("jobs", [])
+        jobs.append({"job_id": job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "via": how})
+        self.update_meta(jobs=jobs)
+
+    def initialize(self, cfg: Config) -> None:
+        """Create the layout, save the resolved config, and fix the run's identity (idempotent)."""
+        for sub in (self.path, self.checkpoints, self.slurm, self.wandb):
+            sub.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.config_file, to_yaml(cfg))
+        meta = self.read_meta()
+        if "run_id" not in meta:
+            # The W&B id is fixed here, before step 0, so every attempt of this run logs into one W&B run.
+            self.update_meta(
+                run_id=meta.get("run_id") or new_run_id(),
+                name=cfg.run.name,
+                created=time.strftime("%Y-%m-%dT%H:%M:%S"),
+            )
+
+
+def new_run_dir(cfg: Config, base: Path | None = None) -> RunDir:
+    """A fresh, not yet existing ``<root>/<name>-<timestamp>-<suffix>`` directory."""
+    root = Path(cfg.run.root) if base is None else base
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return RunDir((root / f"{cfg.run.name}-{stamp}-{secrets.token_hex(2)}").resolve())

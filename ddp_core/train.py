@@ -1,0 +1,191 @@
+"""The training loop, top to bottom: build, resume, train with periodic eval/log/checkpoint, finish.
+
+Every strategy runs through this one loop. Position in the data is (epoch, micro-batches consumed in the
+epoch), saved in each checkpoint with every rank's RNG states, so a resumed run continues the exact
+stream it stopped in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from ddp_core import checkpoint, distributed
+from ddp_core.config import Config, Precision, to_dict
+from ddp_core.data import ResumableShardSampler, eval_loader, train_loader
+from ddp_core.dist_env import DistEnv
+from ddp_core.optim import build_optimizer, build_scheduler
+from ddp_core.reporting import MetricsLog, Progress
+from ddp_core.rundir import RunDir
+from ddp_core.strategies import Strategy, build_strategy
+from ddp_core.task import Output, Task, load_task
+from ddp_core.wandb_run import WandbRun
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Position:
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    micro_in_epoch: int = 0  # micro-batches of this epoch already consumed (per rank)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def autocast(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    if cfg.train.precision is Precision.bf16:
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def evaluate(task: Task, model: nn.Module, dataset: Any, cfg: Config, strategy: Strategy) -> dict[str, float]:
+    loader = eval_loader(dataset, strategy.data_rank, strategy.data_world, cfg.data)
+    sums: dict[str, torch.Tensor] = {}
+    count = torch.zeros((), dtype=torch.float64)
+    model.eval()
+    with torch.no_grad(), autocast(cfg, strategy.device):
+        for batch in loader:
+            out = task.compute(model, to_device(batch, strategy.device))
+            count += out.count
+            for key, value in out.sums.items():
+                sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + value.detach().double().cpu()
+    model.train()
+    keys = sorted(sums)
+    totals = distributed.all_reduce_sum(torch.stack([count] + [sums[k] for k in keys]))
+    return {k: (totals[i + 1] / totals[0]).item() for i, k in enumerate(keys)}
+
+
+def micro_batches(loader: Any, grad_accum: int) -> Iterator[list[Any]]:
+    """Groups of ``grad_accum`` micro-batches; a short tail at the epoch's end is dropped."""
+    group: list[Any] = []
+    for batch in loader:
+        group.append(batch)
+        if len(group) == grad_accum:
+            yield group
+            group = []
+
+
+def save_checkpoint(
+    cfg: Config, run_dir: RunDir, env: DistEnv, strategy: Strategy, model: nn.Module, optimizer: Any, scheduler: Any, pos: Position
+) -> None:
+    rngs = distributed.gather_to_main(distributed.rng_state(), env)
+    if env.is_main:
+        state = {
+            "model": strategy.model_state(model),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "position": asdict(pos),
+            "rng": rngs,
+            "world_size": env.world_size,
+            "config": to_dict(cfg),
+        }
+        checkpoint.save(run_dir.checkpoints, pos.step, state, cfg.checkpoint.keep_last)
+    distributed.barrier()  # nobody runs ahead (or exits) before the checkpoint is durable
+
+
+def train(cfg: Config, run_dir: RunDir, env: DistEnv) -> dict[str, float]:
+    device = distributed.setup(env)
+    torch.use_deterministic_algorithms(cfg.train.deterministic)
+
+    # Same seed on every rank for the model's initial weights; per-rank seeds for dropout etc. after.
+    distributed.seed_all(cfg.train.seed)
+    task = load_task(cfg.task)
+    strategy = build_strategy(cfg.strategy, env, device)
+    model = strategy.wrap(task.build_model(**cfg.task.model))
+    optimizer = build_optimizer(cfg.optim, model)
+    scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps)
+    train_set, eval_set = task.build_datasets()
+    sampler = ResumableShardSampler(len(train_set), strategy.data_rank, strategy.data_world, cfg.data.shuffle, cfg.train.seed)  # type: ignore[arg-type]
+    distributed.seed_all(cfg.train.seed * 1000 + env.rank + 1)
+
+    pos = Position()
+    latest = checkpoint.find_latest(run_dir.checkpoints)
+    if latest is not None:
+        state = checkpoint.load(latest)
+        strategy.load_model_state(model, state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        pos = Position(**state["position"])
+        if state["world_size"] == env.world_size:
+            distributed.set_rng_state(state["rng"][env.rank])
+        else:
+            log.warning("checkpoint was written at world size %d, now %d: RNG streams restart", state["world_size"], env.world_size)
+        log.info("resumed from %s (step %d, epoch %d)", latest.path.name, pos.step, pos.epoch)
+
+    meta = run_dir.read_meta()
+    wandb_run = WandbRun(cfg.wandb, run_dir, meta.get("run_id", run_dir.name), to_dict(cfg), enabled=env.is_main)
+    metrics_log = MetricsLog(run_dir.metrics_file, pos.step) if env.is_main else None
+    samples_per_step = cfg.data.batch_size * cfg.train.grad_accum * strategy.data_world
+    progress = Progress(pos.step, cfg.train.max_steps, samples_per_step, enabled=env.is_main)
+
+    def record(split: str, metrics: dict[str, float]) -> None:
+        if metrics_log is not None:
+            metrics_log.write(pos.step, split, metrics)
+        wandb_run.log({f"{split}/{k}": v for k, v in metrics.items()}, step=pos.step)
+
+    micro_per_epoch = (len(sampler.shard()) // cfg.data.batch_size) // cfg.train.grad_accum * cfg.train.grad_accum
+    if micro_per_epoch == 0:
+        raise ValueError(
+            f"an epoch has fewer than grad_accum={cfg.train.grad_accum} batches of {cfg.data.batch_size} per rank"
+        )
+    log_loss = torch.zeros(2, dtype=torch.float64)  # (sum of step losses, steps) since the last log line
+    started = time.perf_counter()
+    model.train()
+    while pos.step < cfg.train.max_steps:
+        if pos.micro_in_epoch >= micro_per_epoch:
+            pos.epoch, pos.micro_in_epoch = pos.epoch + 1, 0
+        sampler.set_epoch(pos.epoch, start=pos.micro_in_epoch * cfg.data.batch_size)
+        loader = train_loader(train_set, sampler, cfg.data, cfg.train.seed)
+        for group in micro_batches(loader, cfg.train.grad_accum):
+            step_loss = 0.0
+            for i, batch in enumerate(group):
+                last = i == len(group) - 1
+                with strategy.no_sync(model) if not last else contextlib.nullcontext(), autocast(cfg, device):
+                    out: Output = task.compute(model, to_device(batch, device))
+                    (out.loss / cfg.train.grad_accum).backward()
+                step_loss += out.loss.item() / cfg.train.grad_accum
+            if cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            pos.step += 1
+            pos.micro_in_epoch += len(group)
+            log_loss += torch.tensor([step_loss, 1.0], dtype=torch.float64)
+
+            if pos.step % cfg.train.log_every == 0 or pos.step == cfg.train.max_steps:
+                totals = distributed.all_reduce_sum(log_loss.clone())
+                metrics = {"loss": (totals[0] / totals[1]).item(), "lr": scheduler.get_last_lr()[0]}
+                log_loss.zero_()
+                progress.update(pos.step, metrics)
+                record("train", metrics | {"samples_per_s": progress.rate(pos.step)[1]})
+            if cfg.train.eval_every and pos.step % cfg.train.eval_every == 0 and pos.step < cfg.train.max_steps:
+                record("eval", evaluate(task, model, eval_set, cfg, strategy))
+            if cfg.checkpoint.every_steps and pos.step % cfg.checkpoint.every_steps == 0 and pos.step < cfg.train.max_steps:
+                save_checkpoint(cfg, run_dir, env, strategy, model, optimizer, scheduler, pos)
+            if pos.step >= cfg.train.max_steps:
+                break
+
+    final = evaluate(task, model, eval_set, cfg, strategy)
+    record("eval", final)
+    save_checkpoint(cfg, run_dir, env, strategy, model, optimizer, scheduler, pos)
+    progress.close()
+    elapsed = time.perf_counter() - started
+    log.info("finished at step %d in %.1f s: %s", pos.step, elapsed, " ".join(f"{k} {v:.4f}" for k, v in final.items()))
+    wandb_run.finish()
+    return final

@@ -1,0 +1,63 @@
+"""Weights & Biases from rank 0: fixed run id, files inside the run directory, never fatal to training."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+from ddp_core.config import WandbConfig, WandbMode
+from ddp_core.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+class WandbRun:
+    def __init__(self, cfg: WandbConfig, run_dir: RunDir, run_id: str, config: dict[str, Any], enabled: bool) -> None:
+        self.run: Optional[Any] = None
+        if not enabled or cfg.mode is WandbMode.disabled:
+            return
+        # W&B reads these only from the environment; set in this rank-0 process before init so its cache
+        # and staging files stay inside the run directory rather than a shared ~/.cache.
+        for var, sub in (("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data"), ("WANDB_CONFIG_DIR", "config")):
+            os.environ.setdefault(var, str(run_dir.wandb / sub))
+        try:
+            import wandb
+
+            self.run = self._init(wandb, cfg, cfg.mode.value, run_dir, run_id, config)
+        except Exception as err:  # noqa: BLE001 - logging must never end a training run
+            if cfg.mode is WandbMode.online:
+                log.warning("W&B online init failed (%s); logging offline instead, sync later with `ddpjob sync`", err)
+                try:
+                    self.run = self._init(wandb, cfg, "offline", run_dir, run_id, config)
+                except Exception as err2:  # noqa: BLE001
+                    log.warning("W&B disabled for this run: %s", err2)
+            else:
+                log.warning("W&B disabled for this run: %s", err)
+        if self.run is not None:
+            log.info("W&B run %s (%s) in %s", run_id, self.run.settings.mode, run_dir.wandb)
+
+    @staticmethod
+    def _init(wandb: Any, cfg: WandbConfig, mode: str, run_dir: RunDir, run_id: str, config: dict[str, Any]) -> Any:
+        return wandb.init(
+            project=cfg.project,
+            entity=cfg.entity,
+            group=cfg.group,
+            tags=list(cfg.tags) or None,
+            mode=mode,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir.path),
+            name=run_dir.name,
+            config=config,
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def finish(self, exit_code: int = 0) -> None:
+        if self.run is not None:
+            self.run.finish(exit_code=exit_code)
+            self.run = None

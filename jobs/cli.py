@@ -1,0 +1,197 @@
+"""``ddpjob``: the login-node command line (submit, prepare, resume, sync).
+
+Imports stay light here (no torch): ``ddpjob --help`` must answer instantly on a login node.
+User errors (``DdpJobError``) print one line and exit 2; a job that ran and failed exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ddp_core.errors import DdpJobError
+
+log = logging.getLogger("ddpjob")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML config, e.g. configs/digits.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=3e-4")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddpjob", description="PyTorch distributed training as Slurm batch jobs (see README.md)."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("submit", help="validate a config, create its run directory and submit the job")
+    _add_config_args(p)
+    p.add_argument("--wait", action="store_true", help="follow the job and exit with its status")
+    p.add_argument("--local", action="store_true", help="run here without Slurm (submitit local executor; waits)")
+    p.add_argument("--dry-run", action="store_true", help="print the sbatch script and resolved config only")
+
+    p = sub.add_parser("prepare", help="validate a config and create its run directory; print its path")
+    _add_config_args(p)
+    p.add_argument("--sbatch-script", action="store_true", help="also render RUN_DIR/slurm/job.sbatch")
+    p.add_argument("--no-cluster-check", action="store_true", help="skip checking the request against sinfo")
+
+    p = sub.add_parser("resume", help="submit an ended run again; it continues from its newest checkpoint")
+    p.add_argument("run_dir", help="the run directory")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="changes, e.g. train.max_steps=2000")
+    p.add_argument("--wait", action="store_true", help="follow the job and exit with its status")
+    p.add_argument("--local", action="store_true", help="run here without Slurm (waits)")
+
+    p = sub.add_parser("sync", help="upload a run's offline W&B records (wraps `wandb sync`)")
+    p.add_argument("run_dir", help="the run directory")
+    p.add_argument("--dry-run", action="store_true", help="print the wandb command only")
+    return parser
+
+
+def _print_submitted(sub: object) -> None:
+    from jobs.submit import Submitted
+
+    assert isinstance(sub, Submitted)
+    print(f"job:     {sub.job_id}")
+    print(f"run dir: {sub.run_dir.path}")
+    print(f"log:     {sub.log_path}")
+    sys.stdout.flush()
+
+
+def _follow(sub: object) -> int:
+    from jobs.submit import Submitted, wait
+
+    assert isinstance(sub, Submitted)
+    started = time.monotonic()
+    ok, result, state = wait(sub)
+    print(f"job {sub.job_id} {'COMPLETED' if ok else 'FAILED'} after {time.monotonic() - started:.1f} s")
+    if not ok:
+        print(f"error: {state}")
+        print(f"logs:  {sub.run_dir.slurm}")
+        return 1
+    from ddp_core import checkpoint
+
+    if result:
+        print("final eval: " + " ".join(f"{k} {v:.4f}" for k, v in sorted(result.items())))
+    latest = checkpoint.find_latest(sub.run_dir.checkpoints)
+    print(f"checkpoint: {latest.path if latest else 'none'}")
+    offline = sorted(sub.run_dir.wandb.glob("wandb/offline-run-*"))
+    if offline:
+        print(f"W&B (offline): {offline[-1]}  (upload: ddpjob sync {sub.run_dir.path})")
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from ddp_core.config import load_config, to_yaml
+    from ddp_core.rundir import new_run_dir
+    from jobs.submit import render_submitit_script, submit, validate_for_submit
+
+    cfg = load_config(args.config, args.overrides)
+    # A dry run checks the request against the cluster where there is one, and still renders where not.
+    validate_for_submit(cfg, local=args.local, cluster_check=not (args.dry_run and shutil.which("sinfo") is None))
+    run_dir = new_run_dir(cfg)
+    if args.dry_run:
+        print("# sbatch script (nothing submitted)")
+        print(render_submitit_script(cfg, run_dir))
+        print("# resolved config")
+        print(to_yaml(cfg), end="")
+        return 0
+    sub = submit(cfg, run_dir, local=args.local)
+    _print_submitted(sub)
+    return _follow(sub) if (args.wait or args.local) else 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from ddp_core.config import load_config
+    from ddp_core.rundir import new_run_dir
+    from jobs.submit import validate_for_submit
+
+    cfg = load_config(args.config, args.overrides)
+    validate_for_submit(cfg, local=False, cluster_check=not args.no_cluster_check)
+    run_dir = new_run_dir(cfg)
+    run_dir.initialize(cfg)
+    if args.sbatch_script:
+        from jobs.sbatch_template import render
+
+        (run_dir.slurm / "job.sbatch").write_text(render(cfg, run_dir))
+    print(run_dir.path)
+    return 0
+
+
+def _active_jobs(job_ids: list[str]) -> list[str]:
+    if not job_ids:
+        return []
+    proc = subprocess.run(
+        ["squeue", "-h", "-o", "%i %T", "-j", ",".join(job_ids)], capture_output=True, text=True, timeout=30
+    )
+    return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from ddp_core.config import load_config, to_dict
+    from ddp_core.rundir import RunDir
+    from jobs.submit import submit, validate_for_submit
+
+    run_dir = RunDir(Path(args.run_dir).resolve())
+    old = run_dir.load_config()
+    cfg = load_config(run_dir.config_file, args.overrides)
+    if to_dict(cfg)["task"]["model"] != to_dict(old)["task"]["model"] or cfg.task.target != old.task.target:
+        raise DdpJobError(
+            "resume cannot change task.target or task.model.*: the checkpoint's weights have the old model's shape",
+            "start a new run with `ddpjob submit` instead",
+        )
+    if not args.local:
+        recorded = [j["job_id"] for j in run_dir.read_meta().get("jobs", []) if j.get("via") != "local"]
+        active = _active_jobs(recorded)
+        if active:
+            raise DdpJobError(
+                f"run {run_dir.name} is still queued or running as job {active[0]}", "wait for it or scancel it first"
+            )
+    validate_for_submit(cfg, local=args.local)
+    sub = submit(cfg, run_dir, local=args.local, fresh=False)
+    _print_submitted(sub)
+    return _follow(sub) if (args.wait or args.local) else 0
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    from ddp_core.rundir import RunDir
+
+    run_dir = RunDir(Path(args.run_dir).resolve())
+    if not run_dir.exists():
+        raise DdpJobError(f"'{run_dir.path}' is not a run directory", "pass the directory `ddpjob submit` printed")
+    offline = sorted(str(p) for p in run_dir.wandb.glob("wandb/offline-run-*"))
+    if not offline:
+        raise DdpJobError(f"no offline W&B records in {run_dir.wandb}", "was the run started with wandb.mode=disabled?")
+    command = [sys.executable, "-m", "wandb", "sync", "--include-offline", *offline]
+    print(" ".join(command))
+    if args.dry_run:
+        return 0
+    return subprocess.call(command)
+
+
+_COMMANDS = {"submit": cmd_submit, "prepare": cmd_prepare, "resume": cmd_resume, "sync": cmd_sync}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="ddpjob: %(levelname)s: %(message)s")
+    parser = _parser()
+    # Overrides may come after options (`submit cfg.yaml --wait optim.lr=1e-3`): collect the leftovers.
+    args, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(args, "overrides") or any(e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    try:
+        return _COMMANDS[args.command](args)
+    except DdpJobError as err:
+        print(f"ddpjob: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ddpjob: interrupted (submitted jobs keep running)", file=sys.stderr)
+        return 130

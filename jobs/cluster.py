@@ -1,0 +1,100 @@
+"""What the cluster can give: partition sizes read from ``sinfo``, and the check of a job's request
+against them, so an impossible job fails on the login node instead of pending forever."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Optional
+
+from ddp_core.config import SlurmConfig
+from ddp_core.errors import DdpJobError
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    nodes: int
+    cpus_per_node: int  # the largest node's CPUs
+    gpus_per_node: int  # the largest node's GPUs
+    default: bool = False
+
+
+def _gpus(gres: str) -> int:
+    # "gpu:4", "gpu:a100:4(S:0-1)", "gpu:a100:4,shard:8" or "(null)"
+    total = 0
+    for item in gres.split(","):
+        match = re.match(r"gpu(?::[^:(]+)?:(\d+)", item.strip())
+        if match:
+            total = max(total, int(match[1]))
+    return total
+
+
+def parse_sinfo(text: str) -> list[Partition]:
+    """Lines of ``sinfo -h -o '%P|%D|%c|%G'`` → one ``Partition`` each (node groups merged)."""
+    merged: dict[str, Partition] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        name, nodes, cpus, gres = line.split("|")
+        default = name.endswith("*")
+        name = name.rstrip("*")
+        part = Partition(name, int(nodes), int(cpus.rstrip("+")), _gpus(gres), default)
+        if name in merged:
+            old = merged[name]
+            part = Partition(
+                name,
+                old.nodes + part.nodes,
+                max(old.cpus_per_node, part.cpus_per_node),
+                max(old.gpus_per_node, part.gpus_per_node),
+                old.default or default,
+            )
+        merged[name] = part
+    return list(merged.values())
+
+
+def query_partitions() -> list[Partition]:
+    if shutil.which("sinfo") is None:
+        raise DdpJobError(
+            "Slurm commands (sinfo, sbatch) are not on PATH",
+            "run on a Slurm login node, start the local cluster with scripts/slurm-local up, or use --local",
+        )
+    proc = subprocess.run(["sinfo", "-h", "-o", "%P|%D|%c|%G"], capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        raise DdpJobError(f"sinfo failed: {proc.stderr.strip()}", "is slurmctld up? (scripts/slurm-local status)")
+    return parse_sinfo(proc.stdout)
+
+
+def pick_partition(partitions: list[Partition], name: Optional[str]) -> Partition:
+    for part in partitions:
+        if (name is None and part.default) or part.name == name:
+            return part
+    names = ", ".join(p.name for p in partitions) or "none"
+    if name is None:
+        raise DdpJobError("the cluster has no default partition", f"set slurm.partition to one of: {names}")
+    raise DdpJobError(f"config key 'slurm.partition' = {name!r}: no such partition", f"available: {names}")
+
+
+def check_request(cfg: SlurmConfig, part: Partition) -> None:
+    """Raise ``DdpJobError`` naming the key when the request can never be scheduled on ``part``."""
+    if cfg.nodes > part.nodes:
+        raise DdpJobError(
+            f"config key 'slurm.nodes' = {cfg.nodes} exceeds partition '{part.name}' ({part.nodes} nodes)",
+            f"use slurm.nodes<={part.nodes}",
+        )
+    if cfg.gpus_per_node > part.gpus_per_node:
+        raise DdpJobError(
+            f"config key 'slurm.gpus_per_node' = {cfg.gpus_per_node} exceeds partition '{part.name}' "
+            f"({part.gpus_per_node} GPUs per node)",
+            f"use slurm.gpus_per_node<={part.gpus_per_node}, or a GPU partition via slurm.partition",
+        )
+    cpus = cfg.ranks_per_node * cfg.cpus_per_task
+    if cpus > part.cpus_per_node:
+        key = "slurm.gpus_per_node" if cfg.gpus_per_node else "slurm.tasks_per_node"
+        raise DdpJobError(
+            f"config key '{key}' = {cfg.ranks_per_node} ranks x slurm.cpus_per_task = {cfg.cpus_per_task} needs "
+            f"{cpus} CPUs per node; partition '{part.name}' nodes have {part.cpus_per_node}",
+            "lower tasks_per_node or cpus_per_task, or add nodes",
+        )

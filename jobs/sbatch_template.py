@@ -1,0 +1,44 @@
+"""Render ``slurm_templates/ddp.sbatch`` for a config: its marked #SBATCH and setup blocks are replaced
+by lines derived from the config, everything else is kept as the user sees it in the template."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from ddp_core.config import Config
+from ddp_core.errors import DdpJobError
+from ddp_core.rundir import RunDir
+from jobs.submit import sbatch_parameters
+
+TEMPLATE = Path(__file__).resolve().parent.parent / "slurm_templates" / "ddp.sbatch"
+_SKIP = {"setup", "srun_args", "additional_parameters"}
+
+
+def sbatch_lines(cfg: Config, run_dir: RunDir) -> list[str]:
+    params = sbatch_parameters(cfg)
+    flags = {k.replace("_", "-"): v for k, v in params.items() if k not in _SKIP}
+    flags.update(params.get("additional_parameters", {}))
+    flags["output"] = str(run_dir.slurm / "%j_batch.out")
+    lines = []
+    for key in sorted(flags):
+        value = flags[key]
+        lines.append(f"#SBATCH --{key}" if value is True else f"#SBATCH --{key}={shlex.quote(str(value))}")
+    return lines
+
+
+def _replace_block(text: str, name: str, lines: list[str]) -> str:
+    start, end = f"# >>> ddpjob {name}\n", f"# <<< ddpjob {name}\n"
+    head, sep, rest = text.partition(start)
+    _, sep2, tail = rest.partition(end)
+    if not sep or not sep2:
+        raise DdpJobError(f"sbatch template lacks the '{start.strip()}' ... '{end.strip()}' block", "restore it")
+    return head + start + "".join(f"{line}\n" for line in lines) + end + tail
+
+
+def render(cfg: Config, run_dir: RunDir, python: str = sys.executable, template: Path = TEMPLATE) -> str:
+    text = template.read_text()
+    text = _replace_block(text, "sbatch", sbatch_lines(cfg, run_dir))
+    setup = [f"PYTHON=${{DDPJOB_PYTHON:-{shlex.quote(python)}}}", *cfg.slurm.setup]
+    return _replace_block(text, "setup", setup)

@@ -1,0 +1,129 @@
+"""Turn a validated config into a Slurm job: sbatch parameters, submitit executor, the run directory.
+
+The login node validates everything (config, task import and keys, the request against the partition)
+before it creates a run directory; if submission fails the directory is removed, so a rejected submit
+leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ddp_core.config import Config
+from ddp_core.errors import DdpJobError
+from ddp_core.rundir import RunDir
+from jobs import cluster
+
+# Each rank gets the CPUs Slurm gave its task: oversubscribed OpenMP threads cost 3x on small nodes.
+THREADS_SETUP = "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"
+# A rank that exits non-zero takes the whole step down instead of leaving peers blocked in a collective.
+SRUN_ARGS = ("--kill-on-bad-exit=1",)
+
+
+def sbatch_parameters(cfg: Config) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters (Slurm's own names) for ``cfg``: one task per rank."""
+    s = cfg.slurm
+    params: dict[str, Any] = {
+        "job_name": s.job_name or cfg.run.name,
+        "nodes": s.nodes,
+        "ntasks_per_node": s.ranks_per_node,
+        "cpus_per_task": s.cpus_per_task,
+        "time": s.time_min,
+        "setup": [THREADS_SETUP, *s.setup],
+        "srun_args": list(SRUN_ARGS),
+    }
+    optional = {
+        "partition": s.partition,
+        "account": s.account,
+        "qos": s.qos,
+        "gpus_per_node": s.gpus_per_node or None,
+        "mem": f"{s.mem_gb:g}GB" if s.mem_gb else None,
+    }
+    params.update({k: v for k, v in optional.items() if v is not None})
+    if s.additional:
+        params["additional_parameters"] = {k.replace("_", "-"): v for k, v in s.additional.items()}
+    return params
+
+
+def render_submitit_script(cfg: Config, run_dir: RunDir, python: str = sys.executable) -> str:
+    """The exact sbatch script ``submit`` would hand to sbatch (submitit's own renderer)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    command = f"{shlex.quote(python)} -u -m submitit.core._submit {shlex.quote(str(run_dir.slurm))}"
+    return _make_sbatch_string(command=command, folder=run_dir.slurm, **sbatch_parameters(cfg))
+
+
+def check_cluster(cfg: Config) -> None:
+    part = cluster.pick_partition(cluster.query_partitions(), cfg.slurm.partition)
+    cluster.check_request(cfg.slurm, part)
+
+
+def validate_for_submit(cfg: Config, local: bool, cluster_check: bool = True) -> None:
+    """Everything that can be checked before a run directory exists."""
+    from ddp_core.task import check_task  # imports the user's task module (and torch): submit-time only
+
+    check_task(cfg.task)
+    if local and cfg.slurm.nodes > 1:
+        raise DdpJobError("config key 'slurm.nodes' > 1 cannot run with --local", "drop --local or set slurm.nodes=1")
+    if not local and cluster_check:
+        check_cluster(cfg)
+
+
+@dataclass
+class Submitted:
+    job: Any  # submitit Job
+    run_dir: RunDir
+
+    @property
+    def job_id(self) -> str:
+        return str(self.job.job_id)
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.job.paths.stderr)
+
+
+def make_executor(cfg: Config, run_dir: RunDir, local: bool) -> Any:
+    import submitit
+
+    if local:
+        executor = submitit.LocalExecutor(folder=run_dir.slurm)
+        executor.update_parameters(
+            tasks_per_node=cfg.slurm.ranks_per_node, timeout_min=cfg.slurm.time_min, setup=[THREADS_SETUP]
+        )
+        return executor
+    executor = submitit.SlurmExecutor(folder=run_dir.slurm)
+    executor.update_parameters(**sbatch_parameters(cfg))
+    return executor
+
+
+def submit(cfg: Config, run_dir: RunDir, local: bool = False, fresh: bool = True) -> Submitted:
+    """Initialise ``run_dir`` (a new one when ``fresh``) and submit the trainer on it."""
+    from ddp_core.launch import run
+
+    run_dir.initialize(cfg)
+    try:
+        job = make_executor(cfg, run_dir, local).submit(run, str(run_dir.path))
+    except Exception as err:
+        if fresh:
+            shutil.rmtree(run_dir.path, ignore_errors=True)
+        raise DdpJobError(f"submission failed: {str(err).strip().splitlines()[-1] if str(err).strip() else err}") from err
+    run_dir.record_job(str(job.job_id), "local" if local else "submitit")
+    return Submitted(job, run_dir)
+
+
+def wait(submitted: Submitted) -> tuple[bool, Optional[dict[str, float]], str]:
+    """Block until the job ends: (succeeded, final eval metrics, state or error line)."""
+    job = submitted.job
+    job.wait()
+    try:
+        result = job.result()
+    except Exception as err:  # noqa: BLE001 - submitit raises its own errors for failed jobs
+        lines = [line for line in str(err).strip().splitlines() if line.strip()]
+        return False, None, lines[-1] if lines else type(err).__name__
+    return True, result, "COMPLETED"
