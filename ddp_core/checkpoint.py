@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,7 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def save(directory: Path, step: int, state: dict[str, Any], keep_last: int) -> CheckpointInfo:
+def save(directory: Path, step: int, state: dict[str, Any], keep_last: int, writer_rank: int = 0) -> CheckpointInfo:
     """Atomically write ``state`` for ``step``, then its manifest, then prune to the newest ``keep_last``."""
     directory.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -59,7 +60,14 @@ def save(directory: Path, step: int, state: dict[str, Any], keep_last: int) -> C
         os.fsync(f.fileno())
     os.replace(tmp, final)
     _fsync_dir(directory)
-    manifest = {"step": step, "file": final.name, "sha256": digest, "size": len(data), "time": time.time()}
+    manifest = {
+        "step": step,
+        "file": final.name,
+        "sha256": digest,
+        "size": len(data),
+        "time": time.time(),
+        "writer": {"rank": writer_rank, "host": socket.gethostname(), "pid": os.getpid()},
+    }
     atomic_write_text(directory / f"step_{step:08d}.json", json.dumps(manifest, indent=1) + "\n")
     _fsync_dir(directory)
     info = CheckpointInfo(step=step, path=final, sha256=digest, size=len(data))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -34,8 +35,8 @@ def setup(env: DistEnv, timeout_s: float = 600.0) -> torch.device:
             timeout=timedelta(seconds=timeout_s),
         )
     log.info(
-        "%s: rank %d/%d local %d/%d node %d/%d master %s:%d backend %s device %s threads %d",
-        env.source, env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank,
+        "%s on %s: rank %d/%d local %d/%d node %d/%d master %s:%d backend %s device %s threads %d",
+        env.source, socket.gethostname(), env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank,
         env.num_nodes, env.master_addr, env.master_port, backend if env.source != "single" else "none",
         device, env.cpus_per_rank,
     )  # fmt: skip

@@ -8,6 +8,7 @@ stream it stopped in.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -94,8 +95,17 @@ def save_checkpoint(
             "world_size": env.world_size,
             "config": to_dict(cfg),
         }
-        checkpoint.save(run_dir.checkpoints, pos.step, state, cfg.checkpoint.keep_last)
+        checkpoint.save(run_dir.checkpoints, pos.step, state, cfg.checkpoint.keep_last, writer_rank=env.rank)
     distributed.barrier()  # nobody runs ahead (or exits) before the checkpoint is durable
+
+
+def weights_digest(model: nn.Module) -> str:
+    """sha256 over the parameters in state_dict order: equal digests mean bitwise-equal weights."""
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def train(cfg: Config, run_dir: RunDir, env: DistEnv) -> dict[str, float]:
@@ -187,5 +197,7 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv) -> dict[str, float]:
     progress.close()
     elapsed = time.perf_counter() - started
     log.info("finished at step %d in %.1f s: %s", pos.step, elapsed, " ".join(f"{k} {v:.4f}" for k, v in final.items()))
+    # Every rank logs its own digest: replicas that drifted apart show up as different lines.
+    log.info("final weights sha256 %s", weights_digest(strategy.unwrap(model)))
     wandb_run.finish()
     return final

@@ -81,7 +81,7 @@ def _follow(sub: object) -> int:
         print("final eval: " + " ".join(f"{k} {v:.4f}" for k, v in sorted(result.items())))
     latest = checkpoint.find_latest(sub.run_dir.checkpoints)
     print(f"checkpoint: {latest.path if latest else 'none'}")
-    offline = sorted(sub.run_dir.wandb.glob("wandb/offline-run-*"))
+    offline = sorted(sub.run_dir.wandb.glob("offline-run-*"))
     if offline:
         print(f"W&B (offline): {offline[-1]}  (upload: ddpjob sync {sub.run_dir.path})")
     return 0
@@ -165,7 +165,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
     run_dir = RunDir(Path(args.run_dir).resolve())
     if not run_dir.exists():
         raise DdpJobError(f"'{run_dir.path}' is not a run directory", "pass the directory `ddpjob submit` printed")
-    offline = sorted(str(p) for p in run_dir.wandb.glob("wandb/offline-run-*"))
+    offline = sorted(str(p) for p in run_dir.wandb.glob("offline-run-*"))
     if not offline:
         raise DdpJobError(f"no offline W&B records in {run_dir.wandb}", "was the run started with wandb.mode=disabled?")
     command = [sys.executable, "-m", "wandb", "sync", "--include-offline", *offline]

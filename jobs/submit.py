@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import shlex
 import shutil
+import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -117,13 +119,41 @@ def submit(cfg: Config, run_dir: RunDir, local: bool = False, fresh: bool = True
     return Submitted(job, run_dir)
 
 
+def slurm_state(job_id: str) -> str:
+    """The job's state from sacct (first word: 'CANCELLED by 0' → 'CANCELLED'), '' if unknown yet."""
+    proc = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id], capture_output=True, text=True, timeout=30
+    )
+    words = proc.stdout.split()
+    return words[0] if words else ""
+
+
+def wait_until_gone(job_id: str, poll_s: float = 0.5) -> str:
+    """Poll squeue (cheap, unlike sacct) until the job left the queue; then its final sacct state."""
+    while subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True, timeout=30).stdout.strip():
+        time.sleep(poll_s)
+    for _ in range(20):  # accounting lags the queue by a moment
+        state = slurm_state(job_id)
+        if state and state not in {"RUNNING", "PENDING", "COMPLETING", "REQUEUED"}:
+            return state
+        time.sleep(poll_s)
+    return slurm_state(job_id) or "UNKNOWN"
+
+
 def wait(submitted: Submitted) -> tuple[bool, Optional[dict[str, float]], str]:
     """Block until the job ends: (succeeded, final eval metrics, state or error line)."""
+    import submitit
+
     job = submitted.job
     job.wait()
     try:
-        result = job.result()
+        result = job.results()[0]  # one result per task; rank 0's holds the final eval
     except Exception as err:  # noqa: BLE001 - submitit raises its own errors for failed jobs
         lines = [line for line in str(err).strip().splitlines() if line.strip()]
         return False, None, lines[-1] if lines else type(err).__name__
+    if isinstance(job, submitit.SlurmJob):
+        # The result file appears before the ranks have torn down; the exit status is Slurm's final state.
+        state = wait_until_gone(submitted.job_id)
+        if state != "COMPLETED":
+            return False, result, state
     return True, result, "COMPLETED"

@@ -1,0 +1,25 @@
+"""Tasks used only by tests: they run inside real Slurm jobs (the repo root is on PYTHONPATH there)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from ddp_core.task import Output
+from ddp_core.tasks.digits import DigitsTask
+
+
+class CrashingTask(DigitsTask):
+    """Digits, but rank ``crash_rank`` raises at its ``crash_at``-th training batch."""
+
+    def __init__(self, crash_rank: int = 1, crash_at: int = 20, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.crash_rank, self.crash_at, self.batches = crash_rank, crash_at, 0
+
+    def compute(self, model: nn.Module, batch: tuple) -> Output:
+        if model.training:
+            self.batches += 1
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            if rank == self.crash_rank and self.batches == self.crash_at:
+                raise RuntimeError(f"injected failure at batch {self.batches}")
+        return super().compute(model, batch)

@@ -1,0 +1,127 @@
+"""End to end on the real local Slurm cluster: submit, train with DDP, checkpoint, fail fast, resume."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, field, run_cli
+
+pytestmark = pytest.mark.slurm
+DIGITS = str(ROOT / "configs" / "digits.yaml")
+QUICK = ["train.max_steps=60", "checkpoint.every_steps=20", "train.eval_every=0", "train.log_every=20"]
+
+
+def rank_logs(run_dir: Path, job_id: str) -> dict[int, str]:
+    logs = {}
+    for path in sorted((run_dir / "slurm").glob(f"{job_id}_*_log.err")):
+        rank = int(path.name.split("_")[1])
+        logs[rank] = path.read_text()
+    return logs
+
+
+def digests(logs: dict[int, str]) -> dict[int, str]:
+    out = {}
+    for rank, text in logs.items():
+        match = re.search(r"final weights sha256 ([0-9a-f]{64})", text)
+        assert match, f"rank {rank} logged no final digest:\n{text[-2000:]}"
+        out[rank] = match[1]
+    return out
+
+
+def sacct_state(job_id: str) -> str:
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def test_ddp_job_completes_with_two_ranks(slurm_cluster, tmp_path):
+    proc = run_cli("submit", DIGITS, "--wait", *QUICK, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
+    assert "final eval: accuracy" in proc.stdout
+    logs = rank_logs(run_dir, job_id)
+    assert sorted(logs) == [0, 1]
+    for rank, text in logs.items():
+        assert f"slurm on n" in text and f": rank {rank}/2 " in text, text[:2000]
+    # checkpoints written by rank 0 only
+    manifests = sorted((run_dir / "checkpoints").glob("step_*.json"))
+    assert [m.name for m in manifests] == ["step_00000020.json", "step_00000040.json", "step_00000060.json"]
+    assert all(json.loads(m.read_text())["writer"]["rank"] == 0 for m in manifests)
+    assert "checkpoint step" in logs[0] and "checkpoint step" not in logs[1]
+    # DDP kept the replicas identical
+    d = digests(logs)
+    assert d[0] == d[1]
+    # the local metrics log and the W&B run exist, the W&B id was fixed in run.json
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and steps[-1] == 60
+    run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
+    assert list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert sacct_state(job_id) == "COMPLETED"
+
+
+def test_two_node_job(slurm_cluster, tmp_path):
+    proc = run_cli("submit", DIGITS, "--wait", *QUICK, "slurm.nodes=2", "slurm.tasks_per_node=1", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
+    logs = rank_logs(run_dir, job_id)
+    hosts = {rank: re.search(r"slurm on (\S+): rank (\d)/2 local 0/1 node (\d)/2", text) for rank, text in logs.items()}
+    assert all(hosts.values()), logs
+    assert {m[1] for m in hosts.values()} == {"n1", "n2"}
+    assert {m[3] for m in hosts.values()} == {"0", "1"}
+    d = digests(logs)
+    assert d[0] == d[1]
+
+
+def test_crashing_rank_ends_job_fast(slurm_cluster, tmp_path):
+    started = time.monotonic()
+    proc = run_cli(
+        "submit", DIGITS, "--wait", *QUICK, "train.max_steps=100000", "task.target=tests.tasks:CrashingTask",
+        "task.data.crash_rank=1", "task.data.crash_at=30", cwd=tmp_path,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert elapsed < 60, f"job took {elapsed:.0f} s to fail"
+    run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
+    logs = rank_logs(run_dir, job_id)
+    assert "rank 1/2 failed: RuntimeError: injected failure at batch 30" in logs[1]
+    assert sacct_state(job_id) in {"FAILED", "CANCELLED"}, sacct_state(job_id)
+
+
+def test_resubmitted_run_resumes_from_checkpoint(slurm_cluster, tmp_path):
+    first = run_cli("submit", DIGITS, "--wait", *QUICK, cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    run_dir = Path(field(first.stdout, "run dir"))
+    second = run_cli("resume", str(run_dir), "train.max_steps=80", "--wait", cwd=tmp_path)
+    assert second.returncode == 0, second.stdout + second.stderr
+    logs = rank_logs(run_dir, field(second.stdout, "job"))
+    assert "resumed from step_00000060.pt (step 60" in logs[0]
+    assert "finished at step 80" in logs[0]
+    jobs = json.loads((run_dir / "run.json").read_text())["jobs"]
+    assert len(jobs) == 2
+    # changing the model's shape is refused
+    bad = run_cli("resume", str(run_dir), "task.model.hidden=7", cwd=tmp_path)
+    assert bad.returncode == 2 and "task.model" in bad.stderr
+
+
+def test_sbatch_template_job(slurm_cluster, tmp_path):
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "submit.sh"), DIGITS, *QUICK, "run.root=" + str(tmp_path / "runs")],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True,
+                                                          text=True).stdout.strip():  # fmt: skip
+        time.sleep(0.5)
+    assert sacct_state(job_id) == "COMPLETED", (run_dir / "slurm" / f"{job_id}_batch.out").read_text()
+    logs = rank_logs(run_dir, job_id)
+    assert sorted(logs) == [0, 1]
+    d = digests(logs)
+    assert d[0] == d[1]
+    assert (run_dir / "checkpoints" / "step_00000060.json").exists()
