@@ -61,7 +61,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("target", help="a run directory, or a YAML config (a run directory is then created)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides (only with a YAML config)")
     parser.add_argument("--run-dir", help="where to create the run directory for a YAML config")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
 
     env = DistEnv.from_env()
     setup_logging(env)

@@ -1,0 +1,77 @@
+"""The login-node CLI: fast help, one-line errors before anything is created, dry runs that submit nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+DIGITS = str(ROOT / "configs" / "digits.yaml")
+
+
+def test_help_does_not_import_torch():
+    code = "import sys; from jobs.cli import main\ntry:\n main(['--help'])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("False")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["optim.lrr=1"], "unknown config key 'optim.lrr'"),
+        (["optim.lr=abc"], "config key 'optim.lr'"),
+        (["optim.lr"], "override 'optim.lr' is not of the form key=value"),
+        (["task.model.widht=3"], "unknown config key 'task.model.widht'"),
+        (["task.target=nosuch.module:Task"], "cannot import module 'nosuch.module'"),
+    ],
+)
+def test_bad_input_fails_before_anything_exists(tmp_path, args, needle):
+    proc = run_cli("submit", DIGITS, *args, cwd=tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "hint:" in lines[0], proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_missing_required_value(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("train:\n  max_steps: 5\n")  # no run.name
+    proc = run_cli("submit", str(cfg), cwd=tmp_path)
+    assert proc.returncode == 2 and "config key 'run.name' is required" in proc.stderr, proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_missing_config_file(tmp_path):
+    proc = run_cli("submit", str(tmp_path / "nope.yaml"), cwd=tmp_path)
+    assert proc.returncode == 2 and "not found" in proc.stderr
+
+
+def test_dry_run_prints_script_and_config_and_submits_nothing(tmp_path):
+    proc = run_cli("submit", DIGITS, "--dry-run", "optim.lr=0.01", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "#SBATCH --ntasks-per-node=2" in proc.stdout
+    assert "srun --unbuffered" in proc.stdout and "--kill-on-bad-exit=1" in proc.stdout
+    assert "lr: 0.01" in proc.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["slurm.tasks_per_node=9"], "config key 'slurm.tasks_per_node' = 9 ranks"),
+        (["slurm.cpus_per_task=3"], "needs 6 CPUs per node"),
+        (["slurm.nodes=3"], "config key 'slurm.nodes' = 3 exceeds partition"),
+        (["slurm.gpus_per_node=1"], "config key 'slurm.gpus_per_node' = 1 exceeds partition"),
+        (["slurm.partition=nosuch"], "config key 'slurm.partition' = 'nosuch': no such partition"),
+    ],
+)
+def test_impossible_request_is_refused(slurm_cluster, tmp_path, args, needle):
+    proc = run_cli("submit", DIGITS, *args, cwd=tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert not (tmp_path / "runs").exists()

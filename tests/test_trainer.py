@@ -1,0 +1,91 @@
+"""The trainer without Slurm: alone and under torchrun, exact resume, W&B modes, bf16 and accumulation."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+DIGITS = str(ROOT / "configs" / "digits.yaml")
+BASE = ["train.eval_every=0", "optim.warmup_steps=5", "train.log_every=10", "checkpoint.every_steps=10", "wandb.mode=disabled"]
+
+
+def trainer(run_dir: Path, *overrides: str, nproc: int = 1, env: dict | None = None) -> str:
+    """Run the trainer alone (nproc=1) or under torchrun; return the combined log."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "ddp_core", DIGITS, "--run-dir", str(run_dir), *overrides]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "ddp_core", DIGITS, "--run-dir", str(run_dir), *overrides]  # fmt: skip
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))} | (env or {})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=full_env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stderr
+
+
+def final_digests(log: str) -> list[str]:
+    return re.findall(r"final weights sha256 ([0-9a-f]{64})", log)
+
+
+def test_single_process_run(tmp_path):
+    log = trainer(tmp_path / "run", *BASE, "train.max_steps=30")
+    assert "single on" in log and "rank 0/1" in log
+    assert (tmp_path / "run" / "checkpoints" / "step_00000030.json").exists()
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if m["split"] == "train"] == [10, 20, 30]
+    assert metrics[-1]["split"] == "eval" and metrics[-1]["accuracy"] > 0.5
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_resume_is_bitwise_exact(tmp_path, nproc):
+    # Reference: 60 uninterrupted steps, checkpointing every 5. Then the same run directory with every
+    # checkpoint after step 25 deleted (as if the job died there, mid-epoch) is resumed to the end.
+    common = [*BASE, "data.batch_size=32", "train.grad_accum=2", "checkpoint.every_steps=5", "checkpoint.keep_last=20",
+              "task.model.dropout=0.2", "train.max_steps=60"]  # fmt: skip
+    ref = final_digests(trainer(tmp_path / "run", *common, nproc=nproc))
+    assert len(ref) == nproc and len(set(ref)) == 1
+    for path in (tmp_path / "run" / "checkpoints").glob("step_*"):
+        if int(path.stem.split("_")[1]) > 25:
+            path.unlink()
+    log = trainer(tmp_path / "run", *common, nproc=nproc)
+    resumed = re.search(r"resumed from step_00000025.pt \(step 25, epoch (\d+)\)", log)
+    assert resumed and int(resumed[1]) >= 1, log  # mid-epoch, past the first epoch boundary
+    assert final_digests(log) == ref
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and len([s for s in steps if s == 30]) == 1  # no step logged twice
+
+
+def test_torchrun_two_ranks_agree(tmp_path):
+    log = trainer(tmp_path / "run", *BASE, "train.max_steps=20", nproc=2)
+    assert "torchrun on" in log and "rank 1/2" in log
+    digests = final_digests(log)
+    assert len(digests) == 2 and digests[0] == digests[1]
+
+
+def test_bf16_and_accumulation_train(tmp_path):
+    log = trainer(tmp_path / "run", *BASE, "train.max_steps=20", "train.precision=bf16", "train.grad_accum=3")
+    assert "finished at step 20" in log
+
+
+def test_wandb_offline_records_and_online_without_key_falls_back(tmp_path):
+    env = {"WANDB_API_KEY": "", "WANDB_MODE": "", "HOME": str(tmp_path)}  # no key anywhere
+    log = trainer(tmp_path / "run", *BASE[:-1], "train.max_steps=10", "wandb.mode=online", env=env)
+    assert "logging offline instead" in log
+    run_id = json.loads((tmp_path / "run" / "run.json").read_text())["run_id"]
+    records = list((tmp_path / "run" / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert len(records) == 1
+    proc = subprocess.run([sys.executable, "-m", "jobs", "sync", str(tmp_path / "run"), "--dry-run"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0 and f"offline-run-" in proc.stdout and "wandb sync" in proc.stdout
+
+
+def test_wandb_disabled_writes_nothing(tmp_path):
+    trainer(tmp_path / "run", *BASE, "train.max_steps=10")
+    assert not list((tmp_path / "run" / "wandb").glob("offline-run-*"))
