@@ -71,7 +71,9 @@ def save(directory: Path, step: int, state: dict[str, Any], keep_last: int, writ
     atomic_write_text(directory / f"step_{step:08d}.json", json.dumps(manifest, indent=1) + "\n")
     _fsync_dir(directory)
     info = CheckpointInfo(step=step, path=final, sha256=digest, size=len(data))
-    log.info("checkpoint step %d saved (%.1f MB, %.2f s): %s", step, len(data) / 1e6, time.perf_counter() - started, final)
+    log.info(
+        "checkpoint step %d saved (%.1f MB, %.2f s): %s", step, len(data) / 1e6, time.perf_counter() - started, final
+    )
     prune(directory, keep_last)
     return info
 

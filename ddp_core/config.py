@@ -185,7 +185,8 @@ def _explain(err: OmegaConfBaseException) -> DdpJobError:
         return DdpJobError(f"config key '{key}' is required but has no value", f"set it: {key}=...")
     if isinstance(err, ConfigKeyError):
         return DdpJobError(
-            f"unknown config key '{key}': {first_line}", "check the spelling against the README's configuration reference"
+            f"unknown config key '{key}': {first_line}",
+            "check the spelling against the README's configuration reference",
         )
     if isinstance(err, ValidationError):
         return DdpJobError(f"bad value for config key '{key}': {first_line}", "give a value of the key's type")

@@ -108,7 +108,9 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
     return DistEnv(
         rank=_int(env, "SLURM_PROCID"),
         local_rank=_int(env, "SLURM_LOCALID", 0),
-        world_size=_int(env, "SLURM_STEP_NUM_TASKS", None) if "SLURM_STEP_NUM_TASKS" in env else _int(env, "SLURM_NTASKS"),
+        world_size=_int(env, "SLURM_STEP_NUM_TASKS", None)
+        if "SLURM_STEP_NUM_TASKS" in env
+        else _int(env, "SLURM_NTASKS"),
         local_world_size=local_world,
         node_rank=node_rank,
         num_nodes=_int(env, "SLURM_STEP_NUM_NODES", None)

@@ -69,7 +69,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         target = Path(args.target)
         if target.is_dir():
             if args.overrides:
-                raise DdpJobError("overrides apply to a YAML config, not a run directory", "use `ddpjob resume RUN k=v`")
+                raise DdpJobError(
+                    "overrides apply to a YAML config, not a run directory", "use `ddpjob resume RUN k=v`"
+                )
             run_dir = RunDir(target.resolve())
             cfg = run_dir.load_config()
         else:

@@ -17,7 +17,9 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def build_scheduler(cfg: OptimConfig, optimizer: torch.optim.Optimizer, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    cfg: OptimConfig, optimizer: torch.optim.Optimizer, max_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     warmup, schedule = cfg.warmup_steps, cfg.schedule
 
     def factor(step: int) -> float:

@@ -80,7 +80,9 @@ def _check_kwargs(fn: Any, given: dict[str, Any], key: str) -> None:
         )
     missing = [n for n, p in params.items() if n in accepted and p.default is p.empty and n not in given]
     if missing:
-        raise DdpJobError(f"config key '{key}.{missing[0]}' is required by {fn.__qualname__}", f"set {key}.{missing[0]}=...")
+        raise DdpJobError(
+            f"config key '{key}.{missing[0]}' is required by {fn.__qualname__}", f"set {key}.{missing[0]}=..."
+        )
 
 
 def check_task(cfg: TaskConfig) -> None:

@@ -82,7 +82,14 @@ def micro_batches(loader: Any, grad_accum: int) -> Iterator[list[Any]]:
 
 
 def save_checkpoint(
-    cfg: Config, run_dir: RunDir, env: DistEnv, strategy: Strategy, model: nn.Module, optimizer: Any, scheduler: Any, pos: Position
+    cfg: Config,
+    run_dir: RunDir,
+    env: DistEnv,
+    strategy: Strategy,
+    model: nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    pos: Position,
 ) -> None:
     rngs = distributed.gather_to_main(distributed.rng_state(), env)
     if env.is_main:
@@ -120,7 +127,9 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv) -> dict[str, float]:
     optimizer = build_optimizer(cfg.optim, model)
     scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps)
     train_set, eval_set = task.build_datasets()
-    sampler = ResumableShardSampler(len(train_set), strategy.data_rank, strategy.data_world, cfg.data.shuffle, cfg.train.seed)  # type: ignore[arg-type]
+    sampler = ResumableShardSampler(
+        len(train_set), strategy.data_rank, strategy.data_world, cfg.data.shuffle, cfg.train.seed
+    )  # type: ignore[arg-type]
     distributed.seed_all(cfg.train.seed * 1000 + env.rank + 1)
 
     pos = Position()
@@ -134,7 +143,11 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv) -> dict[str, float]:
         if state["world_size"] == env.world_size:
             distributed.set_rng_state(state["rng"][env.rank])
         else:
-            log.warning("checkpoint was written at world size %d, now %d: RNG streams restart", state["world_size"], env.world_size)
+            log.warning(
+                "checkpoint was written at world size %d, now %d: RNG streams restart",
+                state["world_size"],
+                env.world_size,
+            )
         log.info("resumed from %s (step %d, epoch %d)", latest.path.name, pos.step, pos.epoch)
 
     meta = run_dir.read_meta()
@@ -186,7 +199,11 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv) -> dict[str, float]:
                 record("train", metrics | {"samples_per_s": progress.rate(pos.step)[1]})
             if cfg.train.eval_every and pos.step % cfg.train.eval_every == 0 and pos.step < cfg.train.max_steps:
                 record("eval", evaluate(task, model, eval_set, cfg, strategy))
-            if cfg.checkpoint.every_steps and pos.step % cfg.checkpoint.every_steps == 0 and pos.step < cfg.train.max_steps:
+            if (
+                cfg.checkpoint.every_steps
+                and pos.step % cfg.checkpoint.every_steps == 0
+                and pos.step < cfg.train.max_steps
+            ):
                 save_checkpoint(cfg, run_dir, env, strategy, model, optimizer, scheduler, pos)
             if pos.step >= cfg.train.max_steps:
                 break

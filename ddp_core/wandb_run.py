@@ -25,12 +25,12 @@ class WandbRun:
             import wandb
 
             self.run = self._init(wandb, cfg, cfg.mode.value, run_dir, run_id, config)
-        except Exception as err:  # noqa: BLE001 - logging must never end a training run
+        except Exception as err:
             if cfg.mode is WandbMode.online:
                 log.warning("W&B online init failed (%s); logging offline instead, sync later with `ddpjob sync`", err)
                 try:
                     self.run = self._init(wandb, cfg, "offline", run_dir, run_id, config)
-                except Exception as err2:  # noqa: BLE001
+                except Exception as err2:
                     log.warning("W&B disabled for this run: %s", err2)
             else:
                 log.warning("W&B disabled for this run: %s", err)

@@ -114,7 +114,9 @@ def submit(cfg: Config, run_dir: RunDir, local: bool = False, fresh: bool = True
     except Exception as err:
         if fresh:
             shutil.rmtree(run_dir.path, ignore_errors=True)
-        raise DdpJobError(f"submission failed: {str(err).strip().splitlines()[-1] if str(err).strip() else err}") from err
+        raise DdpJobError(
+            f"submission failed: {str(err).strip().splitlines()[-1] if str(err).strip() else err}"
+        ) from err
     run_dir.record_job(str(job.job_id), "local" if local else "submitit")
     return Submitted(job, run_dir)
 
@@ -148,7 +150,7 @@ def wait(submitted: Submitted) -> tuple[bool, Optional[dict[str, float]], str]:
     job.wait()
     try:
         result = job.results()[0]  # one result per task; rank 0's holds the final eval
-    except Exception as err:  # noqa: BLE001 - submitit raises its own errors for failed jobs
+    except Exception as err:
         lines = [line for line in str(err).strip().splitlines() if line.strip()]
         return False, None, lines[-1] if lines else type(err).__name__
     if isinstance(job, submitit.SlurmJob):

@@ -13,7 +13,11 @@ DIGITS = str(ROOT / "configs" / "digits.yaml")
 
 
 def test_help_does_not_import_torch():
-    code = "import sys; from jobs.cli import main\ntry:\n main(['--help'])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
+    code = (
+        "import sys; from jobs.cli import main\n"
+        "try:\n main(['--help'])\nexcept SystemExit: pass\n"
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("False")
 

@@ -58,5 +58,5 @@ def test_missing_file_and_missing_value(tmp_path):
         load_config(tmp_path / "nope.yaml")
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("train:\n  max_steps: 5\n")
-    with pytest.raises(DdpJobError, match="'run.name' is required"):
+    with pytest.raises(DdpJobError, match=r"'run\.name' is required"):
         load_config(cfg_file)

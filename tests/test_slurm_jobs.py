@@ -47,7 +47,7 @@ def test_ddp_job_completes_with_two_ranks(slurm_cluster, tmp_path):
     logs = rank_logs(run_dir, job_id)
     assert sorted(logs) == [0, 1]
     for rank, text in logs.items():
-        assert f"slurm on n" in text and f": rank {rank}/2 " in text, text[:2000]
+        assert "slurm on n" in text and f": rank {rank}/2 " in text, text[:2000]
     # checkpoints written by rank 0 only
     manifests = sorted((run_dir / "checkpoints").glob("step_*.json"))
     assert [m.name for m in manifests] == ["step_00000020.json", "step_00000040.json", "step_00000060.json"]

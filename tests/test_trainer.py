@@ -14,7 +14,13 @@ import pytest
 from tests.conftest import ROOT
 
 DIGITS = str(ROOT / "configs" / "digits.yaml")
-BASE = ["train.eval_every=0", "optim.warmup_steps=5", "train.log_every=10", "checkpoint.every_steps=10", "wandb.mode=disabled"]
+BASE = [
+    "train.eval_every=0",
+    "optim.warmup_steps=5",
+    "train.log_every=10",
+    "checkpoint.every_steps=10",
+    "wandb.mode=disabled",
+]
 
 
 def trainer(run_dir: Path, *overrides: str, nproc: int = 1, env: dict | None = None) -> str:
@@ -83,7 +89,7 @@ def test_wandb_offline_records_and_online_without_key_falls_back(tmp_path):
     assert len(records) == 1
     proc = subprocess.run([sys.executable, "-m", "jobs", "sync", str(tmp_path / "run"), "--dry-run"],
                           capture_output=True, text=True)  # fmt: skip
-    assert proc.returncode == 0 and f"offline-run-" in proc.stdout and "wandb sync" in proc.stdout
+    assert proc.returncode == 0 and "offline-run-" in proc.stdout and "wandb sync" in proc.stdout
 
 
 def test_wandb_disabled_writes_nothing(tmp_path):
