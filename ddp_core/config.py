@@ -101,6 +101,8 @@ class TrainConfig:
 class CheckpointConfig:
     every_steps: int = 100  # 0: only at the end
     keep_last: int = 3
+    # On SIGTERM Slurm kills the job KillWait seconds later (often 30): save only if the last save took less.
+    sigterm_budget_s: float = 20.0
 
 
 @dataclass
@@ -130,6 +132,12 @@ class SlurmConfig:
     account: Optional[str] = None
     qos: Optional[str] = None
     job_name: Optional[str] = None  # default: run.name
+    # Warning signal sent to every rank signal_lead_s before the time limit; the trainer checkpoints at the
+    # next step and requeues the job. Timeouts and preemptions are budgeted separately, per submission.
+    signal: str = "USR2"
+    signal_lead_s: int = 120
+    max_timeouts: int = 20
+    max_preemptions: int = 20
     # Shell lines run in the batch script before the ranks start (module load, conda activate, ...).
     setup: List[str] = field(default_factory=list)
     # Extra sbatch options without the leading "--", e.g. {constraint: a100, exclusive: true}.
@@ -225,6 +233,20 @@ def validate(cfg: Config) -> None:
     for key, value in non_negative.items():
         _require(value >= 0, key, value, "must be >= 0")
     _require(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "must be > 0")
+    _require(
+        cfg.slurm.signal.upper().removeprefix("SIG") in {"USR1", "USR2"},
+        "slurm.signal",
+        cfg.slurm.signal,
+        "must be USR1 or USR2 (SIGTERM is Slurm's own kill signal and is handled anyway)",
+    )
+    _require(
+        0 <= cfg.slurm.signal_lead_s < cfg.slurm.time_min * 60,
+        "slurm.signal_lead_s",
+        cfg.slurm.signal_lead_s,
+        f"must be >= 0 and below the time limit ({cfg.slurm.time_min * 60} s)",
+    )
+    for key in ("max_timeouts", "max_preemptions"):
+        _require(getattr(cfg.slurm, key) >= 0, f"slurm.{key}", getattr(cfg.slurm, key), "must be >= 0")
     _require(cfg.slurm.tasks_per_node > 0, "slurm.tasks_per_node", cfg.slurm.tasks_per_node, "must be > 0")
     _require(
         cfg.optim.warmup_steps < cfg.train.max_steps or cfg.optim.warmup_steps == 0,

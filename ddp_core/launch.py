@@ -13,36 +13,86 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-from ddp_core import distributed
+from ddp_core import distributed, preemption
 from ddp_core.config import Config, load_config
 from ddp_core.dist_env import DistEnv
 from ddp_core.errors import DdpJobError
 from ddp_core.log import setup_logging
+from ddp_core.preemption import Interruption, StopFlag
 from ddp_core.rundir import RunDir
+
+if TYPE_CHECKING:
+    from ddp_core.train import Outcome
 
 log = logging.getLogger("ddp_core")
 
 
-def _train(cfg: Config, run_dir: RunDir, env: DistEnv) -> dict[str, float]:
-    from ddp_core.train import train  # torch is imported here, after logging is up
+# Exit codes of an attempt that stopped early (no submitit result is written for them).
+EXIT_REQUEUED = 0  # Slurm ends and restarts the job; the code is never seen by anyone
+EXIT_BUDGET_SPENT = 3
+EXIT_TERMINATED = 143  # 128 + SIGTERM, the shell convention
+
+
+def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Outcome:
+    from ddp_core.train import train  # torch is imported here, after logging and signal handlers are up
 
     try:
-        return train(cfg, run_dir, env)
+        return train(cfg, run_dir, env, stop_flag)
     except BaseException as err:
         log.error("rank %d/%d failed: %s: %s", env.rank, env.world_size, type(err).__name__, err, exc_info=True)
         raise
 
 
+def _after_stop(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, outcome: Outcome) -> int:
+    """Rank 0 decides what an interrupted attempt leads to: requeue, or a terminal state. Returns exit code."""
+    if not env.is_main:
+        return EXIT_REQUEUED if outcome.signum == stop_flag.warning else EXIT_TERMINATED
+    end = preemption.job_end_time(env.job_id)
+    time_left = None if end is None else end - (stop_flag.received_at or time.time())
+    kind = preemption.classify(outcome.signum, stop_flag.warning, time_left, cfg.slurm.signal_lead_s)
+    run_dir.log_event("interrupted", kind=kind.value, job_id=env.job_id, step=outcome.step)
+    if kind is Interruption.terminated:
+        log.info("SIGTERM at step %d: Slurm ends this attempt (a requeue or preemption restarts it)", outcome.step)
+        return EXIT_TERMINATED
+    limit = cfg.slurm.max_timeouts if kind is Interruption.timeout else cfg.slurm.max_preemptions
+    spent = sum(1 for e in run_dir.events() if e["event"] == "interrupted" and e.get("kind") == kind.value
+                and e.get("job_id") == env.job_id)  # fmt: skip
+    if spent > limit:
+        reason = f"requeue budget exhausted after {spent} {kind.value}s (slurm.max_{kind.value}s={limit})"
+        run_dir.log_event("budget_exhausted", reason=reason, job_id=env.job_id, step=outcome.step)
+        log.error("%s; continue with: ddpjob resume %s", reason, run_dir.path)
+        return EXIT_BUDGET_SPENT
+    if preemption.requeue(env):
+        run_dir.log_event("requeued", kind=kind.value, job_id=env.job_id, step=outcome.step, count=spent)
+    return EXIT_REQUEUED
+
+
+def _finish(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, outcome: Outcome) -> int:
+    code = 0
+    if outcome.signum:
+        code = _after_stop(cfg, run_dir, env, stop_flag, outcome)
+    elif env.is_main:
+        run_dir.log_event("completed", job_id=env.job_id, step=outcome.step, final=outcome.final)
+    distributed.teardown()  # its barrier also keeps every rank alive until rank 0 has requeued
+    return code
+
+
 def run(run_dir: str) -> dict[str, float]:
     """Train the run in ``run_dir`` (created on the login node). Called by submitit on every task."""
+    rd = RunDir(Path(run_dir))
+    cfg = rd.load_config()
+    stop_flag = StopFlag(cfg.slurm.signal)
     env = DistEnv.from_env()
     setup_logging(env)
-    rd = RunDir(Path(run_dir))
-    result = _train(rd.load_config(), rd, env)
-    distributed.teardown()
-    return result
+    outcome = _train(cfg, rd, env, stop_flag)
+    code = _finish(cfg, rd, env, stop_flag, outcome)
+    if outcome.final is None:
+        # SystemExit, not an exception: submitit writes no result for an attempt that did not finish, so
+        # `ddpjob submit --wait` keeps following the requeued job.
+        sys.exit(code)
+    return outcome.final
 
 
 def _run_dir_for(cfg: Config, env: DistEnv, explicit: Optional[str]) -> RunDir:
@@ -65,6 +115,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     env = DistEnv.from_env()
     setup_logging(env)
+    stop_flag: Optional[StopFlag] = None
     try:
         target = Path(args.target)
         if target.is_dir():
@@ -79,16 +130,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             run_dir = _run_dir_for(cfg, env, args.run_dir)
             if env.is_main:
                 run_dir.initialize(cfg)
+        stop_flag = StopFlag(cfg.slurm.signal)
     except DdpJobError as err:
         log.error("%s", err)
         return 2
     try:
-        _train(cfg, run_dir, env)
-        distributed.teardown()
+        code = _finish(cfg, run_dir, env, stop_flag, _train(cfg, run_dir, env, stop_flag))
     except BaseException:
         logging.shutdown()
         os._exit(1)  # skip interpreter teardown: a half-open gloo group can abort (rc 134) or hang there
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)

@@ -21,8 +21,12 @@ class MetricsLog:
 
     def __init__(self, path: Path, resume_step: int) -> None:
         self.path = path
+        self.previous_last_step = -1  # the last step any earlier attempt logged
         if path.exists():
-            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= resume_step]
+            lines = path.read_text().splitlines()
+            steps = [_step_of(line) for line in lines]
+            self.previous_last_step = max((s for s in steps if s != sys.maxsize), default=-1)
+            kept = [line for line, step in zip(lines, steps, strict=True) if step <= resume_step]
             atomic_write_text(path, "".join(f"{line}\n" for line in kept))
 
     def write(self, step: int, split: str, metrics: dict[str, float]) -> None:

@@ -3,7 +3,8 @@
 Layout::
 
     <run>/config.yaml     resolved config (what the compute node trains with)
-    <run>/run.json        identity: run id, W&B id, created time, submitted job ids
+    <run>/run.json        identity: run id (= W&B id), created time, submitted job ids (login node writes)
+    <run>/attempts.jsonl  what each attempt did: start, interrupted, requeued, completed (rank 0 appends)
     <run>/checkpoints/    step_XXXXXXXX.pt + step_XXXXXXXX.json (manifest, written last)
     <run>/metrics.jsonl   one JSON object per logged step (rank 0)
     <run>/slurm/          submitit's and sbatch's job files and per-task logs
@@ -56,6 +57,10 @@ class RunDir:
         return self.path / META_FILE
 
     @property
+    def attempts_file(self) -> Path:
+        return self.path / "attempts.jsonl"
+
+    @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
@@ -98,6 +103,25 @@ class RunDir:
         jobs = self.read_meta().get("jobs", [])
         jobs.append({"job_id": job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "via": how})
         self.update_meta(jobs=jobs)
+
+    def log_event(self, event: str, **fields: Any) -> None:
+        """Append one attempt event (rank 0 only). Append-only, so the login node never races with it."""
+        record = {"event": event, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **fields}
+        with open(self.attempts_file, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def events(self) -> list[dict[str, Any]]:
+        if not self.attempts_file.exists():
+            return []
+        out = []
+        for line in self.attempts_file.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a torn line from a killed writer
+        return out
 
     def initialize(self, cfg: Config) -> None:
         """Create the layout, save the resolved config, and fix the run's identity (idempotent)."""

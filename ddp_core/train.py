@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import signal
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from ddp_core.config import Config, Precision, to_dict
 from ddp_core.data import ResumableShardSampler, eval_loader, train_loader
 from ddp_core.dist_env import DistEnv
 from ddp_core.optim import build_optimizer, build_scheduler
+from ddp_core.preemption import StopFlag
 from ddp_core.reporting import MetricsLog, Progress
 from ddp_core.rundir import RunDir
 from ddp_core.strategies import Strategy, build_strategy
@@ -36,6 +38,13 @@ class Position:
     step: int = 0  # optimizer steps done
     epoch: int = 0
     micro_in_epoch: int = 0  # micro-batches of this epoch already consumed (per rank)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    step: int
+    final: Optional[dict[str, float]]  # eval metrics when the run finished
+    signum: int = 0  # the signal the ranks agreed to stop on; 0 when finished
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -90,7 +99,10 @@ def save_checkpoint(
     optimizer: Any,
     scheduler: Any,
     pos: Position,
-) -> None:
+    log_loss: torch.Tensor,
+) -> float:
+    """Collective: every rank's RNG to rank 0, rank 0 writes, all wait. Returns the seconds it blocked."""
+    started = time.perf_counter()
     rngs = distributed.gather_to_main(distributed.rng_state(), env)
     if env.is_main:
         state = {
@@ -98,12 +110,14 @@ def save_checkpoint(
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "position": asdict(pos),
+            "log_loss": log_loss.clone(),  # the partial average of the next progress line
             "rng": rngs,
             "world_size": env.world_size,
             "config": to_dict(cfg),
         }
         checkpoint.save(run_dir.checkpoints, pos.step, state, cfg.checkpoint.keep_last, writer_rank=env.rank)
     distributed.barrier()  # nobody runs ahead (or exits) before the checkpoint is durable
+    return time.perf_counter() - started
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -115,7 +129,7 @@ def weights_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def train(cfg: Config, run_dir: RunDir, env: DistEnv) -> dict[str, float]:
+def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Outcome:
     device = distributed.setup(env)
     torch.use_deterministic_algorithms(cfg.train.deterministic)
 
@@ -133,6 +147,7 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv) -> dict[str, float]:
     distributed.seed_all(cfg.train.seed * 1000 + env.rank + 1)
 
     pos = Position()
+    log_loss = torch.zeros(2, dtype=torch.float64)  # (sum of step losses, steps) since the last log line
     latest = checkpoint.find_latest(run_dir.checkpoints)
     if latest is not None:
         state = checkpoint.load(latest)
@@ -140,6 +155,7 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv) -> dict[str, float]:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         pos = Position(**state["position"])
+        log_loss = state["log_loss"].clone()
         if state["world_size"] == env.world_size:
             distributed.set_rng_state(state["rng"][env.rank])
         else:
@@ -150,9 +166,21 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv) -> dict[str, float]:
             )
         log.info("resumed from %s (step %d, epoch %d)", latest.path.name, pos.step, pos.epoch)
 
-    meta = run_dir.read_meta()
-    wandb_run = WandbRun(cfg.wandb, run_dir, meta.get("run_id", run_dir.name), to_dict(cfg), enabled=env.is_main)
+    if env.is_main:
+        run_dir.log_event(
+            "start", job_id=env.job_id, restart_count=env.restart_count, step=pos.step, world_size=env.world_size
+        )
     metrics_log = MetricsLog(run_dir.metrics_file, pos.step) if env.is_main else None
+    # Steps an earlier attempt already sent to W&B (it died after its last checkpoint) are not sent again:
+    # W&B steps stay strictly increasing across attempts; the local metrics log was rewound instead.
+    wandb_run = WandbRun(
+        cfg.wandb,
+        run_dir,
+        run_dir.read_meta().get("run_id", run_dir.name),
+        to_dict(cfg),
+        enabled=env.is_main,
+        skip_through=metrics_log.previous_last_step if metrics_log else -1,
+    )
     samples_per_step = cfg.data.batch_size * cfg.train.grad_accum * strategy.data_world
     progress = Progress(pos.step, cfg.train.max_steps, samples_per_step, enabled=env.is_main)
 
@@ -166,8 +194,15 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv) -> dict[str, float]:
         raise ValueError(
             f"an epoch has fewer than grad_accum={cfg.train.grad_accum} batches of {cfg.data.batch_size} per rank"
         )
-    log_loss = torch.zeros(2, dtype=torch.float64)  # (sum of step losses, steps) since the last log line
     started = time.perf_counter()
+    last_save_s, saved_step = 0.0, -1
+
+    def checkpoint_now() -> None:
+        nonlocal last_save_s, saved_step
+        if saved_step != pos.step:
+            last_save_s = save_checkpoint(cfg, run_dir, env, strategy, model, optimizer, scheduler, pos, log_loss)
+            saved_step = pos.step
+
     model.train()
     while pos.step < cfg.train.max_steps:
         if pos.micro_in_epoch >= micro_per_epoch:
@@ -204,17 +239,27 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv) -> dict[str, float]:
                 and pos.step % cfg.checkpoint.every_steps == 0
                 and pos.step < cfg.train.max_steps
             ):
-                save_checkpoint(cfg, run_dir, env, strategy, model, optimizer, scheduler, pos)
+                checkpoint_now()
+            signum = stop_flag.agree()  # every step: all ranks stop after the same one
+            if signum:
+                if signum != signal.SIGTERM or last_save_s <= cfg.checkpoint.sigterm_budget_s:
+                    checkpoint_now()
+                else:
+                    log.warning("SIGTERM: the last save took %.1f s, over checkpoint.sigterm_budget_s", last_save_s)
+                log.info("stopping at step %d on %s", pos.step, signal.Signals(signum).name)
+                progress.close()
+                wandb_run.finish()
+                return Outcome(step=pos.step, final=None, signum=signum)
             if pos.step >= cfg.train.max_steps:
                 break
 
     final = evaluate(task, model, eval_set, cfg, strategy)
     record("eval", final)
-    save_checkpoint(cfg, run_dir, env, strategy, model, optimizer, scheduler, pos)
+    checkpoint_now()
     progress.close()
     elapsed = time.perf_counter() - started
     log.info("finished at step %d in %.1f s: %s", pos.step, elapsed, " ".join(f"{k} {v:.4f}" for k, v in final.items()))
     # Every rank logs its own digest: replicas that drifted apart show up as different lines.
     log.info("final weights sha256 %s", weights_digest(strategy.unwrap(model)))
     wandb_run.finish()
-    return final
+    return Outcome(step=pos.step, final=final)

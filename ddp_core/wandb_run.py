@@ -13,8 +13,17 @@ log = logging.getLogger(__name__)
 
 
 class WandbRun:
-    def __init__(self, cfg: WandbConfig, run_dir: RunDir, run_id: str, config: dict[str, Any], enabled: bool) -> None:
+    def __init__(
+        self,
+        cfg: WandbConfig,
+        run_dir: RunDir,
+        run_id: str,
+        config: dict[str, Any],
+        enabled: bool,
+        skip_through: int = -1,
+    ) -> None:
         self.run: Optional[Any] = None
+        self.skip_through = skip_through
         if not enabled or cfg.mode is WandbMode.disabled:
             return
         # W&B reads these only from the environment; set in this rank-0 process before init so its cache
@@ -54,10 +63,18 @@ class WandbRun:
         )
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        if self.run is not None:
-            self.run.log(metrics, step=step)
+        if self.run is not None and step > self.skip_through:
+            self._guard("log", lambda: self.run.log(metrics, step=step))
 
     def finish(self, exit_code: int = 0) -> None:
         if self.run is not None:
-            self.run.finish(exit_code=exit_code)
+            # Slurm signals every process of a step: on SIGTERM, W&B's service process may already be gone.
+            self._guard("finish", lambda: self.run.finish(exit_code=exit_code))
+            self.run = None
+
+    def _guard(self, what: str, call: Any) -> None:
+        try:
+            call()
+        except Exception as err:  # W&B trouble must never end a training run
+            log.warning("W&B %s failed (%s: %s); W&B logging stops for this attempt", what, type(err).__name__, err)
             self.run = None

@@ -21,6 +21,7 @@ def sbatch_lines(cfg: Config, run_dir: RunDir) -> list[str]:
     flags = {k.replace("_", "-"): v for k, v in params.items() if k not in _SKIP}
     flags.update(params.get("additional_parameters", {}))
     flags["output"] = str(run_dir.slurm / "%j_batch.out")
+    flags["open-mode"] = "append"  # a requeued attempt would otherwise truncate the log
     lines = []
     for key in sorted(flags):
         value = flags[key]

@@ -47,8 +47,13 @@ def sbatch_parameters(cfg: Config) -> dict[str, Any]:
         "mem": f"{s.mem_gb:g}GB" if s.mem_gb else None,
     }
     params.update({k: v for k, v in optional.items() if v is not None})
-    if s.additional:
-        params["additional_parameters"] = {k.replace("_", "-"): v for k, v in s.additional.items()}
+    extra: dict[str, Any] = {
+        # To every task, not only the batch shell (no "B:"): each rank sets its flag and they agree.
+        "signal": f"{s.signal.upper().removeprefix('SIG')}@{s.signal_lead_s}",
+        "requeue": True,
+    }
+    extra.update({k.replace("_", "-"): v for k, v in s.additional.items()})
+    params["additional_parameters"] = extra
     return params
 
 

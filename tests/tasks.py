@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch.distributed as dist
 from torch import nn
 
@@ -22,4 +24,17 @@ class CrashingTask(DigitsTask):
             rank = dist.get_rank() if dist.is_initialized() else 0
             if rank == self.crash_rank and self.batches == self.crash_at:
                 raise RuntimeError(f"injected failure at batch {self.batches}")
+        return super().compute(model, batch)
+
+
+class SlowDigitsTask(DigitsTask):
+    """Digits with a pause per training batch, so signals can land at chosen steps. Numerics unchanged."""
+
+    def __init__(self, pause_s: float = 0.0, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.pause_s = pause_s
+
+    def compute(self, model: nn.Module, batch: tuple) -> Output:
+        if model.training and self.pause_s:
+            time.sleep(self.pause_s)
         return super().compute(model, batch)

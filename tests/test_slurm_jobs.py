@@ -11,32 +11,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, field, run_cli
+from tests.helpers import digests, rank_logs, sacct_state
 
 pytestmark = pytest.mark.slurm
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 QUICK = ["train.max_steps=60", "checkpoint.every_steps=20", "train.eval_every=0", "train.log_every=20"]
-
-
-def rank_logs(run_dir: Path, job_id: str) -> dict[int, str]:
-    logs = {}
-    for path in sorted((run_dir / "slurm").glob(f"{job_id}_*_log.err")):
-        rank = int(path.name.split("_")[1])
-        logs[rank] = path.read_text()
-    return logs
-
-
-def digests(logs: dict[int, str]) -> dict[int, str]:
-    out = {}
-    for rank, text in logs.items():
-        match = re.search(r"final weights sha256 ([0-9a-f]{64})", text)
-        assert match, f"rank {rank} logged no final digest:\n{text[-2000:]}"
-        out[rank] = match[1]
-    return out
-
-
-def sacct_state(job_id: str) -> str:
-    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id], capture_output=True, text=True)
-    return out.stdout.strip()
 
 
 def test_ddp_job_completes_with_two_ranks(slurm_cluster, tmp_path):

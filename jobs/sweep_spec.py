@@ -1,0 +1,426 @@
+"""Sweep specifications: many trials of one base config, expanded and validated before anything is submitted.
+
+A sweep comes from the command line (``optim.lr=1e-4,3e-4 task.model.hidden=range(64,257,64)``) or from a
+sweep YAML under ``configs/sweeps/`` (``grid:`` and/or ``random:``). Either way the result is one ``Sweep``:
+the base config and an ordered tuple of ``Trial``s, each a list of ``key=value`` overrides that
+``ddp_core.config.load_config`` accepts. Every trial is validated here, so one bad value fails the whole sweep
+before any run directory exists. Pure Python, no Slurm, no torch: ``ddpjob sweep`` submits the result.
+
+A file is a sweep YAML when it has a top-level ``grid:`` or ``random:`` key (no config section has those names).
+``randint`` draws from ``[low, high)``: high is exclusive, like ``range()`` and numpy.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import os
+import random
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ddp_core.config import Config, load_config, validate
+from ddp_core.errors import DdpJobError
+
+SWEEP_FILE_KEYS = ("base", "name", "overrides", "grid", "random")
+DISTRIBUTIONS = {
+    "uniform": ("low", "high"),
+    "loguniform": ("low", "high"),  # uniform in log space: for learning rates, weight decay
+    "randint": ("low", "high"),  # low <= n < high, like range()
+    "choice": ("values",),
+}
+_RANGE = re.compile(r"range\((.*)\)")
+_KEY = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*")
+_NAME = re.compile(r"[A-Za-z0-9][\w.-]*")
+# Strings written bare into an override must read back as the same string; these would become bool/null.
+_PLAIN = re.compile(r"[A-Za-z_][\w./-]*")
+_YAML_WORDS = {"true", "false", "yes", "no", "on", "off", "y", "n", "null", "nan", "inf"}
+
+
+@dataclass(frozen=True)
+class Trial:
+    index: int
+    trial_id: str  # 10 hex of sha256 over the trial's override keys -> values as loaded: 1e-3 == 0.001
+    overrides: tuple[str, ...]  # fixed + varying, key=value, in the order load_config applies them
+    params: dict[str, Any] = field(default_factory=dict, hash=False)  # varying keys only, loaded values, JSON-able
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str  # directory under run.root and W&B group
+    base_config: Path
+    trials: tuple[Trial, ...]
+    sweep_id: str  # over the name, the base config's contents and every trial
+
+    def run_subdir(self, trial: Trial) -> Path:
+        return Path(self.name) / trial.trial_id
+
+
+def load_sweep(
+    config: Path, args: Sequence[str] = (), trials: int | None = None, seed: int | None = None, name: str | None = None
+) -> Sweep:
+    """What ``ddpjob sweep CONFIG [key=value ...]`` calls: CONFIG is a sweep YAML or a base config."""
+    if is_sweep_file(Path(config)):
+        return load_sweep_file(Path(config), trials=trials, seed=seed, extra=args, name=name)
+    if trials is not None or seed is not None:
+        raise DdpJobError(f"--trials/--seed need a sweep file with random:; '{config}' is none", "see configs/sweeps/")
+    return parse_cli_sweep(Path(config), args, name=name)
+
+
+def is_sweep_file(path: Path) -> bool:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False  # not ours to report: load_config names the unreadable base config
+    return isinstance(data, dict) and bool({"grid", "random"} & set(data))
+
+
+def parse_cli_sweep(config: Path, args: Sequence[str], name: str | None = None) -> Sweep:
+    """Base config + ``key=v1,v2`` / ``key=range(a,b)`` grid arguments + plain ``key=value`` fixed ones."""
+    fixed, grid = _parse_args(args)
+    return _build(name or f"{Path(config).stem}-sweep", Path(config), fixed, grid, {}, None, None)
+
+
+def load_sweep_file(
+    path: Path,
+    trials: int | None = None,
+    seed: int | None = None,
+    extra: Sequence[str] = (),
+    *,
+    name: str | None = None,
+    base: Path | None = None,
+) -> Sweep:
+    """A sweep YAML; ``trials``/``seed``/``extra`` (command-line ``key=value``s) win over the file's entries."""
+    path = Path(path)
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path))  # OmegaConf's YAML reads 1e-4 as a float, PyYAML not
+    except (OSError, yaml.YAMLError, OmegaConfBaseException) as err:
+        raise DdpJobError(f"cannot read sweep file '{path}': {err}", "check the path and the YAML syntax") from None
+    if not isinstance(data, dict):
+        raise DdpJobError(f"sweep file '{path}' is not a mapping", f"use the keys {', '.join(SWEEP_FILE_KEYS)}")
+    for key in sorted(set(data) - set(SWEEP_FILE_KEYS)):
+        raise _bad(key, "is not a sweep file key", f"use {', '.join(SWEEP_FILE_KEYS)}; config keys go in overrides:")
+    if base is None:
+        if "base" not in data:
+            raise _bad("base", "is missing", "add base: ../digits.yaml (relative to the sweep file) or pass a config")
+        base = Path(os.path.normpath(path.parent / str(data["base"])))
+    fixed = {k: _fmt(v) for k, v in _mapping(data.get("overrides", {}), "overrides").items()}
+    grid = {k: _grid_values(k, v) for k, v in _mapping(data.get("grid", {}), "grid").items()}
+    if "grid" in data and not grid:
+        raise _bad("grid", "is empty", "map keys to value lists, or drop it")
+    params: dict[str, dict[str, Any]] = {}
+    if "random" in data:
+        section = _mapping(data["random"], "random")
+        for key in sorted(set(section) - {"trials", "seed", "params"}):
+            raise _bad(f"random.{key}", "is not a random: key", "use trials, seed and params")
+        if not section.get("params"):
+            raise _bad("random.params", "is missing or empty", "e.g. {optim.lr: {dist: uniform, low: 0, high: 1}}")
+        params = {k: _check_dist(k, v) for k, v in _mapping(section["params"], "random.params").items()}
+        trials = section.get("trials") if trials is None else trials
+        seed = section.get("seed", 0) if seed is None else seed
+        if trials is None:
+            raise _bad("random.trials", "is missing", "add trials: N to the file or pass --trials N")
+    elif trials is not None or seed is not None:
+        raise DdpJobError(f"--trials/--seed need a random: section; sweep file '{path}' has none", "add random:")
+    _disjoint(fixed, grid, params)  # within the file; the command line may replace any of them below
+    cli_fixed, cli_grid = _parse_args(extra)
+    for key in [*cli_fixed, *cli_grid]:
+        for table in (fixed, grid, params):
+            table.pop(key, None)
+    fixed.update(cli_fixed)
+    grid.update(cli_grid)
+    return _build(name or str(data.get("name", path.stem)), base, fixed, grid, params, trials, seed)
+
+
+def split_values(text: str) -> list[str]:
+    """Split on top-level commas only: ``1,[a,b],{x: 1, y: 2},'c,d'`` is four values."""
+    items, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append(text[start:i].strip())
+            start = i + 1
+    return [*items, text[start:].strip()]
+
+
+def _bad(key: str, why: str, hint: str) -> DdpJobError:
+    return DdpJobError(f"sweep key '{key}' {why}", hint)
+
+
+def _mapping(value: Any, key: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _bad(key, f"must be a mapping of config keys, got {value!r}", f"e.g. {key}: {{optim.lr: ...}}")
+    return dict(value)
+
+
+def _expand(key: str, text: str) -> list[str]:
+    values: list[str] = []
+    for item in split_values(text):
+        if not item:
+            raise _bad(key, f"has an empty value in '{key}={text}'", f"give values: {key}=1,2,3 or {key}=range(1,4)")
+        match = _RANGE.fullmatch(item)
+        values += _range(key, match.group(1)) if match else [item]
+    return values
+
+
+def _range(key: str, args: str) -> list[str]:
+    try:
+        bounds = [int(a) for a in args.split(",")]
+    except ValueError:
+        bounds = []
+    if not 1 <= len(bounds) <= 3 or (len(bounds) == 3 and bounds[2] == 0) or not range(*bounds):
+        raise _bad(
+            key, f"has range({args}): not a non-empty range of ints", "range(start, stop[, step]); stop excluded"
+        )
+    return [str(v) for v in range(*bounds)]
+
+
+def _parse_args(args: Sequence[str]) -> tuple[dict[str, str], dict[str, list[str]]]:
+    fixed: dict[str, str] = {}
+    grid: dict[str, list[str]] = {}
+    for arg in args:
+        key, eq, text = arg.partition("=")
+        key, text = key.strip(), text.strip()
+        if not eq or not key:
+            raise DdpJobError(f"sweep argument '{arg}' is not key=value or key=v1,v2,...", "e.g. optim.lr=1e-4,3e-4")
+        if key in fixed or key in grid:
+            raise _bad(key, "is given twice", "give each key once; list its values with commas")
+        values = _expand(key, text)
+        if len(values) == 1 and not _RANGE.fullmatch(text):
+            fixed[key] = values[0]
+        else:
+            grid[key] = values
+    return fixed, grid
+
+
+def _grid_values(key: str, values: Any) -> list[str]:
+    if isinstance(values, str):
+        return _expand(key, values)  # "range(1,4)" or "1e-4,3e-4" as on the command line
+    if not isinstance(values, list) or not values:
+        raise _bad(f"grid.{key}", f"must be a non-empty list of values, got {values!r}", f"e.g. {key}: [1, 2]")
+    return [_fmt(v) for v in values]
+
+
+def _check_dist(key: str, spec: Any) -> dict[str, Any]:
+    where = f"random.params.{key}"
+    dist = spec.get("dist") if isinstance(spec, dict) else None
+    if dist not in DISTRIBUTIONS:
+        raise _bad(where, f"has unknown distribution {dist!r}", f"use dist: one of {', '.join(DISTRIBUTIONS)}")
+    if set(spec) != {"dist", *DISTRIBUTIONS[dist]}:
+        raise _bad(where, f"({dist}) has keys {sorted(spec)}", f"{dist} takes exactly {', '.join(DISTRIBUTIONS[dist])}")
+    if dist == "choice":
+        if not isinstance(spec["values"], list) or not spec["values"]:
+            raise _bad(where, "(choice) needs a non-empty values list", "e.g. {dist: choice, values: [adamw, sgd]}")
+        return spec
+    low, high = spec["low"], spec["high"]
+    kinds = (int,) if dist == "randint" else (int, float)
+    if any(isinstance(b, bool) or not isinstance(b, kinds) for b in (low, high)):
+        raise _bad(where, f"({dist}) has low={low!r} high={high!r}", f"{dist} bounds must be {kinds[-1].__name__}s")
+    if low > high or (dist == "randint" and low == high):
+        raise _bad(where, f"({dist}) has low={low!r} > high={high!r}", "need low <= high (randint: low < high)")
+    if dist == "loguniform" and low <= 0:
+        raise _bad(where, f"(loguniform) has low={low!r} <= 0", "loguniform needs 0 < low <= high")
+    return spec
+
+
+def _draw(rng: random.Random, spec: dict[str, Any]) -> Any:
+    dist, low, high = spec["dist"], spec.get("low"), spec.get("high")
+    if dist == "choice":
+        return rng.choice(spec["values"])
+    if dist == "randint":
+        return rng.randrange(low, high)
+    if dist == "uniform":
+        return rng.uniform(low, high)
+    return min(max(math.exp(rng.uniform(math.log(low), math.log(high))), low), high)  # exp/log may round past
+
+
+def _fmt(value: Any, nested: bool = False) -> str:
+    """A YAML value as override text that loads back to the same value (floats by repr: they round-trip)."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_fmt(v, True) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_fmt(k, True)}: {_fmt(v, True)}" for k, v in value.items()) + "}"
+    text = str(value)
+    plain = not nested and _PLAIN.fullmatch(text) and text.lower() not in _YAML_WORDS
+    return text if plain else json.dumps(text)
+
+
+def _disjoint(fixed: Mapping[str, Any], grid: Mapping[str, Any], params: Mapping[str, Any]) -> None:
+    keys = [*fixed, *grid, *params]
+    for a, b in itertools.permutations(keys, 2):
+        if a == b or b.startswith(a + "."):
+            raise _bad(b, f"is given twice (also as '{a}') across overrides, grid and random", "give each key once")
+
+
+def _build(
+    name: str,
+    base: Path,
+    fixed: dict[str, str],
+    grid: dict[str, list[str]],
+    params: dict[str, dict[str, Any]],
+    trials: Any,
+    seed: Any,
+) -> Sweep:
+    if not _NAME.fullmatch(name):
+        raise _bad("name", f"= {name!r} is not a plain name", "letters, digits, '.', '_', '-': it names a directory")
+    for key in [*fixed, *grid, *params]:
+        if not _KEY.fullmatch(key):
+            raise _bad(key, "is not a dotted config key", "write keys like optim.lr or task.model.hidden")
+    _disjoint(fixed, grid, params)
+    if not grid and not params:
+        raise DdpJobError("nothing to sweep: no key has more than one value", "e.g. optim.lr=1e-4,3e-4")
+    if not base.is_file():
+        raise DdpJobError(f"config file '{base}' not found", "pass a YAML file, e.g. configs/digits.yaml")
+    draws: list[dict[str, str]] = [{}]
+    natives: dict[str, Any] = {}  # override text -> the number drawn, so the fast path skips parsing it back
+    if params:
+        for key, value in (("random.trials", trials), ("random.seed", seed)):
+            if isinstance(value, bool) or not isinstance(value, int) or (key == "random.trials" and value < 1):
+                raise _bad(key, f"= {value!r} is invalid", "trials must be an int >= 1 and seed an int")
+        rng = random.Random(seed)  # never the global RNG: the same seed gives the same trials anywhere
+        draws = []
+        for _ in range(trials):
+            draw = {key: _draw(rng, spec) for key, spec in params.items()}
+            natives.update({_fmt(v): v for k, v in draw.items() if params[k]["dist"] != "choice"})
+            draws.append({k: _fmt(v) for k, v in draw.items()})
+    # Every grid point gets the same random draws: grid values are then compared on equal terms.
+    points = [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
+    combos = [{**point, **draw} for point in points for draw in draws]
+    fixed_list = [f"{k}={v}" for k, v in fixed.items()]
+    configs = _validated_configs(base, fixed_list, combos, natives)
+    trials_out: list[Trial] = []
+    seen: dict[str, int] = {}
+    for index, (combo, cfg) in enumerate(zip(combos, configs, strict=True)):
+        overrides = (*fixed_list, *(f"{k}={v}" for k, v in combo.items()))
+        loaded = json.loads(json.dumps({k: _get(cfg, k) for k in [*fixed, *combo]}, default=_plain))
+        trial_id = _digest(loaded)
+        if trial_id in seen:
+            raise DdpJobError(
+                f"sweep trials {seen[trial_id]} and {index} are the same config ({' '.join(overrides)})",
+                "drop duplicate values (1e-3 and 0.001 are one value) or widen the random ranges",
+            )
+        seen[trial_id] = index
+        trials_out.append(Trial(index, trial_id, overrides, {k: loaded[k] for k in combo}))
+    listing = [[t.trial_id, *t.overrides] for t in trials_out]
+    sweep_id = _digest({"name": name, "base": base.read_text(), "trials": listing})
+    return Sweep(name, base, tuple(trials_out), sweep_id)
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    raise TypeError(f"cannot hash {value!r}")
+
+
+def _validated_configs(
+    base: Path, fixed: list[str], combos: list[dict[str, str]], natives: dict[str, Any]
+) -> list[Config]:
+    """``load_config(base, fixed + trial)`` for every trial, without ~15 ms of OmegaConf per trial.
+
+    Trial 0 goes through ``load_config`` itself. The others reuse one merged base and convert each distinct
+    (key, value) once, then run the same ``validate``. Whatever the fast path rejects, or gets different from
+    ``load_config`` on trial 0, is redone exactly: error messages are always ``load_config``'s own.
+    """
+
+    def exact(i: int) -> Config:
+        overrides = [*fixed, *(f"{k}={v}" for k, v in combos[i].items())]
+        try:
+            return load_config(base, overrides)
+        except DdpJobError as err:
+            raise DdpJobError(f"sweep trial {i} ({' '.join(overrides)}) is invalid: {err.message}", err.hint) from None
+
+    first = exact(0)
+    configs, failed = _fast_configs(base, fixed, combos, natives)
+    if failed is not None:
+        exact(failed)  # raises with load_config's message; passing means the fast path was wrong
+    if failed is not None or configs[0] != first:
+        return [exact(i) for i in range(len(combos))]
+    return configs
+
+
+def _fast_configs(
+    base: Path, fixed: list[str], combos: list[dict[str, str]], natives: dict[str, Any]
+) -> tuple[list[Config], int | None]:
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(base), OmegaConf.from_dotlist(fixed))
+        cfg0 = OmegaConf.to_object(node)
+    except Exception:  # the exact path reports it
+        return [], 0
+    scratch, parsed, converted, configs = node.copy(), dict(natives), {}, []
+    for i, combo in enumerate(combos):
+        try:
+            cfg = copy.deepcopy(cfg0)
+            for key, text in combo.items():
+                if (key, text) not in converted:
+                    converted[key, text] = _convert(node, scratch, key, text, parsed)
+                _set(cfg, key, copy.deepcopy(converted[key, text]))
+            validate(cfg)
+        except Exception:  # whatever it is, load_config on this trial says what is wrong (or that it's fine)
+            return configs, i
+        configs.append(cfg)
+    return configs, None
+
+
+def _convert(node: Any, scratch: Any, key: str, text: str, parsed: dict[str, Any]) -> Any:
+    """The value ``load_config`` holds at ``key`` after override ``key=text`` on the merged base ``node``."""
+    if "${" in text:
+        raise ValueError("interpolations resolve against the whole trial: exact path only")
+    if text not in parsed:
+        parsed[text] = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]))["v"]
+    if isinstance(parsed[text], dict):  # dicts merge into what is there: start from the base, not the scratch
+        result = OmegaConf.select(OmegaConf.merge(node, OmegaConf.from_dotlist([f"{key}={text}"])), key)
+    else:  # scalars and lists replace: assigning into the typed scratch node converts and checks them
+        OmegaConf.update(scratch, key, parsed[text], merge=True)
+        result = OmegaConf.select(scratch, key, throw_on_missing=True)
+    return OmegaConf.to_object(result) if OmegaConf.is_config(result) else result
+
+
+def _get(obj: Any, key: str) -> Any:
+    """The value at a dotted key of a loaded ``Config``: dataclass fields, dict keys, list indexes."""
+    for part in key.split("."):
+        if isinstance(obj, (dict, list)):
+            obj = obj[int(part) if isinstance(obj, list) else part]
+        elif part in {f.name for f in dataclasses.fields(obj)}:
+            obj = getattr(obj, part)
+        else:
+            raise KeyError(key)
+    return obj
+
+
+def _set(cfg: Config, key: str, value: Any) -> None:
+    parent, _, last = key.rpartition(".")
+    obj = _get(cfg, parent) if parent else cfg
+    if isinstance(obj, (dict, list)):
+        obj[int(last) if isinstance(obj, list) else last] = value
+    else:
+        _get(obj, last)  # an unknown field raises instead of being added
+        setattr(obj, last, value)

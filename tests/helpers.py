@@ -1,0 +1,133 @@
+"""Helpers for tests that run real jobs: logs per rank, digests, Slurm state, W&B offline records."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+FINAL_DIGEST = re.compile(r"final weights sha256 ([0-9a-f]{64})")
+
+
+def rank_logs(run_dir: Path, job_id: str) -> dict[int, str]:
+    """Each rank's stderr log of a job (all attempts: requeued attempts append to the same file)."""
+    logs = {}
+    for path in sorted((run_dir / "slurm").glob(f"{job_id}_*_log.err")):
+        logs[int(path.name.split("_")[1])] = path.read_text()
+    return logs
+
+
+def digests(logs: dict[int, str]) -> dict[int, str]:
+    """The last final-weights digest each rank logged."""
+    out = {}
+    for rank, text in logs.items():
+        found = FINAL_DIGEST.findall(text)
+        assert found, f"rank {rank} logged no final digest:\n{text[-3000:]}"
+        out[rank] = found[-1]
+    return out
+
+
+def sacct_state(job_id: str) -> str:
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def in_queue(job_id: str) -> bool:
+    return bool(subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip())
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, poll: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def wait_gone(job_id: str, timeout: float = 300) -> str:
+    wait_for(lambda: not in_queue(job_id), timeout, f"job {job_id} to leave the queue", poll=0.5)
+    return wait_for(lambda: (s := sacct_state(job_id)) not in ("", "RUNNING", "COMPLETING", "PENDING") and s, 30,
+                    "sacct's final state")  # fmt: skip
+
+
+def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    path = run_dir / "attempts.jsonl"
+    if not path.exists():
+        return []
+    out = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [e for e in out if kind is None or e["event"] == kind]
+
+
+def metric_steps(run_dir: Path, split: str = "train") -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record["split"] == split:
+            steps.append(record["step"])
+    return steps
+
+
+def rank_pid(job_id: str, rank: int) -> int | None:
+    """The pid of a job's rank process (the local cluster's nodes share this machine's pid space)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"python" not in cmdline or b"srun" in cmdline:
+            continue
+        if (
+            f"SLURM_JOB_ID={job_id}".encode() in environ
+            and f"SLURM_PROCID={rank}".encode() in environ
+            and any(e.startswith(b"SLURM_STEP_ID=") for e in environ)
+        ):
+            return int(proc.name)
+    return None
+
+
+def wandb_records(path: Path) -> list[Any]:
+    """The records of a W&B ``.wandb`` transaction log, parsed with wandb's own protobuf schema.
+
+    The file is a LevelDB-style log: a 7-byte header (":W&B", magic, version), then 32 KiB blocks of
+    chunks (crc32, length, type FULL/FIRST/MIDDLE/LAST) whose payloads are ``wandb_internal_pb2.Record``.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, block = path.read_bytes(), 7, 32768
+    assert data[:4] == b":W&B", path
+    payloads, partial = [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:
+            pos += left
+            continue
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 1:
+            payloads.append(chunk)
+        elif kind == 2:
+            partial = chunk
+        elif kind == 3:
+            partial += chunk
+        elif kind == 4:
+            payloads.append(partial + chunk)
+    return [wandb_internal_pb2.Record.FromString(p) for p in payloads]

@@ -1,0 +1,165 @@
+"""Preemption on the real local cluster: signals, requeues and kills never change the final weights.
+
+Every test compares against one uninterrupted reference run of the same config (2 ranks, DDP, dropout,
+cosine LR): the interrupted runs must end with the same sha256 of the weights on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, field, run_cli
+from tests.helpers import (
+    digests,
+    events,
+    metric_steps,
+    rank_logs,
+    rank_pid,
+    sacct_state,
+    wait_for,
+    wait_gone,
+    wandb_records,
+)
+
+pytestmark = pytest.mark.slurm
+DIGITS = str(ROOT / "configs" / "digits.yaml")
+CONFIG = [
+    "task.target=tests.tasks:SlowDigitsTask", "train.max_steps=300", "train.log_every=5", "train.eval_every=100",
+    "checkpoint.every_steps=40", "checkpoint.keep_last=10", "data.batch_size=16", "task.model.dropout=0.2",
+    "wandb.mode=offline",
+]  # fmt: skip
+SLOW = "task.data.pause_s=0.03"  # ~10 s of training: room for signals at random steps
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_cluster, tmp_path_factory) -> str:
+    cwd = tmp_path_factory.mktemp("reference")
+    proc = run_cli("submit", DIGITS, "--wait", *CONFIG, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    d = digests(rank_logs(Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")))
+    assert d[0] == d[1]
+    return d[0]
+
+
+def submit(cwd: Path, *extra: str) -> tuple[str, Path]:
+    proc = run_cli("submit", DIGITS, *CONFIG, SLOW, *extra, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+
+
+def wait_training(run_dir: Path, attempt: int, past_step: int) -> None:
+    """Until attempt number ``attempt`` (1-based) logged a training step beyond ``past_step``."""
+    wait_for(
+        lambda: len(events(run_dir, "start")) >= attempt and max(metric_steps(run_dir), default=-1) > past_step,
+        120,
+        f"attempt {attempt} to train past step {past_step}",
+    )
+
+
+def interrupt(job_id: str, run_dir: Path, times: int, rng: random.Random) -> list[int]:
+    """``scancel --signal=USR2`` the job ``times`` times at random steps; returns the steps it stopped at."""
+    stopped = [0]
+    for i in range(times):
+        wait_training(run_dir, i + 1, stopped[-1] + 3)
+        time.sleep(rng.uniform(0.1, 1.2))  # a random step
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+        done = wait_for(lambda n=i: len(events(run_dir, "interrupted")) > n, 60, f"interruption {i + 1}")
+        assert done
+        stopped.append(events(run_dir, "interrupted")[-1]["step"])
+    return stopped[1:]
+
+
+def check_wandb(run_dir: Path) -> None:
+    run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
+    folders = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert folders and all(f.name.endswith(f"-{run_id}") for f in folders)
+    steps: list[int] = []
+    config_seen = False
+    for folder in folders:
+        for record in wandb_records(folder / f"run-{run_id}.wandb"):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                assert record.run.run_id == run_id
+                config_seen |= any(item.key == "train" for item in record.run.config.update)
+            elif kind == "history":
+                steps.append(record.history.step.num)
+    # train and eval records of one step share it; across attempts steps never go back or repeat a step.
+    distinct = [s for i, s in enumerate(steps) if i == 0 or s != steps[i - 1]]
+    assert distinct == sorted(set(distinct)), distinct
+    assert distinct[-1] == 300 and config_seen
+
+
+def test_usr2_three_times_resumes_bitwise(reference, tmp_path):
+    seed = random.randrange(1 << 30)
+    job_id, run_dir = submit(tmp_path)
+    stopped = interrupt(job_id, run_dir, 3, random.Random(seed))
+    assert wait_gone(job_id) == "COMPLETED", f"seed {seed}"
+    starts, interrupted = events(run_dir, "start"), events(run_dir, "interrupted")
+    assert [e["kind"] for e in interrupted] == ["preemption"] * 3
+    assert len(events(run_dir, "requeued")) == 3
+    # steps lost: 0 — each attempt starts exactly where the previous one stopped
+    assert [s["step"] for s in starts] == [0, *stopped]
+    assert {e["job_id"] for e in starts} == {job_id}
+    assert [s["restart_count"] for s in starts] == [0, 1, 2, 3]
+    d = digests(rank_logs(run_dir, job_id))
+    assert d == {0: reference, 1: reference}, f"seed {seed}"
+    train_steps = metric_steps(run_dir)
+    assert train_steps == sorted(set(train_steps)) and train_steps[-1] == 300
+    check_wandb(run_dir)
+
+
+def test_scontrol_requeue_and_kill9_resume_bitwise(reference, tmp_path):
+    job_id, run_dir = submit(tmp_path)
+    # scontrol requeue: SIGTERM to every rank; they save, Slurm requeues, the next attempt resumes
+    wait_training(run_dir, 1, 30)
+    subprocess.run(["scontrol", "requeue", job_id], check=True)
+    wait_for(lambda: len(events(run_dir, "start")) >= 2, 90, "the requeued attempt")
+    term = events(run_dir, "interrupted")
+    assert [e["kind"] for e in term] == ["terminated"] and events(run_dir, "start")[1]["step"] == term[0]["step"]
+    # kill -9 of rank 1 mid-training: the job fails fast, `ddpjob resume` continues from the newest checkpoint
+    wait_training(run_dir, 2, term[0]["step"] + 40)
+    pid = wait_for(lambda: rank_pid(job_id, 1), 30, "rank 1's pid")
+    last_logged = max(metric_steps(run_dir))
+    os.kill(pid, signal.SIGKILL)
+    assert wait_gone(job_id, 90) in {"FAILED", "CANCELLED"}
+    proc = run_cli("resume", str(run_dir), "--wait", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    resumed_at = events(run_dir, "start")[-1]["step"]
+    assert 0 <= last_logged - resumed_at <= 40 + 5  # lost at most one checkpoint interval (+ the log interval)
+    assert digests(rank_logs(run_dir, field(proc.stdout, "job"))) == {0: reference, 1: reference}
+
+
+def test_kill9_while_checkpoint_is_written(reference, tmp_path):
+    # Checkpoints every 5 steps, rank 0 killed the moment a checkpoint's temp file exists.
+    job_id, run_dir = submit(tmp_path, "checkpoint.every_steps=5", "checkpoint.keep_last=100")
+    wait_training(run_dir, 1, 20)
+    pid = wait_for(lambda: rank_pid(job_id, 0), 30, "rank 0's pid")
+    ckpts = run_dir / "checkpoints"
+    wait_for(lambda: any(p.name.startswith(".step_") for p in ckpts.iterdir()), 60, "a checkpoint write", poll=0.0005)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_gone(job_id, 90) in {"FAILED", "CANCELLED"}
+    proc = run_cli("resume", str(run_dir), "checkpoint.every_steps=40", "--wait", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert digests(rank_logs(run_dir, field(proc.stdout, "job"))) == {0: reference, 1: reference}
+
+
+def test_requeue_budget_exhausted_then_resume(reference, tmp_path):
+    job_id, run_dir = submit(tmp_path, "slurm.max_preemptions=1")
+    interrupt(job_id, run_dir, 2, random.Random(1))
+    assert wait_gone(job_id) == "FAILED"
+    final = events(run_dir)[-1]
+    assert final["event"] == "budget_exhausted"
+    assert final["reason"] == "requeue budget exhausted after 2 preemptions (slurm.max_preemptions=1)"
+    assert "requeue budget exhausted after 2 preemptions" in rank_logs(run_dir, job_id)[0]
+    assert sacct_state(job_id) == "FAILED"
+    proc = run_cli("resume", str(run_dir), "--wait", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert digests(rank_logs(run_dir, field(proc.stdout, "job"))) == {0: reference, 1: reference}
