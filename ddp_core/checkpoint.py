@@ -17,7 +17,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional
 
 import torch
 
@@ -36,6 +36,25 @@ class CheckpointInfo:
     size: int
 
 
+class _HashingWriter(io.RawIOBase):
+    """A write-only file object that hashes what passes through to the real file."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.sha256, self.size = f, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.sha256.update(view)
+        self.size += view.nbytes
+        return self.f.write(view)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -48,32 +67,28 @@ def save(directory: Path, step: int, state: dict[str, Any], keep_last: int, writ
     """Atomically write ``state`` for ``step``, then its manifest, then prune to the newest ``keep_last``."""
     directory.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getbuffer()
-    digest = hashlib.sha256(data).hexdigest()
     final = directory / f"step_{step:08d}.pt"
     tmp = directory / f".step_{step:08d}.pt.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
-        f.write(data)
+        writer = _HashingWriter(f)
+        torch.save(state, writer)  # streamed: no second in-memory copy of a multi-GB state
         f.flush()
         os.fsync(f.fileno())
+    digest, size = writer.sha256.hexdigest(), writer.size
     os.replace(tmp, final)
     _fsync_dir(directory)
     manifest = {
         "step": step,
         "file": final.name,
         "sha256": digest,
-        "size": len(data),
+        "size": size,
         "time": time.time(),
         "writer": {"rank": writer_rank, "host": socket.gethostname(), "pid": os.getpid()},
     }
     atomic_write_text(directory / f"step_{step:08d}.json", json.dumps(manifest, indent=1) + "\n")
     _fsync_dir(directory)
-    info = CheckpointInfo(step=step, path=final, sha256=digest, size=len(data))
-    log.info(
-        "checkpoint step %d saved (%.1f MB, %.2f s): %s", step, len(data) / 1e6, time.perf_counter() - started, final
-    )
+    info = CheckpointInfo(step=step, path=final, sha256=digest, size=size)
+    log.info("checkpoint step %d saved (%.1f MB, %.2f s): %s", step, size / 1e6, time.perf_counter() - started, final)
     prune(directory, keep_last)
     return info
 
@@ -107,7 +122,11 @@ def verify(manifest: Path) -> Optional[CheckpointInfo]:
     if size != meta["size"]:
         log.warning("skipping checkpoint %s: size %d != %d in its manifest (truncated?)", path.name, size, meta["size"])
         return None
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):  # 16 MiB at a time: a multi-GB checkpoint is never in memory twice
+            sha.update(chunk)
+    digest = sha.hexdigest()
     if digest != meta["sha256"]:
         log.warning("skipping checkpoint %s: sha256 mismatch (corrupt)", path.name)
         return None

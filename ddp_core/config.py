@@ -138,6 +138,7 @@ class SlurmConfig:
     signal_lead_s: int = 120
     max_timeouts: int = 20
     max_preemptions: int = 20
+    array_parallelism: int = 32  # sweeps: at most this many trials of an array run at once (%N)
     # Shell lines run in the batch script before the ranks start (module load, conda activate, ...).
     setup: List[str] = field(default_factory=list)
     # Extra sbatch options without the leading "--", e.g. {constraint: a100, exclusive: true}.
@@ -245,6 +246,7 @@ def validate(cfg: Config) -> None:
         cfg.slurm.signal_lead_s,
         f"must be >= 0 and below the time limit ({cfg.slurm.time_min * 60} s)",
     )
+    _require(cfg.slurm.array_parallelism > 0, "slurm.array_parallelism", cfg.slurm.array_parallelism, "must be > 0")
     for key in ("max_timeouts", "max_preemptions"):
         _require(getattr(cfg.slurm, key) >= 0, f"slurm.{key}", getattr(cfg.slurm, key), "must be >= 0")
     _require(cfg.slurm.tasks_per_node > 0, "slurm.tasks_per_node", cfg.slurm.tasks_per_node, "must be > 0")

@@ -60,7 +60,8 @@ def _after_stop(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag,
     spent = sum(1 for e in run_dir.events() if e["event"] == "interrupted" and e.get("kind") == kind.value
                 and e.get("job_id") == env.job_id)  # fmt: skip
     if spent > limit:
-        reason = f"requeue budget exhausted after {spent} {kind.value}s (slurm.max_{kind.value}s={limit})"
+        plural = "" if spent == 1 else "s"
+        reason = f"requeue budget exhausted after {spent} {kind.value}{plural} (slurm.max_{kind.value}s={limit})"
         run_dir.log_event("budget_exhausted", reason=reason, job_id=env.job_id, step=outcome.step)
         log.error("%s; continue with: ddpjob resume %s", reason, run_dir.path)
         return EXIT_BUDGET_SPENT

@@ -99,9 +99,9 @@ class RunDir:
         atomic_write_text(self.meta_file, json.dumps(meta, indent=2, sort_keys=True) + "\n")
         return meta
 
-    def record_job(self, job_id: str, how: str) -> None:
+    def record_job(self, job_id: str, how: str, **extra: Any) -> None:
         jobs = self.read_meta().get("jobs", [])
-        jobs.append({"job_id": job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "via": how})
+        jobs.append({"job_id": job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "via": how, **extra})
         self.update_meta(jobs=jobs)
 
     def log_event(self, event: str, **fields: Any) -> None:

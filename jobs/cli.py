@@ -43,10 +43,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cluster-check", action="store_true", help="skip checking the request against sinfo")
 
     p = sub.add_parser("resume", help="submit an ended run again; it continues from its newest checkpoint")
-    p.add_argument("run_dir", help="the run directory")
+    p.add_argument("run_dir", metavar="RUN_DIR|JOB_ID", help="the run directory, or one of its Slurm job ids")
+    p.add_argument("--root", default="runs", help="where to look for the run of a JOB_ID (default: runs)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="changes, e.g. train.max_steps=2000")
     p.add_argument("--wait", action="store_true", help="follow the job and exit with its status")
     p.add_argument("--local", action="store_true", help="run here without Slurm (waits)")
+
+    p = sub.add_parser("sweep", help="submit a hyperparameter sweep as Slurm job arrays (returns at once)")
+    p.add_argument("config", help="a base config (then key=v1,v2 / key=range(a,b) args) or a sweep YAML")
+    p.add_argument("overrides", nargs="*", metavar="key=values", help="grid keys (comma lists, range()) or fixed keys")
+    p.add_argument("--name", help="sweep name (directory under run.root, W&B group)")
+    p.add_argument("--trials", type=int, help="random search: number of draws (sweep YAML with random:)")
+    p.add_argument("--seed", type=int, help="random search: seed (same seed, same trials)")
+    p.add_argument("--dry-run", action="store_true", help="list the trials and print the array script only")
+
+    p = sub.add_parser("report", help="PNG + self-contained HTML of loss/metric curves of a run or sweep")
+    p.add_argument("path", help="a run directory or a sweep directory")
+    p.add_argument("--out", help="output directory (default: the path itself)")
+    p.add_argument("--metric", default="eval/accuracy", help="ranks runs; prefix min: to minimise (min:eval/loss)")
 
     p = sub.add_parser("sync", help="upload a run's offline W&B records (wraps `wandb sync`)")
     p.add_argument("run_dir", help="the run directory")
@@ -135,10 +149,10 @@ def _active_jobs(job_ids: list[str]) -> list[str]:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     from ddp_core.config import load_config, to_dict
-    from ddp_core.rundir import RunDir
+    from jobs.lookup import find_run
     from jobs.submit import submit, validate_for_submit
 
-    run_dir = RunDir(Path(args.run_dir).resolve())
+    run_dir = find_run(args.run_dir, Path(args.root))
     old = run_dir.load_config()
     cfg = load_config(run_dir.config_file, args.overrides)
     if to_dict(cfg)["task"]["model"] != to_dict(old)["task"]["model"] or cfg.task.target != old.task.target:
@@ -175,7 +189,45 @@ def cmd_sync(args: argparse.Namespace) -> int:
     return subprocess.call(command)
 
 
-_COMMANDS = {"submit": cmd_submit, "prepare": cmd_prepare, "resume": cmd_resume, "sync": cmd_sync}
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from jobs import sweep as sw
+    from jobs.sweep_spec import load_sweep
+
+    started = time.monotonic()
+    spec = load_sweep(Path(args.config), args.overrides, trials=args.trials, seed=args.seed, name=args.name)
+    sw.check_sweep(spec, local_check=not (args.dry_run and shutil.which("sinfo") is None))
+    plans = sw.plan(spec)
+    parallelism = spec.configs[0].slurm.array_parallelism
+    if args.dry_run:
+        for p in plans:
+            print(f"{p.trial.index:5d}  {p.trial.trial_id}  {p.action:9s}  {' '.join(p.trial.overrides)}")
+        count = sum(1 for p in plans if p.action in ("submit", "resume"))
+        print(f"# array script for {count} trials (nothing submitted)")
+        print(sw.render_array_script(spec, max(1, count), parallelism))
+        return 0
+    arrays = sw.submit_sweep(spec, plans, parallelism)
+    print(sw.summary(spec, plans, arrays, sw.max_array_size() if arrays else None))
+    print(f"took:    {time.monotonic() - started:.1f} s")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from jobs.report import write_report
+
+    png, html = write_report(Path(args.path), Path(args.out) if args.out else None, metric=args.metric)
+    print(f"png:  {png}")
+    print(f"html: {html}")
+    return 0
+
+
+_COMMANDS = {
+    "submit": cmd_submit,
+    "prepare": cmd_prepare,
+    "resume": cmd_resume,
+    "sync": cmd_sync,
+    "sweep": cmd_sweep,
+    "report": cmd_report,
+}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

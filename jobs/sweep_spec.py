@@ -63,6 +63,7 @@ class Sweep:
     base_config: Path
     trials: tuple[Trial, ...]
     sweep_id: str  # over the name, the base config's contents and every trial
+    configs: tuple[Config, ...] = field(default=(), compare=False, repr=False)  # trial i's validated config
 
     def run_subdir(self, trial: Trial) -> Path:
         return Path(self.name) / trial.trial_id
@@ -326,7 +327,7 @@ def _build(
         trials_out.append(Trial(index, trial_id, overrides, {k: loaded[k] for k in combo}))
     listing = [[t.trial_id, *t.overrides] for t in trials_out]
     sweep_id = _digest({"name": name, "base": base.read_text(), "trials": listing})
-    return Sweep(name, base, tuple(trials_out), sweep_id)
+    return Sweep(name, base, tuple(trials_out), sweep_id, tuple(configs))
 
 
 def _digest(value: Any) -> str:

@@ -17,7 +17,9 @@ def rank_logs(run_dir: Path, job_id: str) -> dict[int, str]:
     """Each rank's stderr log of a job (all attempts: requeued attempts append to the same file)."""
     logs = {}
     for path in sorted((run_dir / "slurm").glob(f"{job_id}_*_log.err")):
-        logs[int(path.name.split("_")[1])] = path.read_text()
+        rank = path.name[len(job_id) + 1 :].split("_")[0]  # <job>_<rank>_log.err; array jobs: <array>_<index>
+        if rank.isdigit():
+            logs[int(rank)] = path.read_text()
     return logs
 
 

@@ -160,6 +160,18 @@ def test_requeue_budget_exhausted_then_resume(reference, tmp_path):
     assert final["reason"] == "requeue budget exhausted after 2 preemptions (slurm.max_preemptions=1)"
     assert "requeue budget exhausted after 2 preemptions" in rank_logs(run_dir, job_id)[0]
     assert sacct_state(job_id) == "FAILED"
-    proc = run_cli("resume", str(run_dir), "--wait", cwd=tmp_path)
+    proc = run_cli("resume", job_id, "--wait", cwd=tmp_path)  # by job id: found under ./runs
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert digests(rank_logs(run_dir, field(proc.stdout, "job"))) == {0: reference, 1: reference}
+
+
+def test_time_limit_warning_counts_as_timeout(slurm_cluster, tmp_path):
+    # A 3-minute job warned 110 s before its limit (Slurm sends timed signals up to ~60 s early): the signal
+    # comes 10-70 s in. With no timeout budget the run ends in its terminal state instead of requeueing.
+    job_id, run_dir = submit(
+        tmp_path, "train.max_steps=100000", "slurm.time_min=3", "slurm.signal_lead_s=110", "slurm.max_timeouts=0"
+    )
+    assert wait_gone(job_id, 150) == "FAILED"
+    assert [e["kind"] for e in events(run_dir, "interrupted")] == ["timeout"]
+    assert events(run_dir)[-1]["reason"] == "requeue budget exhausted after 1 timeout (slurm.max_timeouts=0)"
+    assert not events(run_dir, "requeued")

@@ -1,0 +1,184 @@
+"""Submit a sweep as Slurm job arrays: one array per chunk of at most MaxArraySize trials, throttled with %N.
+
+Each trial is a normal run in ``<run.root>/<sweep name>/<trial id>/`` (the id hashes its resolved overrides),
+so preemption, exact resume, checkpoints and W&B (group = sweep name) work per trial. Submitting the same
+sweep again skips completed and still-active trials and resumes the rest from their checkpoints. The
+command returns as soon as the arrays are queued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ddp_core.config import Config
+from ddp_core.errors import DdpJobError
+from ddp_core.rundir import RunDir, atomic_write_text
+from jobs.submit import check_cluster, sbatch_parameters
+from jobs.sweep_spec import Sweep, Trial
+
+SWEEP_FILE = "sweep.json"
+
+
+@dataclass(frozen=True)
+class TrialPlan:
+    trial: Trial
+    cfg: Config
+    run_dir: RunDir
+    action: str  # submit | resume | completed | active
+
+
+def trial_config(sweep: Sweep, trial: Trial, cfg: Config) -> Config:
+    """The trial's own run config: named after the trial, W&B-grouped under the sweep."""
+    return dataclasses.replace(
+        cfg,
+        run=dataclasses.replace(cfg.run, name=f"{sweep.name}-{trial.trial_id}"),
+        wandb=dataclasses.replace(cfg.wandb, group=cfg.wandb.group or sweep.name),
+    )
+
+
+def sweep_dir(sweep: Sweep) -> Path:
+    return (Path(sweep.configs[0].run.root) / sweep.name).resolve()
+
+
+def check_sweep(sweep: Sweep, local_check: bool = True) -> None:
+    """What submit checks for one run, for every distinct task setting and the shared Slurm request."""
+    from ddp_core.task import check_task
+
+    varying = {key for trial in sweep.trials for key in trial.params}
+    shared = sorted(k for k in varying if k.startswith(("slurm.", "run.")))
+    if shared:
+        raise DdpJobError(
+            f"sweep key '{shared[0]}' cannot vary: the trials of one array share its resources and run root",
+            "set it once for the whole sweep (a plain key=value)",
+        )
+    seen: set[str] = set()
+    for cfg in sweep.configs:
+        key = json.dumps([cfg.task.target, cfg.task.model, cfg.task.data], sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            check_task(cfg.task)
+    if local_check:
+        check_cluster(sweep.configs[0])
+
+
+def _active_jobs(job_ids: list[str]) -> set[str]:
+    """Job ids (array tasks as ARRAY_INDEX) still pending or running: one squeue call for all of them."""
+    if not job_ids:
+        return set()
+    arrays = sorted({j.split("_")[0] for j in job_ids})
+    out = subprocess.run(
+        ["squeue", "-h", "-r", "-o", "%i", "-j", ",".join(arrays)], capture_output=True, text=True, timeout=60
+    ).stdout
+    return {line.strip() for line in out.splitlines() if line.strip()}
+
+
+def plan(sweep: Sweep) -> list[TrialPlan]:
+    root = sweep_dir(sweep)
+    plans, recorded = [], {}
+    for trial, cfg in zip(sweep.trials, sweep.configs, strict=True):
+        run_dir = RunDir(root / trial.trial_id)
+        events = run_dir.events() if run_dir.exists() else []
+        recorded[trial.trial_id] = [j["job_id"] for j in run_dir.read_meta().get("jobs", [])] if events else []
+        if events and events[-1]["event"] == "completed":
+            action = "completed"
+        else:
+            action = "resume" if run_dir.exists() else "submit"
+        plans.append(TrialPlan(trial, trial_config(sweep, trial, cfg), run_dir, action))
+    active = _active_jobs([j for ids in recorded.values() for j in ids])
+    return [
+        dataclasses.replace(p, action="active")
+        if p.action == "resume" and any(j in active for j in recorded[p.trial.trial_id])
+        else p
+        for p in plans
+    ]
+
+
+def max_array_size() -> int:
+    """The cluster's MaxArraySize: array indices must stay below it."""
+    out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=60).stdout
+    match = re.search(r"^MaxArraySize\s*=\s*(\d+)", out, re.MULTILINE)
+    return int(match[1]) if match else 1001  # Slurm's default
+
+
+def chunks(items: list[Any], size: int) -> list[list[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def array_parameters(sweep: Sweep, parallelism: int) -> dict[str, Any]:
+    cfg = sweep.configs[0]
+    params = sbatch_parameters(cfg)
+    params["job_name"] = cfg.slurm.job_name or sweep.name
+    params["array_parallelism"] = parallelism
+    return params
+
+
+def render_array_script(sweep: Sweep, count: int, parallelism: int, python: str = sys.executable) -> str:
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    folder = sweep_dir(sweep) / "slurm"
+    params = array_parameters(sweep, parallelism)
+    command = f"{python} -u -m submitit.core._submit {folder}"
+    return _make_sbatch_string(command=command, folder=folder, map_count=count, **params)
+
+
+def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int) -> list[str]:
+    """Initialise every trial to run and submit them as arrays; returns the array job ids."""
+    import submitit
+
+    from ddp_core.launch import run
+
+    todo = [p for p in plans if p.action in ("submit", "resume")]
+    if not todo:
+        return []
+    root = sweep_dir(sweep)
+    folder = root / "slurm"
+    folder.mkdir(parents=True, exist_ok=True)
+    for p in todo:
+        p.run_dir.initialize(p.cfg)
+    executor = submitit.SlurmExecutor(folder=folder)
+    executor.update_parameters(**array_parameters(sweep, parallelism))
+    arrays = []
+    for chunk in chunks(todo, max_array_size()):
+        jobs = executor.map_array(run, [str(p.run_dir.path) for p in chunk])  # one sbatch per chunk
+        array_id = str(jobs[0].job_id).split("_")[0]
+        arrays.append(array_id)
+        for p, job in zip(chunk, jobs, strict=True):
+            p.run_dir.record_job(str(job.job_id), "array", log_dir=str(folder))
+        _record_array(root, sweep, array_id, [p.trial.trial_id for p in chunk])
+    return arrays
+
+
+def _record_array(root: Path, sweep: Sweep, array_id: str, trial_ids: list[str]) -> None:
+    path = root / SWEEP_FILE
+    meta: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    meta.update(name=sweep.name, sweep_id=sweep.sweep_id, base_config=str(sweep.base_config.resolve()))
+    meta.setdefault("trials", {t.trial_id: list(t.overrides) for t in sweep.trials})
+    meta.setdefault("arrays", []).append(
+        {"job_id": array_id, "trials": trial_ids, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    )
+    atomic_write_text(path, json.dumps(meta, indent=1) + "\n")
+
+
+def summary(sweep: Sweep, plans: list[TrialPlan], arrays: list[str], max_size: Optional[int] = None) -> str:
+    counts = {a: sum(1 for p in plans if p.action == a) for a in ("submit", "resume", "completed", "active")}
+    lines = [
+        f"sweep:   {sweep.name} (id {sweep.sweep_id}), {len(plans)} trials",
+        f"dir:     {sweep_dir(sweep)}",
+        f"trials:  {counts['submit']} new, {counts['resume']} resumed, {counts['completed']} completed (skipped), "
+        f"{counts['active']} queued or running (skipped)",
+    ]
+    if arrays:
+        lines.append(f"arrays:  {' '.join(arrays)}")
+        if max_size:
+            n = counts["submit"] + counts["resume"]
+            lines.append(f"chunks:  {math.ceil(n / max_size)} sbatch calls (MaxArraySize {max_size})")
+    return "\n".join(lines)

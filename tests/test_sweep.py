@@ -1,0 +1,120 @@
+"""Sweeps on the real local cluster: job arrays, dedup on resubmit, MaxArraySize chunks, resumable trials."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_core.rundir import RunDir
+from tests.conftest import ROOT, field, run_cli
+from tests.helpers import digests, events, rank_logs, wait_for, wait_gone
+
+pytestmark = pytest.mark.slurm
+GRID = str(ROOT / "configs" / "sweeps" / "digits-grid.yaml")
+DIGITS = str(ROOT / "configs" / "digits.yaml")
+QUICK = ["train.max_steps=40", "train.eval_every=0", "train.log_every=10", "checkpoint.every_steps=20"]
+
+
+def trial_dirs(sweep_dir: Path) -> list[Path]:
+    return sorted(p.parent for p in sweep_dir.glob("*/config.yaml"))
+
+
+def completed(run_dir: Path) -> bool:
+    found = events(run_dir)
+    return bool(found) and found[-1]["event"] == "completed"
+
+
+def test_grid_sweep_runs_as_one_array_and_resubmits_nothing(slurm_cluster, tmp_path):
+    started = time.monotonic()
+    proc = run_cli("sweep", GRID, *QUICK, cwd=tmp_path)
+    submit_s = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    arrays = field(proc.stdout, "arrays").split()
+    assert len(arrays) == 1, proc.stdout  # six trials, one sbatch
+    sweep_dir = Path(field(proc.stdout, "dir"))
+    trials = trial_dirs(sweep_dir)
+    assert len(trials) == 6
+    assert submit_s < 30  # returns once queued, without waiting for the trials
+    wait_for(lambda: all(completed(t) for t in trials), 300, "all six trials to complete", poll=1)
+    seen = set()
+    for trial in trials:
+        cfg = RunDir(trial).load_config()
+        job = json.loads((trial / "run.json").read_text())["jobs"][0]["job_id"]
+        assert job.startswith(f"{arrays[0]}_")
+        seen.add((cfg.optim.lr, cfg.task.model["hidden"]))
+        assert cfg.wandb.group == "digits-lr" and cfg.train.max_steps == 40
+    assert seen == {(lr, h) for lr in (1e-4, 3e-4, 1e-3) for h in (64, 128)}
+    again = run_cli("sweep", GRID, *QUICK, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "0 new, 0 resumed, 6 completed" in again.stdout and "arrays:" not in again.stdout
+
+
+@pytest.fixture
+def small_max_array_size():
+    def up(size: str | None) -> None:
+        env = dict(os.environ)
+        env.pop("SLURM_LOCAL_MAX_ARRAY_SIZE", None)
+        if size:
+            env["SLURM_LOCAL_MAX_ARRAY_SIZE"] = size
+        subprocess.run([str(ROOT / "scripts" / "slurm-local"), "up"], check=True, env=env, capture_output=True)
+
+    up("300")
+    yield 300
+    up(None)
+
+
+def test_thousand_trials_make_ceil_n_over_max_sbatch_calls(slurm_cluster, small_max_array_size, tmp_path):
+    # A counting wrapper in front of the real sbatch (the cluster stays real): every call is logged.
+    shim, calls = tmp_path / "bin", tmp_path / "sbatch-calls"
+    shim.mkdir()
+    (shim / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec /usr/bin/sbatch "$@"\n')
+    (shim / "sbatch").chmod(0o755)
+    env = dict(os.environ, PATH=f"{shim}:{os.environ['PATH']}")
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs", "sweep", DIGITS, "train.seed=range(0,1000)", "--name", "big",
+         "slurm.additional={hold: true}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    arrays = field(proc.stdout, "arrays").split()[: math.ceil(1000 / small_max_array_size)]
+    try:
+        assert len(calls.read_text().splitlines()) == math.ceil(1000 / small_max_array_size) == 4
+        assert len(arrays) == 4
+        assert len(trial_dirs(tmp_path / "runs" / "big")) == 1000
+        print(f"submitted 1000 trials in {elapsed:.1f} s")
+    finally:
+        subprocess.run(["scancel", *arrays], check=False)
+
+
+def test_interrupted_array_task_resumes_its_trial_bitwise(slurm_cluster, tmp_path):
+    slow = ["task.target=tests.tasks:SlowDigitsTask", "train.max_steps=200", "train.log_every=5",
+            "train.eval_every=0", "checkpoint.every_steps=50", "task.model.dropout=0.2"]  # fmt: skip
+    ref = run_cli("submit", DIGITS, *slow, "optim.lr=0.002", "--wait", cwd=tmp_path)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    reference = digests(rank_logs(Path(field(ref.stdout, "run dir")), field(ref.stdout, "job")))
+    proc = run_cli("sweep", DIGITS, *slow, "task.data.pause_s=0.03", "optim.lr=0.002,0.003", "--name", "sig",
+                   cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    array = field(proc.stdout, "arrays").split()[0]
+    trial = next(
+        t for t in trial_dirs(Path(field(proc.stdout, "dir"))) if "lr: 0.002" in (t / "config.yaml").read_text()
+    )
+    job = json.loads((trial / "run.json").read_text())["jobs"][0]["job_id"]
+    wait_for(lambda: (trial / "metrics.jsonl").exists() and len(events(trial, "start")) == 1, 120, "trial start")
+    time.sleep(1.5)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    wait_for(lambda: completed(trial), 240, "the interrupted trial to complete", poll=1)
+    assert [e["event"] for e in events(trial)].count("requeued") == 1
+    starts = events(trial, "start")
+    assert starts[1]["step"] == events(trial, "interrupted")[0]["step"] > 0
+    assert digests(rank_logs(trial.parent, job)) == reference
+    wait_gone(f"{array}_1", 120)  # leave nothing running
