@@ -77,8 +77,9 @@ def pick_partition(partitions: list[Partition], name: Optional[str]) -> Partitio
     raise DdpJobError(f"config key 'slurm.partition' = {name!r}: no such partition", f"available: {names}")
 
 
-def check_request(cfg: SlurmConfig, part: Partition) -> None:
-    """Raise ``DdpJobError`` naming the key when the request can never be scheduled on ``part``."""
+def check_request(cfg: SlurmConfig, part: Partition, ranks: int) -> None:
+    """Raise ``DdpJobError`` naming the key when the request (``ranks`` processes per node, see
+    ``config.ranks_per_node``) can never be scheduled on ``part``."""
     if cfg.nodes > part.nodes:
         raise DdpJobError(
             f"config key 'slurm.nodes' = {cfg.nodes} exceeds partition '{part.name}' ({part.nodes} nodes)",
@@ -90,11 +91,11 @@ def check_request(cfg: SlurmConfig, part: Partition) -> None:
             f"({part.gpus_per_node} GPUs per node)",
             f"use slurm.gpus_per_node<={part.gpus_per_node}, or a GPU partition via slurm.partition",
         )
-    cpus = cfg.ranks_per_node * cfg.cpus_per_task
+    cpus = ranks * cfg.cpus_per_task
     if cpus > part.cpus_per_node:
         key = "slurm.gpus_per_node" if cfg.gpus_per_node else "slurm.tasks_per_node"
         raise DdpJobError(
-            f"config key '{key}' = {cfg.ranks_per_node} ranks x slurm.cpus_per_task = {cfg.cpus_per_task} needs "
+            f"config key '{key}' = {ranks} ranks x slurm.cpus_per_task = {cfg.cpus_per_task} needs "
             f"{cpus} CPUs per node; partition '{part.name}' nodes have {part.cpus_per_node}",
             "lower tasks_per_node or cpus_per_task, or add nodes",
         )

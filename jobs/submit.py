@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ddp_core.config import Config
+from ddp_core.config import Config, ranks_per_node
 from ddp_core.errors import DdpJobError
 from ddp_core.rundir import RunDir
 from jobs import cluster
@@ -33,7 +33,7 @@ def sbatch_parameters(cfg: Config) -> dict[str, Any]:
     params: dict[str, Any] = {
         "job_name": s.job_name or cfg.run.name,
         "nodes": s.nodes,
-        "ntasks_per_node": s.ranks_per_node,
+        "ntasks_per_node": ranks_per_node(cfg),
         "cpus_per_task": s.cpus_per_task,
         "time": s.time_min,
         "setup": [THREADS_SETUP, *s.setup],
@@ -67,7 +67,7 @@ def render_submitit_script(cfg: Config, run_dir: RunDir, python: str = sys.execu
 
 def check_cluster(cfg: Config) -> None:
     part = cluster.pick_partition(cluster.query_partitions(), cfg.slurm.partition)
-    cluster.check_request(cfg.slurm, part)
+    cluster.check_request(cfg.slurm, part, ranks_per_node(cfg))
 
 
 def validate_for_submit(cfg: Config, local: bool, cluster_check: bool = True) -> None:
@@ -101,7 +101,7 @@ def make_executor(cfg: Config, run_dir: RunDir, local: bool) -> Any:
     if local:
         executor = submitit.LocalExecutor(folder=run_dir.slurm)
         executor.update_parameters(
-            tasks_per_node=cfg.slurm.ranks_per_node, timeout_min=cfg.slurm.time_min, setup=[THREADS_SETUP]
+            tasks_per_node=ranks_per_node(cfg), timeout_min=cfg.slurm.time_min, setup=[THREADS_SETUP]
         )
         return executor
     executor = submitit.SlurmExecutor(folder=run_dir.slurm)
