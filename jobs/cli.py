@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ddp_core.errors import DdpJobError
+from jobs import status as status_cmds
 
 log = logging.getLogger("ddpjob")
 
@@ -41,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--sbatch-script", action="store_true", help="also render RUN_DIR/slurm/job.sbatch")
     p.add_argument("--no-cluster-check", action="store_true", help="skip checking the request against sinfo")
+    p.add_argument(
+        "--job-id", help="name the run directory <run.name>-<JOB_ID> and reuse it if it exists (requeued sbatch jobs)"
+    )
 
     p = sub.add_parser("resume", help="submit an ended run again; it continues from its newest checkpoint")
     p.add_argument("run_dir", metavar="RUN_DIR|JOB_ID", help="the run directory, or one of its Slurm job ids")
@@ -61,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="a run directory or a sweep directory")
     p.add_argument("--out", help="output directory (default: the path itself)")
     p.add_argument("--metric", default="eval/accuracy", help="ranks runs; prefix min: to minimise (min:eval/loss)")
+
+    status_cmds.add_parsers(sub)
 
     p = sub.add_parser("sync", help="upload a run's offline W&B records (wraps `wandb sync`)")
     p.add_argument("run_dir", help="the run directory")
@@ -123,12 +129,19 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from ddp_core.config import load_config
-    from ddp_core.rundir import new_run_dir
+    from ddp_core.rundir import RunDir, new_run_dir
     from jobs.submit import validate_for_submit
 
     cfg = load_config(args.config, args.overrides)
+    if args.job_id:
+        # A requeued batch script runs `prepare` again: the same job must find the same run directory.
+        run_dir = RunDir((Path(cfg.run.root) / f"{cfg.run.name}-{args.job_id}").resolve())
+        if run_dir.exists():
+            print(run_dir.path)
+            return 0
+    else:
+        run_dir = new_run_dir(cfg)
     validate_for_submit(cfg, local=False, cluster_check=not args.no_cluster_check)
-    run_dir = new_run_dir(cfg)
     run_dir.initialize(cfg)
     if args.sbatch_script:
         from jobs.sbatch_template import render
@@ -228,6 +241,9 @@ _COMMANDS = {
     "sweep": cmd_sweep,
     "report": cmd_report,
 }
+
+
+_COMMANDS |= status_cmds.COMMANDS
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -175,3 +176,33 @@ def test_time_limit_warning_counts_as_timeout(slurm_cluster, tmp_path):
     assert [e["kind"] for e in events(run_dir, "interrupted")] == ["timeout"]
     assert events(run_dir)[-1]["reason"] == "requeue budget exhausted after 1 timeout (slurm.max_timeouts=0)"
     assert not events(run_dir, "requeued")
+
+
+def test_sbatch_template_job_requeues_itself(reference, tmp_path):
+    # The plain-sbatch path (no submitit): same signal, same self-requeue, same final weights.
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "submit.sh"), DIGITS, *CONFIG, SLOW, f"run.root={tmp_path / 'runs'}"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+    interrupt(job_id, run_dir, 1, random.Random(2))
+    assert wait_gone(job_id) == "COMPLETED"
+    assert [e["event"] for e in events(run_dir)].count("requeued") == 1
+    assert digests(rank_logs(run_dir, job_id)) == {0: reference, 1: reference}
+
+
+def test_sbatch_by_hand_with_a_config_resumes_in_the_same_run_dir(reference, tmp_path):
+    script = ROOT / "slurm_templates" / "ddp.sbatch"
+    out = subprocess.run(
+        ["sbatch", "--parsable", f"--output={tmp_path}/%j.out", str(script), DIGITS, *CONFIG, SLOW,
+         f"run.root={tmp_path / 'runs'}"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path, check=True,
+        env=dict(os.environ, DDPJOB_PYTHON=sys.executable),  # as a user would activate their venv
+    )  # fmt: skip
+    job_id = out.stdout.strip().split(";")[0]
+    run_dir = tmp_path / "runs" / f"digits-{job_id}"
+    interrupt(job_id, run_dir, 1, random.Random(3))
+    assert wait_gone(job_id) == "COMPLETED"
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [f"digits-{job_id}"]
+    assert digests(rank_logs(run_dir, job_id)) == {0: reference, 1: reference}

@@ -14,7 +14,7 @@ import pytest
 
 from ddp_core.rundir import RunDir
 from tests.conftest import ROOT, field, run_cli
-from tests.helpers import digests, events, rank_logs, wait_for, wait_gone
+from tests.helpers import digests, events, in_queue, rank_logs, wait_for, wait_gone
 
 pytestmark = pytest.mark.slurm
 GRID = str(ROOT / "configs" / "sweeps" / "digits-grid.yaml")
@@ -51,6 +51,11 @@ def test_grid_sweep_runs_as_one_array_and_resubmits_nothing(slurm_cluster, tmp_p
         seen.add((cfg.optim.lr, cfg.task.model["hidden"]))
         assert cfg.wandb.group == "digits-lr" and cfg.train.max_steps == 40
     assert seen == {(lr, h) for lr in (1e-4, 3e-4, 1e-3) for h in (64, 128)}
+    wait_for(lambda: not in_queue(arrays[0]), 60, "the array to leave the queue")
+    status = run_cli("status", str(sweep_dir), cwd=tmp_path)
+    assert status.returncode == 0, status.stderr
+    rows = [line for line in status.stdout.splitlines() if f"{arrays[0]}_" in line]
+    assert len(rows) == 6 and all("COMPLETED" in row for row in rows), status.stdout
     again = run_cli("sweep", GRID, *QUICK, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "0 new, 0 resumed, 6 completed" in again.stdout and "arrays:" not in again.stdout

@@ -1,0 +1,341 @@
+"""``ddpjob status``: where each run or sweep trial stands, one table row per run.
+
+A row per run joins what the run directory says (run.json's job ids, attempts.jsonl, metrics.jsonl, checkpoint
+manifests) with Slurm's accounting. A refresh asks ``sacct`` once for every job of every row (``-D`` lists each
+requeued attempt of a job as its own line), never once per job: a sweep of a thousand trials is one call.
+``ddpjob logs`` and ``ddpjob cancel`` live in ``jobs/logs.py``; ``add_parsers`` registers all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+from ddp_core.errors import DdpJobError
+from jobs.report import _parse_metric, find_runs, read_metrics
+
+if TYPE_CHECKING:
+    from ddp_core.rundir import RunDir
+
+SACCT_FIELDS = "JobID,JobIDRaw,State,ExitCode,Start,End"
+# A job in one of these states may still produce output or run again; anything else is final.
+ACTIVE_STATES = frozenset(
+    {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED", "COMPLETING",
+     "CONFIGURING", "SIGNALING", "STAGE_OUT", "STOPPED"}
+)  # fmt: skip
+EVENT_STATES = {"start": "STARTED", "interrupted": "INTERRUPTED", "requeued": "INTERRUPTED",
+                "completed": "COMPLETED", "budget_exhausted": "BUDGET_EXHAUSTED"}  # fmt: skip
+ACCOUNTING_LAG_S = 120  # a job this young with no sacct record yet is queued, not lost
+DEFAULT_ROOT = Path("runs")
+
+# Every Slurm command goes through one runner, so tests inject fabricated output and count the calls.
+Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
+
+
+def run_command(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(list(cmd), capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:  # no Slurm client on this machine: states then come from attempts.jsonl alone
+        return subprocess.CompletedProcess(list(cmd), 127, "", f"{cmd[0]}: command not found")
+    except subprocess.TimeoutExpired as err:
+        raise DdpJobError(f"{cmd[0]} did not answer within 60 s", "is the Slurm controller up? (sinfo)") from err
+
+
+@dataclass(frozen=True)
+class Job:
+    job_id: str  # as submitted: "5301", or "5301_3" for an array task
+    log_dir: Path
+    submitted: str = ""
+    on_slurm: bool = True  # submitit-local jobs have pids for ids; Slurm never heard of them
+
+
+def run_jobs(run: RunDir) -> list[Job]:
+    """The run's jobs in submission order: run.json's, then the ones only attempts.jsonl or a
+    ``<job>_batch.out`` names (plain ``sbatch`` submissions record no job in run.json)."""
+    jobs = [
+        Job(str(j["job_id"]), Path(j.get("log_dir") or run.slurm), j.get("submitted", ""), j.get("via") != "local")
+        for j in run.read_meta().get("jobs", [])
+    ]
+    if any("_" in j.job_id for j in jobs):
+        return jobs  # an array task logs its raw SLURM_JOB_ID in attempts.jsonl: the same job, not another one
+    seen = [str(e.get("job_id") or "") for e in run.events()]
+    seen += sorted(p.name.split("_")[0] for p in run.slurm.glob("*_batch.out")) if run.slurm.is_dir() else []
+    known = {j.job_id for j in jobs}
+    extra = [i for i in dict.fromkeys(seen) if i and i not in known]
+    # torchrun's run ids land in attempts.jsonl too: only numbers are Slurm's (one bad id fails a whole sacct -j)
+    extra.sort(key=lambda i: int(i) if i.isdigit() else math.inf)
+    return jobs + [Job(i, run.slurm, on_slurm=i.isdigit()) for i in extra]
+
+
+def query_ids(jobs: Sequence[Job]) -> list[str]:
+    """Ids for ``-j``: an array task's base id, because sacct lists not-yet-started tasks only under the
+    array (``5301_[4-9%2]``), never under ``5301_4``; the base also brings the started ones."""
+    ids = {base for j in jobs if j.on_slurm and (base := j.job_id.split("_")[0]).isdigit()}
+    return sorted(ids, key=lambda i: (len(i), i))
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One line of ``sacct -D``: one attempt of a job (a requeued job has one line per attempt)."""
+
+    job_id: str
+    raw_id: str
+    state: str
+    exit_code: str = "0:0"
+    start: str = ""
+    end: str = ""
+
+
+def sacct(job_ids: Sequence[str], runner: Optional[Runner] = None) -> list[Attempt]:
+    if not job_ids:
+        return []
+    cmd = ["sacct", "-n", "-P", "-D", "-X", "-o", SACCT_FIELDS, "-j", ",".join(job_ids)]
+    out = (runner or run_command)(cmd).stdout
+    rows = []
+    for line in out.splitlines():
+        parts = line.split("|")
+        if len(parts) >= 3:
+            job_id, raw, state, *rest = parts
+            # "CANCELLED by 0" -> "CANCELLED"
+            rows.append(Attempt(job_id, raw, (state.split() or ["?"])[0], *rest[:3]))
+    return rows
+
+
+def _in_array_range(spec: str, index: int) -> bool:
+    """Whether ``index`` is in a pending-array spec like ``[1-3,7%2]``."""
+    for part in spec.strip("[]").split("%")[0].split(","):
+        lo, _, hi = part.partition("-")
+        if lo.isdigit() and int(lo) <= index <= int(hi if hi.isdigit() else lo):
+            return True
+    return False
+
+
+@dataclass
+class Row:
+    run: RunDir
+    jobs: list[Job]
+    events: list[dict[str, Any]]
+    attempts: list[Attempt] = field(default_factory=list)
+    last_step: Optional[int] = None
+    loss: Optional[float] = None
+    metric: Optional[float] = None
+    checkpoint_mtime: Optional[float] = None
+
+    @property
+    def job_label(self) -> str:
+        recorded = [j.job_id for j in self.jobs]
+        return f"{recorded[-1]} +{len(recorded) - 1}" if len(recorded) > 1 else (recorded or ["-"])[0]
+
+    def state(self, now: float) -> str:
+        if self.attempts:
+            last = self.attempts[-1]
+            return f"FAILED({last.exit_code.split(':')[0]})" if last.state == "FAILED" else last.state
+        # No accounting (a --local run, or no sacct here): the trainer's own record says what happened last.
+        last_event = self.events[-1]["event"] if self.events else ""
+        if last_event in EVENT_STATES:
+            return EVENT_STATES[last_event]
+        newest = max((j.submitted for j in self.jobs if j.on_slurm), default="")
+        if newest and now - time.mktime(time.strptime(newest, "%Y-%m-%dT%H:%M:%S")) < ACCOUNTING_LAG_S:
+            return "PENDING"  # sbatch answered, slurmdbd has not written the record yet
+        return "UNKNOWN" if self.jobs else "NOT_SUBMITTED"
+
+    def active(self, now: float) -> bool:
+        return self.state(now) in ACTIVE_STATES
+
+    def history(self, now: float) -> str:
+        """Each attempt's state, oldest first, repeats folded, jobs apart: ``REQUEUED x3 > COMPLETED | RUNNING``."""
+        if not self.attempts:
+            return self.state(now)
+        states = [(a.job_id, a.state) for a in self.attempts[:-1]] + [(self.attempts[-1].job_id, self.state(now))]
+        jobs = []
+        for _, group in itertools.groupby(states, key=lambda pair: pair[0]):
+            folded = ((state, len(list(same))) for state, same in itertools.groupby(state for _, state in group))
+            jobs.append(" > ".join(state if n == 1 else f"{state} x{n}" for state, n in folded))
+        return " | ".join(jobs)
+
+    @property
+    def restarts(self) -> int:
+        """Requeues of the run's jobs (a resume is a new job, not a restart). A REQUEUED line counts before
+        its next attempt's line exists; attempts.jsonl covers runs sacct does not know."""
+        requeued = sum(1 for a in self.attempts if a.state.startswith("REQUEUE"))
+        later = len(self.attempts) - len({a.job_id for a in self.attempts})
+        by_events = sum(1 for e in self.events if e["event"] == "start" and e.get("restart_count", 0) > 0)
+        return max(requeued, later, by_events)
+
+
+def _read_row(run: RunDir, metric_key: str) -> Row:
+    row = Row(run, run_jobs(run), run.events())
+    split, _, name = metric_key.partition("/")
+    records = read_metrics(run.path)
+    for record in records:
+        if record["split"] == "train" and isinstance(record.get("loss"), (int, float)):
+            row.loss = float(record["loss"])
+        if record["split"] == split and isinstance(record.get(name), (int, float)):
+            row.metric = float(record[name])
+    # attempts.jsonl knows steps metrics.jsonl may not (a stop between two log lines)
+    steps = [r["step"] for r in records] + [e["step"] for e in row.events if isinstance(e.get("step"), int)]
+    row.last_step = max(steps, default=None)
+    manifests = [p.stat().st_mtime for p in run.checkpoints.glob("step_*.json")] if run.checkpoints.is_dir() else []
+    row.checkpoint_mtime = max(manifests, default=None)
+    return row
+
+
+def collect(run_paths: Sequence[Path], metric_key: str, runner: Optional[Runner] = None) -> list[Row]:
+    """Read every run and attach its sacct attempts: one sacct call for all of them."""
+    from ddp_core.rundir import RunDir  # imports omegaconf: not at module level, `ddpjob --help` builds our parsers
+
+    rows = [_read_row(RunDir(Path(p)), metric_key) for p in run_paths]
+    owner: dict[str, Row] = {}  # any id a job goes by (as submitted, or raw) -> its row
+    tasks: dict[str, list[tuple[int, Row]]] = {}  # array base id -> (task index, row)
+    for row in rows:
+        for job in row.jobs:
+            owner.setdefault(job.job_id, row)
+            base, _, index = job.job_id.partition("_")
+            if index.isdigit():
+                tasks.setdefault(base, []).append((int(index), row))
+    for attempt in sacct(query_ids([j for row in rows for j in row.jobs]), runner):
+        base, _, spec = attempt.job_id.partition("_")
+        # Array tasks not started yet share one line: 5301_[4-9%2], or a bare 5301 just after the submit.
+        if spec.startswith("[") or (not spec and base in tasks):
+            for index, row in tasks.get(base, []):
+                if not spec or _in_array_range(spec, index):
+                    row.attempts.append(Attempt(f"{base}_{index}", attempt.raw_id, attempt.state))
+        elif (row := owner.get(attempt.job_id) or owner.get(attempt.raw_id)) is not None:
+            row.attempts.append(attempt)
+    return rows
+
+
+def sort_by_metric(rows: list[Row], metric: str) -> tuple[list[Row], Optional[Row]]:
+    """Best first; rows without a finite value last, by name. Returns (rows, best row or None)."""
+    _, minimise = _parse_metric(metric)
+    scored = [r for r in rows if r.metric is not None and math.isfinite(r.metric)]
+    scored.sort(key=lambda r: r.metric if minimise else -r.metric)  # type: ignore[operator]
+    rest = sorted((r for r in rows if r not in scored), key=lambda r: r.run.name)
+    return scored + rest, (scored[0] if scored else None)
+
+
+def age(mtime: Optional[float], now: float) -> str:
+    if mtime is None:
+        return "-"
+    seconds = max(0, int(now - mtime))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit} ago"
+    return f"{seconds}s ago"
+
+
+def shown_path(path: Path) -> str:
+    rel = os.path.relpath(path)
+    return path.as_posix() if rel.startswith("..") else rel
+
+
+def render(rows: Sequence[Row], metric_key: str, best: Optional[Row], now: float) -> str:
+    """A fixed-width table; numbers right-aligned, the run directory last (its width varies most)."""
+    fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
+    head = ["", "JOB", "STATE", "RESTARTS", "STEP", "LOSS", metric_key, "CHECKPOINT", "RUN DIR"]
+    right = {3, 4, 5, 6}
+    table = [head] + [
+        ["*" if r is best else "", r.job_label, r.history(now), str(r.restarts),
+         "-" if r.last_step is None else str(r.last_step), fmt(r.loss), fmt(r.metric),
+         age(r.checkpoint_mtime, now), shown_path(r.run.path)]
+        for r in rows
+    ]  # fmt: skip
+    widths = [max(len(line[i]) for line in table) for i in range(len(head))]
+    lines = [
+        "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
+        for line in table
+    ]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def runs_to_show(path: Optional[str], limit: int = 20) -> tuple[list[Path], bool]:
+    """(run directories, whether to rank them as a sweep)."""
+    if path is None:
+        runs = find_runs(DEFAULT_ROOT) if DEFAULT_ROOT.is_dir() else []
+        if not runs:
+            raise DdpJobError(f"no runs found under ./{DEFAULT_ROOT}", "pass a run directory or a sweep folder")
+        # run.json is rewritten at each submission: newest activity first
+        runs.sort(key=lambda p: (p / "run.json").stat().st_mtime if (p / "run.json").exists() else 0, reverse=True)
+        return runs[:limit], False
+    target = Path(path)
+    runs = find_runs(target) if target.is_dir() else []
+    if not runs:
+        raise DdpJobError(f"'{path}' is not a run directory or a sweep folder", "pass a folder `ddpjob submit` printed")
+    return runs, runs != [target]
+
+
+def status_text(path: Optional[str], metric: str, limit: int = 20, runner: Optional[Runner] = None) -> tuple[str, bool]:
+    """One refresh: (the table, whether any row is still active)."""
+    metric_key, _ = _parse_metric(metric)
+    paths, is_sweep = runs_to_show(path, limit)
+    rows, now = collect(paths, metric_key, runner), time.time()
+    best = None
+    if is_sweep:
+        rows, best = sort_by_metric(rows, metric)
+    text = render(rows, metric_key, best, now)
+    if best is not None:
+        text += f"\n* best by {metric}: {shown_path(best.run.path)} = {best.metric:.6g}"
+    return text, any(r.active(now) for r in rows)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    interval = args.watch
+    try:
+        while True:
+            text, active = status_text(args.path, args.metric, args.limit)
+            if interval is not None and sys.stdout.isatty():
+                sys.stdout.write("\033[H\033[2J")  # clear the screen: the table redraws in place
+            if interval is not None:
+                print(f"{time.strftime('%H:%M:%S')}  every {interval:g} s until all rows end (Ctrl-C stops)")
+            print(text, flush=True)
+            if interval is None or not active:
+                return 0
+            time.sleep(interval)
+    except KeyboardInterrupt:  # the normal way out of --watch, not an error
+        return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from jobs import logs  # imported on use: jobs.logs imports this module
+
+    return logs.cmd_logs(args)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from jobs import logs
+
+    return logs.cmd_cancel(args)
+
+
+def add_parsers(sub: Any) -> None:
+    """Register ``status``, ``logs`` and ``cancel`` on ``ddpjob``'s subparsers."""
+    p = sub.add_parser("status", help="job state, restarts, step, loss/metric and checkpoint age per run or trial")
+    p.add_argument(
+        "path", nargs="?", help=f"a run directory or a sweep folder (default: newest runs in ./{DEFAULT_ROOT})"
+    )
+    p.add_argument("--watch", nargs="?", type=float, const=10.0, metavar="SECONDS",
+                   help="refresh every SECONDS (default 10) until all rows end; put it after PATH")  # fmt: skip
+    p.add_argument("--metric", default="eval/accuracy", help="sweeps: ranks trials; prefix min: to minimise")
+    p.add_argument("--limit", type=int, default=20, help="without PATH: how many of the newest runs")
+
+    p = sub.add_parser("logs", help="a run's rank log across its attempts and jobs")
+    p.add_argument("run_dir", help="the run directory")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new output until the job ends")
+    p.add_argument("--rank", type=int, default=0, help="which rank's log (default 0)")
+    p.add_argument("--attempt", default="all", help="N (1 = first, across requeues and resumes), last or all")
+    p.add_argument("--stream", choices=("err", "out", "batch"), default="err",
+                   help="err: the trainer's log; out: stdout; batch: the sbatch script's own log")  # fmt: skip
+
+    p = sub.add_parser("cancel", help="scancel every queued or running job of runs or sweeps")
+    p.add_argument("paths", nargs="+", metavar="RUN|SWEEP", help="run directories or sweep folders")
+
+
+COMMANDS = {"status": cmd_status, "logs": cmd_logs, "cancel": cmd_cancel}
