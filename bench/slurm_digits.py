@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -19,7 +20,10 @@ COMMON = ["train.eval_every=0", "train.log_every=50", "checkpoint.every_steps=0"
 
 
 def ddpjob(*args: str, cwd: Path) -> dict[str, str]:
-    out = subprocess.run([sys.executable, "-m", "jobs", *args], cwd=cwd, capture_output=True, text=True, check=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # jobs import tests.tasks from the repo
+    out = subprocess.run(
+        [sys.executable, "-m", "jobs", *args], cwd=cwd, env=env, capture_output=True, text=True, check=True
+    )
     return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.stdout.splitlines())}
 
 

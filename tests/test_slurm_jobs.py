@@ -82,6 +82,13 @@ def test_resubmitted_run_resumes_from_checkpoint(slurm_cluster, tmp_path):
     assert "finished at step 80" in logs[0]
     jobs = json.loads((run_dir / "run.json").read_text())["jobs"]
     assert len(jobs) == 2
+    # a truncated newest checkpoint is skipped with a warning and the previous one is used
+    newest = run_dir / "checkpoints" / "step_00000080.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    third = run_cli("resume", str(run_dir), "train.max_steps=100", "--wait", cwd=tmp_path)
+    assert third.returncode == 0, third.stdout + third.stderr
+    log = rank_logs(run_dir, field(third.stdout, "job"))[0]
+    assert "skipping checkpoint step_00000080.pt: size 1000" in log and "resumed from step_00000060.pt" in log
     # changing the model's shape is refused
     bad = run_cli("resume", str(run_dir), "task.model.hidden=7", cwd=tmp_path)
     assert bad.returncode == 2 and "task.model" in bad.stderr
