@@ -1,8 +1,9 @@
 """The interface a user implements to train their own model, and the loader that finds it by import path.
 
 A task is a class named in the config as ``task.target = "package.module:ClassName"``. It is built as
-``ClassName(**task.data)`` on every rank and must provide ``build_model``, ``build_datasets`` and
-``compute``. See the README section "Plugging in your own model".
+``ClassName(**task.data)`` on every rank and provides ``build_model``, ``build_datasets`` and ``score``
+(loss and metric sums from the model's output) — or overrides ``compute`` for a forward that does not
+fit ``model(inputs)``. See the README section "Plugging in your own model".
 """
 
 from __future__ import annotations
@@ -44,9 +45,21 @@ class Task(ABC):
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """(train, eval) map-style datasets. No downloads on compute nodes: read local files or package data."""
 
-    @abstractmethod
+    def split(self, batch: Any) -> tuple[Any, Any]:
+        """(model inputs, targets) of a batch. The pipeline strategy feeds inputs to its first stage and
+        targets to its last, so this is the only place a batch's layout is known."""
+        inputs, targets = batch
+        return inputs, targets
+
+    def score(self, output: Any, targets: Any) -> Output:
+        """Loss and metric sums from the model's output. Needed by strategies where no process holds the
+        whole model (pipeline); the default ``compute`` uses it too."""
+        raise NotImplementedError(f"{type(self).__name__} must implement score() (or compute())")
+
     def compute(self, model: nn.Module, batch: Any) -> Output:
         """Forward one batch (already on the model's device) and return loss and metric sums."""
+        inputs, targets = self.split(batch)
+        return self.score(model(inputs), targets)
 
 
 def _resolve(target: str) -> type:

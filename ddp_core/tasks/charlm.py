@@ -133,9 +133,8 @@ class CharLMTask(Task):
             )
         return train, held_out
 
-    def compute(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> Output:
-        x, y = batch
-        logits = model(x).float()
+    def score(self, output: torch.Tensor, y: torch.Tensor) -> Output:
+        logits = output.float()
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
         correct = (logits.argmax(dim=-1) == y).sum().float()
         return Output(loss=loss, count=y.numel(), sums={"loss": loss.detach() * y.numel(), "accuracy": correct})
