@@ -1,8 +1,15 @@
-"""Crash-safe checkpoint files: atomic write, a manifest written last, checksum verified on load, keep-last-k.
+"""Crash-safe checkpoints: data first, a manifest written last, checksums verified on load, keep-last-k.
 
-A checkpoint is ``step_XXXXXXXX.pt`` plus ``step_XXXXXXXX.json``. The manifest (step, size, sha256) is
-written only after the data file is durable, so a kill at any moment leaves either a complete pair or
-something ``find_latest`` skips. Only rank 0 calls ``save``; the trainer puts a barrier after it.
+Two kinds share the manifest ``step_XXXXXXXX.json`` (``kind`` field) and everything built on it (find the
+newest verified one, prune):
+
+- ``full``: one file ``step_XXXXXXXX.pt`` written by rank 0 (``save`` here): atomic write, manifest with its
+  size and sha256. The trainer puts a barrier after it.
+- ``sharded``: a folder ``step_XXXXXXXX.dcp/`` every rank wrote its shard into (``ddp_core.sharded_checkpoint``);
+  the manifest lists each file's size and sha256.
+
+The manifest is written only after the data is durable, so a kill at any moment leaves either a complete
+checkpoint or something ``find_latest`` skips.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import time
 from dataclasses import dataclass
@@ -20,6 +28,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
 import torch
+import torch.distributed as dist
 
 from ddp_core.rundir import atomic_write_text
 
@@ -28,12 +37,16 @@ log = logging.getLogger(__name__)
 _NAME = re.compile(r"^step_(\d{8})\.json$")
 
 
+FULL, SHARDED = "full", "sharded"
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     step: int
-    path: Path
-    sha256: str
-    size: int
+    path: Path  # the .pt file (full) or the .dcp folder (sharded)
+    sha256: str  # of the file (full); of the manifest's per-file digests (sharded)
+    size: int  # bytes, all files together
+    kind: str = FULL
 
 
 class _HashingWriter(io.RawIOBase):
@@ -55,7 +68,7 @@ class _HashingWriter(io.RawIOBase):
         self.f.flush()
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -76,9 +89,10 @@ def save(directory: Path, step: int, state: dict[str, Any], keep_last: int, writ
         os.fsync(f.fileno())
     digest, size = writer.sha256.hexdigest(), writer.size
     os.replace(tmp, final)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     manifest = {
         "step": step,
+        "kind": FULL,
         "file": final.name,
         "sha256": digest,
         "size": size,
@@ -86,7 +100,7 @@ def save(directory: Path, step: int, state: dict[str, Any], keep_last: int, writ
         "writer": {"rank": writer_rank, "host": socket.gethostname(), "pid": os.getpid()},
     }
     atomic_write_text(directory / f"step_{step:08d}.json", json.dumps(manifest, indent=1) + "\n")
-    _fsync_dir(directory)
+    fsync_dir(directory)
     info = CheckpointInfo(step=step, path=final, sha256=digest, size=size)
     log.info("checkpoint step %d saved (%.1f MB, %.2f s): %s", step, size / 1e6, time.perf_counter() - started, final)
     prune(directory, keep_last)
@@ -100,33 +114,73 @@ def _manifests(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def remove_data(path: Path) -> None:
+    """Delete a checkpoint's data: a file, or a sharded checkpoint's folder."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def prune(directory: Path, keep_last: int) -> None:
     for _, manifest in _manifests(directory)[keep_last:]:
-        # Manifest first: a kill between the two unlinks leaves an orphan data file, never a manifest
-        # pointing at nothing.
+        # Manifest first: a kill between the unlinks leaves orphan data, never a manifest pointing at nothing.
         manifest.unlink(missing_ok=True)
-        manifest.with_suffix(".pt").unlink(missing_ok=True)
+        remove_data(manifest.with_suffix(".pt"))
+        remove_data(manifest.with_suffix(".dcp"))
     for stale in directory.glob(".step_*.tmp*"):
-        stale.unlink(missing_ok=True)
+        remove_data(stale)
+
+
+def sha256_file(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):  # 16 MiB at a time: a multi-GB checkpoint is never in memory twice
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def files_digest(files: dict[str, dict[str, Any]]) -> str:
+    """One digest for a sharded checkpoint: sha256 over its files' names and digests, in name order."""
+    return hashlib.sha256("".join(f"{name}:{files[name]['sha256']}\n" for name in sorted(files)).encode()).hexdigest()
+
+
+def _verify_sharded(manifest: Path, meta: dict[str, Any]) -> Optional[CheckpointInfo]:
+    folder = manifest.with_name(meta["file"])
+    files: dict[str, dict[str, Any]] = meta["files"]
+    for name, expected in sorted(files.items()):
+        path = folder / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            log.warning("skipping checkpoint %s: shard file %s is missing", folder.name, name)
+            return None
+        if size != expected["size"]:
+            log.warning("skipping checkpoint %s: %s has %d bytes, not %d (truncated?)", folder.name, name, size,
+                        expected["size"])  # fmt: skip
+            return None
+        if sha256_file(path) != expected["sha256"]:
+            log.warning("skipping checkpoint %s: sha256 mismatch in %s (corrupt)", folder.name, name)
+            return None
+    size = sum(f["size"] for f in files.values())
+    return CheckpointInfo(step=int(meta["step"]), path=folder, sha256=files_digest(files), size=size, kind=SHARDED)
 
 
 def verify(manifest: Path) -> Optional[CheckpointInfo]:
-    """The checkpoint named by ``manifest`` if its data file is complete and its checksum matches."""
+    """The checkpoint named by ``manifest`` if its data is complete and its checksums match."""
     try:
         meta = json.loads(manifest.read_text())
+        if meta.get("kind", FULL) == SHARDED:
+            return _verify_sharded(manifest, meta)
         path = manifest.with_name(meta["file"])
         size = path.stat().st_size
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, TypeError) as err:
         log.warning("skipping checkpoint %s: unreadable manifest or missing data (%s)", manifest.name, err)
         return None
     if size != meta["size"]:
         log.warning("skipping checkpoint %s: size %d != %d in its manifest (truncated?)", path.name, size, meta["size"])
         return None
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):  # 16 MiB at a time: a multi-GB checkpoint is never in memory twice
-            sha.update(chunk)
-    digest = sha.hexdigest()
+    digest = sha256_file(path)
     if digest != meta["sha256"]:
         log.warning("skipping checkpoint %s: sha256 mismatch (corrupt)", path.name)
         return None
@@ -140,6 +194,22 @@ def find_latest(directory: Path) -> Optional[CheckpointInfo]:
         if info is not None:
             return info
     return None
+
+
+def find(directory: Path, step: int) -> Optional[CheckpointInfo]:
+    """The checkpoint of ``step`` if it exists and verifies."""
+    manifest = directory / f"step_{step:08d}.json"
+    return verify(manifest) if manifest.is_file() else None
+
+
+def find_latest_agreed(directory: Path) -> Optional[CheckpointInfo]:
+    """``find_latest`` on rank 0, told to every rank: each file is hashed once, not once per rank, and all
+    ranks resume from the same checkpoint even if a newer one appeared meanwhile."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return find_latest(directory)
+    box = [find_latest(directory) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def load(info: CheckpointInfo) -> dict[str, Any]:

@@ -29,10 +29,15 @@ class StrategyName(str, Enum):
     ddp = "ddp"
     dp = "dp"
     model_parallel = "model_parallel"
+    fsdp = "fsdp"
 
 
 # Strategies whose single process per node drives all of that node's GPUs (no process group across nodes).
 SINGLE_PROCESS_STRATEGIES = (StrategyName.dp, StrategyName.model_parallel)
+# Strategies whose checkpoints are written by every rank (torch.distributed.checkpoint), not from rank 0's replica.
+SHARDED_CHECKPOINT_STRATEGIES = (StrategyName.fsdp,)
+# strategy.mixed_precision values: fsdp's parameter dtype during forward/backward (gradients reduce in fp32).
+MIXED_PRECISION = ("bf16",)
 
 
 class Precision(str, Enum):
@@ -110,6 +115,9 @@ class CheckpointConfig:
     keep_last: int = 3
     # On SIGTERM Slurm kills the job KillWait seconds later (often 30): save only if the last save took less.
     sigterm_budget_s: float = 20.0
+    # Sharded checkpoints (fsdp) only: training blocks while the state is copied, the files are written in the
+    # background; the manifest appears once they are all durable.
+    async_save: bool = False
 
 
 @dataclass
@@ -127,6 +135,11 @@ class StrategyConfig:
     find_unused_parameters: bool = False  # ddp only
     # model_parallel only: consecutive top-level layers per GPU, e.g. [3, 2]; null = balanced by parameter count.
     split: Optional[List[int]] = None
+    # fsdp only: "bf16" gathers parameters and computes in bf16 and reduces gradients in fp32; null = fp32 throughout.
+    mixed_precision: Optional[str] = None
+    # fsdp only: free each block's gathered parameters after its forward (gathered again for backward): less memory
+    # for one more all-gather per block.
+    reshard_after_forward: bool = True
 
 
 @dataclass
@@ -286,6 +299,21 @@ def _validate_strategy(cfg: Config) -> None:
                 f"{cfg.slurm.nodes}",
                 "set slurm.nodes=1, or strategy.name=ddp to train across nodes",
             )
+    mixed = cfg.strategy.mixed_precision
+    if mixed is not None:
+        _require(mixed in MIXED_PRECISION, "strategy.mixed_precision", mixed, "must be null or 'bf16'")
+        _require(
+            cfg.strategy.name is StrategyName.fsdp,
+            "strategy.mixed_precision",
+            mixed,
+            f"applies to strategy.name=fsdp only (this is {name!r}); use train.precision=bf16 for autocast",
+        )
+    _require(
+        not cfg.checkpoint.async_save or cfg.strategy.name in SHARDED_CHECKPOINT_STRATEGIES,
+        "checkpoint.async_save",
+        True,
+        f"applies to sharded checkpoints (strategy.name=fsdp); {name!r} saves one file from rank 0",
+    )
     split = cfg.strategy.split
     if split is not None:
         _require(bool(split) and all(n > 0 for n in split), "strategy.split", split, "entries must be > 0")

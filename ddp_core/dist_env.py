@@ -31,7 +31,8 @@ class DistEnv:
     num_nodes: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = PORT_BASE
-    job_id: Optional[str] = None
+    job_id: Optional[str] = None  # the launcher's job identity (Slurm job, torchrun run, submitit-local pid)
+    slurm_job_id: Optional[str] = None  # set only inside a Slurm job: what `scontrol requeue` needs
     restart_count: int = 0
     cpus_per_rank: int = 1
     source: str = "single"  # torchrun | slurm | submitit-local | single
@@ -92,6 +93,7 @@ def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=_int(env, "MASTER_PORT", 29500),
         job_id=env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID"),
+        slurm_job_id=env.get("SLURM_JOB_ID"),  # torchrun inside an allocation can still requeue it
         restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
         cpus_per_rank=_cpus(env, local_world),
         source="torchrun",
@@ -119,6 +121,7 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
         master_addr=expand_nodelist(nodelist)[0],
         master_port=_int(env, "MASTER_PORT", 0) or derive_master_port(int(job_id or 0), array_task),
         job_id=job_id,
+        slurm_job_id=job_id,
         restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
         cpus_per_rank=_cpus(env, local_world),
         source="slurm",

@@ -49,7 +49,7 @@ def _after_stop(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag,
     """Rank 0 decides what an interrupted attempt leads to: requeue, or a terminal state. Returns exit code."""
     if not env.is_main:
         return EXIT_REQUEUED if outcome.signum == stop_flag.warning else EXIT_TERMINATED
-    end = preemption.job_end_time(env.job_id)
+    end = preemption.job_end_time(env.slurm_job_id)
     time_left = None if end is None else end - (stop_flag.received_at or time.time())
     kind = preemption.classify(outcome.signum, stop_flag.warning, time_left, cfg.slurm.signal_lead_s)
     run_dir.log_event("interrupted", kind=kind.value, job_id=env.job_id, step=outcome.step)

@@ -85,12 +85,12 @@ def job_end_time(job_id: Optional[str]) -> Optional[float]:
 
 def requeue(env: DistEnv) -> bool:
     """Put this job back in the queue (same job id). Rank 0 only; True if Slurm accepted."""
-    if env.source == "submitit-local" or not env.job_id:
-        log.warning("not running under Slurm: nothing to requeue; resume later with `ddpjob resume`")
+    if not env.slurm_job_id:
+        log.warning("not running in a Slurm job: nothing to requeue; continue later with `ddpjob resume`")
         return False
-    proc = subprocess.run(["scontrol", "requeue", env.job_id], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(["scontrol", "requeue", env.slurm_job_id], capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
-        log.error("scontrol requeue %s failed: %s", env.job_id, proc.stderr.strip())
+        log.error("scontrol requeue %s failed: %s", env.slurm_job_id, proc.stderr.strip())
         return False
-    log.info("requeued job %s", env.job_id)
+    log.info("requeued job %s", env.slurm_job_id)
     return True

@@ -13,12 +13,12 @@ import logging
 import signal
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
 
-from ddp_core import checkpoint, distributed
+from ddp_core import checkpoint, distributed, sharded_checkpoint
 from ddp_core.config import Config, Precision, to_dict
 from ddp_core.data import ResumableShardSampler, eval_loader, train_loader
 from ddp_core.dist_env import DistEnv
@@ -100,30 +100,50 @@ def save_checkpoint(
     scheduler: Any,
     pos: Position,
     log_loss: torch.Tensor,
+    sharded: Optional[sharded_checkpoint.ShardedWriter] = None,
 ) -> float:
-    """Collective: every rank's RNG to rank 0, rank 0 writes, all wait. Returns the seconds it blocked."""
+    """Collective: every rank's RNG to rank 0, then rank 0 writes the whole state (full), or every rank its shard
+    (``sharded`` given). Returns the seconds training blocked."""
     started = time.perf_counter()
     rngs = distributed.gather_to_main(distributed.rng_state(), env)
+    rest = {
+        "scheduler": scheduler.state_dict(),
+        "position": asdict(pos),
+        "log_loss": log_loss.clone(),  # the partial average of the next progress line
+        "rng": rngs,
+        "world_size": env.world_size,
+        "config": to_dict(cfg),
+    }
+    if sharded is not None:
+        sharded.save(pos.step, strategy.sharded_state(model, optimizer), rest if env.is_main else None)
+        return time.perf_counter() - started
     if env.is_main:
-        state = {
-            "model": strategy.model_state(model),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "position": asdict(pos),
-            "log_loss": log_loss.clone(),  # the partial average of the next progress line
-            "rng": rngs,
-            "world_size": env.world_size,
-            "config": to_dict(cfg),
-        }
+        state = {"model": strategy.model_state(model), "optimizer": optimizer.state_dict(), **rest}
         checkpoint.save(run_dir.checkpoints, pos.step, state, cfg.checkpoint.keep_last, writer_rank=env.rank)
     distributed.barrier()  # nobody runs ahead (or exits) before the checkpoint is durable
     return time.perf_counter() - started
 
 
-def weights_digest(model: nn.Module) -> str:
-    """sha256 over the parameters in state_dict order: equal digests mean bitwise-equal weights."""
+def load_checkpoint(
+    info: checkpoint.CheckpointInfo, strategy: Strategy, model: nn.Module, optimizer: Any
+) -> dict[str, Any]:
+    """Collective: restore model and optimizer from either kind of checkpoint, under any strategy. Returns the
+    rest of it (scheduler, position, RNG, ...)."""
+    if info.kind == checkpoint.SHARDED:
+        state, rest = sharded_checkpoint.load(info, strategy.sharded_state(model, optimizer))
+        strategy.load_sharded_state(model, optimizer, state)
+        return rest
+    state = checkpoint.load(info)
+    strategy.load_model_state(model, state["model"])
+    strategy.load_optimizer_state(model, optimizer, state["optimizer"])
+    return state
+
+
+def weights_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over a full state dict in its order (``Strategy.full_model_state``): equal digests mean bitwise-equal
+    weights."""
     h = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state.items():
         h.update(name.encode())
         h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -148,11 +168,9 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Ou
 
     pos = Position()
     log_loss = torch.zeros(2, dtype=torch.float64)  # (sum of step losses, steps) since the last log line
-    latest = checkpoint.find_latest(run_dir.checkpoints)
+    latest = checkpoint.find_latest_agreed(run_dir.checkpoints)
     if latest is not None:
-        state = checkpoint.load(latest)
-        strategy.load_model_state(model, state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        state = load_checkpoint(latest, strategy, model, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         pos = Position(**state["position"])
         log_loss = state["log_loss"].clone()
@@ -196,11 +214,18 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Ou
         )
     started = time.perf_counter()
     last_save_s, saved_step = 0.0, -1
+    sharded = None
+    if strategy.checkpoint_kind == checkpoint.SHARDED:
+        sharded = sharded_checkpoint.ShardedWriter(
+            run_dir.checkpoints, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, env.rank, env.world_size
+        )
 
     def checkpoint_now() -> None:
         nonlocal last_save_s, saved_step
         if saved_step != pos.step:
-            last_save_s = save_checkpoint(cfg, run_dir, env, strategy, model, optimizer, scheduler, pos, log_loss)
+            last_save_s = save_checkpoint(
+                cfg, run_dir, env, strategy, model, optimizer, scheduler, pos, log_loss, sharded
+            )
             saved_step = pos.step
 
     model.train()
@@ -247,6 +272,8 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Ou
                 else:
                     log.warning("SIGTERM: the last save took %.1f s, over checkpoint.sigterm_budget_s", last_save_s)
                 log.info("stopping at step %d on %s", pos.step, signal.Signals(signum).name)
+                if sharded is not None:
+                    sharded.close()  # an async save completes before the process group goes away
                 progress.close()
                 wandb_run.finish()
                 return Outcome(step=pos.step, final=None, signum=signum)
@@ -256,10 +283,12 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Ou
     final = evaluate(task, model, eval_set, cfg, strategy)
     record("eval", final)
     checkpoint_now()
+    if sharded is not None:
+        sharded.close()
     progress.close()
     elapsed = time.perf_counter() - started
     log.info("finished at step %d in %.1f s: %s", pos.step, elapsed, " ".join(f"{k} {v:.4f}" for k, v in final.items()))
     # Every rank logs its own digest: replicas that drifted apart show up as different lines.
-    log.info("final weights sha256 %s", weights_digest(strategy.unwrap(model)))
+    log.info("final weights sha256 %s", weights_digest(strategy.full_model_state(model)))
     wandb_run.finish()
     return Outcome(step=pos.step, final=final)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ddp_core.errors import DdpJobError
+from jobs import export as export_cmd
 from jobs import status as status_cmds
 
 log = logging.getLogger("ddpjob")
@@ -67,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", default="eval/accuracy", help="ranks runs; prefix min: to minimise (min:eval/loss)")
 
     status_cmds.add_parsers(sub)
+    export_cmd.add_parser(sub)
 
     p = sub.add_parser("sync", help="upload a run's offline W&B records (wraps `wandb sync`)")
     p.add_argument("run_dir", help="the run directory")
@@ -243,7 +245,7 @@ _COMMANDS = {
 }
 
 
-_COMMANDS |= status_cmds.COMMANDS
+_COMMANDS |= status_cmds.COMMANDS | export_cmd.COMMANDS
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -60,7 +60,8 @@ def make_run(
     if checkpoint_age_s is not None:
         manifest = path / "checkpoints" / "step_00000010.json"
         manifest.write_text("{}")
-        os.utime(manifest, (NOW - checkpoint_age_s, NOW - checkpoint_age_s))
+        made = time.time() - checkpoint_age_s  # relative to now, not import time: the suite may run for minutes
+        os.utime(manifest, (made, made))
     return path
 
 

@@ -95,3 +95,22 @@ def test_wandb_offline_records_and_online_without_key_falls_back(tmp_path):
 def test_wandb_disabled_writes_nothing(tmp_path):
     trainer(tmp_path / "run", *BASE, "train.max_steps=10")
     assert not list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+
+
+def test_export_cli_writes_a_plain_state_dict(tmp_path):
+    import torch
+
+    from ddp_core.tasks.digits import DigitsTask
+
+    log = trainer(tmp_path / "run", *BASE, "train.max_steps=20")
+    out = tmp_path / "model.pt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs", "export", str(tmp_path / "run"), str(out)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    state = torch.load(out, weights_only=True)
+    model = DigitsTask().build_model(**{"hidden": 128, "depth": 2, "dropout": 0.1})
+    model.load_state_dict(state)  # strict: plain keys, no wrapper prefixes
+    from ddp_core.train import weights_digest
+
+    assert final_digests(log) == [weights_digest(state)]

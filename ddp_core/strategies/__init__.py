@@ -9,12 +9,14 @@ from ddp_core.dist_env import DistEnv
 from ddp_core.strategies.base import Strategy
 from ddp_core.strategies.ddp import DDPStrategy
 from ddp_core.strategies.dp import DPStrategy
+from ddp_core.strategies.fsdp import FSDPStrategy
 from ddp_core.strategies.model_parallel import ModelParallelStrategy
 
 _STRATEGIES: dict[StrategyName, type[Strategy]] = {
     StrategyName.ddp: DDPStrategy,
     StrategyName.dp: DPStrategy,
     StrategyName.model_parallel: ModelParallelStrategy,
+    StrategyName.fsdp: FSDPStrategy,
 }
 
 

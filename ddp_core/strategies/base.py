@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import Any, ContextManager
+from typing import Any, ClassVar, ContextManager
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ddp_core.config import StrategyConfig
 from ddp_core.dist_env import DistEnv
 
 
 class Strategy(ABC):
+    # How this strategy's checkpoints are written: "full" (rank 0 writes the whole state to one file) or
+    # "sharded" (every rank writes its part with torch.distributed.checkpoint). Either kind loads into any strategy.
+    checkpoint_kind: ClassVar[str] = "full"
+
     def __init__(self, cfg: StrategyConfig, env: DistEnv, device: torch.device) -> None:
         self.cfg = cfg
         self.env = env
@@ -42,7 +47,30 @@ class Strategy(ABC):
         return self.env.world_size
 
     def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's weights under plain keys, for a full checkpoint (called on rank 0 only)."""
         return self.unwrap(model).state_dict()
 
     def load_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load a full checkpoint's weights (every rank holds the whole ``state``)."""
         self.unwrap(model).load_state_dict(state)
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load a full checkpoint's ``optimizer.state_dict()`` (every rank holds all of it)."""
+        optimizer.load_state_dict(state)
+
+    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's weights under plain keys on every rank; collective for strategies that shard.
+        Comparable across ranks, strategies and world sizes (the trainer's final weights digest)."""
+        return self.unwrap(model).state_dict()
+
+    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's model and optimizer state for torch.distributed.checkpoint, keyed by parameter names
+        (DCP saves each rank's shards and reshards them on load). A replicated model gives full tensors."""
+        model_state, optim_state = get_state_dict(self.unwrap(model), optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def load_sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Apply what ``sharded_state`` gave, filled from a sharded checkpoint."""
+        set_state_dict(
+            self.unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )

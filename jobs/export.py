@@ -1,0 +1,94 @@
+"""``ddpjob export RUN [--step S] OUT.pt``: a run's checkpoint as one plain model state dict, for inference.
+
+Works for both checkpoint kinds: a full one (``step_X.pt``, written by rank 0) and a sharded one
+(``step_X.dcp/``, written by every rank under fsdp), which is gathered here, in this one process, without a
+process group. The output has the plain model's keys (``task.build_model(**task.model).load_state_dict`` takes
+it, strictly) and whole tensors, and loads with ``torch.load(OUT, weights_only=True)``. The checkpoint is the
+newest one whose checksums verify, or the ``--step`` given (which must verify). torch is imported only when the
+command runs: ``ddpjob --help`` stays instant on a login node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from ddp_core.errors import DdpJobError
+from ddp_core.rundir import RunDir
+
+if TYPE_CHECKING:
+    import torch
+
+    from ddp_core.checkpoint import CheckpointInfo
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``export`` on ``ddpjob``'s subparsers."""
+    p = sub.add_parser("export", help="write a run's checkpoint as one plain model state-dict file (for inference)")
+    p.add_argument("run_dir", metavar="RUN_DIR|JOB_ID", help="the run directory, or one of its Slurm job ids")
+    p.add_argument("out", metavar="OUT.pt", help="the file to write (replaced if it exists)")
+    p.add_argument("--step", type=int, help="export this step's checkpoint (default: the newest that verifies)")
+    p.add_argument("--root", default="runs", help="where to look for the run of a JOB_ID (default: runs)")
+
+
+def find_checkpoint(run_dir: RunDir, step: Optional[int]) -> CheckpointInfo:
+    from ddp_core import checkpoint
+
+    info = checkpoint.find_latest(run_dir.checkpoints) if step is None else checkpoint.find(run_dir.checkpoints, step)
+    if info is not None:
+        return info
+    steps = sorted(int(p.stem.split("_")[1]) for p in run_dir.checkpoints.glob("step_*.json"))
+    if step is None:
+        raise DdpJobError(
+            f"run {run_dir.name} has no complete checkpoint in {run_dir.checkpoints}",
+            "checkpoints appear every checkpoint.every_steps steps and at the end of training",
+        )
+    if step in steps:
+        raise DdpJobError(
+            f"the checkpoint of step {step} of run {run_dir.name} does not verify (see the warning above)",
+            f"export another step: {[s for s in steps if s != step]}",
+        )
+    hint = f"checkpoints exist for steps {steps}" if steps else "this run has no checkpoints yet"
+    raise DdpJobError(f"run {run_dir.name} has no checkpoint of step {step}", hint)
+
+
+def model_state(info: CheckpointInfo) -> dict[str, torch.Tensor]:
+    """The whole model's weights of a checkpoint of either kind, under the plain model's keys."""
+    from ddp_core import checkpoint, sharded_checkpoint
+
+    if info.kind == checkpoint.SHARDED:
+        return sharded_checkpoint.read_model_state(info.path)
+    return checkpoint.load(info)["model"]
+
+
+def export(run_dir: RunDir, out: Path, step: Optional[int] = None) -> tuple[CheckpointInfo, dict[str, torch.Tensor]]:
+    """Write the checkpoint's model state to ``out`` (atomically); return which checkpoint and the state."""
+    import torch
+
+    info = find_checkpoint(run_dir, step)
+    state = model_state(info)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)  # a reader of OUT never sees half a file
+    return info, state
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from jobs.lookup import find_run
+
+    run_dir = find_run(args.run_dir, Path(args.root))
+    out = Path(args.out)
+    info, state = export(run_dir, out, args.step)
+    params = sum(t.numel() for t in state.values())
+    print(f"checkpoint: {info.path} (step {info.step}, {info.kind})")
+    print(f"exported:   {out} ({len(state)} tensors, {params / 1e6:.2f}M values, {out.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
+COMMANDS = {"export": cmd_export}
