@@ -30,12 +30,14 @@ class StrategyName(str, Enum):
     dp = "dp"
     model_parallel = "model_parallel"
     fsdp = "fsdp"
+    pipeline = "pipeline"
 
 
 # Strategies whose single process per node drives all of that node's GPUs (no process group across nodes).
 SINGLE_PROCESS_STRATEGIES = (StrategyName.dp, StrategyName.model_parallel)
 # Strategies whose checkpoints are written by every rank (torch.distributed.checkpoint), not from rank 0's replica.
-SHARDED_CHECKPOINT_STRATEGIES = (StrategyName.fsdp,)
+SHARDED_CHECKPOINT_STRATEGIES = (StrategyName.fsdp, StrategyName.pipeline)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 # strategy.mixed_precision values: fsdp's parameter dtype during forward/backward (gradients reduce in fp32).
 MIXED_PRECISION = ("bf16",)
 
@@ -133,8 +135,14 @@ class WandbConfig:
 class StrategyConfig:
     name: StrategyName = StrategyName.ddp
     find_unused_parameters: bool = False  # ddp only
-    # model_parallel only: consecutive top-level layers per GPU, e.g. [3, 2]; null = balanced by parameter count.
+    # model_parallel / pipeline: consecutive top-level layers per GPU / stage, e.g. [3, 2]; null = balanced by
+    # parameter count.
     split: Optional[List[int]] = None
+    # pipeline only: stages across ranks (world size / stages = data-parallel replicas, a 2-D dp x pp mesh),
+    # the schedule (gpipe or 1f1b), and micro-batches per step (must divide data.batch_size).
+    stages: int = 2
+    schedule: str = "1f1b"
+    microbatches: int = 4
     # fsdp only: "bf16" gathers parameters and computes in bf16 and reduces gradients in fp32; null = fp32 throughout.
     mixed_precision: Optional[str] = None
     # fsdp only: free each block's gathered parameters after its forward (gathered again for backward): less memory
@@ -319,11 +327,36 @@ def _validate_strategy(cfg: Config) -> None:
         _require(bool(split) and all(n > 0 for n in split), "strategy.split", split, "entries must be > 0")
         gpus = cfg.slurm.gpus_per_node
         _require(
-            gpus == 0 or len(split) <= gpus,
+            gpus == 0 or len(split) <= gpus or cfg.strategy.name is not StrategyName.model_parallel,
             "strategy.split",
             split,
             f"{len(split)} stages need {len(split)} GPUs; slurm.gpus_per_node = {gpus}",
         )
+    if cfg.strategy.name is StrategyName.pipeline:
+        _validate_pipeline(cfg)
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    s = cfg.strategy
+    world = cfg.slurm.nodes * ranks_per_node(cfg)
+    _require(s.stages >= 1, "strategy.stages", s.stages, "must be >= 1")
+    _require(
+        world % s.stages == 0,
+        "strategy.stages",
+        s.stages,
+        f"must divide the world size ({world} = slurm.nodes x ranks per node); the quotient is the number of "
+        "data-parallel replicas",
+    )
+    _require(s.schedule in PIPELINE_SCHEDULES, "strategy.schedule", s.schedule, f"must be one of {PIPELINE_SCHEDULES}")
+    _require(s.microbatches >= 1, "strategy.microbatches", s.microbatches, "must be >= 1")
+    _require(
+        cfg.data.batch_size % s.microbatches == 0,
+        "strategy.microbatches",
+        s.microbatches,
+        f"must divide data.batch_size ({cfg.data.batch_size}): every micro-batch has the same shape",
+    )
+    if s.split is not None:
+        _require(len(s.split) == s.stages, "strategy.split", s.split, f"needs one entry per stage ({s.stages})")
 
 
 def _plain(value: Any) -> Any:

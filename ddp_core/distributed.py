@@ -61,6 +61,15 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def union_keys(keys: list[str]) -> list[str]:
+    """The sorted union of every rank's ``keys``: the same list everywhere, for collectives over dicts."""
+    if not dist.is_initialized():
+        return sorted(keys)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, keys)
+    return sorted(set().union(*everyone))
+
+
 def gather_to_main(obj: Any, env: DistEnv) -> list[Any]:
     """Every rank's ``obj`` on rank 0 (others get an empty list)."""
     if not dist.is_initialized():

@@ -130,7 +130,7 @@ class ShardedWriter:
             remove_data(tmp)  # left by a killed attempt: stale shards must not mix with this save's
             tmp.mkdir(parents=True)
             assert extra is not None
-            _save_extra(tmp / EXTRA, extra | {"plain": plain, "model_keys": list(state["model"])})
+            _save_extra(tmp / EXTRA, {"plain": plain, "model_keys": list(state["model"])} | extra)
         distributed.barrier()  # the folder exists, empty of stale files, before any rank writes into it
         writer = dcp.FileSystemWriter(tmp)  # fsyncs every file it writes
         if self._background is None:
@@ -225,9 +225,18 @@ def load(info: CheckpointInfo, state: dict[str, Any]) -> tuple[dict[str, Any], d
     checkpoint's non-tensor parts, the rest of the checkpoint: position, RNG, scheduler, ...)."""
     extra = torch.load(info.path / EXTRA, map_location="cpu", weights_only=True)
     read_metadata(info.path)  # refuses a metadata pickle that names anything but DCP's own classes
-    tensors, _ = split_tensors(state)
+    tensors, own = split_tensors(state)
     dcp.load(tensors, storage_reader=dcp.FileSystemReader(info.path))
-    return merge(tensors, extra.pop("plain")), extra
+    plain = extra.pop("plain")
+    saved_groups = plain.get("optimizer", {}).get("param_groups")
+    own_groups = own.get("optimizer", {}).get("param_groups")
+    if saved_groups is not None and own_groups is not None and len(saved_groups) == len(own_groups):
+        # Which parameters a group holds is this rank's own (a pipeline stage holds some, rank 0 wrote its
+        # own list); the hyperparameters (lr, betas, ...) come from the checkpoint.
+        plain["optimizer"]["param_groups"] = [
+            saved | {"params": mine["params"]} for saved, mine in zip(saved_groups, own_groups, strict=True)
+        ]
+    return merge(tensors, plain), extra
 
 
 def read_model_state(folder: Path) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from ddp_core.preemption import StopFlag
 from ddp_core.reporting import MetricsLog, Progress
 from ddp_core.rundir import RunDir
 from ddp_core.strategies import Strategy, build_strategy
-from ddp_core.task import Output, Task, load_task
+from ddp_core.task import Task, load_task
 from ddp_core.wandb_run import WandbRun
 
 log = logging.getLogger(__name__)
@@ -70,13 +70,15 @@ def evaluate(task: Task, model: nn.Module, dataset: Any, cfg: Config, strategy: 
     model.eval()
     with torch.no_grad(), autocast(cfg, strategy.device):
         for batch in loader:
-            out = task.compute(model, to_device(batch, strategy.device))
+            out = strategy.eval_step(task, model, to_device(batch, strategy.device))
             count += out.count
             for key, value in out.sums.items():
                 sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + value.detach().double().cpu()
     model.train()
-    keys = sorted(sums)
-    totals = distributed.all_reduce_sum(torch.stack([count] + [sums[k] for k in keys]))
+    # Ranks without outputs (a pipeline's first stages) have no metric names yet: agree on them first.
+    keys = distributed.union_keys(sorted(sums))
+    zero = torch.zeros((), dtype=torch.float64)
+    totals = distributed.all_reduce_sum(torch.stack([count] + [sums.get(k, zero) for k in keys]))
     return {k: (totals[i + 1] / totals[0]).item() for i, k in enumerate(keys)}
 
 
@@ -115,6 +117,8 @@ def save_checkpoint(
         "config": to_dict(cfg),
     }
     if sharded is not None:
+        # The whole model's parameter names, in order: rank 0 may hold only part of them (a pipeline stage).
+        rest["model_keys"] = strategy.model_keys(model)
         sharded.save(pos.step, strategy.sharded_state(model, optimizer), rest if env.is_main else None)
         return time.perf_counter() - started
     if env.is_main:
@@ -237,19 +241,19 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Ou
         for group in micro_batches(loader, cfg.train.grad_accum):
             step_loss = 0.0
             for i, batch in enumerate(group):
-                last = i == len(group) - 1
-                with strategy.no_sync(model) if not last else contextlib.nullcontext(), autocast(cfg, device):
-                    out: Output = task.compute(model, to_device(batch, device))
-                    (out.loss / cfg.train.grad_accum).backward()
-                step_loss += out.loss.item() / cfg.train.grad_accum
+                with autocast(cfg, device):
+                    sync = i == len(group) - 1  # gradients are communicated on the last micro-batch only
+                    step_loss += strategy.forward_backward(
+                        task, model, to_device(batch, device), cfg.train.grad_accum, sync
+                    )
             if cfg.optim.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+                strategy.clip_grad_norm(model, cfg.optim.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             pos.step += 1
             pos.micro_in_epoch += len(group)
-            log_loss += torch.tensor([step_loss, 1.0], dtype=torch.float64)
+            log_loss += torch.tensor([step_loss, float(strategy.reports_loss)], dtype=torch.float64)
 
             if pos.step % cfg.train.log_every == 0 or pos.step == cfg.train.max_steps:
                 totals = distributed.all_reduce_sum(log_loss.clone())

@@ -28,13 +28,14 @@ class CrashingTask(DigitsTask):
 
 
 class SlowDigitsTask(DigitsTask):
-    """Digits with a pause per training batch, so signals can land at chosen steps. Numerics unchanged."""
+    """Digits with a pause per batch, so signals can land at chosen steps. Numerics unchanged. The pause is
+    in split(), which every strategy calls on every rank (a pipeline never calls compute())."""
 
     def __init__(self, pause_s: float = 0.0, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.pause_s = pause_s
 
-    def compute(self, model: nn.Module, batch: tuple) -> Output:
-        if model.training and self.pause_s:
+    def split(self, batch: tuple) -> tuple:
+        if self.pause_s:
             time.sleep(self.pause_s)
-        return super().compute(model, batch)
+        return super().split(batch)

@@ -11,11 +11,13 @@ from ddp_core.strategies.ddp import DDPStrategy
 from ddp_core.strategies.dp import DPStrategy
 from ddp_core.strategies.fsdp import FSDPStrategy
 from ddp_core.strategies.model_parallel import ModelParallelStrategy
+from ddp_core.strategies.pipeline import PipelineStrategy
 
 _STRATEGIES: dict[StrategyName, type[Strategy]] = {
     StrategyName.ddp: DDPStrategy,
     StrategyName.dp: DPStrategy,
     StrategyName.model_parallel: ModelParallelStrategy,
+    StrategyName.pipeline: PipelineStrategy,
     StrategyName.fsdp: FSDPStrategy,
 }
 

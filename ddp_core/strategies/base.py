@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ddp_core.config import StrategyConfig
 from ddp_core.dist_env import DistEnv
+from ddp_core.task import Output, Task
 
 
 class Strategy(ABC):
@@ -36,6 +37,24 @@ class Strategy(ABC):
         """Context for accumulation micro-steps that should skip gradient communication."""
         return contextlib.nullcontext()
 
+    # Whether this rank's losses count in the logged average (a pipeline's last stage only sees losses).
+    reports_loss: ClassVar[bool] = True
+
+    def forward_backward(self, task: Task, model: nn.Module, batch: Any, grad_accum: int, sync: bool) -> float:
+        """Forward and backward of one micro-batch of ``grad_accum``; ``sync`` on the last one, where gradient
+        communication happens. Returns the micro-batch's loss / grad_accum for logging."""
+        with self.no_sync(model) if not sync else contextlib.nullcontext():
+            out = task.compute(model, batch)
+            (out.loss / grad_accum).backward()
+        return out.loss.item() / grad_accum
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def eval_step(self, task: Task, model: nn.Module, batch: Any) -> Output:
+        """Loss and metric sums of one eval batch (under no_grad); ranks without outputs return count 0."""
+        return task.compute(model, batch)
+
     @property
     def data_rank(self) -> int:
         """This process's index among data-parallel replicas (sampler shard)."""
@@ -57,6 +76,10 @@ class Strategy(ABC):
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Load a full checkpoint's ``optimizer.state_dict()`` (every rank holds all of it)."""
         optimizer.load_state_dict(state)
+
+    def model_keys(self, model: nn.Module) -> list[str]:
+        """The whole model's parameter names in state_dict order (also where this rank holds only some)."""
+        return list(self.unwrap(model).state_dict())
 
     def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's weights under plain keys on every rank; collective for strategies that shard.
