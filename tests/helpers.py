@@ -3,14 +3,33 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 FINAL_DIGEST = re.compile(r"final weights sha256 ([0-9a-f]{64})")
+
+
+def run_trainer(config: str, run_dir: Path, overrides: Sequence[str], nproc: int = 1, env: dict | None = None) -> str:
+    """``python -m ddp_core`` alone (nproc=1) or under torchrun, outside any Slurm job; returns its log."""
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     f"--nproc-per-node={nproc}"]  # fmt: skip
+    cmd = [*launcher, "-m", "ddp_core", config, "--run-dir", str(run_dir), *overrides]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=clean | {"OMP_NUM_THREADS": "1"} | (env or {})
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stderr
+
+
+def final_digests(log: str) -> list[str]:
+    return FINAL_DIGEST.findall(log)
 
 
 def rank_logs(run_dir: Path, job_id: str) -> dict[int, str]:

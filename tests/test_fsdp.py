@@ -12,8 +12,6 @@ import logging
 import os
 import pickle
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,6 +33,7 @@ from ddp_core.tasks.charlm import CharLMTask
 from ddp_core.train import load_checkpoint, weights_digest
 from jobs.export import export
 from tests.conftest import ROOT
+from tests.helpers import final_digests, run_trainer
 
 CPU = torch.device("cpu")
 MODEL_ARGS = {"d_model": 32, "n_layers": 2, "n_heads": 2, "dropout": 0.0}
@@ -320,17 +319,7 @@ BASE = ["wandb.mode=disabled", "task.data.max_chars=60000", "train.eval_every=0"
 
 
 def trainer(run_dir: Path, *overrides: str, nproc: int = 2) -> str:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = [*(launcher if nproc > 1 else [sys.executable]), "-m", "ddp_core", CONFIG, "--run-dir", str(run_dir),
-           *BASE, *overrides]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))} | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stderr
-
-
-def final_digests(log: str) -> list[str]:
-    return re.findall(r"final weights sha256 ([0-9a-f]{64})", log)
+    return run_trainer(CONFIG, run_dir, [*BASE, *overrides], nproc)
 
 
 def test_resume_is_bitwise_exact_with_async_saves(tmp_path):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers import final_digests, run_trainer
 
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 BASE = [
@@ -24,20 +24,7 @@ BASE = [
 
 
 def trainer(run_dir: Path, *overrides: str, nproc: int = 1, env: dict | None = None) -> str:
-    """Run the trainer alone (nproc=1) or under torchrun; return the combined log."""
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "ddp_core", DIGITS, "--run-dir", str(run_dir), *overrides]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "ddp_core", DIGITS, "--run-dir", str(run_dir), *overrides]  # fmt: skip
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))} | (env or {})
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=full_env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stderr
-
-
-def final_digests(log: str) -> list[str]:
-    return re.findall(r"final weights sha256 ([0-9a-f]{64})", log)
+    return run_trainer(DIGITS, run_dir, overrides, nproc, env)
 
 
 def test_single_process_run(tmp_path):

@@ -97,3 +97,15 @@ class Strategy(ABC):
         set_state_dict(
             self.unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
+
+
+class SingleProcessStrategy(Strategy):
+    """A strategy whose one process per node sees every sample (it may drive several GPUs itself)."""
+
+    @property
+    def data_rank(self) -> int:
+        return 0
+
+    @property
+    def data_world(self) -> int:
+        return 1

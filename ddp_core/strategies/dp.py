@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ddp_core.errors import DdpJobError
-from ddp_core.strategies.base import Strategy
+from ddp_core.strategies.base import SingleProcessStrategy
 
 
 def local_devices(first: torch.device) -> list[torch.device]:
@@ -26,7 +26,7 @@ def require_single_process(name: str, world_size: int) -> None:
         )
 
 
-class DPStrategy(Strategy):
+class DPStrategy(SingleProcessStrategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         require_single_process("dp", self.env.world_size)
         model = model.to(self.device)
@@ -35,12 +35,3 @@ class DPStrategy(Strategy):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, nn.DataParallel) else model
-
-    # One process: the sampler gives it the whole (per-node) batch, which DataParallel scatters over GPUs.
-    @property
-    def data_rank(self) -> int:
-        return 0
-
-    @property
-    def data_world(self) -> int:
-        return 1

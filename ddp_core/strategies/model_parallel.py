@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ddp_core.errors import DdpJobError
-from ddp_core.strategies.base import Strategy
+from ddp_core.strategies.base import SingleProcessStrategy
 from ddp_core.strategies.dp import local_devices, require_single_process
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class StagedModel(nn.Module):
         return _move(x, self._stages[0][0])
 
 
-class ModelParallelStrategy(Strategy):
+class ModelParallelStrategy(SingleProcessStrategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         require_single_process("model_parallel", self.env.world_size)
         layers = model_stages(model)
@@ -126,12 +126,3 @@ class ModelParallelStrategy(Strategy):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, StagedModel) else model
-
-    # One process holds the whole model: it sees every sample.
-    @property
-    def data_rank(self) -> int:
-        return 0
-
-    @property
-    def data_world(self) -> int:
-        return 1

@@ -1,0 +1,60 @@
+"""Per-step time of each strategy relative to single-process training of the same model and global batch
+(the char LM, configs/charlm.yaml), measured in this script: single process, then dp and model_parallel
+(one process), then ddp, fsdp and pipeline (2 ranks under torchrun, gloo, CPU).
+
+    .venv/bin/python bench/strategies.py [--steps 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CHARLM = str(ROOT / "configs" / "charlm.yaml")
+RUNS = {
+    "single process": (1, []),
+    "dp (1 process)": (1, ["strategy.name=dp"]),
+    "model_parallel (1 process)": (1, ["strategy.name=model_parallel"]),
+    "ddp (2 ranks)": (2, ["strategy.name=ddp"]),
+    "fsdp (2 ranks)": (2, ["strategy.name=fsdp"]),
+    "pipeline 2 stages, 1f1b (2 ranks)": (2, ["strategy.name=pipeline", "strategy.stages=2"]),
+}
+
+
+def step_time(nproc: int, overrides: list[str], steps: int, tmp: Path, global_batch: int) -> float:
+    run_dir = tmp / f"run{len(list(tmp.iterdir()))}"
+    # The same global batch everywhere: 2 data-parallel ranks take half each; pipeline stages share theirs.
+    data_parallel = nproc if any(o in overrides for o in ("strategy.name=ddp", "strategy.name=fsdp")) else 1
+    common = [f"train.max_steps={steps}", "train.log_every=10", "train.eval_every=0", "checkpoint.every_steps=0",
+              "wandb.mode=disabled", f"data.batch_size={global_batch // data_parallel}",
+              "optim.warmup_steps=0"]  # fmt: skip
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     f"--nproc-per-node={nproc}"]  # fmt: skip
+    cmd = [*launcher, "-m", "ddp_core", CHARLM, "--run-dir", str(run_dir), *common, *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, 2 // nproc)))
+    subprocess.run(cmd, check=True, capture_output=True, env=env)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["split"] == "train"]
+    return (train[-1]["time"] - train[0]["time"]) / (train[-1]["step"] - train[0]["step"])  # skips warm-up steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--global-batch", type=int, default=32)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        times = {name: step_time(n, o, args.steps, Path(tmp), args.global_batch) for name, (n, o) in RUNS.items()}
+    base = times["single process"]
+    for name, seconds in times.items():
+        print(f"{name:>36}: {seconds * 1000:7.1f} ms/step  ({seconds / base:4.2f}x single process)")
+
+
+if __name__ == "__main__":
+    main()
