@@ -36,11 +36,14 @@ def test_single_process_run(tmp_path):
     assert metrics[-1]["split"] == "eval" and metrics[-1]["accuracy"] > 0.5
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_resume_is_bitwise_exact(tmp_path, nproc):
+@pytest.mark.parametrize(
+    ("nproc", "strategy"), [(1, "ddp"), (2, "ddp"), (1, "dp"), (1, "model_parallel")], ids=["1", "2", "dp", "mp"]
+)
+def test_resume_is_bitwise_exact(tmp_path, nproc, strategy):
     # Reference: 60 uninterrupted steps, checkpointing every 5. Then the same run directory with every
     # checkpoint after step 25 deleted (as if the job died there, mid-epoch) is resumed to the end.
     common = [*BASE, "data.batch_size=32", "train.grad_accum=2", "checkpoint.every_steps=5", "checkpoint.keep_last=20",
+              f"strategy.name={strategy}",
               "task.model.dropout=0.2", "train.max_steps=60"]  # fmt: skip
     ref = final_digests(trainer(tmp_path / "run", *common, nproc=nproc))
     assert len(ref) == nproc and len(set(ref)) == 1
