@@ -153,14 +153,18 @@ def wait(submitted: Submitted) -> tuple[bool, Optional[dict[str, float]], str]:
 
     job = submitted.job
     job.wait()
+    error: Optional[str] = None
+    result = None
     try:
         result = job.results()[0]  # one result per task; rank 0's holds the final eval
-    except Exception as err:
+    except Exception as err:  # submitit raises its own errors for failed jobs
         lines = [line for line in str(err).strip().splitlines() if line.strip()]
-        return False, None, lines[-1] if lines else type(err).__name__
+        error = lines[-1] if lines else type(err).__name__
     if isinstance(job, submitit.SlurmJob):
-        # The result file appears before the ranks have torn down; the exit status is Slurm's final state.
+        # Result files appear before the ranks have torn down: --wait returns once Slurm says the job ended.
         state = wait_until_gone(submitted.job_id)
-        if state != "COMPLETED":
-            return False, result, state
+        if error is None and state != "COMPLETED":
+            error = state
+    if error is not None:
+        return False, None, error
     return True, result, "COMPLETED"
