@@ -153,19 +153,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _active_jobs(job_ids: list[str]) -> list[str]:
-    if not job_ids:
-        return []
-    proc = subprocess.run(
-        ["squeue", "-h", "-o", "%i %T", "-j", ",".join(job_ids)], capture_output=True, text=True, timeout=30
-    )
-    return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
-
-
 def cmd_resume(args: argparse.Namespace) -> int:
     from ddp_core.config import load_config, to_dict
     from jobs.lookup import find_run
     from jobs.submit import submit, validate_for_submit
+    from jobs.sweep import active_jobs
 
     run_dir = find_run(args.run_dir, Path(args.root))
     old = run_dir.load_config()
@@ -177,7 +169,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
         )
     if not args.local:
         recorded = [j["job_id"] for j in run_dir.read_meta().get("jobs", []) if j.get("via") != "local"]
-        active = _active_jobs(recorded)
+        queued = active_jobs(recorded)
+        active = [j for j in recorded if j in queued]
         if active:
             raise DdpJobError(
                 f"run {run_dir.name} is still queued or running as job {active[0]}", "wait for it or scancel it first"

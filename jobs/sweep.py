@@ -70,7 +70,7 @@ def check_sweep(sweep: Sweep, local_check: bool = True) -> None:
         check_cluster(sweep.configs[0])
 
 
-def _active_jobs(job_ids: list[str]) -> set[str]:
+def active_jobs(job_ids: list[str]) -> set[str]:
     """Job ids (array tasks as ARRAY_INDEX) still pending or running: one squeue call for all of them."""
     if not job_ids:
         return set()
@@ -93,7 +93,7 @@ def plan(sweep: Sweep) -> list[TrialPlan]:
         else:
             action = "resume" if run_dir.exists() else "submit"
         plans.append(TrialPlan(trial, trial_config(sweep, trial, cfg), run_dir, action))
-    active = _active_jobs([j for ids in recorded.values() for j in ids])
+    active = active_jobs([j for ids in recorded.values() for j in ids])
     return [
         dataclasses.replace(p, action="active")
         if p.action == "resume" and any(j in active for j in recorded[p.trial.trial_id])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, field, run_cli
-from tests.helpers import digests, rank_logs, sacct_state
+from tests.helpers import digests, rank_logs, sacct_state, wait_gone
 
 pytestmark = pytest.mark.slurm
 DIGITS = str(ROOT / "configs" / "digits.yaml")
@@ -101,10 +101,7 @@ def test_sbatch_template_job(slurm_cluster, tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True,
-                                                          text=True).stdout.strip():  # fmt: skip
-        time.sleep(0.5)
+    wait_gone(job_id, 180)
     assert sacct_state(job_id) == "COMPLETED", (run_dir / "slurm" / f"{job_id}_batch.out").read_text()
     logs = rank_logs(run_dir, job_id)
     assert sorted(logs) == [0, 1]
