@@ -151,12 +151,34 @@ class StrategyConfig:
 
 
 @dataclass
+class DistConfig:
+    # A collective that takes longer raises on every rank (NCCL aborts its communicator) instead of hanging.
+    timeout_s: float = 600.0
+    # Joining the process group: every rank must reach the rendezvous in this time (node start-up, imports and
+    # data from a cold shared filesystem take longer than one collective).
+    init_timeout_s: float = 1200.0
+    # Rehearse a GPU node's process groups on a CPU machine: "gpu" (the trainer's own GPU backends) or a backend
+    # spec such as "cpu:gloo,cuda:nccl". A collective the GPU node would not serve then fails here.
+    # See ddp_core/collective_guard.py. null: off.
+    guard: Optional[str] = None
+
+
+@dataclass
 class SlurmConfig:
     partition: Optional[str] = None
     nodes: int = 1
     gpus_per_node: int = 0  # GPU clusters: one rank per GPU
+    # How the GPUs are made visible: "node" (--gpus-per-node: every rank sees all of its node's GPUs and takes
+    # cuda:LOCAL_RANK; NCCL can use peer-to-peer between them) or "task" (--gpus-per-task=1: each rank sees only
+    # its own GPU, as cuda:0).
+    gpu_bind: str = "node"
     tasks_per_node: int = 1  # CPU clusters (gpus_per_node == 0): ranks per node
-    cpus_per_task: int = 1
+    # CPUs per rank (data-loader workers, threads). null: 1 on CPU clusters; on GPU clusters the node's CPUs
+    # divided by its GPUs when the partition is known at submit time (sinfo), else 4.
+    cpus_per_task: Optional[int] = None
+    # srun --cpu-bind for the ranks: each task is pinned to the CPUs Slurm allocated it ("cores"), or "none".
+    # Takes effect where the cluster's TaskPlugin binds (task/affinity, task/cgroup).
+    cpu_bind: str = "cores"
     mem_gb: Optional[float] = None
     time_min: int = 60
     account: Optional[str] = None
@@ -179,6 +201,12 @@ class SlurmConfig:
         return self.gpus_per_node if self.gpus_per_node > 0 else self.tasks_per_node
 
 
+GPU_BIND = ("node", "task")
+CPU_BIND = ("cores", "threads", "sockets", "ldoms", "none")
+# cpus_per_task for a GPU job when the partition's nodes are unknown (a hand-run sbatch template).
+DEFAULT_CPUS_PER_GPU = 4
+
+
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
@@ -189,6 +217,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
 
@@ -254,8 +283,10 @@ def validate(cfg: Config) -> None:
         "train.log_every": cfg.train.log_every,
         "checkpoint.keep_last": cfg.checkpoint.keep_last,
         "slurm.nodes": cfg.slurm.nodes,
-        "slurm.cpus_per_task": cfg.slurm.cpus_per_task,
+        "slurm.cpus_per_task": 1 if cfg.slurm.cpus_per_task is None else cfg.slurm.cpus_per_task,
         "slurm.time_min": cfg.slurm.time_min,
+        "dist.timeout_s": cfg.dist.timeout_s,
+        "dist.init_timeout_s": cfg.dist.init_timeout_s,
     }
     for key, value in positive.items():
         _require(value > 0, key, value, "must be > 0")
@@ -293,9 +324,24 @@ def validate(cfg: Config) -> None:
         cfg.optim.warmup_steps,
         f"must be smaller than train.max_steps ({cfg.train.max_steps})",
     )
+    _require(cfg.slurm.gpu_bind in GPU_BIND, "slurm.gpu_bind", cfg.slurm.gpu_bind, f"must be one of {GPU_BIND}")
+    _require(cfg.slurm.cpu_bind in CPU_BIND, "slurm.cpu_bind", cfg.slurm.cpu_bind, f"must be one of {CPU_BIND}")
+    _validate_guard(cfg.dist.guard)
     _validate_strategy(cfg)
     _require(":" in cfg.task.target, "task.target", cfg.task.target, "must look like 'package.module:ClassName'")
     _require(bool(cfg.run.name.strip()) and "/" not in cfg.run.name, "run.name", cfg.run.name, "must be a plain name")
+
+
+def _validate_guard(guard: Optional[str]) -> None:
+    if guard is None or guard == "gpu":
+        return
+    items = [item.partition(":") for item in guard.split(",")]
+    ok = all(
+        (sep and dev.strip() in {"cpu", "cuda"} and backend.strip() in {"gloo", "nccl"})
+        or (not sep and dev.strip() in {"gloo", "nccl"})
+        for dev, sep, backend in items
+    )
+    _require(ok, "dist.guard", guard, "must be 'gpu' or a backend spec such as 'cpu:gloo,cuda:nccl' or 'nccl'")
 
 
 def _validate_strategy(cfg: Config) -> None:

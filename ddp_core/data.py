@@ -37,10 +37,15 @@ class ResumableShardSampler(Sampler[int]):
         return self.per_shard - self.start
 
 
-def train_loader(dataset: Dataset, sampler: ResumableShardSampler, cfg: DataConfig, seed: int) -> DataLoader:
-    # Its own generator: otherwise each new iterator draws a base seed from the global RNG, and a resumed
-    # run's stream would shift (worker seeds, random transforms).
-    generator = torch.Generator().manual_seed(seed + sampler.epoch)
+def train_loader(
+    dataset: Dataset, sampler: ResumableShardSampler, cfg: DataConfig, seed: int, pin_memory: bool = False
+) -> DataLoader:
+    """One loader for a whole attempt: each pass over it reads the sampler's current epoch and start. Workers
+    persist across epochs (no start-up per epoch). The sample order is the sampler's, so it is exact across
+    resumes; randomness inside workers should come from (epoch, index), as worker RNG restarts per attempt."""
+    # Its own generator: otherwise the iterator draws a base seed from the global RNG, and a resumed run's
+    # stream would shift (worker seeds, random transforms).
+    generator = torch.Generator().manual_seed(seed)
     return DataLoader(
         dataset,
         batch_size=cfg.batch_size,
@@ -48,11 +53,19 @@ def train_loader(dataset: Dataset, sampler: ResumableShardSampler, cfg: DataConf
         num_workers=cfg.num_workers,
         drop_last=True,
         generator=generator,
-        persistent_workers=False,
+        persistent_workers=cfg.num_workers > 0,
+        pin_memory=pin_memory,  # page-locked batches: the copy to the GPU (non_blocking) overlaps compute
     )
 
 
-def eval_loader(dataset: Dataset, rank: int, world: int, cfg: DataConfig) -> DataLoader:
+def eval_loader(dataset: Dataset, rank: int, world: int, cfg: DataConfig, pin_memory: bool = False) -> DataLoader:
     # Strided shards without padding: every sample is evaluated exactly once across ranks.
     shard = Subset(dataset, range(rank, len(dataset), world))  # type: ignore[arg-type]
-    return DataLoader(shard, batch_size=cfg.eval_batch_size, shuffle=False, num_workers=cfg.num_workers)
+    return DataLoader(
+        shard,
+        batch_size=cfg.eval_batch_size,
+        shuffle=False,
+        num_workers=cfg.num_workers,
+        persistent_workers=cfg.num_workers > 0,
+        pin_memory=pin_memory,
+    )

@@ -36,6 +36,8 @@ class DistEnv:
     restart_count: int = 0
     cpus_per_rank: int = 1
     source: str = "single"  # torchrun | slurm | submitit-local | single
+    # torchrun's agent already serves the rendezvous store on master_port: rank 0 joins it as a client.
+    agent_store: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -97,6 +99,7 @@ def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
         restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
         cpus_per_rank=_cpus(env, local_world),
         source="torchrun",
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
 
 

@@ -1,38 +1,120 @@
-"""Process-group lifecycle and per-rank RNG state, from an explicit ``DistEnv`` (no env:// magic)."""
+"""Process-group lifecycle, the device each rank trains on, and per-rank RNG state, from an explicit ``DistEnv``.
+
+**Which backend serves which tensor.** On a CUDA node the process group is ``cpu:gloo,cuda:nccl``: one group
+with two backends, picked per collective by the tensor's device.
+
+- Data-path tensors live on the GPU and go through NCCL: DDP's gradient buckets, FSDP2's all-gathers and
+  reduce-scatters, pipeline activations and the pipeline's dp gradient average and clip norm.
+- Coordination stays on the host and goes through gloo: the per-step stop flag (``preemption.StopFlag``),
+  the logged-loss and eval totals, and the object collectives (RNG states to rank 0, metric names, the
+  agreed checkpoint). torch sends object collectives through the CPU backend when the group has one.
+  A CPU collective never enters a CUDA stream, so the stop flag does not stall the GPU's queue of kernels;
+  the loss is read back from the GPU only when a progress line is due.
+- Groups made from the default one inherit both backends: ``new_group()``, and the device meshes of fsdp
+  and pipeline. The async-checkpoint group (``sharded_checkpoint``) is gloo alone, because it carries only
+  objects.
+
+On a CPU node the whole group is ``gloo``. ``cfg.dist.guard`` rehearses a GPU node's groups on a CPU
+machine: ``ddp_core.collective_guard`` builds them with the same device→backend table, with gloo in place
+of nccl, so a collective that the GPU node would not serve fails here first.
+
+**Failing loudly.** Collectives time out after ``dist.timeout_s``; joining the group (the TCP store
+rendezvous: every rank must arrive) has the longer ``dist.init_timeout_s``, for slow node start-up and
+imports from a cold shared filesystem. NCCL's async error handling is on by default in torch >= 2.2
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``); the batch script sets it explicitly (``jobs.submit``). After a
+timeout or a NCCL error, the ranks' communicators are aborted, and the rank's error line names its rank
+and host (``launch``).
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import socket
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ddp_core import collective_guard
+from ddp_core.config import DistConfig
 from ddp_core.dist_env import DistEnv
+from ddp_core.errors import DdpJobError
 
 log = logging.getLogger(__name__)
 
+# The process group's device→backend table on a CUDA node, and on a node without CUDA.
+GPU_BACKEND = "cpu:gloo,cuda:nccl"
+CPU_BACKEND = "gloo"
 
-def setup(env: DistEnv, timeout_s: float = 600.0) -> torch.device:
+
+def backend_spec(cuda: bool) -> str:
+    return GPU_BACKEND if cuda else CPU_BACKEND
+
+
+def visible_gpus(environ: Optional[dict[str, str]] = None) -> Optional[list[str]]:
+    """The GPUs Slurm (or the user) made visible to this process, from ``CUDA_VISIBLE_DEVICES``; None if unset."""
+    raw = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return None
+    return [item for item in raw.split(",") if item.strip()]
+
+
+def device_index(env: DistEnv, gpu_count: int) -> int:
+    """Which of the visible GPUs this rank drives.
+
+    Slurm makes GPUs visible in one of two ways, and ``local_rank % visible`` is right in both:
+    - every task sees all the node's GPUs (``--gpus-per-node``): local rank r takes GPU r;
+    - each task sees only its own GPU (``--gpus-per-task=1`` or ``--gpu-bind``): every rank takes GPU 0.
+    """
+    if gpu_count < 1:
+        raise DdpJobError(
+            f"rank {env.rank} has no visible GPU (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})",
+            "request GPUs with slurm.gpus_per_node",
+        )
+    if env.local_world_size > gpu_count and gpu_count > 1:
+        # Two ranks on one GPU: NCCL refuses ("Duplicate GPU detected"), better to say why here.
+        raise DdpJobError(
+            f"{env.local_world_size} ranks on node {env.node_rank} but only {gpu_count} GPUs are visible",
+            "make slurm.gpus_per_node match the ranks per node",
+        )
+    return env.local_rank % gpu_count
+
+
+def setup(env: DistEnv, cfg: Optional[DistConfig] = None) -> torch.device:
     """Pick the device, cap threads, and join the process group when there is more than one process."""
+    cfg = cfg or DistConfig()
     torch.set_num_threads(env.cpus_per_rank)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+    cuda = torch.cuda.is_available()
+    if cuda:
+        device = torch.device("cuda", device_index(env, torch.cuda.device_count()))
         torch.cuda.set_device(device)
-        backend = "nccl"
     else:
-        device, backend = torch.device("cpu"), "gloo"
+        device = torch.device("cpu")
+    backend = backend_spec(cuda)
+    if cfg.guard:
+        backend = collective_guard.install(cfg.guard, cuda, env)
     if env.source != "single":
+        # Our own store: its timeout bounds the rendezvous (every rank joins), the group's bounds each collective.
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            is_master=env.rank == 0 and not env.agent_store,
+            timeout=timedelta(seconds=cfg.init_timeout_s),
+        )
         dist.init_process_group(
             backend,
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            store=store,
             rank=env.rank,
             world_size=env.world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timedelta(seconds=cfg.timeout_s),
+            # Binds NCCL's communicator to this GPU and creates it now, not at the first collective. CPU: omitted
+            # (every form raises there).
+            device_id=device if cuda else None,
         )
     log.info(
         "%s on %s: rank %d/%d local %d/%d node %d/%d master %s:%d backend %s device %s threads %d",
@@ -40,13 +122,29 @@ def setup(env: DistEnv, timeout_s: float = 600.0) -> torch.device:
         env.num_nodes, env.master_addr, env.master_port, backend if env.source != "single" else "none",
         device, env.cpus_per_rank,
     )  # fmt: skip
+    log.info("gpu binding: %s", describe_binding(env, cuda))
     return device
+
+
+def describe_binding(env: DistEnv, cuda: bool) -> str:
+    """One line: what Slurm made visible to this rank and which GPU it takes (also on a node without CUDA, where
+    it says which one it would take: the local cluster's GRES GPUs are placeholders)."""
+    visible = visible_gpus()
+    shown = "unset" if visible is None else ",".join(visible) or "empty"
+    count = torch.cuda.device_count() if cuda else len(visible or [])
+    if count == 0:
+        return f"CUDA_VISIBLE_DEVICES={shown} local_rank {env.local_rank} -> cpu"
+    index = env.local_rank % count
+    physical = visible[index] if visible and index < len(visible) else str(index)
+    where = "" if cuda else " (no CUDA in this process: training on cpu)"
+    return f"CUDA_VISIBLE_DEVICES={shown} local_rank {env.local_rank} -> cuda:{index} (GPU {physical}){where}"
 
 
 def teardown() -> None:
     """Barrier, then destroy: exiting gloo without both aborted at shutdown in 6 of 12 runs here."""
     if dist.is_initialized():
         dist.barrier()
+        collective_guard.report()
         dist.destroy_process_group()
 
 
@@ -56,9 +154,20 @@ def barrier() -> None:
 
 
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place. Host-side totals (a CPU tensor) go through gloo on a GPU node."""
     if dist.is_initialized():
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
     return values
+
+
+def all_gather_floats(values: list[float]) -> list[list[float]]:
+    """Every rank's ``values`` (the same length everywhere), on every rank, through the CPU backend."""
+    mine = torch.tensor(values, dtype=torch.float64)
+    if not dist.is_initialized():
+        return [mine.tolist()]
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
 
 
 def union_keys(keys: list[str]) -> list[str]:
@@ -77,6 +186,21 @@ def gather_to_main(obj: Any, env: DistEnv) -> list[Any]:
     out: list[Any] = [None] * env.world_size if env.is_main else []
     dist.gather_object(obj, out if env.is_main else None, dst=0)
     return out
+
+
+def ensure_single_process_group(device: torch.device) -> None:
+    """A one-rank group for a process started alone (FSDP needs one for its device mesh); an in-memory store,
+    no port. Same device→backend table as a multi-rank job."""
+    if not dist.is_initialized():
+        spec = collective_guard.active_spec() or backend_spec(device.type == "cuda")
+        dist.init_process_group(spec, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def peak_memory_gb(device: torch.device) -> Optional[float]:
+    """This rank's peak GPU memory allocated by tensors since the start (GB); None on the CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 1e9
 
 
 def seed_all(seed: int) -> None:

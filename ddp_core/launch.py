@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -41,8 +42,23 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
     try:
         return train(cfg, run_dir, env, stop_flag)
     except BaseException as err:
-        log.error("rank %d/%d failed: %s: %s", env.rank, env.world_size, type(err).__name__, err, exc_info=True)
+        log.error("rank %d/%d on %s failed: %s: %s%s", env.rank, env.world_size, socket.gethostname(),
+                  type(err).__name__, err, _hint(err), exc_info=True)  # fmt: skip
         raise
+
+
+def _hint(err: BaseException) -> str:
+    """What to try next for a communication failure (NCCL, gloo, the rendezvous store)."""
+    import torch.distributed as dist
+
+    if isinstance(err, dist.DistError) or "NCCL" in str(err) or "Gloo" in str(err):
+        return (
+            " (hint: a peer rank may have died first: read every rank's log; for NCCL's own diagnosis resubmit "
+            "with slurm.setup='[\"export NCCL_DEBUG=INFO\"]'; on multi-NIC nodes pick the interface with "
+            "NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME; a collective slower than dist.timeout_s is reported as a "
+            "timeout)"
+        )
+    return ""
 
 
 def _after_stop(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, outcome: Outcome) -> int:

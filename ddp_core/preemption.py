@@ -5,6 +5,11 @@ Slurm delivers the warning signal (``slurm.signal``, default USR2, ``slurm.signa
 limit) and SIGTERM (preemption, ``scontrol requeue``, scancel) to every task, but not at the same instant and
 not always to every rank. Each rank's handler records the signal; at each step boundary the ranks all-reduce
 it (MAX), so they all stop after the same step, checkpoint together, and rank 0 requeues the job.
+
+The all-reduce is asynchronous and on the CPU (gloo, also on GPU nodes: see ``ddp_core.distributed``): the one
+started after step N is read after step N+1, by when it has long completed. No rank waits for its peers at a
+step boundary, and the CUDA stream never waits for the flag. Every rank reads the same result at the same step,
+so they still all stop after the same step, one step after the signal's.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class StopFlag:
         self.warning = signal.Signals[f"SIG{warning_signal.upper().removeprefix('SIG')}"]
         self.received = 0  # signal number; SIGTERM wins over the warning signal
         self.received_at = 0.0
+        self._pending: Optional[tuple[dist.Work, torch.Tensor]] = None  # the all-reduce started a step ago
         for sig in (self.warning, signal.SIGTERM):
             # Replaces submitit's handlers: its USR2 handler checkpoints rank 0 alone, inside the handler.
             signal.signal(sig, self._handle)
@@ -52,13 +58,26 @@ class StopFlag:
             self.received_at = time.time()
 
     def agree(self) -> int:
-        """The signal any rank received (0 if none), the same on every rank. One tiny all-reduce."""
+        """Called by every rank after every step: the signal any rank had received by the previous call (0 if
+        none), the same on every rank. Starts the exchange of this step's flag, read at the next call."""
         if not dist.is_initialized():
             return self.received
-        value = torch.tensor([self.received], dtype=torch.int64)
+        agreed = self.settle()
+        value = torch.tensor([self.received], dtype=torch.int64)  # a CPU tensor: gloo, never the CUDA stream
         # The warning signal's number is smaller than SIGTERM's on Linux (USR1 10, USR2 12, TERM 15), so
         # MAX makes SIGTERM win if any rank saw it.
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True)
+        self._pending = (work, value)
+        return agreed
+
+    def settle(self) -> int:
+        """Wait for the exchange in flight (every rank, before the group is used for anything it must not overlap
+        or is destroyed) and return its result."""
+        if self._pending is None:
+            return 0
+        work, value = self._pending
+        self._pending = None
+        work.wait()
         return int(value.item())
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -22,6 +23,7 @@ from ddp_core import checkpoint, distributed, sharded_checkpoint
 from ddp_core.config import Config, Precision, to_dict
 from ddp_core.data import ResumableShardSampler, eval_loader, train_loader
 from ddp_core.dist_env import DistEnv
+from ddp_core.errors import DdpJobError
 from ddp_core.optim import build_optimizer, build_scheduler
 from ddp_core.preemption import StopFlag
 from ddp_core.reporting import MetricsLog, Progress
@@ -63,23 +65,48 @@ def autocast(cfg: Config, device: torch.device) -> contextlib.AbstractContextMan
     return contextlib.nullcontext()
 
 
-def evaluate(task: Task, model: nn.Module, dataset: Any, cfg: Config, strategy: Strategy) -> dict[str, float]:
-    loader = eval_loader(dataset, strategy.data_rank, strategy.data_world, cfg.data)
-    sums: dict[str, torch.Tensor] = {}
-    count = torch.zeros((), dtype=torch.float64)
+def evaluate(task: Task, model: nn.Module, loader: Any, cfg: Config, strategy: Strategy) -> dict[str, float]:
+    sums: dict[str, torch.Tensor] = {}  # on the device: read back once, after the last batch
+    count = 0
     model.eval()
     with torch.no_grad(), autocast(cfg, strategy.device):
         for batch in loader:
             out = strategy.eval_step(task, model, to_device(batch, strategy.device))
             count += out.count
             for key, value in out.sums.items():
-                sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + value.detach().double().cpu()
+                value = value.detach().double()
+                sums[key] = sums[key] + value if key in sums else value
     model.train()
     # Ranks without outputs (a pipeline's first stages) have no metric names yet: agree on them first.
     keys = distributed.union_keys(sorted(sums))
-    zero = torch.zeros((), dtype=torch.float64)
-    totals = distributed.all_reduce_sum(torch.stack([count] + [sums.get(k, zero) for k in keys]))
+    local = [float(count)] + [sums[k].item() if k in sums else 0.0 for k in keys]
+    totals = distributed.all_reduce_sum(torch.tensor(local, dtype=torch.float64))  # host totals: gloo
     return {k: (totals[i + 1] / totals[0]).item() for i, k in enumerate(keys)}
+
+
+class RunningLoss:
+    """The sum of step losses since the last progress line, kept on the training device: reading it back is a
+    host-device sync, done only when a line is due (``log_every``), never per micro-batch."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.steps = 0  # steps whose loss this rank saw (a pipeline's last stage only)
+
+    def add(self, step_loss: torch.Tensor, counts: bool) -> None:
+        self.sum += step_loss
+        self.steps += int(counts)
+
+    def state(self) -> torch.Tensor:
+        """(sum, steps) as a CPU float64 tensor: the form checkpoints hold."""
+        return torch.tensor([self.sum.item(), float(self.steps)], dtype=torch.float64)
+
+    def load(self, state: torch.Tensor) -> None:
+        self.sum.fill_(float(state[0]))
+        self.steps = int(state[1])
+
+    def reset(self) -> None:
+        self.sum.zero_()
+        self.steps = 0
 
 
 def micro_batches(loader: Any, grad_accum: int) -> Iterator[list[Any]]:
@@ -101,7 +128,7 @@ def save_checkpoint(
     optimizer: Any,
     scheduler: Any,
     pos: Position,
-    log_loss: torch.Tensor,
+    log_loss: RunningLoss,
     sharded: Optional[sharded_checkpoint.ShardedWriter] = None,
 ) -> float:
     """Collective: every rank's RNG to rank 0, then rank 0 writes the whole state (full), or every rank its shard
@@ -111,7 +138,7 @@ def save_checkpoint(
     rest = {
         "scheduler": scheduler.state_dict(),
         "position": asdict(pos),
-        "log_loss": log_loss.clone(),  # the partial average of the next progress line
+        "log_loss": log_loss.state(),  # the partial average of the next progress line
         "rng": rngs,
         "world_size": env.world_size,
         "config": to_dict(cfg),
@@ -153,8 +180,18 @@ def weights_digest(state: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def check_determinism(cfg: Config, device: torch.device) -> None:
+    if cfg.train.deterministic and device.type == "cuda" and not os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
+        # use_deterministic_algorithms raises at the first cuBLAS call otherwise, after the queue wait.
+        raise DdpJobError(
+            "train.deterministic=true on a GPU needs CUBLAS_WORKSPACE_CONFIG in the environment",
+            "submit through ddpjob (it exports it), or export CUBLAS_WORKSPACE_CONFIG=:4096:8",
+        )
+
+
 def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Outcome:
-    device = distributed.setup(env)
+    device = distributed.setup(env, cfg.dist)
+    check_determinism(cfg, device)
     torch.use_deterministic_algorithms(cfg.train.deterministic)
 
     # Same seed on every rank for the model's initial weights; per-rank seeds for dropout etc. after.
@@ -168,16 +205,19 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Ou
     sampler = ResumableShardSampler(
         len(train_set), strategy.data_rank, strategy.data_world, cfg.data.shuffle, cfg.train.seed
     )  # type: ignore[arg-type]
+    pin = device.type == "cuda"  # page-locked host batches: the copy to the GPU runs without blocking the host
+    loader = train_loader(train_set, sampler, cfg.data, cfg.train.seed, pin_memory=pin)
+    evals = eval_loader(eval_set, strategy.data_rank, strategy.data_world, cfg.data, pin_memory=pin)
     distributed.seed_all(cfg.train.seed * 1000 + env.rank + 1)
 
     pos = Position()
-    log_loss = torch.zeros(2, dtype=torch.float64)  # (sum of step losses, steps) since the last log line
+    log_loss = RunningLoss(device)
     latest = checkpoint.find_latest_agreed(run_dir.checkpoints)
     if latest is not None:
         state = load_checkpoint(latest, strategy, model, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         pos = Position(**state["position"])
-        log_loss = state["log_loss"].clone()
+        log_loss.load(state["log_loss"])
         if state["world_size"] == env.world_size:
             distributed.set_rng_state(state["rng"][env.rank])
         else:
@@ -218,6 +258,7 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Ou
         )
     started = time.perf_counter()
     last_save_s, saved_step = 0.0, -1
+    logged_at, logged_step = started, pos.step  # the last progress line: step time is measured between lines
     sharded = None
     if strategy.checkpoint_kind == checkpoint.SHARDED:
         sharded = sharded_checkpoint.ShardedWriter(
@@ -231,21 +272,40 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Ou
                 cfg, run_dir, env, strategy, model, optimizer, scheduler, pos, log_loss, sharded
             )
             saved_step = pos.step
+            if env.is_main:
+                log.info("training blocked %.3f s for the checkpoint of step %d", last_save_s, pos.step)
+            record("checkpoint", {"save_s": round(last_save_s, 4)})
+
+    def log_progress() -> None:
+        nonlocal logged_at, logged_step
+        # One host collective for the line: every rank's (loss sum, steps, peak GPU memory); the .item() in
+        # state() is the only host-device sync of the interval.
+        ranks = distributed.all_gather_floats([*log_loss.state().tolist(), distributed.peak_memory_gb(device) or 0])
+        log_loss.reset()
+        now = time.perf_counter()
+        metrics = {
+            "loss": sum(r[0] for r in ranks) / max(1.0, sum(r[1] for r in ranks)),
+            "lr": scheduler.get_last_lr()[0],
+            "step_ms": 1000 * (now - logged_at) / max(1, pos.step - logged_step),
+        }
+        if device.type == "cuda":  # the largest and smallest peak over ranks: imbalance shows as a gap
+            metrics |= {"peak_mem_gb": max(r[2] for r in ranks), "peak_mem_gb_min": min(r[2] for r in ranks)}
+        logged_at, logged_step = now, pos.step
+        progress.update(pos.step, metrics)
+        record("train", metrics | {"samples_per_s": progress.rate(pos.step)[1]})
 
     model.train()
     while pos.step < cfg.train.max_steps:
         if pos.micro_in_epoch >= micro_per_epoch:
             pos.epoch, pos.micro_in_epoch = pos.epoch + 1, 0
+        # The loader (and its workers) lives for the whole attempt; each pass reads the sampler's epoch anew.
         sampler.set_epoch(pos.epoch, start=pos.micro_in_epoch * cfg.data.batch_size)
-        loader = train_loader(train_set, sampler, cfg.data, cfg.train.seed)
         for group in micro_batches(loader, cfg.train.grad_accum):
-            step_loss = 0.0
             for i, batch in enumerate(group):
                 with autocast(cfg, device):
                     sync = i == len(group) - 1  # gradients are communicated on the last micro-batch only
-                    step_loss += strategy.forward_backward(
-                        task, model, to_device(batch, device), cfg.train.grad_accum, sync
-                    )
+                    loss = strategy.forward_backward(task, model, to_device(batch, device), cfg.train.grad_accum, sync)
+                log_loss.add(loss, counts=strategy.reports_loss and i == 0)
             if cfg.optim.grad_clip > 0:
                 strategy.clip_grad_norm(model, cfg.optim.grad_clip)
             optimizer.step()
@@ -253,16 +313,11 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Ou
             scheduler.step()
             pos.step += 1
             pos.micro_in_epoch += len(group)
-            log_loss += torch.tensor([step_loss, float(strategy.reports_loss)], dtype=torch.float64)
 
             if pos.step % cfg.train.log_every == 0 or pos.step == cfg.train.max_steps:
-                totals = distributed.all_reduce_sum(log_loss.clone())
-                metrics = {"loss": (totals[0] / totals[1]).item(), "lr": scheduler.get_last_lr()[0]}
-                log_loss.zero_()
-                progress.update(pos.step, metrics)
-                record("train", metrics | {"samples_per_s": progress.rate(pos.step)[1]})
+                log_progress()
             if cfg.train.eval_every and pos.step % cfg.train.eval_every == 0 and pos.step < cfg.train.max_steps:
-                record("eval", evaluate(task, model, eval_set, cfg, strategy))
+                record("eval", evaluate(task, model, evals, cfg, strategy))
             if (
                 cfg.checkpoint.every_steps
                 and pos.step % cfg.checkpoint.every_steps == 0
@@ -278,13 +333,15 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Ou
                 log.info("stopping at step %d on %s", pos.step, signal.Signals(signum).name)
                 if sharded is not None:
                     sharded.close()  # an async save completes before the process group goes away
+                stop_flag.settle()
                 progress.close()
                 wandb_run.finish()
                 return Outcome(step=pos.step, final=None, signum=signum)
             if pos.step >= cfg.train.max_steps:
                 break
 
-    final = evaluate(task, model, eval_set, cfg, strategy)
+    stop_flag.settle()  # a signal in the last step is moot: the run is complete
+    final = evaluate(task, model, evals, cfg, strategy)
     record("eval", final)
     checkpoint_now()
     if sharded is not None:
@@ -292,6 +349,9 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Ou
     progress.close()
     elapsed = time.perf_counter() - started
     log.info("finished at step %d in %.1f s: %s", pos.step, elapsed, " ".join(f"{k} {v:.4f}" for k, v in final.items()))
+    peak = distributed.peak_memory_gb(device)
+    if peak is not None:
+        log.info("peak GPU memory on %s: %.2f GB allocated by tensors", device, peak)
     # Every rank logs its own digest: replicas that drifted apart show up as different lines.
     log.info("final weights sha256 %s", weights_digest(strategy.full_model_state(model)))
     wandb_run.finish()

@@ -91,7 +91,7 @@ def check_request(cfg: SlurmConfig, part: Partition, ranks: int) -> None:
             f"({part.gpus_per_node} GPUs per node)",
             f"use slurm.gpus_per_node<={part.gpus_per_node}, or a GPU partition via slurm.partition",
         )
-    cpus = ranks * cfg.cpus_per_task
+    cpus = ranks * (cfg.cpus_per_task or 1)
     if cpus > part.cpus_per_node:
         key = "slurm.gpus_per_node" if cfg.gpus_per_node else "slurm.tasks_per_node"
         raise DdpJobError(

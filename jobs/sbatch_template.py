@@ -39,7 +39,12 @@ def _replace_block(text: str, name: str, lines: list[str]) -> str:
 
 
 def render(cfg: Config, run_dir: RunDir, python: str = sys.executable, template: Path = TEMPLATE) -> str:
+    params = sbatch_parameters(cfg)
     text = template.read_text()
     text = _replace_block(text, "sbatch", sbatch_lines(cfg, run_dir))
-    setup = [f"PYTHON=${{DDPJOB_PYTHON:-{shlex.quote(python)}}}", *cfg.slurm.setup]
+    setup = [
+        f"PYTHON=${{DDPJOB_PYTHON:-{shlex.quote(python)}}}",
+        f"SRUN_ARGS=({' '.join(shlex.quote(a) for a in params['srun_args'])})",
+        *params["setup"],  # the request's environment, then the config's slurm.setup lines
+    ]
     return _replace_block(text, "setup", setup)

@@ -16,35 +16,74 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ddp_core.config import Config, ranks_per_node
+from ddp_core.config import DEFAULT_CPUS_PER_GPU, Config, ranks_per_node
 from ddp_core.errors import DdpJobError
 from ddp_core.rundir import RunDir
 from jobs import cluster
 
 # Each rank gets the CPUs Slurm gave its task: oversubscribed OpenMP threads cost 3x on small nodes.
 THREADS_SETUP = "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"
-# A rank that exits non-zero takes the whole step down instead of leaving peers blocked in a collective.
-SRUN_ARGS = ("--kill-on-bad-exit=1",)
+
+
+def environment(cfg: Config) -> list[str]:
+    """``export`` lines for every rank, set in the batch script (the trainer reads its environment, never writes
+    it). A value the user exported before submitting wins (``${VAR:-default}``)."""
+    lines = [THREADS_SETUP]
+    if cfg.slurm.gpus_per_node:
+        # NCCL errors and timeouts abort the communicator and raise on every rank instead of hanging (torch's
+        # default since 2.2; explicit, so an older torch or a site profile cannot turn it off unnoticed).
+        lines.append("export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}")
+        if cfg.train.deterministic:
+            # cuBLAS is deterministic only with a fixed workspace; without it use_deterministic_algorithms raises.
+            lines.append("export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}")
+    return lines
+
+
+def srun_args(cfg: Config) -> list[str]:
+    # --kill-on-bad-exit: a rank that exits non-zero takes the whole step down instead of leaving peers blocked
+    # in a collective. --cpu-bind: each rank runs on the CPUs Slurm allocated to its task.
+    return ["--kill-on-bad-exit=1", f"--cpu-bind={cfg.slurm.cpu_bind}"]
+
+
+def cpus_per_task(cfg: Config, part: Optional[cluster.Partition] = None) -> int:
+    """``slurm.cpus_per_task``, or its default: 1 on CPU clusters; on GPU clusters the node's CPUs per GPU
+    (times the GPUs each rank drives), from ``part`` when the partition is known, else 4 per GPU."""
+    s = cfg.slurm
+    if s.cpus_per_task is not None:
+        return s.cpus_per_task
+    if s.gpus_per_node == 0:
+        return 1
+    per_gpu = DEFAULT_CPUS_PER_GPU
+    if part is not None and part.gpus_per_node > 0:
+        per_gpu = max(1, part.cpus_per_node // part.gpus_per_node)
+    return per_gpu * max(1, s.gpus_per_node // ranks_per_node(cfg))
 
 
 def sbatch_parameters(cfg: Config) -> dict[str, Any]:
-    """submitit SlurmExecutor parameters (Slurm's own names) for ``cfg``: one task per rank."""
+    """The job's one Slurm request (submitit SlurmExecutor parameters, Slurm's own names): one task per rank.
+    The submitit path, the sbatch template, ``--dry-run`` and sweeps all render from it."""
     s = cfg.slurm
+    ranks = ranks_per_node(cfg)
     params: dict[str, Any] = {
         "job_name": s.job_name or cfg.run.name,
         "nodes": s.nodes,
-        "ntasks_per_node": ranks_per_node(cfg),
-        "cpus_per_task": s.cpus_per_task,
+        "ntasks_per_node": ranks,
+        "cpus_per_task": cpus_per_task(cfg),
         "time": s.time_min,
-        "setup": [THREADS_SETUP, *s.setup],
-        "srun_args": list(SRUN_ARGS),
+        "setup": [*environment(cfg), *s.setup],
+        "srun_args": srun_args(cfg),
     }
+    gpus: dict[str, Any] = {}
+    if s.gpus_per_node and s.gpu_bind == "task":
+        gpus["gpus_per_task"] = s.gpus_per_node // ranks  # each task sees only its own GPU(s)
+    elif s.gpus_per_node:
+        gpus["gpus_per_node"] = s.gpus_per_node  # every task sees all of its node's GPUs
     optional = {
         "partition": s.partition,
         "account": s.account,
         "qos": s.qos,
-        "gpus_per_node": s.gpus_per_node or None,
         "mem": f"{s.mem_gb:g}GB" if s.mem_gb else None,
+        **gpus,
     }
     params.update({k: v for k, v in optional.items() if v is not None})
     extra: dict[str, Any] = {
@@ -65,13 +104,16 @@ def render_submitit_script(cfg: Config, run_dir: RunDir, python: str = sys.execu
     return _make_sbatch_string(command=command, folder=run_dir.slurm, **sbatch_parameters(cfg))
 
 
-def check_cluster(cfg: Config) -> None:
+def check_cluster(cfg: Config) -> cluster.Partition:
+    """Check the request against the partition; fills ``slurm.cpus_per_task`` (when null) from its nodes."""
     part = cluster.pick_partition(cluster.query_partitions(), cfg.slurm.partition)
+    cfg.slurm.cpus_per_task = cpus_per_task(cfg, part)
     cluster.check_request(cfg.slurm, part, ranks_per_node(cfg))
+    return part
 
 
 def validate_for_submit(cfg: Config, local: bool, cluster_check: bool = True) -> None:
-    """Everything that can be checked before a run directory exists."""
+    """Everything that can be checked before a run directory exists. Resolves ``slurm.cpus_per_task``."""
     from ddp_core.task import check_task  # imports the user's task module (and torch): submit-time only
 
     check_task(cfg.task)
@@ -79,6 +121,7 @@ def validate_for_submit(cfg: Config, local: bool, cluster_check: bool = True) ->
         raise DdpJobError("config key 'slurm.nodes' > 1 cannot run with --local", "drop --local or set slurm.nodes=1")
     if not local and cluster_check:
         check_cluster(cfg)
+    cfg.slurm.cpus_per_task = cpus_per_task(cfg)  # the request's value, recorded in the run's config.yaml
 
 
 @dataclass
@@ -101,7 +144,7 @@ def make_executor(cfg: Config, run_dir: RunDir, local: bool) -> Any:
     if local:
         executor = submitit.LocalExecutor(folder=run_dir.slurm)
         executor.update_parameters(
-            tasks_per_node=ranks_per_node(cfg), timeout_min=cfg.slurm.time_min, setup=[THREADS_SETUP]
+            tasks_per_node=ranks_per_node(cfg), timeout_min=cfg.slurm.time_min, setup=environment(cfg)
         )
         return executor
     executor = submitit.SlurmExecutor(folder=run_dir.slurm)

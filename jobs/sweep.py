@@ -22,7 +22,7 @@ from typing import Any, Optional
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from ddp_core.rundir import RunDir, atomic_write_text
-from jobs.submit import check_cluster, sbatch_parameters
+from jobs.submit import check_cluster, cpus_per_task, sbatch_parameters
 from jobs.sweep_spec import Sweep, Trial
 
 SWEEP_FILE = "sweep.json"
@@ -68,6 +68,8 @@ def check_sweep(sweep: Sweep, local_check: bool = True) -> None:
             check_task(cfg.task)
     if local_check:
         check_cluster(sweep.configs[0])
+    for cfg in sweep.configs:  # one array, one request: every trial records the resolved CPUs per rank
+        cfg.slurm.cpus_per_task = cpus_per_task(sweep.configs[0])
 
 
 def active_jobs(job_ids: list[str]) -> set[str]:

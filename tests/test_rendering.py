@@ -17,6 +17,8 @@ GOLDEN = Path(__file__).parent / "golden"
 RUN = RunDir(Path("/runs/digits-golden"))
 OVERRIDES = ["slurm.partition=gpu", "slurm.account=proj42", "slurm.setup=[module load cuda]",
              "slurm.additional={constraint: a100}"]  # fmt: skip
+GPU = ["slurm.gpus_per_node=4", "slurm.nodes=2", "train.deterministic=true", "slurm.setup=[module load cuda/12.4]"]
+VARIANTS = {"default": [], "custom": OVERRIDES, "gpu": GPU}
 
 
 def check_golden(name: str, text: str) -> None:
@@ -26,18 +28,16 @@ def check_golden(name: str, text: str) -> None:
     assert text == path.read_text(), f"{name} changed; review and rerun with DDPJOB_UPDATE_GOLDEN=1"
 
 
-@pytest.mark.parametrize("overrides", [[], OVERRIDES], ids=["default", "custom"])
-def test_submitit_script(overrides):
-    cfg = load_config(ROOT / "configs" / "digits.yaml", overrides)
-    suffix = "custom" if overrides else "default"
-    check_golden(f"submitit-{suffix}.sbatch", render_submitit_script(cfg, RUN, python="/usr/bin/python3"))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_submitit_script(variant):
+    cfg = load_config(ROOT / "configs" / "digits.yaml", VARIANTS[variant])
+    check_golden(f"submitit-{variant}.sbatch", render_submitit_script(cfg, RUN, python="/usr/bin/python3"))
 
 
-@pytest.mark.parametrize("overrides", [[], OVERRIDES], ids=["default", "custom"])
-def test_template_script(overrides):
-    cfg = load_config(ROOT / "configs" / "digits.yaml", overrides)
-    suffix = "custom" if overrides else "default"
-    check_golden(f"template-{suffix}.sbatch", render(cfg, RUN, python="/usr/bin/python3"))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_template_script(variant):
+    cfg = load_config(ROOT / "configs" / "digits.yaml", VARIANTS[variant])
+    check_golden(f"template-{variant}.sbatch", render(cfg, RUN, python="/usr/bin/python3"))
 
 
 def test_template_by_hand_is_valid_bash():
@@ -52,3 +52,21 @@ def test_gpu_request_is_one_task_per_gpu():
     script = render_submitit_script(cfg, RUN, python="python")
     assert "#SBATCH --ntasks-per-node=4" in script and "#SBATCH --gpus-per-node=4" in script
     assert "#SBATCH --nodes=2" in script
+
+
+def test_gpu_binding_and_cpus_per_gpu():
+    def script(*overrides: str) -> str:
+        cfg = load_config(ROOT / "configs" / "digits.yaml", ["slurm.cpus_per_task=null", *overrides])
+        return render_submitit_script(cfg, RUN, "python")
+
+    # Each task sees only its own GPU: --gpus-per-task, and no node-wide request beside it.
+    per_task = script("slurm.gpus_per_node=2", "slurm.gpu_bind=task")
+    assert "#SBATCH --gpus-per-task=1" in per_task and "--gpus-per-node" not in per_task
+    # cpus_per_task unset on a GPU job with no partition known: 4 per GPU; one dp process drives all 4 GPUs.
+    assert "#SBATCH --cpus-per-task=4" in script("slurm.gpus_per_node=2")
+    dp = script("slurm.gpus_per_node=4", "strategy.name=dp")
+    assert "#SBATCH --ntasks-per-node=1" in dp and "#SBATCH --cpus-per-task=16" in dp
+    assert "#SBATCH --cpus-per-task=1" in script()  # CPU jobs: one per rank, as before
+    gpu = script("slurm.gpus_per_node=2")
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" in gpu and "CUBLAS_WORKSPACE_CONFIG" not in gpu
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in script()

@@ -33,7 +33,10 @@ def test_single_process_run(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "step_00000030.json").exists()
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if m["split"] == "train"] == [10, 20, 30]
-    assert metrics[-1]["split"] == "eval" and metrics[-1]["accuracy"] > 0.5
+    assert all(m["step_ms"] > 0 for m in metrics if m["split"] == "train")
+    assert metrics[-2]["split"] == "eval" and metrics[-2]["accuracy"] > 0.5
+    # The final checkpoint's save time, after the final eval.
+    assert metrics[-1]["split"] == "checkpoint" and metrics[-1]["step"] == 30 and metrics[-1]["save_s"] > 0
 
 
 @pytest.mark.parametrize(
@@ -54,7 +57,8 @@ def test_resume_is_bitwise_exact(tmp_path, nproc, strategy):
     resumed = re.search(r"resumed from step_00000025.pt \(step 25, epoch (\d+)\)", log)
     assert resumed and int(resumed[1]) >= 1, log  # mid-epoch, past the first epoch boundary
     assert final_digests(log) == ref
-    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if r["split"] == "train"]
     assert steps == sorted(steps) and len([s for s in steps if s == 30]) == 1  # no step logged twice
 
 

@@ -40,13 +40,15 @@ class Strategy(ABC):
     # Whether this rank's losses count in the logged average (a pipeline's last stage only sees losses).
     reports_loss: ClassVar[bool] = True
 
-    def forward_backward(self, task: Task, model: nn.Module, batch: Any, grad_accum: int, sync: bool) -> float:
+    def forward_backward(self, task: Task, model: nn.Module, batch: Any, grad_accum: int, sync: bool) -> torch.Tensor:
         """Forward and backward of one micro-batch of ``grad_accum``; ``sync`` on the last one, where gradient
-        communication happens. Returns the micro-batch's loss / grad_accum for logging."""
+        communication happens. Returns the micro-batch's loss / grad_accum for logging: a detached tensor on the
+        device, never read back here (a read-back would make the host wait for the GPU every micro-batch)."""
         with self.no_sync(model) if not sync else contextlib.nullcontext():
             out = task.compute(model, batch)
-            (out.loss / grad_accum).backward()
-        return out.loss.item() / grad_accum
+            loss = out.loss / grad_accum
+            loss.backward()
+        return loss.detach()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)

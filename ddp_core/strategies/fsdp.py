@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from ddp_core import distributed
 from ddp_core.errors import DdpJobError
 from ddp_core.strategies.base import Strategy
 
@@ -47,14 +48,6 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     return units if len(ids) == len(set(ids)) else []
 
 
-def _ensure_process_group(device: torch.device) -> None:
-    if dist.is_initialized():
-        return
-    # A single process started alone has no group; FSDP needs one for its device mesh. An in-memory store: no port.
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-
-
 class FSDPStrategy(Strategy):
     checkpoint_kind = "sharded"
 
@@ -64,7 +57,7 @@ class FSDPStrategy(Strategy):
                 f"strategy.name='fsdp' has nothing to shard: {type(model).__name__} has no trainable parameters",
                 "check the task's build_model, or use strategy.name=ddp",
             )
-        _ensure_process_group(self.device)
+        distributed.ensure_single_process_group(self.device)  # a process started alone has no group
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.cfg.reshard_after_forward}
         if self.cfg.mixed_precision == "bf16":

@@ -94,7 +94,7 @@ class PipelineStrategy(Strategy):
             self._schedule = _SCHEDULES[self.cfg.schedule](self.stage, self.cfg.microbatches, loss_fn=loss_fn)
         return self._schedule
 
-    def forward_backward(self, task: Task, model: nn.Module, batch: Any, grad_accum: int, sync: bool) -> float:
+    def forward_backward(self, task: Task, model: nn.Module, batch: Any, grad_accum: int, sync: bool) -> torch.Tensor:
         schedule = self._schedule_for(task, grad_accum)
         inputs, targets = task.split(batch)
         losses: list[torch.Tensor] = []
@@ -110,12 +110,17 @@ class PipelineStrategy(Strategy):
             for p in model.parameters():  # average this stage's gradients over its data-parallel replicas
                 if p.grad is not None:
                     dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=self.dp_group)
-        return float(torch.stack(losses).detach().mean()) if losses else 0.0
+        if not losses:  # only the last stage sees losses; the others report nothing (reports_loss is False)
+            return torch.zeros((), device=self.device)
+        return torch.stack(losses).detach().mean()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> None:
         # The norm is over the whole model: add the stages' squared norms before scaling.
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        local = torch.stack([g.detach().float().norm() ** 2 for g in grads]).sum() if grads else torch.zeros(())
+        # On the training device on every stage, also one without gradients: all ranks of a collective must send
+        # tensors of one device (on a GPU node CPU tensors go through gloo, CUDA ones through NCCL).
+        zero = torch.zeros((), device=self.device)
+        local = torch.stack([g.detach().float().norm() ** 2 for g in grads]).sum() if grads else zero
         dist.all_reduce(local, group=self.pp_group)
         scale = (max_norm / (local.sqrt() + 1e-6)).clamp(max=1.0)
         for g in grads:
@@ -128,7 +133,7 @@ class PipelineStrategy(Strategy):
         out = model(act)
         if not self.stage.is_last:
             _send(out, ranks[self.stage_index + 1])
-            return Output(loss=torch.zeros(()), count=0)
+            return Output(loss=torch.zeros((), device=self.device), count=0)
         return task.score(out, targets)
 
     def model_keys(self, model: nn.Module) -> list[str]:
