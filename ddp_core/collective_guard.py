@@ -39,9 +39,11 @@ from ddp_core.errors import DdpJobError
 log = logging.getLogger(__name__)
 
 # The collectives the project, torch's object collectives, FSDP2 and pipelining call through torch.distributed.
+# isend/irecv stay unwrapped: P2POp checks its op by identity (dist.isend), and pipelining's P2P goes through
+# batch_isend_irecv, which is checked op by op.
 _TENSOR_COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
-    "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+    "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv",
 )  # fmt: skip
 _OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list")
 

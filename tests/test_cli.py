@@ -69,7 +69,7 @@ def test_dry_run_prints_script_and_config_and_submits_nothing(tmp_path):
         (["slurm.tasks_per_node=9"], "config key 'slurm.tasks_per_node' = 9 ranks"),
         (["slurm.cpus_per_task=3"], "needs 6 CPUs per node"),
         (["slurm.nodes=3"], "config key 'slurm.nodes' = 3 exceeds partition"),
-        (["slurm.gpus_per_node=1"], "config key 'slurm.gpus_per_node' = 1 exceeds partition"),
+        (["slurm.gpus_per_node=3"], "config key 'slurm.gpus_per_node' = 3 exceeds partition 'local' (2 GPUs per node)"),
         (["slurm.partition=nosuch"], "config key 'slurm.partition' = 'nosuch': no such partition"),
     ],
 )
