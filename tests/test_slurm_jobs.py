@@ -67,7 +67,8 @@ def test_crashing_rank_ends_job_fast(slurm_cluster, tmp_path):
     assert elapsed < 60, f"job took {elapsed:.0f} s to fail"
     run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
     logs = rank_logs(run_dir, job_id)
-    assert "rank 1/2 failed: RuntimeError: injected failure at batch 30" in logs[1]
+    # The error line names the rank and the host it ran on.
+    assert re.search(r"rank 1/2 on n[12] failed: RuntimeError: injected failure at batch 30", logs[1]), logs[1][-2000:]
     assert sacct_state(job_id) in {"FAILED", "CANCELLED"}, sacct_state(job_id)
 
 

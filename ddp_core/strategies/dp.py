@@ -30,8 +30,11 @@ class DPStrategy(SingleProcessStrategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         require_single_process("dp", self.env.world_size)
         model = model.to(self.device)
-        # With no GPU DataParallel just calls the module; wrapping anyway keeps one code path on every machine.
-        return nn.DataParallel(model, device_ids=local_devices(self.device) if self.device.type == "cuda" else None)
+        if self.device.type != "cuda":
+            # Without GPUs DataParallel only calls the module; and given device_ids=None on a machine that has
+            # GPUs it would take them all, although this strategy was placed on the CPU (found on an H100).
+            return model
+        return nn.DataParallel(model, device_ids=local_devices(self.device))
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, nn.DataParallel) else model
