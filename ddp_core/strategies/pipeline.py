@@ -158,6 +158,7 @@ class PipelineStrategy(Strategy):
 
 
 def _send(tensor: torch.Tensor, dst: int) -> None:
+    # The small header is a CPU tensor (gloo on a GPU node), the activation a device tensor (NCCL).
     header = torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape], dtype=torch.int64)
     dist.send(torch.tensor([len(header)], dtype=torch.int64), dst)
     dist.send(header, dst)
