@@ -6,9 +6,10 @@ rank's RNG, scheduler, config, the optimizer's param groups). The folder is writ
 once every rank's files are durable, rank 0 renames it and writes the manifest ``step_XXXXXXXX.json`` (kind
 ``sharded``, world size, each file's size and sha256) last, as for full checkpoints (``ddp_core.checkpoint``).
 
-Loading is weights_only-safe: only tensors go through DCP (its path for other objects unpickles with
-``weights_only=False``), the rest is in ``extra.pt`` (``weights_only=True``), and DCP's ``.metadata`` pickle is
-checked against a whitelist of DCP's own metadata classes first. A sharded checkpoint loads at any world size
+Loading runs no code from the checkpoint: only tensors go through DCP (its path for other objects unpickles with
+``weights_only=False``), the rest is in ``extra.pt`` (``weights_only=True``), and we unpickle DCP's ``.metadata``
+ourselves, allowing only the exact (module, name) pairs DCP writes and refusing any non-tensor entry; DCP then
+plans from that checked copy. A sharded checkpoint loads at any world size
 (DCP reshards) and into any strategy, and into a single process without a process group (``ddpjob export``).
 
 Async saves (``checkpoint.async_save``) use ``dcp.async_save`` on a gloo group of their own: on the default
@@ -33,10 +34,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from ddp_core import distributed
 from ddp_core.checkpoint import SHARDED, CheckpointInfo, files_digest, fsync_dir, prune, remove_data, sha256_file
+from ddp_core.errors import DdpJobError
 from ddp_core.rundir import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -44,34 +46,77 @@ log = logging.getLogger(__name__)
 EXTRA = "extra.pt"
 DCP_METADATA = ".metadata"  # the file FileSystemWriter's coordinator writes last
 
-# What DCP's .metadata pickle may reference (checked before DCP unpickles it): its dataclasses, torch.Size,
-# dtypes, layouts, and the file-location records of FileSystemWriter.
-_METADATA_MODULES = {"torch.distributed.checkpoint.metadata"}
-_METADATA_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-}
+# Exactly what DCP's FileSystemWriter pickles into .metadata (read off real ones): (module, qualified name) pairs,
+# compared whole. No module is allowed wholesale: protocol 4 resolves a dotted name by walking attributes, so
+# ('torch.distributed.checkpoint.metadata', 'torch.os.system') would be os.system.
+_METADATA_GLOBALS = frozenset(
+    {("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "TensorProperties",
+        "StorageMeta", "_MEM_FORMAT_ENCODING")}
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+    }
+)  # fmt: skip
+_DTYPES = frozenset(name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype))
+_BYTES_ENTRY = ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata")
+_REFUSED_HINT = "load only checkpoints as ddpjob wrote them: restore this one from a trusted copy or delete it"
+
+
+class CheckpointRefused(DdpJobError):
+    """A checkpoint whose metadata names something DCP's own writer never writes: loading it could run code."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS or dtype:
+        if (module, name) == _BYTES_ENTRY:
+            raise CheckpointRefused(
+                "it declares a non-tensor (bytes) entry, which ddpjob never writes and DCP would unpickle with "
+                "weights_only=False"
+            )
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and name in _DTYPES):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"'{module}.{name}' is not allowed in DCP metadata")
+        raise CheckpointRefused(f"its {DCP_METADATA} names '{module}.{name}', which is not one of DCP's metadata types")
 
 
 def read_metadata(folder: Path) -> Metadata:
-    """DCP's metadata of a checkpoint folder, unpickled with only DCP's own classes allowed."""
-    with open(folder / DCP_METADATA, "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
-    if not isinstance(metadata, Metadata):
-        raise pickle.UnpicklingError(f"{folder / DCP_METADATA} holds a {type(metadata).__name__}, not DCP Metadata")
+    """DCP's metadata of a checkpoint folder, unpickled with only DCP's own types allowed and every entry a tensor.
+    Raises ``CheckpointRefused`` (saying why) for anything else: a manifest's sha256 proves integrity, not
+    authorship, so whoever can write the checkpoint could otherwise make loading it run code."""
+    try:
+        with open(folder / DCP_METADATA, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise CheckpointRefused(f"its {DCP_METADATA} holds a {type(metadata).__name__}, not DCP Metadata")
+        for key, spec in metadata.state_dict_metadata.items():
+            if not isinstance(spec, TensorStorageMetadata):
+                raise CheckpointRefused(f"its entry '{key}' is a {type(spec).__name__}, not a tensor")
+    except CheckpointRefused as err:
+        raise CheckpointRefused(f"checkpoint {folder} refused: {err.message}", _REFUSED_HINT) from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as err:
+        raise CheckpointRefused(
+            f"checkpoint {folder} refused: unreadable {DCP_METADATA} ({err})", _REFUSED_HINT
+        ) from None
     return metadata
+
+
+class _CheckedReader(dcp.FileSystemReader):
+    """DCP's file reader, planning from the metadata ``read_metadata`` checked: DCP never unpickles .metadata
+    itself (it would, unrestricted, and the file could have changed since the check)."""
+
+    def __init__(self, folder: Path, metadata: Metadata) -> None:
+        super().__init__(folder)
+        self._checked = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if getattr(self._checked, "storage_meta", None) is None:
+            self._checked.storage_meta = StorageMeta()
+        self._checked.storage_meta.load_id = getattr(self, "load_id", None)
+        return self._checked
 
 
 def split_tensors(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -223,10 +268,10 @@ def load(info: CheckpointInfo, state: dict[str, Any]) -> tuple[dict[str, Any], d
     """Collective when a process group exists. Reads a sharded checkpoint into ``state`` (model/optimizer as
     ``Strategy.sharded_state`` gives them, at any world size) in place. Returns (that state completed with the
     checkpoint's non-tensor parts, the rest of the checkpoint: position, RNG, scheduler, ...)."""
+    metadata = read_metadata(info.path)  # refuses a checkpoint whose loading could run code, before reading it
     extra = torch.load(info.path / EXTRA, map_location="cpu", weights_only=True)
-    read_metadata(info.path)  # refuses a metadata pickle that names anything but DCP's own classes
     tensors, own = split_tensors(state)
-    dcp.load(tensors, storage_reader=dcp.FileSystemReader(info.path))
+    dcp.load(tensors, storage_reader=_CheckedReader(info.path, metadata))
     plain = extra.pop("plain")
     saved_groups = plain.get("optimizer", {}).get("param_groups")
     own_groups = own.get("optimizer", {}).get("param_groups")
@@ -246,10 +291,9 @@ def read_model_state(folder: Path) -> dict[str, torch.Tensor]:
     specs = metadata.state_dict_metadata
     state: dict[str, torch.Tensor] = {}
     for key in extra["model_keys"]:  # the model's own state_dict order
-        spec = specs[f"model.{key}"]
-        assert isinstance(spec, TensorStorageMetadata)
+        spec = specs[f"model.{key}"]  # a tensor: read_metadata refused anything else
         state[key] = torch.empty(spec.size, dtype=spec.properties.dtype)
     with warnings.catch_warnings():  # DCP warns that it assumes a single process: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": state}, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+        dcp.load({"model": state}, storage_reader=_CheckedReader(folder, metadata), no_dist=True)
     return state

@@ -119,7 +119,10 @@ def test_split_tensors_round_trip():
 
 def test_dcp_metadata_may_name_only_dcp_classes(tmp_path):
     (tmp_path / ".metadata").write_bytes(pickle.dumps(os.system))  # unpickling would hand out os.system
-    with pytest.raises(pickle.UnpicklingError, match=re.escape("'posix.system' is not allowed")):
+    with pytest.raises(sharded_checkpoint.CheckpointRefused, match=re.escape("names 'posix.system', which is not")):
+        sharded_checkpoint.read_metadata(tmp_path)
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(sharded_checkpoint.CheckpointRefused, match=re.escape("refused: unreadable .metadata")):
         sharded_checkpoint.read_metadata(tmp_path)
 
 
