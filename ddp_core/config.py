@@ -8,6 +8,7 @@ OmegaConf; everything past ``load_config`` works with plain dataclass instances.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -327,9 +328,37 @@ def validate(cfg: Config) -> None:
     _require(cfg.slurm.gpu_bind in GPU_BIND, "slurm.gpu_bind", cfg.slurm.gpu_bind, f"must be one of {GPU_BIND}")
     _require(cfg.slurm.cpu_bind in CPU_BIND, "slurm.cpu_bind", cfg.slurm.cpu_bind, f"must be one of {CPU_BIND}")
     _validate_guard(cfg.dist.guard)
+    _validate_script_strings(cfg)
     _validate_strategy(cfg)
     _require(":" in cfg.task.target, "task.target", cfg.task.target, "must look like 'package.module:ClassName'")
     _require(bool(cfg.run.name.strip()) and "/" not in cfg.run.name, "run.name", cfg.run.name, "must be a plain name")
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Whitespace, control characters and shell metacharacters: none may appear in a value of an #SBATCH line.
+_UNSAFE_WORD = re.compile(r"[\s\x00-\x1f\x7f'\"`$\\;&|<>]")
+_OPTION = re.compile(r"[a-z][a-z0-9-]*")
+_WORD_RULE = "no whitespace, control characters or shell metacharacters: it goes into #SBATCH lines"
+
+
+def _validate_script_strings(cfg: Config) -> None:
+    """Strings that reach a batch script. ``#SBATCH`` lines are read line by line and unquoted by submitit: a
+    newline would start a shell line (and end the directives sbatch reads), whitespace another option. Setup
+    lines are shell code by design, but one item is one line."""
+    s = cfg.slurm
+    words = {"run.name": cfg.run.name, "run.root": cfg.run.root, "slurm.job_name": s.job_name,
+             "slurm.partition": s.partition, "slurm.account": s.account, "slurm.qos": s.qos}  # fmt: skip
+    for key, value in words.items():
+        if value is not None:
+            _require(not _UNSAFE_WORD.search(value), key, value, _WORD_RULE)
+    for i, line in enumerate(s.setup):
+        _require(not _CONTROL.search(line), f"slurm.setup[{i}]", line, "one line per item: no newlines")
+    for name, value in s.additional.items():
+        option = str(name).replace("_", "-")
+        _require(bool(_OPTION.fullmatch(option)), "slurm.additional", name,
+                 "option names are sbatch's long options without '--', e.g. constraint or mail-type")  # fmt: skip
+        if not isinstance(value, (bool, int, float)):
+            _require(not _UNSAFE_WORD.search(str(value)), f"slurm.additional.{name}", value, _WORD_RULE)
 
 
 def _validate_guard(guard: Optional[str]) -> None:

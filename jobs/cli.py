@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -135,6 +137,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from jobs.submit import validate_for_submit
 
     cfg = load_config(args.config, args.overrides)
+    if args.job_id and not re.fullmatch(r"\d+(_\d+)?", args.job_id):
+        # The id names a directory under run.root: anything but a Slurm job id could point outside it.
+        raise DdpJobError(f"--job-id {args.job_id!r} is not a Slurm job id", "pass $SLURM_JOB_ID (digits)")
     if args.job_id:
         # A requeued batch script runs `prepare` again: the same job must find the same run directory.
         run_dir = RunDir((Path(cfg.run.root) / f"{cfg.run.name}-{args.job_id}").resolve())
@@ -191,7 +196,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
     if not offline:
         raise DdpJobError(f"no offline W&B records in {run_dir.wandb}", "was the run started with wandb.mode=disabled?")
     command = [sys.executable, "-m", "wandb", "sync", "--include-offline", *offline]
-    print(" ".join(command))
+    print(shlex.join(command))
     if args.dry_run:
         return 0
     return subprocess.call(command)
@@ -208,7 +213,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     parallelism = spec.configs[0].slurm.array_parallelism
     if args.dry_run:
         for p in plans:
-            print(f"{p.trial.index:5d}  {p.trial.trial_id}  {p.action:9s}  {' '.join(p.trial.overrides)}")
+            print(f"{p.trial.index:5d}  {p.trial.trial_id}  {p.action:9s}  {shlex.join(p.trial.overrides)}")
         count = sum(1 for p in plans if p.action in ("submit", "resume"))
         print(f"# array script for {count} trials (nothing submitted)")
         print(sw.render_array_script(spec, max(1, count), parallelism))

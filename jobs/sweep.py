@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -128,7 +129,7 @@ def render_array_script(sweep: Sweep, count: int, parallelism: int, python: str 
 
     folder = sweep_dir(sweep) / "slurm"
     params = array_parameters(sweep, parallelism)
-    command = f"{python} -u -m submitit.core._submit {folder}"
+    command = shlex.join([python, "-u", "-m", "submitit.core._submit", str(folder)])
     return _make_sbatch_string(command=command, folder=folder, map_count=count, **params)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -78,4 +79,37 @@ def test_impossible_request_is_refused(slurm_cluster, tmp_path, args, needle):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "needle"),
+    [
+        ('slurm: {job_name: "x\\ntouch /tmp/p #"}', "config key 'slurm.job_name' = 'x\\ntouch /tmp/p #' is invalid"),
+        ('slurm: {account: "proj\\n#SBATCH --partition=evil"}', "config key 'slurm.account'"),
+        ('run: {name: "r\\ntouch /tmp/p"}', "config key 'run.name'"),
+        ('slurm: {additional: {"x --partition=evil --comment": 1}}', "config key 'slurm.additional' = 'x --partition"),
+        ('slurm: {additional: {comment: "x --partition=evil"}}', "config key 'slurm.additional.comment'"),
+        ('slurm: {setup: ["module load a\\ntouch /tmp/p"]}', "config key 'slurm.setup[0]'"),
+    ],
+    ids=["job_name", "account", "run_name", "option_name", "option_value", "setup"],
+)
+def test_strings_that_reach_a_batch_script_cannot_inject_lines(tmp_path, yaml_text, needle):
+    """A newline in an #SBATCH value starts a shell line and ends the directives sbatch reads (losing --requeue,
+    --signal, --time); whitespace starts another option. Refused before anything is rendered or created."""
+    config = tmp_path / "bad.yaml"
+    config.write_text(f"run: {{name: ok}}\n{yaml_text}\n" if not yaml_text.startswith("run:") else yaml_text + "\n")
+    for command in (["submit", str(config), "--dry-run"], ["prepare", str(config), "--sbatch-script"]):
+        proc = run_cli(*command, "--no-cluster-check" if command[0] == "prepare" else "--local", cwd=tmp_path)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+        assert not (tmp_path / "runs").exists() and not Path("/tmp/p").exists()
+
+
+def test_prepare_job_id_cannot_leave_the_run_root(tmp_path):
+    proc = run_cli("prepare", DIGITS, "--job-id", "../../../victim", "--no-cluster-check", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "ddpjob: error: --job-id '../../../victim' is not a Slurm job id (hint: pass $SLURM_JOB_ID (digits))"
+    )
     assert not (tmp_path / "runs").exists()
