@@ -240,10 +240,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     layers = [OmegaConf.structured(Config)]
     try:
         if path is not None:
-            path = Path(path)
-            if not path.is_file():
-                raise DdpJobError(f"config file '{path}' not found", "pass a YAML file, e.g. configs/digits.yaml")
-            layers.append(OmegaConf.load(path))
+            read_yaml_mapping(Path(path))  # one clear error for a file that is not a sane YAML mapping
+            layers.append(OmegaConf.load(path))  # OmegaConf's YAML: 1e-4 is a float (PyYAML reads a string)
         layers.append(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.merge(*layers)
         cfg = OmegaConf.to_object(merged)
@@ -252,6 +250,73 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     assert isinstance(cfg, Config)
     validate(cfg)
     return cfg
+
+
+# Aliases make a tiny YAML file expand to gigabytes ("billion laughs") once the tree is copied; real configs
+# have a few hundred nodes.
+_MAX_NODES = 100_000
+
+
+def read_yaml_mapping(path: Path) -> dict[str, Any]:
+    """A YAML file's top-level mapping (as PyYAML reads it), or one ``DdpJobError`` naming the file (and line)
+    and what is wrong: syntax, encoding, tags, a repeated key, alias bombs, a top level that is not a mapping."""
+    if not path.is_file():
+        raise DdpJobError(f"config file '{path}' not found", "pass a YAML file, e.g. configs/digits.yaml")
+    hint = "a config is a YAML mapping of sections (run:, task:, optim:, ...), e.g. configs/digits.yaml"
+    try:
+        text = path.read_text(encoding="utf-8")
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        if root is not None:
+            _check_nodes(path, root)
+        data = yaml.safe_load(text)  # safe_load: no !!python tags
+    except UnicodeDecodeError as err:
+        raise DdpJobError(f"config file '{path}' is not UTF-8 text ({err.reason} at byte {err.start})", hint) from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise DdpJobError(f"config file '{path}' is not valid YAML{where}: {problem}", hint) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise DdpJobError(f"config file '{path}' holds a {type(data).__name__}, not a mapping of sections", hint)
+    return data
+
+
+def _check_nodes(path: Path, root: yaml.Node) -> None:
+    """Refuse a repeated key (safe_load keeps the last one silently) and a tree that aliases expand past
+    ``_MAX_NODES``. Each node is visited once, aliased or not: linear in the file, not in its expansion."""
+    expanded: dict[int, int] = {}
+    order: list[yaml.Node] = []
+    stack = [root]
+    while stack:  # every distinct node once
+        node = stack.pop()
+        if id(node) in expanded:
+            continue
+        expanded[id(node)] = 0
+        order.append(node)
+        if isinstance(node, yaml.MappingNode):
+            seen: set[str] = set()
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    if key.value in seen:
+                        raise DdpJobError(
+                            f"config file '{path}' repeats the key '{key.value}' at line {key.start_mark.line + 1}",
+                            "keep one of them (YAML keeps the last silently)",
+                        )
+                    seen.add(key.value)
+                stack.extend((key, value))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+    for node in reversed(order):  # children before parents: sizes as the copied tree would have them
+        children = [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else (
+            node.value if isinstance(node, yaml.SequenceNode) else [])  # fmt: skip
+        expanded[id(node)] = min(_MAX_NODES + 1, 1 + sum(expanded[id(c)] for c in children))
+    if expanded[id(root)] > _MAX_NODES:
+        raise DdpJobError(
+            f"config file '{path}' expands to more than {_MAX_NODES} values through YAML aliases",
+            "write the values out; aliases that multiply like this are a YAML bomb",
+        )
 
 
 def _explain(err: OmegaConfBaseException) -> DdpJobError:

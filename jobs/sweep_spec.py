@@ -31,7 +31,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ddp_core.config import Config, load_config, validate
+from ddp_core.config import Config, load_config, read_yaml_mapping, validate
 from ddp_core.errors import DdpJobError
 
 SWEEP_FILE_KEYS = ("base", "name", "overrides", "grid", "random")
@@ -81,11 +81,8 @@ def load_sweep(
 
 
 def is_sweep_file(path: Path) -> bool:
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
-        return False  # not ours to report: load_config names the unreadable base config
-    return isinstance(data, dict) and bool({"grid", "random"} & set(data))
+    # A file that is not a YAML mapping is refused here, naming the file and line (not "nothing to sweep").
+    return bool({"grid", "random"} & set(read_yaml_mapping(Path(path))))
 
 
 def parse_cli_sweep(config: Path, args: Sequence[str], name: str | None = None) -> Sweep:

@@ -1,11 +1,13 @@
 """Config loading and validation: every user mistake is one DdpJobError naming the key."""
 
+import re
 from pathlib import Path
 
 import pytest
 
 from ddp_core.config import Config, Precision, load_config, to_yaml
 from ddp_core.errors import DdpJobError
+from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "configs" / "digits.yaml"
@@ -60,3 +62,27 @@ def test_missing_file_and_missing_value(tmp_path):
     cfg_file.write_text("train:\n  max_steps: 5\n")
     with pytest.raises(DdpJobError, match=r"'run\.name' is required"):
         load_config(cfg_file)
+
+
+BOMB = "".join(f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True))
+BAD_FILES = {
+    "syntax": ("run: {name: x\n  bad: [\n", "is not valid YAML at line 2, column 6: expected ',' or '}'"),
+    "duplicate": ("run:\n  name: a\n  name: b\n", "repeats the key 'name' at line 3"),
+    "python_tag": ("run: !!python/object:os.system {}\n", "could not determine a constructor for the tag"),
+    "not_utf8": (b"\xff\xfe\x00bad", "is not UTF-8 text"),
+    "list": ("- a\n- b\n", "holds a list, not a mapping of sections"),
+    "alias_bomb": ("a: &a [x, x, x, x, x, x, x, x, x]\n" + BOMB, "expands to more than 100000 values"),
+    "python_file": ('"""A module."""\nimport os\n', "is not valid YAML at line 1, column 3"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_FILES)
+def test_unreadable_config_files_are_one_line_errors(tmp_path, case):
+    content, needle = BAD_FILES[case]
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(DdpJobError, match=re.escape(needle)):
+        load_config(path)
+    proc = run_cli("submit", str(path), "--dry-run", "--local", cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("ddpjob: error: config file"), proc.stderr
