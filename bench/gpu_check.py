@@ -57,6 +57,7 @@ DIGEST = re.compile(r"final weights sha256 ([0-9a-f]{64})")
 SAVED = re.compile(r"saved checkpoint step (\d+) in ([\d.]+) s")
 SAVED_NOW = re.compile(r"checkpoint step (\d+) saved \((?:[^()]*?, )?([\d.]+) s(?:, training blocked ([\d.]+) s)?\)")
 STOPPED = re.compile(r"stopping at step (\d+)")
+STOPPED_EXIT = 4  # ddp_core.launch.EXIT_STOPPED: a run stopped by a signal outside Slurm
 
 
 @dataclass
@@ -222,7 +223,9 @@ class Launcher:
         self.live += procs
         return procs
 
-    def wait(self, procs: list[subprocess.Popen], grace_s: float = 10.0) -> tuple[Optional[int], str]:
+    def wait(
+        self, procs: list[subprocess.Popen], grace_s: float = 10.0, ok: tuple[int, ...] = (0,)
+    ) -> tuple[Optional[int], str]:
         """Wait for every rank. Returns (None, "") on success, else (failing rank, reason); once one rank fails
         the others get ``grace_s`` to fail or finish and are then killed (an NCCL peer would otherwise wait for
         the process group's timeout)."""
@@ -232,7 +235,7 @@ class Launcher:
         while any(p.poll() is None for p in procs):
             if failed is None:
                 for rank, p in enumerate(procs):
-                    if p.returncode not in (None, 0):
+                    if p.returncode is not None and p.returncode not in ok:
                         failed, reason = rank, f"rank {rank} exited with {p.returncode}"
                         deadline = min(deadline, time.monotonic() + grace_s)
                         break
@@ -245,7 +248,7 @@ class Launcher:
         self.live = [p for p in self.live if p not in procs]
         if failed is None:
             for rank, p in enumerate(procs):
-                if p.returncode != 0:
+                if p.returncode not in ok:
                     return rank, f"rank {rank} exited with {p.returncode}"
         return failed, reason
 
@@ -468,7 +471,7 @@ def run_resume(sizes: Sizes, gpus: int, launcher: Launcher, work: Path, keep: bo
             signalled = True
         else:
             time.sleep(0.02)
-    failed, reason = launcher.wait(procs)
+    failed, reason = launcher.wait(procs, ok=(0, STOPPED_EXIT))
     if failed is not None:
         return resume_failed("run B (first part)", reason, b_dir / f"rank{failed}.log")
     first = (b_dir / "rank0.log").read_text(errors="replace")

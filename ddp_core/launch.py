@@ -33,6 +33,8 @@ log = logging.getLogger("ddp_core")
 # Exit codes of an attempt that stopped early (no submitit result is written for them).
 EXIT_REQUEUED = 0  # Slurm ends and restarts the job; the code is never seen by anyone
 EXIT_BUDGET_SPENT = 3
+EXIT_STOPPED = 4  # a signal outside Slurm: checkpointed, nobody requeues; continue by starting it on the run dir
+EXIT_REQUEUE_FAILED = 5  # inside Slurm, but `scontrol requeue` was refused: the job must not look COMPLETED
 EXIT_TERMINATED = 143  # 128 + SIGTERM, the shell convention
 
 
@@ -63,15 +65,24 @@ def _hint(err: BaseException) -> str:
 
 def _after_stop(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, outcome: Outcome) -> int:
     """Rank 0 decides what an interrupted attempt leads to: requeue, or a terminal state. Returns exit code."""
+    if outcome.signum != stop_flag.warning:
+        if env.is_main:
+            run_dir.log_event("interrupted", kind=Interruption.terminated.value, job_id=env.job_id, step=outcome.step)
+            log.info("SIGTERM at step %d: Slurm ends this attempt (a requeue or preemption restarts it)", outcome.step)
+        return EXIT_TERMINATED
+    if not env.slurm_job_id:
+        # Outside Slurm nothing requeues: not a timeout or a preemption, and not a success either.
+        if env.is_main:
+            run_dir.log_event("interrupted", kind=Interruption.stopped.value, job_id=env.job_id, step=outcome.step)
+            log.warning("stopped at step %d by a signal outside Slurm; continue with: python -m ddp_core %s",
+                        outcome.step, run_dir.path)  # fmt: skip
+        return EXIT_STOPPED
     if not env.is_main:
-        return EXIT_REQUEUED if outcome.signum == stop_flag.warning else EXIT_TERMINATED
+        return EXIT_REQUEUED  # rank 0 requeues; its exit code tells Slurm whether that failed
     end = preemption.job_end_time(env.slurm_job_id)
     time_left = None if end is None else end - (stop_flag.received_at or time.time())
     kind = preemption.classify(outcome.signum, stop_flag.warning, time_left, cfg.slurm.signal_lead_s)
     run_dir.log_event("interrupted", kind=kind.value, job_id=env.job_id, step=outcome.step)
-    if kind is Interruption.terminated:
-        log.info("SIGTERM at step %d: Slurm ends this attempt (a requeue or preemption restarts it)", outcome.step)
-        return EXIT_TERMINATED
     limit = cfg.slurm.max_timeouts if kind is Interruption.timeout else cfg.slurm.max_preemptions
     spent = sum(1 for e in run_dir.events() if e["event"] == "interrupted" and e.get("kind") == kind.value
                 and e.get("job_id") == env.job_id)  # fmt: skip
@@ -81,8 +92,12 @@ def _after_stop(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag,
         run_dir.log_event("budget_exhausted", reason=reason, job_id=env.job_id, step=outcome.step)
         log.error("%s; continue with: ddpjob resume %s", reason, run_dir.path)
         return EXIT_BUDGET_SPENT
-    if preemption.requeue(env):
-        run_dir.log_event("requeued", kind=kind.value, job_id=env.job_id, step=outcome.step, count=spent)
+    if not preemption.requeue(env):
+        run_dir.log_event("requeue_failed", kind=kind.value, job_id=env.job_id, step=outcome.step)
+        log.error("the job could not requeue itself after its checkpoint at step %d; continue with: ddpjob resume %s",
+                  outcome.step, run_dir.path)  # fmt: skip
+        return EXIT_REQUEUE_FAILED
+    run_dir.log_event("requeued", kind=kind.value, job_id=env.job_id, step=outcome.step, count=spent)
     return EXIT_REQUEUED
 
 

@@ -38,6 +38,7 @@ class Interruption(str, Enum):
     timeout = "timeout"  # the warning signal, near the time limit: requeue
     preemption = "preemption"  # the warning signal, earlier (scancel --signal, preemption notice): requeue
     terminated = "terminated"  # SIGTERM: Slurm is ending or requeueing the job itself; save and leave
+    stopped = "stopped"  # a signal outside Slurm (torchrun, a plain process): save and exit non-zero
 
 
 class StopFlag:

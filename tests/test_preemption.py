@@ -206,3 +206,25 @@ def test_sbatch_by_hand_with_a_config_resumes_in_the_same_run_dir(reference, tmp
     assert wait_gone(job_id) == "COMPLETED"
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [f"digits-{job_id}"]
     assert digests(rank_logs(run_dir, job_id)) == {0: reference, 1: reference}
+
+
+def test_refused_requeue_fails_the_job_and_says_how_to_resume(slurm_cluster, tmp_path):
+    """`scontrol requeue` refused (JobRequeue=0, a site policy): the checkpoint is written, the job must not end
+    COMPLETED with a run half done, and the log and attempts.jsonl say how to continue."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = requeue ] && { echo "slurm_requeue error: Requested operation is presently disabled" >&2; exit 1; }\n'
+        'exec /usr/bin/scontrol "$@"\n'
+    )
+    (fake / "scontrol").chmod(0o755)
+    job, run_dir = submit(tmp_path, "wandb.mode=disabled", f"slurm.setup=['export PATH={fake}:$PATH']")
+    wait_training(run_dir, 1, 20)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    assert wait_gone(job) == "FAILED"
+    failed = events(run_dir, "requeue_failed")
+    assert len(failed) == 1 and failed[0]["step"] == events(run_dir, "interrupted")[0]["step"]
+    assert (run_dir / "checkpoints" / f"step_{failed[0]['step']:08d}.json").exists()
+    assert f"continue with: ddpjob resume {run_dir}" in rank_logs(run_dir, job)[0]
+    assert "COMPLETED" not in sacct_state(job)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,3 +111,26 @@ def test_export_cli_writes_a_plain_state_dict(tmp_path):
     from ddp_core.train import weights_digest
 
     assert final_digests(log) == [weights_digest(state)]
+
+
+def test_a_signal_outside_slurm_stops_non_zero_and_resumes(tmp_path):
+    """torchrun or a plain process: nothing requeues, so a signalled run checkpoints, records 'stopped' and exits
+    4 (not 0, which would read as finished); started again on its run directory it completes."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ddp_core", DIGITS, "--run-dir", str(run), *BASE, "train.max_steps=200",
+           "train.log_every=1", "task.target=tests.tasks:SlowDigitsTask", "task.data.pause_s=0.02"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+    proc = subprocess.Popen(cmd, env=env | {"OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count('"train"') >= 5) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR2)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 4, err[-2000:]
+    stopped = [json.loads(line) for line in (run / "attempts.jsonl").read_text().splitlines()]
+    stopped = [e for e in stopped if e["event"] == "interrupted"]
+    assert [e["kind"] for e in stopped] == ["stopped"]
+    assert f"continue with: python -m ddp_core {run}" in err
+    log = run_trainer(str(run), run, [])  # started on the run directory: resumes and completes
+    assert f"resumed from step_{stopped[0]['step']:08d}.pt" in log and "finished at step 200" in log
