@@ -8,6 +8,7 @@ OmegaConf; everything past ``load_config`` works with plain dataclass instances.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from enum import Enum
@@ -110,6 +111,9 @@ class TrainConfig:
     eval_every: int = 100  # 0: evaluate only at the end
     log_every: int = 20
     deterministic: bool = False
+    # Stop (non-zero exit, a clear message) when the logged loss is NaN or infinite: checked at each progress
+    # line, where the loss is read back anyway, so it costs nothing per step.
+    stop_on_nan: bool = True
 
 
 @dataclass
@@ -339,8 +343,47 @@ def _require(ok: bool, key: str, value: Any, why: str) -> None:
         raise DdpJobError(f"config key '{key}' = {value!r} is invalid: {why}", f"fix it in the YAML or with {key}=...")
 
 
+def _floats(node: Any, prefix: str = "") -> Any:
+    """(key, value) of every float in the tree (dotted keys)."""
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _floats(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float):
+            yield f"{prefix}{f.name}", value
+
+
+# Upper bounds that no real run comes near; past them a value is a typo (or 1e20) that would fail only after the
+# queue wait, or be rendered for sbatch to reject.
+_AT_MOST = {
+    "data.batch_size": 1 << 20,
+    "data.eval_batch_size": 1 << 20,
+    "data.num_workers": 256,
+    "train.grad_accum": 1 << 16,
+    "train.max_steps": 1 << 40,
+    "slurm.nodes": 1 << 16,
+    "slurm.gpus_per_node": 64,
+    "slurm.tasks_per_node": 1024,
+    "slurm.cpus_per_task": 4096,
+    "slurm.time_min": 366 * 24 * 60,  # a year
+}
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no cluster: ranges and combinations. Raises ``DdpJobError`` naming the key."""
+    for key, value in _floats(cfg):
+        _require(math.isfinite(value), key, value, "must be a finite number")
+    for key, limit in _AT_MOST.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None:
+            _require(value <= limit, key, value, f"must be at most {limit}")
+    _require(0 <= cfg.train.seed < 2**63, "train.seed", cfg.train.seed, "must be in [0, 2**63)")
+    _require(0 <= cfg.optim.momentum < 1, "optim.momentum", cfg.optim.momentum, "must be in [0, 1)")
+    _require(cfg.checkpoint.sigterm_budget_s >= 0, "checkpoint.sigterm_budget_s", cfg.checkpoint.sigterm_budget_s,
+             "must be >= 0 (0: never save on SIGTERM)")  # fmt: skip
+    if cfg.slurm.mem_gb is not None:
+        _require(cfg.slurm.mem_gb > 0, "slurm.mem_gb", cfg.slurm.mem_gb, "must be > 0, or null for the default")
     positive = {
         "data.batch_size": cfg.data.batch_size,
         "data.eval_batch_size": cfg.data.eval_batch_size,

@@ -19,6 +19,9 @@ PORT_BASE = 20000
 PORT_SPAN = 12000
 # Prime and coprime to PORT_SPAN: consecutive job ids map to distinct ports for PORT_SPAN ids in a row.
 _PORT_STRIDE = 1009
+_TORCH_DEFAULT_PORT = 29500
+# Slurm's own cap on the hosts one hostlist expression may name.
+_MAX_HOSTS = 65536
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,15 @@ class DistEnv:
             return _from_slurm(env)
         if "SUBMITIT_LOCAL_GLOBALID" in env:
             return _from_submitit_local(env)
-        return cls(cpus_per_rank=_cpus(env, 1), source="single")
+        # One process, possibly a one-task sbatch job without srun: it keeps the job's identity so it can requeue.
+        job_id = env.get("SLURM_JOB_ID") or None
+        return cls(
+            job_id=job_id,
+            slurm_job_id=job_id,
+            restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
+            cpus_per_rank=_cpus(env, 1),
+            source="single",
+        )
 
 
 def _int(env: Mapping[str, str], key: str, default: Optional[int] = None) -> int:
@@ -84,13 +95,18 @@ def _cpus(env: Mapping[str, str], local_world_size: int) -> int:
 
 def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
     world = _int(env, "WORLD_SIZE")
-    local_world = _int(env, "LOCAL_WORLD_SIZE", 1)
+    # RANK/WORLD_SIZE/MASTER_ADDR exported by hand in an srun step: the node-local parts come from Slurm's task.
+    in_step = "SLURM_STEP_ID" in env and env.get("SLURM_STEP_ID") != "batch"
+    tasks = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    node = _int(env, "SLURM_NODEID", 0) if in_step else 0
+    slurm_local_world = expand_tasks_per_node(tasks)[node] if in_step and tasks else 1
+    local_world = _int(env, "LOCAL_WORLD_SIZE", slurm_local_world)
     return DistEnv(
         rank=_int(env, "RANK"),
-        local_rank=_int(env, "LOCAL_RANK", 0),
+        local_rank=_int(env, "LOCAL_RANK", _int(env, "SLURM_LOCALID", 0) if in_step else 0),
         world_size=world,
         local_world_size=local_world,
-        node_rank=_int(env, "GROUP_RANK", 0),
+        node_rank=_int(env, "GROUP_RANK", node),
         num_nodes=max(1, world // max(1, local_world)),
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=_int(env, "MASTER_PORT", 29500),
@@ -109,7 +125,6 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
     tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
     local_world = expand_tasks_per_node(tasks_per_node)[node_rank] if tasks_per_node else 1
     job_id = env.get("SLURM_JOB_ID")
-    array_task = _int(env, "SLURM_ARRAY_TASK_ID", 0)
     return DistEnv(
         rank=_int(env, "SLURM_PROCID"),
         local_rank=_int(env, "SLURM_LOCALID", 0),
@@ -122,7 +137,7 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
         if "SLURM_STEP_NUM_NODES" in env
         else _int(env, "SLURM_JOB_NUM_NODES", 1),
         master_addr=expand_nodelist(nodelist)[0],
-        master_port=_int(env, "MASTER_PORT", 0) or derive_master_port(int(job_id or 0), array_task),
+        master_port=_int(env, "MASTER_PORT", 0) or derive_master_port(int(job_id or 0)),
         job_id=job_id,
         slurm_job_id=job_id,
         restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
@@ -139,16 +154,19 @@ def _from_submitit_local(env: Mapping[str, str]) -> DistEnv:
         local_rank=_int(env, "SUBMITIT_LOCAL_LOCALID", 0),
         world_size=world,
         local_world_size=world,
-        master_port=derive_master_port(int(job_id) if job_id.isdigit() else 0, 0),
+        master_port=derive_master_port(int(job_id) if job_id.isdigit() else 0),
         job_id=job_id,
         cpus_per_rank=_cpus(env, world),
         source="submitit-local",
     )
 
 
-def derive_master_port(job_id: int, array_task_id: int = 0) -> int:
-    """A rendezvous port that differs for jobs (and array tasks) sharing a node."""
-    return PORT_BASE + (job_id * _PORT_STRIDE + array_task_id) % PORT_SPAN
+def derive_master_port(job_id: int) -> int:
+    """A rendezvous port that differs for jobs sharing a node. Each array task has its own SLURM_JOB_ID already:
+    adding the task id made ports collide (two arrays' ids and task ids summing alike). torch's default port
+    29500, which a hand-started torchrun on the node may hold, maps to the top of the range instead."""
+    port = PORT_BASE + (job_id * _PORT_STRIDE) % PORT_SPAN
+    return PORT_BASE + PORT_SPAN if port == _TORCH_DEFAULT_PORT else port
 
 
 _BRACKET = re.compile(r"^(?P<prefix>[^\[\]]*)\[(?P<ranges>[^\[\]]+)\](?P<suffix>.*)$")
@@ -179,9 +197,13 @@ def expand_nodelist(nodelist: str) -> list[str]:
         suffixes = expand_nodelist(match["suffix"]) if "[" in match["suffix"] else [match["suffix"]]
         for item in match["ranges"].split(","):
             lo, _, hi = item.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+                raise DdpJobError(f"cannot parse Slurm nodelist {nodelist!r}: bad range '{item}'")
+            if hi and int(hi) - int(lo) + len(hosts) >= _MAX_HOSTS:
+                raise DdpJobError(f"Slurm nodelist {nodelist!r} names more than {_MAX_HOSTS} hosts")
             numbers = [lo] if not hi else [str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1)]
             hosts.extend(f"{match['prefix']}{n}{s}" for n in numbers for s in suffixes)
-    if not hosts:
+    if not hosts or any(not host or "[" in host or "]" in host for host in hosts):
         raise DdpJobError(f"cannot parse Slurm nodelist {nodelist!r}")
     return hosts
 

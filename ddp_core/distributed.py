@@ -98,14 +98,7 @@ def setup(env: DistEnv, cfg: Optional[DistConfig] = None) -> torch.device:
     if cfg.guard:
         backend = collective_guard.install(cfg.guard, cuda, env)
     if env.source != "single":
-        # Our own store: its timeout bounds the rendezvous (every rank joins), the group's bounds each collective.
-        store = dist.TCPStore(
-            env.master_addr,
-            env.master_port,
-            env.world_size,
-            is_master=env.rank == 0 and not env.agent_store,
-            timeout=timedelta(seconds=cfg.init_timeout_s),
-        )
+        store = _rendezvous_store(env, cfg)
         dist.init_process_group(
             backend,
             store=store,
@@ -124,6 +117,27 @@ def setup(env: DistEnv, cfg: Optional[DistConfig] = None) -> torch.device:
     )  # fmt: skip
     log.info("gpu binding: %s", describe_binding(env, cuda))
     return device
+
+
+def _rendezvous_store(env: DistEnv, cfg: DistConfig) -> dist.TCPStore:
+    """Our own store: its timeout bounds the rendezvous (every rank joins), the group's bounds each collective."""
+    hosting = env.rank == 0 and not env.agent_store
+    try:
+        return dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            is_master=hosting,
+            timeout=timedelta(seconds=cfg.init_timeout_s),
+        )
+    except dist.DistNetworkError as err:
+        if hosting and "in use" in str(err):
+            raise DdpJobError(
+                f"rank 0 on {socket.gethostname()} cannot listen on the rendezvous port {env.master_port}: in use",
+                "another process on this node holds it (a job sharing the node, a stray torchrun): export a free "
+                "MASTER_PORT in slurm.setup, or resubmit",
+            ) from None
+        raise
 
 
 def describe_binding(env: DistEnv, cuda: bool) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from datetime import timedelta
@@ -33,6 +34,13 @@ class MetricsLog:
         record = {"step": step, "time": round(time.time(), 3), "split": split, **metrics}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+    def sync(self) -> None:
+        """Make every line written so far durable (called before each checkpoint: a checkpoint at step k then
+        implies the metrics through step k survive a crash)."""
+        if self.path.exists():
+            with open(self.path, "a") as f:
+                os.fsync(f.fileno())
 
 
 def _step_of(line: str) -> int:

@@ -36,13 +36,23 @@ def new_run_id(length: int = 8) -> str:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write-then-rename so readers never see half a file."""
+    """Write-then-rename so readers never see half a file; durable once it returns (the file, then its directory
+    entry, fsynced). On an error (a full disk) the old file is untouched and no temp file is left."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

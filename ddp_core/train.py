@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import signal
 import time
@@ -268,6 +269,8 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Ou
     def checkpoint_now() -> None:
         nonlocal last_save_s, saved_step
         if saved_step != pos.step:
+            if metrics_log is not None:
+                metrics_log.sync()
             last_save_s = save_checkpoint(
                 cfg, run_dir, env, strategy, model, optimizer, scheduler, pos, log_loss, sharded
             )
@@ -293,6 +296,13 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Ou
         logged_at, logged_step = now, pos.step
         progress.update(pos.step, metrics)
         record("train", metrics | {"samples_per_s": progress.rate(pos.step)[1]})
+        if cfg.train.stop_on_nan and not math.isfinite(metrics["loss"]):
+            # Every rank read the same gathered loss: all of them stop here, none is left in a collective.
+            raise DdpJobError(
+                f"the training loss became {metrics['loss']} by step {pos.step}",
+                "lower optim.lr, set optim.grad_clip or warmup; the last checkpoint is from before it "
+                "(train.stop_on_nan=false trains on)",
+            )
 
     model.train()
     while pos.step < cfg.train.max_steps:

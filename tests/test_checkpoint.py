@@ -2,6 +2,7 @@
 
 import logging
 
+import pytest
 import torch
 
 from ddp_core import checkpoint
@@ -71,3 +72,13 @@ def test_loading_refuses_code(tmp_path):
         assert "weights_only" in str(err) or "Unsupported" in str(err)
     else:
         raise AssertionError("an arbitrary object loaded with weights_only=True")
+
+
+def test_atomic_write_leaves_the_old_file_and_no_temp_on_error(tmp_path):
+    from ddp_core.rundir import atomic_write_text
+
+    path = tmp_path / "run.json"
+    atomic_write_text(path, "old\n")
+    with pytest.raises(UnicodeEncodeError):
+        atomic_write_text(path, "new \udcff\n")  # fails mid-write, as a full disk would
+    assert path.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]

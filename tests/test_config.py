@@ -86,3 +86,21 @@ def test_unreadable_config_files_are_one_line_errors(tmp_path, case):
     proc = run_cli("submit", str(path), "--dry-run", "--local", cwd=tmp_path)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("ddpjob: error: config file"), proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("optim.momentum=-5", "'optim.momentum' = -5.0 is invalid: must be in [0, 1)"),
+        ("data.batch_size=2000000", "'data.batch_size' = 2000000 is invalid: must be at most 1048576"),
+        ("train.seed=1180591620717411303424", "'train.seed' = 1180591620717411303424 is invalid"),
+        ("optim.lr=inf", "'optim.lr' = inf is invalid: must be a finite number"),
+        ("checkpoint.sigterm_budget_s=nan", "'checkpoint.sigterm_budget_s' = nan is invalid: must be a finite"),
+        ("checkpoint.sigterm_budget_s=-1", "'checkpoint.sigterm_budget_s' = -1.0 is invalid: must be >= 0"),
+        ("slurm.mem_gb=-5", "'slurm.mem_gb' = -5.0 is invalid: must be > 0"),
+        ("slurm.time_min=1000000000000", "'slurm.time_min' = 1000000000000 is invalid: must be at most 527040"),
+    ],
+)
+def test_numbers_out_of_range_are_refused(override, needle):
+    with pytest.raises(DdpJobError, match=re.escape(needle)):
+        load_config(ROOT / "configs" / "digits.yaml", [override])

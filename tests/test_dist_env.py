@@ -51,7 +51,7 @@ def test_slurm_task():
     env = DistEnv.from_env(slurm_env(SLURM_RESTART_COUNT="2"))
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (3, 1, 4, 2)
     assert (env.node_rank, env.num_nodes, env.master_addr) == (1, 2, "gpu07")
-    assert env.master_port == derive_master_port(4242, 0)
+    assert env.master_port == derive_master_port(4242)
     assert (env.job_id, env.restart_count, env.cpus_per_rank, env.source) == ("4242", 2, 6, "slurm")
     assert not env.is_main and env.distributed
 
@@ -100,13 +100,32 @@ def test_bad_integer_names_the_variable():
         DistEnv.from_env(slurm_env(SLURM_PROCID="x"))
 
 
-def test_master_port_separates_jobs_and_array_tasks():
+def test_master_port_separates_jobs():
     ports = {derive_master_port(job) for job in range(100_000, 112_000)}
     assert len(ports) == 12_000  # consecutive job ids never share a port
-    assert all(20_000 <= p < 32_000 for p in ports)
-    assert derive_master_port(5, 0) != derive_master_port(5, 1)
-    # SLURM_ARRAY_TASK_ID feeds the port
+    assert all(20_000 <= p <= 32_000 for p in ports) and 29_500 not in ports  # torch's default port is skipped
+    # Array tasks have their own SLURM_JOB_ID: the task id does not feed the port (it made ports collide).
     a = DistEnv.from_env(slurm_env(SLURM_ARRAY_TASK_ID="3"))
-    assert a.master_port == derive_master_port(4242, 3)
+    assert a.master_port == derive_master_port(4242)
+    arrays = [(base + task, task) for base in range(5000, 15000, 1000) for task in range(1000)]  # 10 x 1,000
+    assert len({derive_master_port(job) for job, _ in arrays}) == len(arrays)
     # an explicit MASTER_PORT wins
     assert DistEnv.from_env(slurm_env(MASTER_PORT="31000")).master_port == 31000
+
+
+def test_single_process_in_a_batch_script_keeps_the_job_identity():
+    raw = slurm_env(SLURM_RESTART_COUNT="2")
+    del raw["SLURM_STEP_ID"]
+    env = DistEnv.from_env(raw)
+    assert (env.source, env.slurm_job_id, env.job_id, env.restart_count) == ("single", "4242", "4242", 2)
+
+
+def test_hand_exported_rank_variables_under_srun_keep_slurms_local_rank():
+    env = DistEnv.from_env(slurm_env(RANK="3", WORLD_SIZE="4", MASTER_ADDR="n1"))
+    assert (env.rank, env.local_rank, env.local_world_size, env.node_rank) == (3, 1, 2, 1)
+
+
+@pytest.mark.parametrize("nodelist", ["n[5-3]", "n[a-b]", "[,]", "n[0-99999999999]", "n[1-2"])
+def test_malformed_nodelists_are_project_errors(nodelist):
+    with pytest.raises(DdpJobError, match="nodelist"):
+        expand_nodelist(nodelist)

@@ -134,3 +134,28 @@ def test_a_signal_outside_slurm_stops_non_zero_and_resumes(tmp_path):
     assert f"continue with: python -m ddp_core {run}" in err
     log = run_trainer(str(run), run, [])  # started on the run directory: resumes and completes
     assert f"resumed from step_{stopped[0]['step']:08d}.pt" in log and "finished at step 200" in log
+
+
+def test_a_non_finite_loss_stops_the_run(tmp_path):
+    cmd = [sys.executable, "-m", "ddp_core", DIGITS, "--run-dir", str(tmp_path / "run"), *BASE,
+           "train.max_steps=40", "train.log_every=5", "optim.lr=1e30", "optim.warmup_steps=0"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env | {"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 1
+    assert re.search(r"rank 0/1 on \S+ failed: DdpJobError: the training loss became nan by step \d+", proc.stderr)
+    assert "final weights" not in proc.stderr
+
+
+def test_a_taken_rendezvous_port_is_a_clear_error(tmp_path):
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+        env |= {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        cmd = [sys.executable, "-m", "ddp_core", DIGITS, "--run-dir", str(tmp_path / "run"), *BASE]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env | {"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 1
+    assert f"cannot listen on the rendezvous port {port}: in use (hint: another process" in proc.stderr
