@@ -163,18 +163,42 @@ def _verify_sharded(manifest: Path, meta: dict[str, Any]) -> Optional[Checkpoint
             log.warning("skipping checkpoint %s: sha256 mismatch in %s (corrupt)", folder.name, name)
             return None
     size = sum(f["size"] for f in files.values())
-    return CheckpointInfo(step=int(meta["step"]), path=folder, sha256=files_digest(files), size=size, kind=SHARDED)
+    return CheckpointInfo(step=_step_of(manifest), path=folder, sha256=files_digest(files), size=size, kind=SHARDED)
+
+
+def _step_of(manifest: Path) -> int:
+    return int(_NAME.match(manifest.name)[1])  # type: ignore[index]  # _manifests lists only matching names
+
+
+def _read_manifest(manifest: Path) -> dict[str, Any]:
+    """A manifest's fields, checked: it names its own step's data file and nothing else (no '..', no path)."""
+    meta = json.loads(manifest.read_text())
+    if not isinstance(meta, dict):
+        raise ValueError(f"holds a {type(meta).__name__}, not an object")
+    kind = meta.get("kind", FULL)
+    expected = manifest.with_suffix(".dcp" if kind == SHARDED else ".pt").name
+    if meta.get("file") != expected:
+        raise ValueError(f"names the file {meta.get('file')!r}, not {expected!r}")
+    if kind == SHARDED:
+        files = meta.get("files")
+        if not isinstance(files, dict) or any(not isinstance(f, dict) or "/" in n or n in ("", ".", "..")
+                                              for n, f in files.items()):  # fmt: skip
+            raise ValueError("its file list is not a mapping of plain file names")
+    elif not isinstance(meta.get("size"), int) or not isinstance(meta.get("sha256"), str):
+        raise ValueError("size or sha256 missing")
+    return meta
 
 
 def verify(manifest: Path) -> Optional[CheckpointInfo]:
-    """The checkpoint named by ``manifest`` if its data is complete and its checksums match."""
+    """The checkpoint named by ``manifest`` if its data is complete and its checksums match; None (with a
+    warning) for anything else, a malformed or hostile manifest included."""
     try:
-        meta = json.loads(manifest.read_text())
+        meta = _read_manifest(manifest)
         if meta.get("kind", FULL) == SHARDED:
             return _verify_sharded(manifest, meta)
         path = manifest.with_name(meta["file"])
         size = path.stat().st_size
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         log.warning("skipping checkpoint %s: unreadable manifest or missing data (%s)", manifest.name, err)
         return None
     if size != meta["size"]:
@@ -184,7 +208,7 @@ def verify(manifest: Path) -> Optional[CheckpointInfo]:
     if digest != meta["sha256"]:
         log.warning("skipping checkpoint %s: sha256 mismatch (corrupt)", path.name)
         return None
-    return CheckpointInfo(step=int(meta["step"]), path=path, sha256=digest, size=size)
+    return CheckpointInfo(step=_step_of(manifest), path=path, sha256=digest, size=size)
 
 
 def find_latest(directory: Path) -> Optional[CheckpointInfo]:

@@ -233,6 +233,22 @@ def ranks_per_node(cfg: Config) -> int:
     return cfg.slurm.ranks_per_node
 
 
+_ENV_INTERPOLATION = re.compile(r"\$\{\s*oc\.env\s*:\s*([A-Za-z_][A-Za-z0-9_]*)")
+_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+
+
+def _refuse_secret_interpolation(where: str, text: str) -> None:
+    """A resolved config is written in plain text to config.yaml, every checkpoint and the W&B run's config."""
+    for name in _ENV_INTERPOLATION.findall(text):
+        if _SECRET_NAME.search(name):
+            raise DdpJobError(
+                f"{where} interpolates ${{oc.env:{name}}}, which looks like a secret: its value would be written "
+                "in plain text to config.yaml, checkpoints and the W&B run",
+                f"leave {name} in the environment (wandb reads WANDB_API_KEY itself; sbatch passes the submitting "
+                "shell's environment to the job)",
+            )
+
+
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
     """YAML file (optional) + dotlist overrides over the schema → validated ``Config``."""
     for item in overrides:
@@ -243,8 +259,11 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
             )
     layers = [OmegaConf.structured(Config)]
     try:
+        for item in overrides:
+            _refuse_secret_interpolation(f"override '{item.split('=', 1)[0]}'", item)
         if path is not None:
             read_yaml_mapping(Path(path))  # one clear error for a file that is not a sane YAML mapping
+            _refuse_secret_interpolation(f"config file '{path}'", Path(path).read_text(encoding="utf-8"))
             layers.append(OmegaConf.load(path))  # OmegaConf's YAML: 1e-4 is a float (PyYAML reads a string)
         layers.append(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.merge(*layers)

@@ -55,6 +55,9 @@ def atomic_write_text(path: Path, text: str) -> None:
         os.close(fd)
 
 
+_META_HINT = "restore it from a backup, or delete it (the run id, and so the W&B run, then changes)"
+
+
 @dataclass(frozen=True)
 class RunDir:
     path: Path
@@ -101,9 +104,14 @@ class RunDir:
 
     def read_meta(self) -> dict[str, Any]:
         try:
-            return json.loads(self.meta_file.read_text())
+            meta = json.loads(self.meta_file.read_text())
         except FileNotFoundError:
             return {}
+        except (OSError, ValueError) as err:
+            raise DdpJobError(f"{self.meta_file} is unreadable ({err})", _META_HINT) from None
+        if not isinstance(meta, dict):
+            raise DdpJobError(f"{self.meta_file} holds a {type(meta).__name__}, not an object", _META_HINT)
+        return meta
 
     def update_meta(self, **fields: Any) -> dict[str, Any]:
         meta = self.read_meta() | fields

@@ -82,3 +82,37 @@ def test_atomic_write_leaves_the_old_file_and_no_temp_on_error(tmp_path):
     with pytest.raises(UnicodeEncodeError):
         atomic_write_text(path, "new \udcff\n")  # fails mid-write, as a full disk would
     assert path.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        "null",
+        "[]",
+        "{}",
+        '{"file": "step_00000002.pt", "sha256": "x"}',
+        '{"file": "..", "size": 1, "sha256": "x"}',
+        '{"file": "../../etc/passwd", "size": 1, "sha256": "x"}',
+        '{"kind": "sharded", "file": "step_00000002.dcp", "files": {"../x": {"size": 1, "sha256": "x"}}}',
+        "{not json",
+    ],
+    ids=["null", "list", "empty", "no_size", "dotdot", "path", "sharded_path", "torn"],
+)
+def test_a_malformed_newest_manifest_is_skipped_with_a_warning(tmp_path, caplog, manifest):
+    checkpoint.save(tmp_path, 1, state(1), keep_last=3)
+    checkpoint.save(tmp_path, 2, state(2), keep_last=3)
+    (tmp_path / "step_00000002.json").write_text(manifest)
+    with caplog.at_level(logging.WARNING):
+        assert checkpoint.find_latest(tmp_path).step == 1
+    assert "skipping checkpoint step_00000002.json: unreadable manifest" in caplog.text
+
+
+@pytest.mark.parametrize("content", ['{"run_id": "ab', "[1, 2]"], ids=["truncated", "list"])
+def test_a_corrupt_run_json_is_one_clear_error(tmp_path, content):
+    from ddp_core.errors import DdpJobError
+    from ddp_core.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    run.meta_file.write_text(content)
+    with pytest.raises(DdpJobError, match=r"run\.json (is unreadable|holds a list)"):
+        run.read_meta()

@@ -104,3 +104,13 @@ def test_unreadable_config_files_are_one_line_errors(tmp_path, case):
 def test_numbers_out_of_range_are_refused(override, needle):
     with pytest.raises(DdpJobError, match=re.escape(needle)):
         load_config(ROOT / "configs" / "digits.yaml", [override])
+
+
+def test_secrets_are_not_interpolated_into_saved_configs(tmp_path):
+    with pytest.raises(DdpJobError, match=re.escape("override 'wandb.entity' interpolates ${oc.env:WANDB_API_KEY}")):
+        load_config(DIGITS, ["wandb.entity=${oc.env:WANDB_API_KEY}"])
+    config = tmp_path / "c.yaml"
+    config.write_text("run: {name: x}\nwandb: {entity: '${oc.env:MY_TOKEN,none}'}\n")
+    with pytest.raises(DdpJobError, match=re.escape("interpolates ${oc.env:MY_TOKEN}, which looks like a secret")):
+        load_config(config)
+    assert load_config(DIGITS, ["run.root=${oc.env:HOME}/runs"]).run.root.endswith("/runs")  # not a secret
