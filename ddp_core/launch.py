@@ -42,7 +42,16 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
     from ddp_core.train import train  # torch is imported here, after logging and signal handlers are up
 
     try:
-        return train(cfg, run_dir, env, stop_flag)
+        lock = None
+        if env.is_main:
+            # The previous attempt of this Slurm job may still be exiting when its requeued successor starts.
+            holder = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.job_id or "-"}
+            lock = run_dir.hold_trainer_lock(holder, wait_s=60.0 if env.restart_count else 0.0)
+        try:
+            return train(cfg, run_dir, env, stop_flag)
+        finally:
+            if lock is not None:
+                lock.close()
     except BaseException as err:
         log.error("rank %d/%d on %s failed: %s: %s%s", env.rank, env.world_size, socket.gethostname(),
                   type(err).__name__, err, _hint(err), exc_info=True)  # fmt: skip
@@ -130,8 +139,12 @@ def run(run_dir: str) -> dict[str, float]:
 def _run_dir_for(cfg: Config, env: DistEnv, explicit: Optional[str]) -> RunDir:
     if explicit:
         return RunDir(Path(explicit).resolve())
-    # Every rank must derive the same directory without talking: key it on the launcher's job identity.
-    key = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
+    # Every rank must derive the same directory without talking: key it on the launcher's job identity. A process
+    # started alone adds its pid (two started in the same second are two runs); rerun with --run-dir to resume.
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id == "none":  # torchrun --rdzv-backend c10d without --rdzv-id: the shared endpoint tells runs apart
+        run_id = f"{time.strftime('%Y%m%d')}-{os.environ.get('MASTER_ADDR', '')}-{os.environ.get('MASTER_PORT', '')}"
+    key = os.environ.get("SLURM_JOB_ID") or run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     return RunDir((Path(cfg.run.root) / f"{cfg.run.name}-{key}").resolve())
 
 

@@ -14,6 +14,8 @@ Layout::
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -21,13 +23,17 @@ import string
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Iterator
 
 from ddp_core.config import Config, load_config, to_yaml
 from ddp_core.errors import DdpJobError
 
 CONFIG_FILE = "config.yaml"
 META_FILE = "run.json"
+# Advisory locks (flock): the kernel drops them when their process exits, however it exits.
+TRAINER_LOCK = ".trainer.lock"  # rank 0 of the attempt training in this directory; holds who it is
+SUBMIT_LOCK = ".submit.lock"  # a CLI command between "is the run active?" and "job recorded"
+META_LOCK = ".meta.lock"  # run.json's read-modify-write
 
 
 def new_run_id(length: int = 8) -> str:
@@ -114,14 +120,50 @@ class RunDir:
         return meta
 
     def update_meta(self, **fields: Any) -> dict[str, Any]:
-        meta = self.read_meta() | fields
-        atomic_write_text(self.meta_file, json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        with _locked(self.path / META_LOCK):
+            meta = self.read_meta() | fields
+            atomic_write_text(self.meta_file, json.dumps(meta, indent=2, sort_keys=True) + "\n")
         return meta
 
     def record_job(self, job_id: str, how: str, **extra: Any) -> None:
-        jobs = self.read_meta().get("jobs", [])
-        jobs.append({"job_id": job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "via": how, **extra})
-        self.update_meta(jobs=jobs)
+        with _locked(self.path / META_LOCK):  # concurrent commands must not drop each other's job ids
+            meta = self.read_meta()
+            jobs = [*meta.get("jobs", []), {"job_id": job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                            "via": how, **extra}]  # fmt: skip
+            atomic_write_text(self.meta_file, json.dumps(meta | {"jobs": jobs}, indent=2, sort_keys=True) + "\n")
+
+    def submit_lock(self) -> contextlib.AbstractContextManager[None]:
+        """Held by a command from its check that the run is not active until its new job is recorded: a second
+        command waits, then sees the first one's job."""
+        return _locked(self.path / SUBMIT_LOCK)
+
+    def hold_trainer_lock(self, holder: dict[str, Any], wait_s: float = 0.0) -> IO[str]:
+        """Rank 0, for a whole attempt: refuse to train where another trainer is training. Keep the returned file
+        open (closing it releases the lock). ``wait_s``: how long to wait for a holder that is ending (the previous
+        attempt of the same job, still exiting when its requeued successor starts)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        f = open(self.path / TRAINER_LOCK, "a+")
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    f.seek(0)
+                    who = f.read().strip() or "another process"
+                    f.close()
+                    raise DdpJobError(
+                        f"run directory {self.path} is in use by a trainer ({who})",
+                        "two trainers in one directory would interleave checkpoints and metrics: wait for it to "
+                        "end or stop it (ddpjob cancel, or kill that process)",
+                    ) from None
+                time.sleep(0.2)
+        f.seek(0)
+        f.truncate()
+        f.write(" ".join(f"{k} {v}" for k, v in holder.items()) + "\n")
+        f.flush()
+        return f
 
     def log_event(self, event: str, **fields: Any) -> None:
         """Append one attempt event (rank 0 only). Append-only, so the login node never races with it."""
@@ -155,6 +197,14 @@ class RunDir:
                 name=cfg.run.name,
                 created=time.strftime("%Y-%m-%dT%H:%M:%S"),
             )
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def new_run_dir(cfg: Config, base: Path | None = None) -> RunDir:

@@ -172,16 +172,16 @@ def cmd_resume(args: argparse.Namespace) -> int:
             "resume cannot change task.target or task.model.*: the checkpoint's weights have the old model's shape",
             "start a new run with `ddpjob submit` instead",
         )
-    if not args.local:
+    validate_for_submit(cfg, local=args.local)
+    with run_dir.submit_lock():  # from "not active" to "job recorded": concurrent resumes queue up here
         recorded = [j["job_id"] for j in run_dir.read_meta().get("jobs", []) if j.get("via") != "local"]
-        queued = active_jobs(recorded)
+        queued = active_jobs(recorded) if shutil.which("squeue") else set()  # --local on a machine without Slurm
         active = [j for j in recorded if j in queued]
         if active:
             raise DdpJobError(
                 f"run {run_dir.name} is still queued or running as job {active[0]}", "wait for it or scancel it first"
             )
-    validate_for_submit(cfg, local=args.local)
-    sub = submit(cfg, run_dir, local=args.local, fresh=False)
+        sub = submit(cfg, run_dir, local=args.local, fresh=False)
     _print_submitted(sub)
     return _follow(sub) if (args.wait or args.local) else 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -109,3 +110,24 @@ def test_sbatch_template_job(slurm_cluster, tmp_path):
     d = digests(logs)
     assert d[0] == d[1]
     assert (run_dir / "checkpoints" / "step_00000060.json").exists()
+
+
+def test_concurrent_resumes_submit_one_job(slurm_cluster, tmp_path):
+    """Four `ddpjob resume RUN` at once: one submits, the others wait for it at the run's submit lock and then
+    see its job queued; run.json keeps every job id."""
+    first = run_cli("submit", DIGITS, "--wait", *QUICK, "wandb.mode=disabled", cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    run_dir = Path(field(first.stdout, "run dir"))
+    cmd = [sys.executable, "-m", "jobs", "resume", str(run_dir), "train.max_steps=100"]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]  # fmt: skip
+    outputs = [p.communicate(timeout=120) for p in procs]
+    submitted = [out for (out, _), p in zip(outputs, procs, strict=True) if p.returncode == 0]
+    refused = [err for (_, err), p in zip(outputs, procs, strict=True) if p.returncode == 2]
+    assert len(submitted) == 1 and len(refused) == 3, outputs
+    job = field(submitted[0], "job")
+    assert all(f"still queued or running as job {job}" in err for err in refused), refused
+    jobs = [j["job_id"] for j in json.loads((run_dir / "run.json").read_text())["jobs"]]
+    assert jobs == [field(first.stdout, "job"), job]
+    subprocess.run(["scancel", job], check=False)
+    wait_gone(job)

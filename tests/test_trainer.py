@@ -159,3 +159,27 @@ def test_a_taken_rendezvous_port_is_a_clear_error(tmp_path):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env | {"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 1
     assert f"cannot listen on the rendezvous port {port}: in use (hint: another process" in proc.stderr
+
+
+def test_a_second_trainer_in_the_same_run_directory_is_refused(tmp_path):
+    """Rank 0 holds an advisory lock on the run directory for its attempt; a second trainer there (a rerun while
+    the first still runs, ranks left alive by a killed torchrun) stops at once, naming the holder."""
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))} | {"OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "ddp_core", DIGITS, "--run-dir", str(run), *BASE, "train.max_steps=400",
+         "train.log_every=1", "task.target=tests.tasks:SlowDigitsTask", "task.data.pause_s=0.02"],
+        env=env, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = subprocess.run([sys.executable, "-m", "ddp_core", str(run)], capture_output=True, text=True,
+                                timeout=120, env=env)  # fmt: skip
+        assert second.returncode == 1
+        assert re.search(rf"is in use by a trainer \(host \S+ pid {first.pid} job -\)", second.stderr), second.stderr
+        assert first.poll() is None  # the first one trains on
+    finally:
+        first.kill()
+        first.wait()
