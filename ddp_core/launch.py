@@ -180,10 +180,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log.error("%s", err)
         return 2
     try:
-        code = _finish(cfg, run_dir, env, stop_flag, _train(cfg, run_dir, env, stop_flag))
+        outcome = _train(cfg, run_dir, env, stop_flag)  # logs its own failure, naming the rank and host
     except BaseException:
         logging.shutdown()
         os._exit(1)  # skip interpreter teardown: a half-open gloo group can abort (rc 134) or hang there
+    try:
+        code = _finish(cfg, run_dir, env, stop_flag, outcome)
+    except BaseException as err:
+        log.error("rank %d/%d on %s failed after training, at step %d: %s: %s", env.rank, env.world_size,
+                  socket.gethostname(), outcome.step, type(err).__name__, err, exc_info=True)  # fmt: skip
+        logging.shutdown()
+        os._exit(1)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

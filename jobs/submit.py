@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from ddp_core.config import DEFAULT_CPUS_PER_GPU, Config, ranks_per_node
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import RunDir
+from ddp_core.rundir import RunDir, atomic_write_text
 from jobs import cluster
 
 # Each rank gets the CPUs Slurm gave its task: oversubscribed OpenMP threads cost 3x on small nodes.
@@ -156,12 +156,15 @@ def submit(cfg: Config, run_dir: RunDir, local: bool = False, fresh: bool = True
     """Initialise ``run_dir`` (a new one when ``fresh``) and submit the trainer on it."""
     from ddp_core.launch import run
 
+    previous = None if fresh or not run_dir.config_file.exists() else run_dir.config_file.read_text()
     run_dir.initialize(cfg)
     try:
         job = make_executor(cfg, run_dir, local).submit(run, str(run_dir.path))
     except Exception as err:
         if fresh:
             shutil.rmtree(run_dir.path, ignore_errors=True)
+        elif previous is not None:  # a resume that did not submit leaves the run's config as it was
+            atomic_write_text(run_dir.config_file, previous)
         raise DdpJobError(
             f"submission failed: {str(err).strip().splitlines()[-1] if str(err).strip() else err}"
         ) from err

@@ -113,3 +113,14 @@ def test_prepare_job_id_cannot_leave_the_run_root(tmp_path):
         "ddpjob: error: --job-id '../../../victim' is not a Slurm job id (hint: pass $SLURM_JOB_ID (digits))"
     )
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slurm
+def test_a_resume_that_sbatch_rejects_leaves_the_run_config_as_it_was(slurm_cluster, tmp_path):
+    prepared = run_cli("prepare", DIGITS, cwd=tmp_path)
+    assert prepared.returncode == 0, prepared.stderr
+    run_dir = Path(prepared.stdout.strip())
+    before = (run_dir / "config.yaml").read_text()
+    proc = run_cli("resume", str(run_dir), "train.max_steps=77", "slurm.additional={no-such-option: 1}", cwd=tmp_path)
+    assert proc.returncode == 2 and "submission failed" in proc.stderr, proc.stderr
+    assert (run_dir / "config.yaml").read_text() == before and run_dir.is_dir()
