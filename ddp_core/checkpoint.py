@@ -30,7 +30,7 @@ from typing import Any, BinaryIO, Optional
 import torch
 import torch.distributed as dist
 
-from ddp_core.rundir import atomic_write_text
+from ddp_core.rundir import atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +66,6 @@ class _HashingWriter(io.RawIOBase):
 
     def flush(self) -> None:
         self.f.flush()
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save(directory: Path, step: int, state: dict[str, Any], keep_last: int, writer_rank: int = 0) -> CheckpointInfo:

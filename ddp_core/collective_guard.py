@@ -103,10 +103,6 @@ def report() -> None:
         log.info("collective guard: %s", lines)
 
 
-def counts() -> dict[tuple[str, str, str], int]:
-    return dict(_state["counts"] or {})
-
-
 def _gpu_table(group: Any) -> dict[str, str]:
     """The group's device→backend table on the GPU node (its rehearsed backends mapped back)."""
     spec = dist.get_backend(group)

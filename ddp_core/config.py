@@ -263,7 +263,6 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
             _refuse_secret_interpolation(f"override '{item.split('=', 1)[0]}'", item)
         if path is not None:
             read_yaml_mapping(Path(path))  # one clear error for a file that is not a sane YAML mapping
-            _refuse_secret_interpolation(f"config file '{path}'", Path(path).read_text(encoding="utf-8"))
             layers.append(OmegaConf.load(path))  # OmegaConf's YAML: 1e-4 is a float (PyYAML reads a string)
         layers.append(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.merge(*layers)
@@ -282,12 +281,14 @@ _MAX_NODES = 100_000
 
 def read_yaml_mapping(path: Path) -> dict[str, Any]:
     """A YAML file's top-level mapping (as PyYAML reads it), or one ``DdpJobError`` naming the file (and line)
-    and what is wrong: syntax, encoding, tags, a repeated key, alias bombs, a top level that is not a mapping."""
+    and what is wrong: syntax, encoding, tags, a repeated key, alias bombs, a top level that is not a mapping,
+    a secret-looking ``${oc.env:...}``."""
     if not path.is_file():
         raise DdpJobError(f"config file '{path}' not found", "pass a YAML file, e.g. configs/digits.yaml")
     hint = "a config is a YAML mapping of sections (run:, task:, optim:, ...), e.g. configs/digits.yaml"
     try:
         text = path.read_text(encoding="utf-8")
+        _refuse_secret_interpolation(f"config file '{path}'", text)
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         if root is not None:
             _check_nodes(path, root)

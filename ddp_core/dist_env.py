@@ -57,7 +57,7 @@ class DistEnv:
             return _from_torchrun(env)
         # The batch shell also has SLURM_PROCID=0 and SLURM_NTASKS=N; only srun tasks have a step id, so
         # a trainer started in the batch script without srun runs single instead of waiting for N-1 peers.
-        if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and env.get("SLURM_STEP_ID") != "batch":
+        if "SLURM_PROCID" in env and _in_srun_step(env):
             return _from_slurm(env)
         if "SUBMITIT_LOCAL_GLOBALID" in env:
             return _from_submitit_local(env)
@@ -93,14 +93,22 @@ def _cpus(env: Mapping[str, str], local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
 
 
+def _in_srun_step(env: Mapping[str, str]) -> bool:
+    return "SLURM_STEP_ID" in env and env.get("SLURM_STEP_ID") != "batch"
+
+
+def _tasks_on_node(env: Mapping[str, str], node: int) -> int:
+    """Tasks of this step on node ``node`` (SLURM_STEP_TASKS_PER_NODE, e.g. ``2(x3),1``); 1 if unknown."""
+    tasks = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    return expand_tasks_per_node(tasks)[node] if tasks else 1
+
+
 def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
     world = _int(env, "WORLD_SIZE")
     # RANK/WORLD_SIZE/MASTER_ADDR exported by hand in an srun step: the node-local parts come from Slurm's task.
-    in_step = "SLURM_STEP_ID" in env and env.get("SLURM_STEP_ID") != "batch"
-    tasks = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    in_step = _in_srun_step(env)
     node = _int(env, "SLURM_NODEID", 0) if in_step else 0
-    slurm_local_world = expand_tasks_per_node(tasks)[node] if in_step and tasks else 1
-    local_world = _int(env, "LOCAL_WORLD_SIZE", slurm_local_world)
+    local_world = _int(env, "LOCAL_WORLD_SIZE", _tasks_on_node(env, node) if in_step else 1)
     return DistEnv(
         rank=_int(env, "RANK"),
         local_rank=_int(env, "LOCAL_RANK", _int(env, "SLURM_LOCALID", 0) if in_step else 0),
@@ -122,8 +130,7 @@ def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
 def _from_slurm(env: Mapping[str, str]) -> DistEnv:
     node_rank = _int(env, "SLURM_NODEID", 0)
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
-    tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    local_world = expand_tasks_per_node(tasks_per_node)[node_rank] if tasks_per_node else 1
+    local_world = _tasks_on_node(env, node_rank)
     job_id = env.get("SLURM_JOB_ID")
     return DistEnv(
         rank=_int(env, "SLURM_PROCID"),

@@ -90,7 +90,7 @@ def _after_stop(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag,
         return EXIT_REQUEUED  # rank 0 requeues; its exit code tells Slurm whether that failed
     end = preemption.job_end_time(env.slurm_job_id)
     time_left = None if end is None else end - (stop_flag.received_at or time.time())
-    kind = preemption.classify(outcome.signum, stop_flag.warning, time_left, cfg.slurm.signal_lead_s)
+    kind = preemption.classify(time_left, cfg.slurm.signal_lead_s)
     run_dir.log_event("interrupted", kind=kind.value, job_id=env.job_id, step=outcome.step)
     limit = cfg.slurm.max_timeouts if kind is Interruption.timeout else cfg.slurm.max_preemptions
     spent = sum(1 for e in run_dir.events() if e["event"] == "interrupted" and e.get("kind") == kind.value

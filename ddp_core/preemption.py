@@ -82,9 +82,9 @@ class StopFlag:
         return int(value.item())
 
 
-def classify(signum: int, warning: int, time_left_s: Optional[float], lead_s: int) -> Interruption:
-    if signum != warning:
-        return Interruption.terminated
+def classify(time_left_s: Optional[float], lead_s: int) -> Interruption:
+    """A warning signal inside Slurm: a timeout near the job's end, a preemption earlier. (SIGTERM and a signal
+    outside Slurm are told apart before this, by ``launch``.)"""
     if time_left_s is None or time_left_s <= lead_s + _TIMEOUT_SLACK_S:
         return Interruption.timeout
     return Interruption.preemption

@@ -23,7 +23,7 @@ import string
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 from ddp_core.config import Config, load_config, to_yaml
 from ddp_core.errors import DdpJobError
@@ -54,7 +54,12 @@ def atomic_write_text(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fd = os.open(path.parent, os.O_RDONLY)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make the directory's entries (a rename, a new file) durable."""
+    fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -120,17 +125,18 @@ class RunDir:
         return meta
 
     def update_meta(self, **fields: Any) -> dict[str, Any]:
-        with _locked(self.path / META_LOCK):
-            meta = self.read_meta() | fields
-            atomic_write_text(self.meta_file, json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        return meta
+        return self._edit_meta(lambda meta: meta | fields)
 
     def record_job(self, job_id: str, how: str, **extra: Any) -> None:
-        with _locked(self.path / META_LOCK):  # concurrent commands must not drop each other's job ids
-            meta = self.read_meta()
-            jobs = [*meta.get("jobs", []), {"job_id": job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                            "via": how, **extra}]  # fmt: skip
-            atomic_write_text(self.meta_file, json.dumps(meta | {"jobs": jobs}, indent=2, sort_keys=True) + "\n")
+        job = {"job_id": job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "via": how, **extra}
+        self._edit_meta(lambda meta: meta | {"jobs": [*meta.get("jobs", []), job]})
+
+    def _edit_meta(self, edit: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+        """run.json's read-modify-write, locked: concurrent commands must not drop each other's fields."""
+        with _locked(self.path / META_LOCK):
+            meta = edit(self.read_meta())
+            atomic_write_text(self.meta_file, json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        return meta
 
     def submit_lock(self) -> contextlib.AbstractContextManager[None]:
         """Held by a command from its check that the run is not active until its new job is recorded: a second

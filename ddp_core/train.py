@@ -80,8 +80,9 @@ def evaluate(task: Task, model: nn.Module, loader: Any, cfg: Config, strategy: S
     model.train()
     # Ranks without outputs (a pipeline's first stages) have no metric names yet: agree on them first.
     keys = distributed.union_keys(sorted(sums))
-    local = [float(count)] + [sums[k].item() if k in sums else 0.0 for k in keys]
-    totals = distributed.all_reduce_sum(torch.tensor(local, dtype=torch.float64))  # host totals: gloo
+    zero = torch.zeros((), dtype=torch.float64, device=strategy.device)
+    local = torch.stack([zero + count] + [sums.get(k, zero) for k in keys]).cpu()  # the one read-back
+    totals = distributed.all_reduce_sum(local)  # host totals: gloo
     return {k: (totals[i + 1] / totals[0]).item() for i, k in enumerate(keys)}
 
 
