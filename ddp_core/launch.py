@@ -23,6 +23,7 @@ from ddp_core.errors import DdpJobError
 from ddp_core.log import setup_logging
 from ddp_core.preemption import Interruption, StopFlag
 from ddp_core.rundir import RunDir
+from ddp_core.slurm import GATEWAY
 
 if TYPE_CHECKING:
     from ddp_core.train import Outcome
@@ -73,12 +74,8 @@ def _hint(err: BaseException) -> str:
 
 
 def _after_stop(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, outcome: Outcome) -> int:
-    """Rank 0 decides what an interrupted attempt leads to: requeue, or a terminal state. Returns exit code."""
-    if outcome.signum != stop_flag.warning:
-        if env.is_main:
-            run_dir.log_event("interrupted", kind=Interruption.terminated.value, job_id=env.job_id, step=outcome.step)
-            log.info("SIGTERM at step %d: Slurm ends this attempt (a requeue or preemption restarts it)", outcome.step)
-        return EXIT_TERMINATED
+    """Rank 0 decides what an interrupted attempt leads to (``preemption.decide``): requeue, or leave. Returns the
+    exit code. Every rank returns the same code for a signal; rank 0's tells Slurm whether its requeue failed."""
     if not env.slurm_job_id:
         # Outside Slurm nothing requeues: not a timeout or a preemption, and not a success either.
         if env.is_main:
@@ -86,12 +83,25 @@ def _after_stop(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag,
             log.warning("stopped at step %d by a signal outside Slurm; continue with: python -m ddp_core %s",
                         outcome.step, run_dir.path)  # fmt: skip
         return EXIT_STOPPED
+    code = EXIT_TERMINATED if outcome.signum != stop_flag.warning else EXIT_REQUEUED
     if not env.is_main:
-        return EXIT_REQUEUED  # rank 0 requeues; its exit code tells Slurm whether that failed
-    end = preemption.job_end_time(env.slurm_job_id)
-    time_left = None if end is None else end - (stop_flag.received_at or time.time())
-    kind = preemption.classify(time_left, cfg.slurm.signal_lead_s)
+        return code  # rank 0 decides; the teardown barrier keeps this rank until it has requeued
+    job = GATEWAY.show_job(env.slurm_job_id)
+    mode = GATEWAY.preempt_mode(job) if job is not None and job.preempt_time else None
+    left = preemption.time_left(job, stop_flag.received_at or time.time())
+    decision = preemption.decide(
+        outcome.signum, stop_flag.warning, job, mode, env.restart_count, left, cfg.slurm.signal_lead_s
+    )
+    kind = decision.kind
     run_dir.log_event("interrupted", kind=kind.value, job_id=env.job_id, step=outcome.step)
+    log.info("stopped at step %d: %s", outcome.step, decision.why)
+    if decision.ends_preempted:
+        run_dir.log_event("preempted", job_id=env.job_id, step=outcome.step)
+        log.warning("preempted at step %d and not requeued by this partition; continue with: ddpjob resume %s",
+                    outcome.step, run_dir.path)  # fmt: skip
+        return EXIT_TERMINATED
+    if not decision.requeue:
+        return code
     limit = cfg.slurm.max_timeouts if kind is Interruption.timeout else cfg.slurm.max_preemptions
     spent = sum(1 for e in run_dir.events() if e["event"] == "interrupted" and e.get("kind") == kind.value
                 and e.get("job_id") == env.job_id)  # fmt: skip

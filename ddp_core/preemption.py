@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 import signal
-import subprocess
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
 from types import FrameType
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_core.dist_env import DistEnv
+from ddp_core.slurm import GATEWAY, JobInfo, SlurmGateway
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,10 @@ _TIMEOUT_SLACK_S = 90
 
 
 class Interruption(str, Enum):
-    timeout = "timeout"  # the warning signal, near the time limit: requeue
-    preemption = "preemption"  # the warning signal, earlier (scancel --signal, preemption notice): requeue
-    terminated = "terminated"  # SIGTERM: Slurm is ending or requeueing the job itself; save and leave
+    timeout = "timeout"  # the warning signal near the time limit: requeue (timeout budget)
+    preemption = "preemption"  # chosen for preemption, or a warning signal well before the limit: requeue
+    terminated = "terminated"  # SIGTERM while Slurm requeues the job itself (`scontrol requeue`): save, leave
+    cancelled = "cancelled"  # SIGTERM of a job that ends (scancel, time limit reached): save, never requeue
     stopped = "stopped"  # a signal outside Slurm (torchrun, a plain process): save and exit non-zero
 
 
@@ -82,33 +84,79 @@ class StopFlag:
         return int(value.item())
 
 
-def classify(time_left_s: Optional[float], lead_s: int) -> Interruption:
-    """A warning signal inside Slurm: a timeout near the job's end, a preemption earlier. (SIGTERM and a signal
-    outside Slurm are told apart before this, by ``launch``.)"""
+@dataclass(frozen=True)
+class Decision:
+    kind: Interruption
+    requeue: bool  # rank 0 requeues the job itself (within the kind's budget)
+    why: str  # for the log
+    ends_preempted: bool = False  # PreemptMode=CANCEL: the run ends here; `ddpjob resume` continues it
+
+
+def decide(
+    signum: int,
+    warning: int,
+    job: Optional[JobInfo],
+    mode: Optional[str],
+    own_restarts: int,
+    time_left_s: Optional[float],
+    lead_s: int,
+) -> Decision:
+    """What an attempt that stopped on ``signum`` (after its checkpoint) leads to, from what Slurm says about the
+    job (``job``: ``scontrol show job``; None where scontrol cannot be reached) and how its partition or QOS
+    preempts (``mode``: REQUEUE, CANCEL, ...; None if unknown). The decision table:
+
+    | signal  | what Slurm says                                  | kind       | then                               |
+    |---------|--------------------------------------------------|------------|------------------------------------|
+    | any     | PreemptTime set, mode REQUEUE (or unknown and    | preemption | rank 0 requeues now, inside the    |
+    |         | Requeue=1): partition/QOS preemption; with       |            | GraceTime (exiting first would end |
+    |         | preempt_send_user_signal the warning signal      |            | the job FAILED, never requeued)    |
+    |         | comes first, else SIGTERM                        |            |                                    |
+    | any     | PreemptTime set, mode CANCEL                     | preemption | end; status shows PREEMPTED;       |
+    |         |                                                  |            | `ddpjob resume` continues          |
+    | SIGTERM | Restarts above this attempt's: scontrol requeue  | terminated | leave: Slurm requeues it           |
+    | SIGTERM | the time limit reached (EndTime is now)          | timeout    | leave (the warning signal, earlier,|
+    |         |                                                  |            | was the chance to requeue)         |
+    | SIGTERM | no requeue, no preemption: scancel               | cancelled  | leave, never requeue               |
+    | warning | time left <= signal_lead_s (+ slack)             | timeout    | rank 0 requeues (timeout budget)   |
+    | warning | earlier (scancel --signal, a site's notice)      | preemption | rank 0 requeues                    |
+    | SIGTERM | scontrol unreachable (a container without it)    | terminated | leave (Slurm's choice stands)      |
+
+    A suspended job (PreemptMode=SUSPEND) gets SIGSTOP/SIGCONT, never reaches this: it just pauses.
+    """
+    if job is not None and job.preempt_time:
+        if mode == "CANCEL" or (mode is None and not job.requeue):
+            return Decision(Interruption.preemption, False, f"preempted (PreemptMode={mode or '?'}): the job ends "
+                            "here", ends_preempted=True)  # fmt: skip
+        return Decision(Interruption.preemption, True, f"preempted (PreemptMode={mode or 'REQUEUE'})")
+    if signum != warning:
+        if job is None:
+            return Decision(Interruption.terminated, False, "SIGTERM (scontrol unreachable: Slurm's choice stands)")
+        if job.restarts > own_restarts or job.state in ("REQUEUED", "REQUEUE_HOLD", "PENDING"):
+            return Decision(Interruption.terminated, False, "SIGTERM: Slurm requeues the job")
+        if time_left_s is not None and time_left_s <= _TIMEOUT_SLACK_S:
+            return Decision(Interruption.timeout, False, "SIGTERM at the time limit: the job ends")
+        return Decision(Interruption.cancelled, False, f"SIGTERM: the job ends ({job.state or 'cancelled'})")
     if time_left_s is None or time_left_s <= lead_s + _TIMEOUT_SLACK_S:
-        return Interruption.timeout
-    return Interruption.preemption
+        return Decision(Interruption.timeout, True, "the time limit is near")
+    return Decision(Interruption.preemption, True, "warning signal well before the time limit")
 
 
-def job_end_time(job_id: Optional[str]) -> Optional[float]:
-    """The job's scheduled end (epoch seconds) from squeue; None outside Slurm or when unknown."""
-    if not job_id:
+def time_left(job: Optional[JobInfo], since: float) -> Optional[float]:
+    """Seconds from ``since`` to the job's scheduled end; None when unknown (unlimited, or no scontrol)."""
+    if job is None or job.end_time is None:
         return None
     try:
-        out = subprocess.run(
-            ["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        return datetime.fromisoformat(out).timestamp() if out and out[0].isdigit() else None
-    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return datetime.fromisoformat(job.end_time).timestamp() - since
+    except ValueError:
         return None
 
 
-def requeue(env: DistEnv) -> bool:
+def requeue(env: DistEnv, gateway: SlurmGateway = GATEWAY) -> bool:
     """Put this job back in the queue (same job id). Rank 0 only; True if Slurm accepted."""
     if not env.slurm_job_id:
         log.warning("not running in a Slurm job: nothing to requeue; continue later with `ddpjob resume`")
         return False
-    proc = subprocess.run(["scontrol", "requeue", env.slurm_job_id], capture_output=True, text=True, timeout=60)
+    proc = gateway.requeue(env.slurm_job_id)
     if proc.returncode != 0:
         log.error("scontrol requeue %s failed: %s", env.slurm_job_id, proc.stderr.strip())
         return False

@@ -306,12 +306,17 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Ou
             )
 
     model.train()
+    primed = False
     while pos.step < cfg.train.max_steps:
         if pos.micro_in_epoch >= micro_per_epoch:
             pos.epoch, pos.micro_in_epoch = pos.epoch + 1, 0
         # The loader (and its workers) lives for the whole attempt; each pass reads the sampler's epoch anew.
         sampler.set_epoch(pos.epoch, start=pos.micro_in_epoch * cfg.data.batch_size)
         for group in micro_batches(loader, cfg.train.grad_accum):
+            if not primed:  # this attempt's first step: every attempt's steps run alike (DDPStrategy.prime)
+                with autocast(cfg, device):
+                    strategy.prime(task, model, to_device(group[0], device))
+                primed = True
             for i, batch in enumerate(group):
                 with autocast(cfg, device):
                     sync = i == len(group) - 1  # gradients are communicated on the last micro-batch only

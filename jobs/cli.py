@@ -1,4 +1,5 @@
-"""``ddpjob``: the login-node command line (submit, prepare, resume, sync).
+"""``ddpjob``: the login-node command line (submit, prepare, resume, sync, sweep, report; status, logs, cancel,
+export and doctor are declared in their own modules).
 
 Imports stay light here (no torch): ``ddpjob --help`` must answer instantly on a login node.
 User errors (``DdpJobError``) print one line and exit 2; a job that ran and failed exits 1.
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ddp_core.errors import DdpJobError
+from jobs import doctor as doctor_cmd
 from jobs import export as export_cmd
 from jobs import status as status_cmds
 
@@ -71,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
 
     status_cmds.add_parsers(sub)
     export_cmd.add_parser(sub)
+    doctor_cmd.add_parser(sub)
 
     p = sub.add_parser("sync", help="upload a run's offline W&B records (wraps `wandb sync`)")
     p.add_argument("run_dir", help="the run directory")
@@ -175,7 +178,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     validate_for_submit(cfg, local=args.local)
     with run_dir.submit_lock():  # from "not active" to "job recorded": concurrent resumes queue up here
         recorded = [j["job_id"] for j in run_dir.read_meta().get("jobs", []) if j.get("via") != "local"]
-        queued = active_jobs(recorded) if shutil.which("squeue") else set()  # --local on a machine without Slurm
+        queued = active_jobs(recorded)  # no squeue here (--local without Slurm): the gateway lists nothing
         active = [j for j in recorded if j in queued]
         if active:
             raise DdpJobError(
@@ -243,7 +246,7 @@ _COMMANDS = {
 }
 
 
-_COMMANDS |= status_cmds.COMMANDS | export_cmd.COMMANDS
+_COMMANDS |= status_cmds.COMMANDS | export_cmd.COMMANDS | doctor_cmd.COMMANDS
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -4,13 +4,12 @@ against them, so an impossible job fails on the login node instead of pending fo
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from dataclasses import dataclass
 from typing import Optional
 
 from ddp_core.config import SlurmConfig
 from ddp_core.errors import DdpJobError
+from ddp_core.slurm import GATEWAY, MISSING, SlurmGateway
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,7 @@ def _gpus(gres: str) -> int:
 
 
 def parse_sinfo(text: str) -> list[Partition]:
-    """Lines of ``sinfo -h -o '%P|%D|%c|%G'`` → one ``Partition`` each (node groups merged)."""
+    """Lines of ``sinfo -h -o '%P|%D|%c|%G'`` (``slurm.SINFO_FORMAT``) → one ``Partition`` each (node groups merged)."""
     merged: dict[str, Partition] = {}
     for line in text.splitlines():
         if not line.strip():
@@ -55,13 +54,13 @@ def parse_sinfo(text: str) -> list[Partition]:
     return list(merged.values())
 
 
-def query_partitions() -> list[Partition]:
-    if shutil.which("sinfo") is None:
+def query_partitions(gateway: SlurmGateway = GATEWAY) -> list[Partition]:
+    proc = gateway.partitions()
+    if proc.returncode == MISSING:
         raise DdpJobError(
             "Slurm commands (sinfo, sbatch) are not on PATH",
             "run on a Slurm login node, start the local cluster with scripts/slurm-local up, or use --local",
         )
-    proc = subprocess.run(["sinfo", "-h", "-o", "%P|%D|%c|%G"], capture_output=True, text=True, timeout=30)
     if proc.returncode != 0:
         raise DdpJobError(f"sinfo failed: {proc.stderr.strip()}", "is slurmctld up? (scripts/slurm-local status)")
     return parse_sinfo(proc.stdout)

@@ -20,7 +20,8 @@ from typing import Callable, Optional, Sequence, TextIO
 
 from ddp_core.errors import DdpJobError
 from ddp_core.rundir import RunDir
-from jobs.status import Job, Runner, query_ids, run_command, run_jobs, runs_to_show, shown_path
+from ddp_core.slurm import Runner, gateway_for
+from jobs.status import Job, query_ids, run_jobs, runs_to_show, shown_path
 
 # The first line of an attempt: the trainer's rank banner (stderr), submitit's start line (stdout), or the
 # sbatch template's echo (batch log). Output before the first one (Slurm's own notes) belongs to attempt 1.
@@ -95,11 +96,9 @@ def active_jobs(runs: Sequence[RunDir], runner: Optional[Runner] = None) -> dict
     ids = query_ids([job for run in runs for job in run_jobs(run)])
     if not ids:
         return {}
-    out = (runner or run_command)(["squeue", "-h", "-r", "-o", "%i %A", "-j", ",".join(ids)]).stdout
     active = {}
-    for line in out.splitlines():  # the array ids queried also list the sweep's other trials: keep ours
-        job_id, _, raw = line.strip().partition(" ")
-        if (run := owner.get(job_id) or owner.get(raw.strip())) is not None:
+    for job_id, raw in gateway_for(runner).squeue_ids(ids):  # an array's id also lists other trials: keep ours
+        if (run := owner.get(job_id) or owner.get(raw)) is not None:
             active[job_id] = run
     return active
 
@@ -170,7 +169,7 @@ def cancel(paths: Sequence[str], runner: Optional[Runner] = None) -> dict[str, R
     """scancel every queued or running job of the runs under ``paths`` (one call); returns what it cancelled."""
     active = active_jobs([RunDir(p) for path in paths for p in runs_to_show(path)[0]], runner)
     if active:
-        proc = (runner or run_command)(["scancel", *active])
+        proc = gateway_for(runner).cancel(list(active))
         if proc.returncode != 0:
             raise DdpJobError(f"scancel failed: {proc.stderr.strip()}", "check the job ids with squeue")
     return active

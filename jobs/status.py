@@ -12,14 +12,14 @@ import argparse
 import itertools
 import math
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ddp_core.errors import DdpJobError
+from ddp_core.slurm import Runner, gateway_for
 from jobs.report import _parse_metric, find_runs, read_metrics
 
 if TYPE_CHECKING:
@@ -35,18 +35,8 @@ EVENT_STATES = {"start": "STARTED", "interrupted": "INTERRUPTED", "requeued": "I
                 "completed": "COMPLETED", "budget_exhausted": "BUDGET_EXHAUSTED"}  # fmt: skip
 ACCOUNTING_LAG_S = 120  # a job this young with no sacct record yet is queued, not lost
 DEFAULT_ROOT = Path("runs")
-
-# Every Slurm command goes through one runner, so tests inject fabricated output and count the calls.
-Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
-
-
-def run_command(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(list(cmd), capture_output=True, text=True, timeout=60)
-    except FileNotFoundError:  # no Slurm client on this machine: states then come from attempts.jsonl alone
-        return subprocess.CompletedProcess(list(cmd), 127, "", f"{cmd[0]}: command not found")
-    except subprocess.TimeoutExpired as err:
-        raise DdpJobError(f"{cmd[0]} did not answer within 60 s", "is the Slurm controller up? (sinfo)") from err
+# Every Slurm command goes through the gateway (ddp_core.slurm); ``runner=`` hands it fabricated output in tests.
+# No Slurm client on this machine: sacct lists nothing, and states come from attempts.jsonl alone.
 
 
 @dataclass(frozen=True)
@@ -95,13 +85,8 @@ class Attempt:
 
 
 def sacct(job_ids: Sequence[str], runner: Optional[Runner] = None) -> list[Attempt]:
-    if not job_ids:
-        return []
-    cmd = ["sacct", "-n", "-P", "-D", "-X", "-o", SACCT_FIELDS, "-j", ",".join(job_ids)]
-    out = (runner or run_command)(cmd).stdout
     rows = []
-    for line in out.splitlines():
-        parts = line.split("|")
+    for parts in gateway_for(runner).sacct(job_ids, SACCT_FIELDS, attempts=True):
         if len(parts) >= 3:
             job_id, raw, state, *rest = parts
             # "CANCELLED by 0" -> "CANCELLED"

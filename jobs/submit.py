@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any, Optional
 from ddp_core.config import DEFAULT_CPUS_PER_GPU, Config, ranks_per_node
 from ddp_core.errors import DdpJobError
 from ddp_core.rundir import RunDir, atomic_write_text
+from ddp_core.slurm import GATEWAY
 from jobs import cluster
 
 # Each rank gets the CPUs Slurm gave its task: oversubscribed OpenMP threads cost 3x on small nodes.
@@ -174,16 +174,12 @@ def submit(cfg: Config, run_dir: RunDir, local: bool = False, fresh: bool = True
 
 def slurm_state(job_id: str) -> str:
     """The job's state from sacct (first word: 'CANCELLED by 0' → 'CANCELLED'), '' if unknown yet."""
-    proc = subprocess.run(
-        ["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id], capture_output=True, text=True, timeout=30
-    )
-    words = proc.stdout.split()
-    return words[0] if words else ""
+    return GATEWAY.sacct_state(job_id)
 
 
 def wait_until_gone(job_id: str, poll_s: float = 0.5) -> str:
     """Poll squeue (cheap, unlike sacct) until the job left the queue; then its final sacct state."""
-    while subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True, timeout=30).stdout.strip():
+    while GATEWAY.squeue_ids([job_id]):
         time.sleep(poll_s)
     for _ in range(20):  # accounting lags the queue by a moment
         state = slurm_state(job_id)

@@ -11,9 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -23,6 +21,7 @@ from typing import Any, Optional
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from ddp_core.rundir import RunDir, atomic_write_text
+from ddp_core.slurm import GATEWAY
 from jobs.submit import check_cluster, cpus_per_task, sbatch_parameters
 from jobs.sweep_spec import Sweep, Trial
 
@@ -78,10 +77,7 @@ def active_jobs(job_ids: list[str]) -> set[str]:
     if not job_ids:
         return set()
     arrays = sorted({j.split("_")[0] for j in job_ids})
-    out = subprocess.run(
-        ["squeue", "-h", "-r", "-o", "%i", "-j", ",".join(arrays)], capture_output=True, text=True, timeout=60
-    ).stdout
-    return {line.strip() for line in out.splitlines() if line.strip()}
+    return {job_id for job_id, _ in GATEWAY.squeue_ids(arrays)}
 
 
 def plan(sweep: Sweep) -> list[TrialPlan]:
@@ -107,9 +103,7 @@ def plan(sweep: Sweep) -> list[TrialPlan]:
 
 def max_array_size() -> int:
     """The cluster's MaxArraySize: array indices must stay below it."""
-    out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=60).stdout
-    match = re.search(r"^MaxArraySize\s*=\s*(\d+)", out, re.MULTILINE)
-    return int(match[1]) if match else 1001  # Slurm's default
+    return GATEWAY.max_array_size()
 
 
 def chunks(items: list[Any], size: int) -> list[list[Any]]:

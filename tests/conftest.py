@@ -1,5 +1,9 @@
 """Shared fixtures. Slurm-marked tests need the local cluster (scripts/slurm-local up); with
-DDPJOB_REQUIRE_SLURM=1 (set by scripts/test and CI) a missing cluster fails them instead of skipping."""
+DDPJOB_REQUIRE_SLURM=1 (set by scripts/test and CI) a missing cluster fails them instead of skipping.
+
+A test marked ``cluster_profile("NAME")`` needs the cluster started with ``scripts/slurm-local up --profile NAME``
+(preemption setups are global to a cluster). Tests for another profile than the running one are deselected;
+``--cluster-profile-only`` keeps only the running profile's tests (scripts/test runs one such pass per profile)."""
 
 from __future__ import annotations
 
@@ -19,6 +23,34 @@ def _job_environment():
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cluster-profile-only", action="store_true",
+                     help="run only tests marked cluster_profile(P) for the running cluster's profile P")  # fmt: skip
+
+
+def running_profile() -> str:
+    """The local cluster's profile (see scripts/slurm-local), read from its configuration."""
+    try:
+        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "none"
+    if "preempt/partition_prio" in out:
+        return "preempt-signal" if "preempt_send_user_signal" in out else "preempt"
+    return "preempt-qos" if "preempt/qos" in out else "default"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wanted = {item: m.args[0] for item in items if (m := item.get_closest_marker("cluster_profile"))}
+    only = config.getoption("--cluster-profile-only")
+    if not wanted and not only:
+        return
+    profile = running_profile()
+    keep = [i for i in items if wanted.get(i, None if only else profile) == profile]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
 
 
 def _cluster_up() -> bool:

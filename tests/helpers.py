@@ -15,8 +15,11 @@ from typing import Any, Callable, Sequence
 FINAL_DIGEST = re.compile(r"final weights sha256 ([0-9a-f]{64})")
 
 
-def run_trainer(config: str, run_dir: Path, overrides: Sequence[str], nproc: int = 1, env: dict | None = None) -> str:
-    """``python -m ddp_core`` alone (nproc=1) or under torchrun, outside any Slurm job; returns its log."""
+def run_trainer(
+    config: str, run_dir: Path, overrides: Sequence[str], nproc: int = 1, env: dict | None = None, stopped: bool = False
+) -> str:
+    """``python -m ddp_core`` alone (nproc=1) or under torchrun, outside any Slurm job; returns its log. It must
+    finish, or with ``stopped`` exit as a stopped attempt does (4; torchrun reports a failed worker as 1)."""
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc-per-node={nproc}"]  # fmt: skip
     cmd = [*launcher, "-m", "ddp_core", config, "--run-dir", str(run_dir), *overrides]
@@ -24,7 +27,7 @@ def run_trainer(config: str, run_dir: Path, overrides: Sequence[str], nproc: int
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env=clean | {"OMP_NUM_THREADS": "1"} | (env or {})
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == ((4 if nproc == 1 else 1) if stopped else 0), proc.stdout + proc.stderr
     return proc.stderr
 
 

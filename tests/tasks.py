@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import torch.distributed as dist
@@ -38,4 +40,23 @@ class SlowDigitsTask(DigitsTask):
     def split(self, batch: tuple) -> tuple:
         if self.pause_s:
             time.sleep(self.pause_s)
+        return super().split(batch)
+
+
+class SignalledDigitsTask(DigitsTask):
+    """Digits, but one rank sends itself the warning signal at a chosen batch of the attempt, as Slurm would
+    mid-step. ``DDPJOB_TEST_SIGNAL_AT=RANK:BATCH`` (this process's environment: each attempt picks its own)
+    names the rank and the 1-based count of split() calls (every strategy calls it once per batch on every
+    rank). Numerics unchanged."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        rank, _, batch = os.environ.get("DDPJOB_TEST_SIGNAL_AT", "-1:0").partition(":")
+        self.signal_rank, self.signal_batch, self.batches = int(rank), int(batch), 0
+
+    def split(self, batch: tuple) -> tuple:
+        self.batches += 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == self.signal_rank and self.batches == self.signal_batch:
+            os.kill(os.getpid(), signal.SIGUSR2)
         return super().split(batch)

@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 
 import pytest
 
+from ddp_core import slurm
 from ddp_core.errors import DdpJobError
 from ddp_core.rundir import RunDir
 from jobs import logs, status
@@ -177,7 +178,7 @@ def test_one_sacct_call_for_a_sweep_of_100_runs(tmp_path):
 def test_watch_refreshes_until_every_row_ended(tmp_path, monkeypatch, capsys):
     run = make_run(tmp_path / "run", jobs=["100"])
     fake = FakeSlurm(sacct=["100|100|RUNNING|0:0|a|Unknown", "100|100|COMPLETED|0:0|a|b"])
-    monkeypatch.setattr(status, "run_command", fake)
+    monkeypatch.setattr(slurm.GATEWAY, "runner", fake)
     monkeypatch.setattr(status.time, "sleep", lambda s: None)
     args = argparse.Namespace(path=str(run), metric="eval/accuracy", limit=20, watch=2.0)
     assert status.cmd_status(args) == 0
@@ -315,7 +316,7 @@ def test_cancel_one_scancel_for_all_active_jobs(tmp_path, monkeypatch, capsys):
     assert sorted(fake.calls[-1][1:]) == ["5300_3", "5300_5", "90"]
 
     idle = FakeSlurm(squeue="")
-    monkeypatch.setattr(logs, "run_command", idle)
+    monkeypatch.setattr(slurm.GATEWAY, "runner", idle)
     assert status.cmd_cancel(argparse.Namespace(paths=[str(sweep)])) == 0
     assert "nothing to cancel" in capsys.readouterr().out and idle.count("scancel") == 0
 

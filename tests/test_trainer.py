@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.helpers import final_digests, run_trainer
+from tests.helpers import events, final_digests, run_trainer
 
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 BASE = [
@@ -26,8 +26,8 @@ BASE = [
 ]
 
 
-def trainer(run_dir: Path, *overrides: str, nproc: int = 1, env: dict | None = None) -> str:
-    return run_trainer(DIGITS, run_dir, overrides, nproc, env)
+def trainer(run_dir: Path, *overrides: str, nproc: int = 1, env: dict | None = None, stopped: bool = False) -> str:
+    return run_trainer(DIGITS, run_dir, overrides, nproc, env, stopped)
 
 
 def test_single_process_run(tmp_path):
@@ -63,6 +63,31 @@ def test_resume_is_bitwise_exact(tmp_path, nproc, strategy):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records if r["split"] == "train"]
     assert steps == sorted(steps) and len([s for s in steps if s == 30]) == 1  # no step logged twice
+
+
+@pytest.mark.parametrize(
+    ("nproc", "strategy", "data_world"), [(3, "ddp", 3), (8, "ddp", 8), (4, "fsdp", 4), (4, "pipeline", 2)],
+    ids=["ddp3", "ddp8", "fsdp4", "pipeline4"],
+)  # fmt: skip
+def test_interrupted_runs_are_exact_at_every_world_size(tmp_path, nproc, strategy, data_world):
+    """Three or more ranks: a run stopped right after an epoch boundary, then again in the first step of the next
+    attempt, ends with the uninterrupted run's weights. (1 and 2 ranks: test_resume_is_bitwise_exact; with 3+
+    ranks an all-reduce's summation order depends on DDP's bucket layout, see DDPStrategy.prime.)"""
+    common = [*BASE, "task.target=tests.tasks:SignalledDigitsTask", "data.batch_size=32", "task.model.dropout=0.2",
+              "train.max_steps=30", "checkpoint.every_steps=1000", f"strategy.name={strategy}"]  # fmt: skip
+    ref = final_digests(trainer(tmp_path / "ref", *common, nproc=nproc))
+    assert len(set(ref)) == 1
+    per_epoch = (1438 // data_world) // 32  # digits: 1438 training samples, sharded, whole batches of 32
+    primes = 1 if strategy == "ddp" else 0  # DDP's extra first batch per attempt (DDPStrategy.prime)
+    run = tmp_path / "run"
+    # A signal during step k is acted on after step k + 1 (StopFlag.agree): attempt 1 stops at the epoch's end.
+    trainer(run, *common, nproc=nproc, env={"DDPJOB_TEST_SIGNAL_AT": f"{nproc - 1}:{per_epoch - 1 + primes}"},
+            stopped=True)  # fmt: skip
+    run_trainer(str(run), run, [], nproc, {"DDPJOB_TEST_SIGNAL_AT": "0:1"}, stopped=True)  # the attempt's first batch
+    log = run_trainer(str(run), run, [], nproc)
+    stops = [e["step"] for e in events(run, "interrupted")]
+    assert stops == [per_epoch, per_epoch + 2], stops
+    assert final_digests(log) == ref
 
 
 def test_torchrun_two_ranks_agree(tmp_path):

@@ -50,6 +50,11 @@ class Strategy(ABC):
             loss.backward()
         return loss.detach()
 
+    def prime(self, task: Task, model: nn.Module, batch: Any) -> None:
+        """Called once per attempt, before its first step, with that step's first micro-batch: work that must not
+        change the model, its gradients or the RNG streams, only how later steps run (see ``DDPStrategy.prime``)."""
+        return None
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 

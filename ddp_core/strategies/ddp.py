@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any, ContextManager
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_core import distributed
 from ddp_core.strategies.base import Strategy
+from ddp_core.task import Task
 
 
 class DDPStrategy(Strategy):
@@ -28,3 +31,25 @@ class DDPStrategy(Strategy):
         if isinstance(model, DistributedDataParallel):
             return model.no_sync()
         return super().no_sync(model)
+
+    def prime(self, task: Task, model: nn.Module, batch: Any) -> None:
+        """One discarded forward/backward so that every counted step reduces with DDP's final bucket layout.
+
+        DDP reduces a process's first backward in one bucket of all parameters, in registration order, then
+        rebuilds its buckets in the order gradients became ready (unless find_unused_parameters). With three or
+        more ranks a ring all-reduce adds an element's terms in an order set by the element's offset in its bucket,
+        and floating-point addition of three terms is not associative: the first step of a resumed attempt would
+        then differ in the last bits from the same step of an uninterrupted run. Priming every attempt, fresh or
+        resumed, gives each step the same layout. RNG streams, buffers (batch-norm statistics) and gradients are
+        restored; the cost is one step's compute and all-reduce per attempt.
+        """
+        if not isinstance(model, DistributedDataParallel) or self.cfg.find_unused_parameters:
+            return
+        rng = distributed.rng_state()
+        buffers = [b.detach().clone() for b in model.buffers()]
+        task.compute(model, batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for saved, live in zip(buffers, model.buffers(), strict=True):
+                live.copy_(saved)
+        distributed.set_rng_state(rng)

@@ -1,0 +1,226 @@
+"""The one gateway to Slurm's commands (sinfo, squeue, sacct, sacctmgr, scontrol, scancel), for both sides.
+
+Every call goes through ``SlurmGateway.run`` and its one injectable runner, so tests can hand in fabricated
+output (or count calls) and a missing client or a slow controller is handled in one place. Torch-free:
+the login node (``jobs``) and the compute-node trainer both import it. (``sbatch`` itself is submitit's.)
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from ddp_core.errors import DdpJobError
+
+Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
+TIMEOUT_S = 60
+MISSING = 127  # the shell's code for "command not found": what a missing client returns here
+TIMED_OUT = 124  # timeout(1)'s code: what a controller that does not answer returns here
+SINFO_FORMAT = "%P|%D|%c|%G"  # partition (``*``: the default), nodes, CPUs per node, GRES: jobs.cluster reads it
+DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's own default, when the configuration does not say
+
+
+def run_command(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    """The real runner: a missing command gives code 127 and a timeout code 124 (like timeout(1)), never an
+    exception, so callers decide what an absent or stuck controller means for them."""
+    try:
+        return subprocess.run(list(cmd), capture_output=True, text=True, timeout=TIMEOUT_S)
+    except FileNotFoundError:
+        return subprocess.CompletedProcess(list(cmd), MISSING, "", f"{cmd[0]}: command not found")
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(list(cmd), TIMED_OUT, "", f"{cmd[0]} did not answer within {TIMEOUT_S} s")
+
+
+def parse_fields(text: str) -> dict[str, str]:
+    """``Key=Value`` pairs of one ``scontrol show ... -o`` record (values may not contain spaces, except the
+    last keys Slurm prints, which hold the rest of the line)."""
+    out: dict[str, str] = {}
+    for match in re.finditer(r"(\S+?)=(\S*)", text):
+        out.setdefault(match[1], match[2])
+    return out
+
+
+def parse_config(text: str) -> dict[str, str]:
+    """``scontrol show config`` lines ``Key = Value`` → dict."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() and " " not in key.strip():
+            out[key.strip()] = value.strip()
+    return out
+
+
+def duration_s(text: str) -> int:
+    """Slurm's durations ("30", "10 sec", "00:00:30", "1-00:00:00") in seconds; 0 when empty or unlimited."""
+    days, _, clock = text.strip().removesuffix("sec").strip().rpartition("-")
+    parts = clock.split(":")
+    if not all(p.isdigit() for p in parts) or not (days or "0").isdigit():
+        return 0
+    return int(days or 0) * 86400 + sum(int(p) * 60**i for i, p in enumerate(reversed(parts)))
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """What ``scontrol show job`` says about a job, in the fields the trainer and doctor decide on."""
+
+    job_id: str
+    state: str  # RUNNING, CANCELLED, PREEMPTED, REQUEUED, TIMEOUT, ...
+    reason: str
+    requeue: bool  # Requeue=1: the job may be requeued
+    preempt_time: Optional[str]  # set once the job was chosen for preemption
+    partition: str
+    qos: str
+    end_time: Optional[str]  # ISO time, or None when unknown/unlimited
+    restarts: int
+    raw: dict[str, str] = field(default_factory=dict, compare=False)
+
+
+def _time(value: str) -> Optional[str]:
+    return value if value and value[0].isdigit() else None
+
+
+def _answered(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    """Login-side queries: a controller that does not answer is the user's to see as one line, not a traceback
+    or an empty answer that reads as "no jobs" (the trainer's calls never raise: they return None instead)."""
+    if proc.returncode == TIMED_OUT:
+        raise DdpJobError(f"{proc.args[0]} did not answer within {TIMEOUT_S} s", "is the Slurm controller up? (sinfo)")
+    return proc
+
+
+@dataclass
+class SlurmGateway:
+    runner: Runner = run_command
+
+    def run(self, *cmd: str) -> subprocess.CompletedProcess[str]:
+        return self.runner(cmd)
+
+    def show_job(self, job_id: str) -> Optional[JobInfo]:
+        """None when scontrol is missing or the job is unknown (it left the controller's memory)."""
+        proc = self.run("scontrol", "show", "job", "-o", job_id)
+        if proc.returncode != 0 or not proc.stdout.strip():
+            return None
+        f = parse_fields(proc.stdout.splitlines()[0])
+        return JobInfo(
+            job_id=f.get("JobId", job_id),
+            state=f.get("JobState", ""),
+            reason=f.get("Reason", ""),
+            requeue=f.get("Requeue") == "1",
+            preempt_time=_time(f.get("PreemptTime", "")),
+            partition=f.get("Partition", ""),
+            qos=f.get("QOS", ""),
+            end_time=_time(f.get("EndTime", "")),
+            restarts=int(f["Restarts"]) if f.get("Restarts", "").isdigit() else 0,
+            raw=f,
+        )
+
+    def show_config(self) -> Optional[dict[str, str]]:
+        proc = self.run("scontrol", "show", "config")
+        return parse_config(proc.stdout) if proc.returncode == 0 else None
+
+    def show_partition(self, name: str) -> Optional[dict[str, str]]:
+        proc = self.run("scontrol", "show", "partition", "-o", name)
+        return parse_fields(proc.stdout) if proc.returncode == 0 and proc.stdout.strip() else None
+
+    def show_qos(self, name: str) -> Optional[dict[str, str]]:
+        """A QOS as the controller holds it (no slurmdbd client needed): ``scontrol show assoc_mgr``."""
+        proc = self.run("scontrol", "show", "assoc_mgr", "flags=qos", f"qos={name}")
+        if proc.returncode != 0:
+            return None
+        record = proc.stdout.split(f"QOS={name}(", 1)
+        return parse_fields(record[1]) if len(record) == 2 else None
+
+    def preempt_mode(self, job: JobInfo) -> Optional[str]:
+        """How this job is preempted: "REQUEUE", "CANCEL", "SUSPEND", "OFF" (first word, upper case), from the
+        cluster's PreemptType and the job's partition or QOS; None when the controller cannot be asked."""
+        config = self.show_config()
+        if config is None:
+            return None
+        mode = config.get("PreemptMode", "OFF")
+        kind = config.get("PreemptType", "preempt/none")
+        if kind.endswith("partition_prio"):
+            part = self.show_partition(job.partition) or {}
+            mode = part.get("PreemptMode", mode)
+        elif kind.endswith("/qos") and job.qos:
+            qos = self.show_qos(job.qos) or {}
+            own = qos.get("PreemptMode", "")
+            mode = own if own and own.lower() not in ("cluster", "off") else mode
+        else:
+            return "OFF"
+        return mode.split(",")[0].upper()
+
+    def requeue(self, job_id: str) -> subprocess.CompletedProcess[str]:
+        return self.run("scontrol", "requeue", job_id)
+
+    # Login side (``jobs``). A missing client answers 127 like the shell: each caller says what that means to it.
+
+    def partitions(self) -> subprocess.CompletedProcess[str]:
+        """``sinfo`` lines ``NAME[*]|NODES|CPUS|GRES``, one per partition and node group (``jobs.cluster``)."""
+        return _answered(self.run("sinfo", "-h", "-o", SINFO_FORMAT))
+
+    def squeue_ids(self, job_ids: Sequence[str]) -> list[tuple[str, str]]:
+        """(id as listed, raw job id) of each job of ``job_ids`` still queued or running, array tasks one by one
+        (``5301_3``): one call for all. An array's base id lists all its tasks. A failing squeue lists nothing."""
+        if not job_ids:
+            return []
+        proc = _answered(self.run("squeue", "-h", "-r", "-o", "%i %A", "-j", ",".join(job_ids)))
+        pairs = (line.strip().partition(" ") for line in proc.stdout.splitlines())
+        return [(job_id, raw.strip()) for job_id, _, raw in pairs if job_id]
+
+    def sacct(self, job_ids: Sequence[str], fields: str, attempts: bool = False) -> list[list[str]]:
+        """``sacct`` rows of the jobs' allocations (no steps), split into ``fields``; with ``attempts`` one row per
+        attempt of a requeued job (``-D``). No rows when accounting does not answer."""
+        if not job_ids:
+            return []
+        flags = ["-n", "-P", *(["-D"] if attempts else []), "-X", "-o", fields, "-j", ",".join(job_ids)]
+        proc = _answered(self.run("sacct", *flags))
+        return [line.split("|") for line in proc.stdout.splitlines() if line.strip()]
+
+    def sacct_state(self, job_id: str) -> str:
+        """The job's state from accounting, first word ('CANCELLED by 0' → 'CANCELLED'); '' if unknown yet."""
+        rows = self.sacct([job_id], "State")
+        words = rows[0][0].split() if rows else []
+        return words[0] if words else ""
+
+    def accounting_error(self) -> Optional[str]:
+        """None when ``sacct`` answers (a query for one job id), else what it said instead."""
+        proc = self.run("sacct", "-n", "-X", "-P", "-o", "JobID", "-j", "1")
+        return None if proc.returncode == 0 else (proc.stderr.strip() or f"sacct exited {proc.returncode}")
+
+    def cancel(self, job_ids: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        return _answered(self.run("scancel", *job_ids))
+
+    def max_array_size(self) -> int:
+        """The cluster's MaxArraySize: array indices must stay below it."""
+        value = (self.show_config() or {}).get("MaxArraySize", "")
+        return int(value) if value.isdigit() else DEFAULT_MAX_ARRAY_SIZE
+
+    def show_partitions(self) -> list[dict[str, str]]:
+        """Every partition the user may see (``scontrol show partition -o``); [] when scontrol cannot answer."""
+        proc = self.run("scontrol", "show", "partition", "-o")
+        lines = proc.stdout.splitlines() if proc.returncode == 0 else []
+        return [parse_fields(line) for line in lines if line.startswith("PartitionName=")]
+
+    def qos_records(self, fields: Sequence[str]) -> Optional[list[dict[str, str]]]:
+        """Every QOS in accounting, ``fields`` each (sacctmgr's names); None without a working slurmdbd."""
+        return self._sacctmgr("qos", fields)
+
+    def associations(self, user: str, fields: Sequence[str]) -> Optional[list[dict[str, str]]]:
+        """The user's associations (account, partition, limits), ``fields`` each; None without accounting."""
+        return self._sacctmgr("assoc", fields, "where", f"user={user}")
+
+    def _sacctmgr(self, entity: str, fields: Sequence[str], *where: str) -> Optional[list[dict[str, str]]]:
+        proc = self.run("sacctmgr", "-n", "-P", "show", entity, *where, f"format={','.join(fields)}")
+        if proc.returncode != 0:
+            return None
+        lines = (line.split("|") for line in proc.stdout.splitlines() if line.strip())
+        return [dict(zip(fields, values, strict=False)) for values in lines]
+
+
+GATEWAY = SlurmGateway()
+
+
+def gateway_for(runner: Optional[Runner] = None) -> SlurmGateway:
+    """``GATEWAY``, or a gateway around ``runner``: tests hand in fabricated output this way."""
+    return GATEWAY if runner is None else SlurmGateway(runner)
