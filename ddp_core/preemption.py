@@ -114,9 +114,9 @@ def decide(
     | any     | PreemptTime set, mode CANCEL                     | preemption | end; status shows PREEMPTED;       |
     |         |                                                  |            | `ddpjob resume` continues          |
     | SIGTERM | Restarts above this attempt's: scontrol requeue  | terminated | leave: Slurm requeues it           |
-    | SIGTERM | the time limit reached (EndTime is now)          | timeout    | leave (the warning signal, earlier,|
+    | SIGTERM | RUNNING with EndTime now: the time limit         | timeout    | leave (the warning signal, earlier,|
     |         |                                                  |            | was the chance to requeue)         |
-    | SIGTERM | no requeue, no preemption: scancel               | cancelled  | leave, never requeue               |
+    | SIGTERM | otherwise (COMPLETING, CANCELLED): scancel       | cancelled  | leave, never requeue               |
     | warning | time left <= signal_lead_s (+ slack)             | timeout    | rank 0 requeues (timeout budget)   |
     | warning | earlier (scancel --signal, a site's notice)      | preemption | rank 0 requeues                    |
     | SIGTERM | scontrol unreachable (a container without it)    | terminated | leave (Slurm's choice stands)      |
@@ -133,7 +133,8 @@ def decide(
             return Decision(Interruption.terminated, False, "SIGTERM (scontrol unreachable: Slurm's choice stands)")
         if job.restarts > own_restarts or job.state in ("REQUEUED", "REQUEUE_HOLD", "PENDING"):
             return Decision(Interruption.terminated, False, "SIGTERM: Slurm requeues the job")
-        if time_left_s is not None and time_left_s <= _TIMEOUT_SLACK_S:
+        # At the limit the job still reads RUNNING; scancel moves it to COMPLETING (and its EndTime to now too).
+        if job.state == "TIMEOUT" or (job.state == "RUNNING" and time_left_s is not None and time_left_s <= 5):
             return Decision(Interruption.timeout, False, "SIGTERM at the time limit: the job ends")
         return Decision(Interruption.cancelled, False, f"SIGTERM: the job ends ({job.state or 'cancelled'})")
     if time_left_s is None or time_left_s <= lead_s + _TIMEOUT_SLACK_S:

@@ -32,7 +32,7 @@ ACTIVE_STATES = frozenset(
      "CONFIGURING", "SIGNALING", "STAGE_OUT", "STOPPED"}
 )  # fmt: skip
 EVENT_STATES = {"start": "STARTED", "interrupted": "INTERRUPTED", "requeued": "INTERRUPTED",
-                "completed": "COMPLETED", "budget_exhausted": "BUDGET_EXHAUSTED"}  # fmt: skip
+                "completed": "COMPLETED", "budget_exhausted": "BUDGET_EXHAUSTED", "preempted": "PREEMPTED"}  # fmt: skip
 ACCOUNTING_LAG_S = 120  # a job this young with no sacct record yet is queued, not lost
 DEFAULT_ROOT = Path("runs")
 # Every Slurm command goes through the gateway (ddp_core.slurm); ``runner=`` hands it fabricated output in tests.
@@ -120,11 +120,14 @@ class Row:
         return f"{recorded[-1]} +{len(recorded) - 1}" if len(recorded) > 1 else (recorded or ["-"])[0]
 
     def state(self, now: float) -> str:
+        last_event = self.events[-1]["event"] if self.events else ""
         if self.attempts:
             last = self.attempts[-1]
+            if last_event == "preempted" and last.state not in ACTIVE_STATES:
+                # PreemptMode=CANCEL: the ranks left inside the grace time, so Slurm's record reads FAILED.
+                return "PREEMPTED"
             return f"FAILED({last.exit_code.split(':')[0]})" if last.state == "FAILED" else last.state
         # No accounting (a --local run, or no sacct here): the trainer's own record says what happened last.
-        last_event = self.events[-1]["event"] if self.events else ""
         if last_event in EVENT_STATES:
             return EVENT_STATES[last_event]
         newest = max((j.submitted for j in self.jobs if j.on_slurm), default="")

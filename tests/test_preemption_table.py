@@ -1,0 +1,49 @@
+"""The preemption decision table (ddp_core.preemption.decide) row by row, from ``scontrol show job`` records in
+the form Slurm 22.05 prints them at each kind of interruption (captured on the local cluster)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+import pytest
+
+from ddp_core.preemption import Interruption, decide
+from ddp_core.slurm import SlurmGateway
+
+TERM, USR2 = signal.SIGTERM, signal.SIGUSR2
+# The fields that differ, as captured during each interruption; the rest of a record is the same.
+RUNNING = "JobState=RUNNING Reason=None Requeue=1 Restarts=0 EndTime=Unknown Partition=low QOS=normal"
+RECORDS = {
+    "partition preemption": RUNNING + " PreemptTime=2026-11-22T19:14:02",
+    "scancel": "JobState=COMPLETING Reason=None Requeue=1 Restarts=0 EndTime=2026-11-22T19:16:13 Partition=local",
+    "scontrol requeue": "JobState=COMPLETING Reason=None Requeue=1 Restarts=1 EndTime=Unknown Partition=local",
+    "time limit": "JobState=RUNNING Reason=None Requeue=1 Restarts=0 EndTime=2026-11-22T19:17:21 Partition=local",
+    "warned early": RUNNING,
+}
+
+
+def job(name: str):
+    record = f"JobId=5 JobName=x {RECORDS[name]}"
+    return SlurmGateway(lambda cmd: subprocess.CompletedProcess(cmd, 0, record, "")).show_job("5")
+
+
+@pytest.mark.parametrize(
+    ("signum", "record", "mode", "left", "kind", "requeue"),
+    [
+        (TERM, "partition preemption", "REQUEUE", None, Interruption.preemption, True),
+        (USR2, "partition preemption", "REQUEUE", 1e6, Interruption.preemption, True),  # preempt_send_user_signal
+        (TERM, "partition preemption", "CANCEL", None, Interruption.preemption, False),
+        (TERM, "scancel", None, 0.0, Interruption.cancelled, False),
+        (TERM, "scontrol requeue", None, None, Interruption.terminated, False),
+        (TERM, "time limit", None, 0.4, Interruption.timeout, False),
+        (USR2, "warned early", None, 3600.0, Interruption.preemption, True),
+        (USR2, "warned early", None, 100.0, Interruption.timeout, True),
+        (TERM, None, None, None, Interruption.terminated, False),  # no scontrol on the node
+        (USR2, None, None, None, Interruption.timeout, True),
+    ],
+)  # fmt: skip
+def test_each_row_of_the_table(signum, record, mode, left, kind, requeue):
+    decision = decide(signum, USR2, job(record) if record else None, mode, 0, left, lead_s=120)
+    assert (decision.kind, decision.requeue) == (kind, requeue)
+    assert decision.ends_preempted == (mode == "CANCEL")
