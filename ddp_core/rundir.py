@@ -173,7 +173,9 @@ class RunDir:
 
     def log_event(self, event: str, **fields: Any) -> None:
         """Append one attempt event (rank 0 only). Append-only, so the login node never races with it."""
-        record = {"event": event, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **fields}
+        now = time.time()  # "t": to the millisecond, for timings (doctor --drill); "time" for people
+        record = {"event": event, "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)), "t": round(now, 3),
+                  **fields}  # fmt: skip
         with open(self.attempts_file, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()

@@ -191,6 +191,16 @@ class SlurmGateway:
     def cancel(self, job_ids: Sequence[str]) -> subprocess.CompletedProcess[str]:
         return _answered(self.run("scancel", *job_ids))
 
+    def signal(self, job_id: str, name: str) -> subprocess.CompletedProcess[str]:
+        """Send signal ``name`` (USR2, TERM, ...) to every task of the job's steps (not its batch shell)."""
+        return _answered(self.run("scancel", f"--signal={name}", job_id))
+
+    def sbatch_wrap(self, options: Sequence[str], command: str) -> Optional[str]:
+        """Submit ``command`` as a batch job; its id, or None when sbatch refused (stderr is lost: the caller says
+        what the job was for)."""
+        proc = _answered(self.run("sbatch", "--parsable", *options, "--wrap", command))
+        return proc.stdout.strip().split(";")[0] or None if proc.returncode == 0 else None
+
     def max_array_size(self) -> int:
         """The cluster's MaxArraySize: array indices must stay below it."""
         value = (self.show_config() or {}).get("MaxArraySize", "")

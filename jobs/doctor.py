@@ -343,7 +343,19 @@ def render(findings: list[Finding]) -> str:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     findings = diagnose(partition=args.partition, run=Path(args.run) if args.run else None)
+    timings = ""
+    if args.drill:
+        from jobs.drill import render_timings, run_drill
+
+        drilled, measured = run_drill(args.partition, args.preempt_from, args.overrides)
+        # The drill answers what the configuration cannot: its findings replace the static guesses.
+        findings = [f for f in findings if f.key not in {d.key for d in drilled}] + drilled
+        timings = render_timings(measured) if measured else ""
+    elif args.preempt_from or args.overrides:
+        raise DdpJobError("--preempt-from and key=value settings are for the drill", "add --drill")
     print(json.dumps([asdict(f) for f in findings], indent=1) if args.json else render(findings))
+    if timings and not args.json:
+        print(timings)
     return 1 if any(f.level == "problem" for f in findings) else 0
 
 
@@ -353,6 +365,19 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--partition", help="the partition to check (default: the cluster's default partition)")
     p.add_argument("--run", metavar="RUN_DIR", help="checkpoint time and settings of this run (default: newest)")
     p.add_argument("--json", action="store_true", help="print the findings as a JSON list")
+    p.add_argument(
+        "--drill",
+        action="store_true",
+        help="submit a tiny 2-rank job and its twin, interrupt it as Slurm would, check that it saves, "
+        "requeues and resumes to the twin's weights; print the timings (~2 min; cleans up)",
+    )
+    p.add_argument(
+        "--preempt-from",
+        metavar="PARTITION",
+        help="drill: also preempt the job by submitting to this higher-priority partition",
+    )
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="drill: settings for its jobs, e.g. slurm.gpus_per_node=2 slurm.account=x")  # fmt: skip
 
 
 COMMANDS = {"doctor": cmd_doctor}
