@@ -356,6 +356,7 @@ def _live(partition: str, cwd: Path) -> dict[str, dict]:
 
 
 @pytest.mark.slurm
+@pytest.mark.cluster_profile("preempt")
 def test_live_low_partition_requeues_with_grace(slurm_cluster, tmp_path):
     f = _live("low", tmp_path)
     assert f["preempt_type"]["value"] == "partition_prio"
@@ -366,7 +367,25 @@ def test_live_low_partition_requeues_with_grace(slurm_cluster, tmp_path):
 
 
 @pytest.mark.slurm
+@pytest.mark.cluster_profile("preempt")
 def test_live_local_partition_is_not_preempted(slurm_cluster, tmp_path):
     f = _live("local", tmp_path)
     assert (f["preempt_mode"]["level"], f["preempt_mode"]["value"]) == ("ok", "OFF")
     assert f["on_preemption"]["value"] == "OFF"
+
+
+@pytest.mark.slurm
+@pytest.mark.cluster_profile("preempt")
+def test_drill_interrupts_three_ways_and_cleans_up(slurm_cluster, tmp_path):
+    """The fire drill on the preempt profile: warning signal, scontrol requeue and a preemption from the high
+    partition; every time saved, requeued as the same job, resumed at its step; the twin's weights at the end."""
+    proc = run_cli("doctor", "--drill", "--partition", "low", "--preempt-from", "high", cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = {line.split()[1]: line.split()[0] for line in proc.stdout.splitlines() if line.split()[:1] != ["the"]
+             and len(line.split()) > 1 and line.split()[0] in {"OK", "INFO", "WARN", "PROBLEM", "UNKNOWN"}}  # fmt: skip
+    assert lines["drill"] == "OK" and lines["scontrol_on_nodes"] == "OK"
+    timings = [line for line in proc.stdout.splitlines() if " step " in line]
+    assert [t.split(" step ")[0].strip() for t in timings] == [
+        "the warning signal (SIGUSR2)", "scontrol requeue (SIGTERM)", "preemption from high"
+    ]  # fmt: skip
+    assert list(tmp_path.iterdir()) == []  # its run directories are gone
