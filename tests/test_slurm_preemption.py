@@ -1,7 +1,9 @@
 """Slurm's own preemption on the local cluster (scripts/slurm-local up --profile ...): a job in a preemptible
 partition (or QOS) is preempted by submitting higher-priority work, the way a real cluster does it.
 
-Every run is 4 ranks on 2 nodes (2 x 2) and must end with the weights of one uninterrupted 4-rank run.
+Every preempted run is 4 ranks on 2 nodes (2 x 2) and must end with the weights of one uninterrupted 4-rank
+run. The world-size matrix (1, 3 and 8 ranks; 2 and 4 are the other tests here and in test_preemption.py)
+is interrupted with the warning signal.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import digests, events, final_digests, rank_logs, run_trainer, sacct_state, wait_for, wait_gone
-from tests.test_preemption import wait_training
+from tests.test_preemption import interrupt, wait_training
 
 pytestmark = pytest.mark.slurm
 DIGITS = str(ROOT / "configs" / "digits.yaml")
@@ -132,3 +134,15 @@ def test_qos_preemption_requeues_and_resumes(reference, tmp_path):
     stopped = preempt_times(job_id, run_dir, 2, ["--qos=high"])
     check_requeued_exactly(reference, job_id, run_dir, stopped)
     assert sacct_state(job_id) == "COMPLETED"
+
+
+@pytest.mark.parametrize(("nodes", "tasks"), [(1, 1), (1, 3), (2, 4)], ids=["1x1", "1x3", "2x4"])
+def test_world_sizes_interrupted_twice_end_exact(slurm_cluster, tmp_path, nodes, tasks):
+    sizes = [f"slurm.nodes={nodes}", f"slurm.tasks_per_node={tasks}", "train.max_steps=90"]
+    ref = final_digests(run_trainer(DIGITS, tmp_path / "ref", [*CONFIG, *sizes], nproc=nodes * tasks))
+    assert len(ref) == nodes * tasks and len(set(ref)) == 1
+    job_id, run_dir = submit(tmp_path, *sizes)
+    stopped = interrupt(job_id, run_dir, 2, random.Random())
+    assert wait_gone(job_id, 240) == "COMPLETED"
+    assert [s["step"] for s in events(run_dir, "start")] == [0, *stopped]
+    assert digests(rank_logs(run_dir, job_id)) == dict.fromkeys(range(nodes * tasks), ref[0])
