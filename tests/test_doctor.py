@@ -375,6 +375,15 @@ def test_live_local_partition_is_not_preempted(slurm_cluster, tmp_path):
 
 
 @pytest.mark.slurm
+@pytest.mark.cluster_profile("default")
+def test_live_default_profile_has_no_preemption(slurm_cluster, tmp_path):
+    f = _live("local", tmp_path)
+    assert f["preempt_type"]["value"] == "none"
+    assert f["preempt_mode"]["value"] == "OFF" and f["on_preemption"]["value"] == "OFF"
+    assert f["accounting"]["level"] == "ok"
+
+
+@pytest.mark.slurm
 @pytest.mark.cluster_profile("preempt")
 def test_drill_interrupts_three_ways_and_cleans_up(slurm_cluster, tmp_path):
     """The fire drill on the preempt profile: warning signal, scontrol requeue and a preemption from the high
