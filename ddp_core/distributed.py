@@ -23,7 +23,8 @@ rendezvous: every rank must arrive) has the longer ``dist.init_timeout_s``, for 
 imports from a cold shared filesystem. NCCL's async error handling is on by default in torch >= 2.2
 (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``); the batch script sets it explicitly (``jobs.submit``). After a
 timeout or a NCCL error, the ranks' communicators are aborted, and the rank's error line names its rank
-and host (``launch``).
+and host (``launch``). A Slurm suspension (SIGTSTP, SIGSTOP, later SIGCONT) must not count as a stuck collective:
+``ddp_core.suspend`` lifts the timeouts for its length.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddp_core import collective_guard
+from ddp_core import collective_guard, suspend
 from ddp_core.config import DistConfig
 from ddp_core.dist_env import DistEnv
 from ddp_core.errors import DdpJobError
@@ -109,6 +110,9 @@ def setup(env: DistEnv, cfg: Optional[DistConfig] = None) -> torch.device:
             # (every form raises there).
             device_id=device if cuda else None,
         )
+        if env.slurm_job_id:
+            # Only in Slurm jobs: outside, SIGTSTP is a Ctrl-Z and must still stop the process.
+            suspend.install()
     log.info(
         "%s on %s: rank %d/%d local %d/%d node %d/%d master %s:%d backend %s device %s threads %d",
         env.source, socket.gethostname(), env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank,

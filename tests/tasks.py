@@ -60,3 +60,17 @@ class SignalledDigitsTask(DigitsTask):
         if rank == self.signal_rank and self.batches == self.signal_batch:
             os.kill(os.getpid(), signal.SIGUSR2)
         return super().split(batch)
+
+
+class StragglerDigitsTask(DigitsTask):
+    """Digits where rank 1 pauses at every batch: rank 0 spends most of its time waiting in the gradient all-reduce,
+    where a suspension catches it (with equal ranks it rarely does). Numerics unchanged."""
+
+    def __init__(self, pause_s: float = 0.0, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.pause_s = pause_s
+
+    def split(self, batch: tuple) -> tuple:
+        if self.pause_s and dist.is_initialized() and dist.get_rank() == 1:
+            time.sleep(self.pause_s)
+        return super().split(batch)
