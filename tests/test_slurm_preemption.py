@@ -107,7 +107,7 @@ def test_cancel_mode_preemption_ends_preempted_and_resumes(reference, tmp_path):
 
 
 @pytest.mark.cluster_profile("preempt")
-def test_scancel_saves_and_is_never_requeued(reference, tmp_path):
+def test_scancel_saves_and_is_never_requeued(slurm_cluster, tmp_path):
     job_id, run_dir = submit(tmp_path, "slurm.partition=low")
     wait_training(run_dir, 1, 10)
     subprocess.run(["scancel", job_id], check=True)
