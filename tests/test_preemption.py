@@ -153,13 +153,13 @@ def test_kill9_while_checkpoint_is_written(reference, tmp_path):
 
 
 def test_requeue_budget_exhausted_then_resume(reference, tmp_path):
-    job_id, run_dir = submit(tmp_path, "slurm.max_preemptions=1")
-    interrupt(job_id, run_dir, 2, random.Random(1))
+    job_id, run_dir = submit(tmp_path, "slurm.max_preemptions=0")
+    interrupt(job_id, run_dir, 1, random.Random(1))
     assert wait_gone(job_id) == "FAILED"
     final = events(run_dir)[-1]
     assert final["event"] == "budget_exhausted"
-    assert final["reason"] == "requeue budget exhausted after 2 preemptions (slurm.max_preemptions=1)"
-    assert "requeue budget exhausted after 2 preemptions" in rank_logs(run_dir, job_id)[0]
+    assert final["reason"] == "requeue budget exhausted after 1 preemption (slurm.max_preemptions=0)"
+    assert "requeue budget exhausted after 1 preemption" in rank_logs(run_dir, job_id)[0]
     assert sacct_state(job_id) == "FAILED"
     proc = run_cli("resume", job_id, "--wait", cwd=tmp_path)  # by job id: found under ./runs
     assert proc.returncode == 0, proc.stdout + proc.stderr
