@@ -23,7 +23,7 @@ from ddp_core.errors import DdpJobError
 from ddp_core.log import setup_logging
 from ddp_core.preemption import Interruption, StopFlag
 from ddp_core.rundir import RunDir
-from ddp_core.slurm import GATEWAY
+from ddp_core.slurm import NODE_GATEWAY
 
 if TYPE_CHECKING:
     from ddp_core.train import Outcome
@@ -86,8 +86,8 @@ def _after_stop(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag,
     code = EXIT_TERMINATED if outcome.signum != stop_flag.warning else EXIT_REQUEUED
     if not env.is_main:
         return code  # rank 0 decides; the teardown barrier keeps this rank until it has requeued
-    job = GATEWAY.show_job(env.slurm_job_id)
-    mode = GATEWAY.preempt_mode(job) if job is not None and job.preempt_time else None
+    job = NODE_GATEWAY.show_job(env.slurm_job_id)
+    mode = NODE_GATEWAY.preempt_mode(job) if job is not None and job.preempt_time else None
     left = preemption.time_left(job, stop_flag.received_at or time.time())
     decision = preemption.decide(
         outcome.signum, stop_flag.warning, job, mode, env.restart_count, left, cfg.slurm.signal_lead_s

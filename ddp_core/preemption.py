@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_core.dist_env import DistEnv
-from ddp_core.slurm import GATEWAY, JobInfo, SlurmGateway
+from ddp_core.slurm import NODE_GATEWAY, JobInfo, SlurmGateway
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def time_left(job: Optional[JobInfo], since: float) -> Optional[float]:
         return None
 
 
-def requeue(env: DistEnv, gateway: SlurmGateway = GATEWAY) -> bool:
+def requeue(env: DistEnv, gateway: SlurmGateway = NODE_GATEWAY) -> bool:
     """Put this job back in the queue (same job id). Rank 0 only; True if Slurm accepted."""
     if not env.slurm_job_id:
         log.warning("not running in a Slurm job: nothing to requeue; continue later with `ddpjob resume`")

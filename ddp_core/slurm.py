@@ -22,15 +22,20 @@ SINFO_FORMAT = "%P|%D|%c|%G"  # partition (``*``: the default), nodes, CPUs per 
 DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's own default, when the configuration does not say
 
 
-def run_command(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
+def run_command(cmd: Sequence[str], timeout_s: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     """The real runner: a missing command gives code 127 and a timeout code 124 (like timeout(1)), never an
     exception, so callers decide what an absent or stuck controller means for them."""
     try:
-        return subprocess.run(list(cmd), capture_output=True, text=True, timeout=TIMEOUT_S)
+        return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout_s)
     except FileNotFoundError:
         return subprocess.CompletedProcess(list(cmd), MISSING, "", f"{cmd[0]}: command not found")
     except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(list(cmd), TIMED_OUT, "", f"{cmd[0]} did not answer within {TIMEOUT_S} s")
+        return subprocess.CompletedProcess(list(cmd), TIMED_OUT, "", f"{cmd[0]} did not answer within {timeout_s:g} s")
+
+
+# The trainer asks Slurm between its checkpoint and its exit, inside a grace time (often 30-120 s) or the warning
+# signal's lead: a controller that does not answer within this is treated as absent (the decision falls back).
+NODE_TIMEOUT_S = 15
 
 
 def parse_fields(text: str) -> dict[str, str]:
@@ -229,6 +234,7 @@ class SlurmGateway:
 
 
 GATEWAY = SlurmGateway()
+NODE_GATEWAY = SlurmGateway(lambda cmd: run_command(cmd, NODE_TIMEOUT_S))  # the trainer's, on compute nodes
 
 
 def gateway_for(runner: Optional[Runner] = None) -> SlurmGateway:
