@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import subprocess
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from ddp_core.errors import DdpJobError
 
@@ -64,6 +64,25 @@ def duration_s(text: str) -> int:
     if not all(p.isdigit() for p in parts) or not (days or "0").isdigit():
         return 0
     return int(days or 0) * 86400 + sum(int(p) * 60**i for i, p in enumerate(reversed(parts)))
+
+
+def mode_word(value: str) -> str:
+    """A PreemptMode's first word, upper case: "SUSPEND,GANG" -> "SUSPEND", "requeue" -> "REQUEUE"; "" if unset."""
+    return value.split(",")[0].strip().upper()
+
+
+def effective_preempt_mode(config: Mapping[str, str], partition: Mapping[str, str], qos_mode: str) -> str:
+    """The PreemptMode a job is preempted with: its partition's under preempt/partition_prio, its QOS's
+    (``qos_mode``; "cluster" or unset: the global one) under preempt/qos, the global one where those are unset;
+    OFF on a cluster without preemption. The trainer and ``ddpjob doctor`` both decide on it."""
+    default = mode_word(config.get("PreemptMode", "OFF")) or "OFF"
+    kind = config.get("PreemptType", "preempt/none")
+    if kind.endswith("partition_prio"):
+        return mode_word(partition.get("PreemptMode", "")) or default
+    if kind.endswith("/qos"):
+        own = mode_word(qos_mode)
+        return default if own in ("", "CLUSTER") else own
+    return "OFF"
 
 
 @dataclass(frozen=True)
@@ -137,23 +156,15 @@ class SlurmGateway:
         return parse_fields(record[1]) if len(record) == 2 else None
 
     def preempt_mode(self, job: JobInfo) -> Optional[str]:
-        """How this job is preempted: "REQUEUE", "CANCEL", "SUSPEND", "OFF" (first word, upper case), from the
-        cluster's PreemptType and the job's partition or QOS; None when the controller cannot be asked."""
+        """How this job is preempted (``effective_preempt_mode``), asking only for what the cluster's PreemptType
+        needs; None when the controller cannot be asked."""
         config = self.show_config()
         if config is None:
             return None
-        mode = config.get("PreemptMode", "OFF")
-        kind = config.get("PreemptType", "preempt/none")
-        if kind.endswith("partition_prio"):
-            part = self.show_partition(job.partition) or {}
-            mode = part.get("PreemptMode", mode)
-        elif kind.endswith("/qos") and job.qos:
-            qos = self.show_qos(job.qos) or {}
-            own = qos.get("PreemptMode", "")
-            mode = own if own and own.lower() not in ("cluster", "off") else mode
-        else:
-            return "OFF"
-        return mode.split(",")[0].upper()
+        kind = config.get("PreemptType", "")
+        part = (self.show_partition(job.partition) or {}) if kind.endswith("partition_prio") else {}
+        qos = (self.show_qos(job.qos) or {}) if kind.endswith("/qos") and job.qos else {}
+        return effective_preempt_mode(config, part, qos.get("PreemptMode", ""))
 
     def requeue(self, job_id: str) -> subprocess.CompletedProcess[str]:
         return self.run("scontrol", "requeue", job_id)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from ddp_core.errors import DdpJobError
-from ddp_core.slurm import DEFAULT_MAX_ARRAY_SIZE, GATEWAY, SlurmGateway, duration_s
+from ddp_core.slurm import DEFAULT_MAX_ARRAY_SIZE, GATEWAY, SlurmGateway, duration_s, effective_preempt_mode
 from jobs.report import find_runs, read_metrics
 from jobs.status import shown_path
 
@@ -86,11 +86,6 @@ class RunInfo:
     qos: Optional[str]
 
 
-def _mode(value: str) -> str:
-    """A PreemptMode's first word, upper case: "SUSPEND,GANG" -> "SUSPEND", "requeue" -> "REQUEUE"."""
-    return value.split(",")[0].strip().upper()
-
-
 def read_cluster(gateway: SlurmGateway, partition: Optional[str]) -> Cluster:
     config = gateway.show_config()
     if config is None:
@@ -118,11 +113,10 @@ def _job_qos(c: Cluster, qos: Optional[str]) -> str:
 
 def exposure(c: Cluster, qos: Optional[str] = None) -> Exposure:
     kind = c.config.get("PreemptType", "preempt/none").removeprefix("preempt/")
-    default_mode = _mode(c.config.get("PreemptMode", "OFF")) or "OFF"
     if kind == "partition_prio":
         tier = int(c.partition.get("PriorityTier") or 1)
         by = tuple(p["PartitionName"] for p in c.partitions if int(p.get("PriorityTier") or 1) > tier)
-        mode = _mode(c.partition.get("PreemptMode", "")) or default_mode
+        mode = effective_preempt_mode(c.config, c.partition, "")
         return Exposure(kind, mode, duration_s(c.partition.get("GraceTime", "0")), f"partition {c.name}", by)
     if kind != "qos":
         return Exposure("none", "OFF", 0, f"partition {c.name}")
@@ -131,12 +125,12 @@ def exposure(c: Cluster, qos: Optional[str] = None) -> Exposure:
         return Exposure(kind, "UNKNOWN", 0, f"QOS {name}")
     records = {q["Name"]: q for q in c.qos}
     # A preempted job goes by its own QOS's PreemptMode ("cluster": the global one) and GraceTime.
-    modes = {n: _mode(q.get("PreemptMode", "")).replace("CLUSTER", "") or default_mode for n, q in records.items()}
+    modes = {n: effective_preempt_mode(c.config, {}, q.get("PreemptMode", "")) for n, q in records.items()}
     graces = {n: duration_s(q.get("GraceTime", "")) for n, q in records.items()}
     pairs = [(q["Name"], victim) for q in c.qos for victim in q.get("Preempt", "").split(",") if victim]
     rules = tuple(f"{a} preempts {b} ({modes.get(b, '?')}, GraceTime {graces.get(b, 0)} s)" for a, b in pairs)
     by = tuple(a for a, b in pairs if b == name)
-    mode = modes.get(name, default_mode) if by else "OFF"
+    mode = modes.get(name, effective_preempt_mode(c.config, {}, "")) if by else "OFF"
     return Exposure(kind, mode, graces.get(name, 0), f"QOS {name}", by, rules)
 
 

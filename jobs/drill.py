@@ -11,7 +11,6 @@ millisecond times). Jobs and run directories are removed afterwards, whatever ha
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import tempfile
@@ -24,6 +23,7 @@ from ddp_core.config import Config, load_config
 from ddp_core.rundir import RunDir, new_run_dir
 from ddp_core.slurm import GATEWAY, SlurmGateway
 from jobs.doctor import Finding
+from jobs.report import read_metrics
 
 DIGEST = re.compile(r"final weights sha256 ([0-9a-f]{64})")
 # Long enough that the job is still training after three interruptions, short enough for a drill.
@@ -59,18 +59,6 @@ def _wait(what: str, check: Callable[[], Any], timeout: float = WAIT_S) -> Any:
     raise DrillFailed(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line being written
-    return out
-
-
 class Drill:
     def __init__(self, cfg: Config, run: RunDir, job_id: str, gateway: SlurmGateway) -> None:
         self.cfg, self.run, self.job_id, self.gateway = cfg, run, job_id, gateway
@@ -79,8 +67,7 @@ class Drill:
         return [e for e in self.run.events() if e["event"] == kind]
 
     def trained_past(self, step: int) -> Optional[dict[str, Any]]:
-        lines = _records(self.run.metrics_file)
-        return next((m for m in lines if m.get("split") == "train" and m["step"] > step), None)
+        return next((m for m in read_metrics(self.run.path) if m["split"] == "train" and m["step"] > step), None)
 
     def interrupt(self, how: str, do: Callable[[], None], expect_kind: str) -> Timing:
         n = len(self.events("interrupted"))
