@@ -335,16 +335,9 @@ def strategy_plan(name: str, sizes: Sizes, gpus: int, rehearsal: bool) -> tuple[
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows
+    from ddp_core.rundir import RunDir  # after main() has put the repository on sys.path
+
+    return RunDir(run_dir).metrics()
 
 
 def steady_window(points: list[tuple[int, float]], start: int, busy: set[int]) -> tuple[int, float]:

@@ -10,6 +10,9 @@ Layout::
     <run>/metrics.jsonl   one JSON object per logged step (rank 0)
     <run>/slurm/          submitit's and sbatch's job files and per-task logs
     <run>/wandb/          W&B run files (offline runs are synced from here)
+
+The one module that knows this layout: the trainer, status, logs, report and doctor all read it from here. Stdlib
+only at import (omegaconf is imported when a config is read or written), so login-node readers stay light.
 """
 
 from __future__ import annotations
@@ -17,19 +20,24 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import secrets
 import string
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
-from ddp_core.config import Config, load_config, to_yaml
 from ddp_core.errors import DdpJobError
+
+if TYPE_CHECKING:
+    from ddp_core.config import Config
 
 CONFIG_FILE = "config.yaml"
 META_FILE = "run.json"
+ATTEMPTS_FILE = "attempts.jsonl"
+METRICS_FILE = "metrics.jsonl"
 # Advisory locks (flock): the kernel drops them when their process exits, however it exits.
 TRAINER_LOCK = ".trainer.lock"  # rank 0 of the attempt training in this directory; holds who it is
 SUBMIT_LOCK = ".submit.lock"  # a CLI command between "is the run active?" and "job recorded"
@@ -66,6 +74,32 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+log = logging.getLogger(__name__)
+_JSON_TYPES = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of an append-only ``.jsonl`` file in order; [] if it does not exist yet. A line that is not
+    an object (the torn last line of a killed writer, damage) is skipped; an unreadable file is a warning, so one
+    damaged run never stops ``status`` over a sweep."""
+    try:
+        text = path.read_bytes().decode(errors="replace")
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        log.warning("skipping %s: %s", path, err.strerror or err)
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
 _META_HINT = "restore it from a backup, or delete it (the run id, and so the W&B run, then changes)"
 
 
@@ -83,7 +117,7 @@ class RunDir:
 
     @property
     def attempts_file(self) -> Path:
-        return self.path / "attempts.jsonl"
+        return self.path / ATTEMPTS_FILE
 
     @property
     def checkpoints(self) -> Path:
@@ -91,7 +125,7 @@ class RunDir:
 
     @property
     def metrics_file(self) -> Path:
-        return self.path / "metrics.jsonl"
+        return self.path / METRICS_FILE
 
     @property
     def slurm(self) -> Path:
@@ -111,6 +145,8 @@ class RunDir:
     def load_config(self) -> Config:
         if not self.exists():
             raise DdpJobError(f"'{self.path}' is not a run directory (no {CONFIG_FILE})", "pass a run directory")
+        from ddp_core.config import load_config  # omegaconf: only for readers of the config, not of the records
+
         return load_config(self.config_file)
 
     def read_meta(self) -> dict[str, Any]:
@@ -121,15 +157,21 @@ class RunDir:
         except (OSError, ValueError) as err:
             raise DdpJobError(f"{self.meta_file} is unreadable ({err})", _META_HINT) from None
         if not isinstance(meta, dict):
-            raise DdpJobError(f"{self.meta_file} holds a {type(meta).__name__}, not an object", _META_HINT)
+            what = _JSON_TYPES.get(type(meta), "null")
+            raise DdpJobError(f"{self.meta_file} holds {what}, not an object", _META_HINT)
         return meta
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """The jobs submitted for this run (run.json), oldest first; an entry without a job id is skipped."""
+        jobs = self.read_meta().get("jobs")
+        return [j for j in jobs if isinstance(j, dict) and j.get("job_id")] if isinstance(jobs, list) else []
 
     def update_meta(self, **fields: Any) -> dict[str, Any]:
         return self._edit_meta(lambda meta: meta | fields)
 
     def record_job(self, job_id: str, how: str, **extra: Any) -> None:
         job = {"job_id": job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "via": how, **extra}
-        self._edit_meta(lambda meta: meta | {"jobs": [*meta.get("jobs", []), job]})
+        self._edit_meta(lambda meta: meta | {"jobs": [*self.jobs(), job]})
 
     def _edit_meta(self, edit: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
         """run.json's read-modify-write, locked: concurrent commands must not drop each other's fields."""
@@ -182,20 +224,20 @@ class RunDir:
             os.fsync(f.fileno())
 
     def events(self) -> list[dict[str, Any]]:
-        if not self.attempts_file.exists():
-            return []
-        out = []
-        for line in self.attempts_file.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a torn line from a killed writer
-        return out
+        """The attempt events rank 0 logged, oldest first (records without an event name skipped)."""
+        return [e for e in read_jsonl(self.attempts_file) if isinstance(e.get("event"), str)]
+
+    def metrics(self) -> list[dict[str, Any]]:
+        """The records of ``metrics.jsonl`` in file order (each has an int ``step`` and a str ``split``)."""
+        return [r for r in read_jsonl(self.metrics_file) if isinstance(r.get("step"), int)
+                and isinstance(r.get("split"), str)]  # fmt: skip
 
     def initialize(self, cfg: Config) -> None:
         """Create the layout, save the resolved config, and fix the run's identity (idempotent)."""
         for sub in (self.path, self.checkpoints, self.slurm, self.wandb):
             sub.mkdir(parents=True, exist_ok=True)
+        from ddp_core.config import to_yaml
+
         atomic_write_text(self.config_file, to_yaml(cfg))
         meta = self.read_meta()
         if "run_id" not in meta:

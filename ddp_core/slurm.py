@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from ddp_core.errors import DdpJobError
@@ -183,6 +184,14 @@ class SlurmGateway:
         proc = _answered(self.run("squeue", "-h", "-r", "-o", "%i %A", "-j", ",".join(job_ids)))
         pairs = (line.strip().partition(" ") for line in proc.stdout.splitlines())
         return [(job_id, raw.strip()) for job_id, _, raw in pairs if job_id]
+
+    def queued_from(self, folder: str | Path) -> list[str]:
+        """Ids of the user's queued or running jobs whose batch script lies in ``folder``. submitit writes the
+        script there before sbatch, so this finds a job that sbatch accepted although the submit call raised."""
+        prefix = str(Path(folder).resolve()) + "/"
+        proc = _answered(self.run("squeue", "--me", "-h", "-o", "%F|%o"))
+        rows = (line.partition("|") for line in proc.stdout.splitlines())
+        return sorted({job_id.strip() for job_id, _, script in rows if script.strip().startswith(prefix)})
 
     def sacct(self, job_ids: Sequence[str], fields: str, attempts: bool = False) -> list[list[str]]:
         """``sacct`` rows of the jobs' allocations (no steps), split into ``fields``; with ``attempts`` one row per

@@ -177,7 +177,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         )
     validate_for_submit(cfg, local=args.local)
     with run_dir.submit_lock():  # from "not active" to "job recorded": concurrent resumes queue up here
-        recorded = [j["job_id"] for j in run_dir.read_meta().get("jobs", []) if j.get("via") != "local"]
+        recorded = [str(j["job_id"]) for j in run_dir.jobs() if j.get("via") != "local"]
         queued = active_jobs(recorded)  # no squeue here (--local without Slurm): the gateway lists nothing
         active = [j for j in recorded if j in queued]
         if active:

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from ddp_core.errors import DdpJobError
+from ddp_core.rundir import RunDir
 from ddp_core.slurm import DEFAULT_MAX_ARRAY_SIZE, GATEWAY, SlurmGateway, duration_s, effective_preempt_mode
-from jobs.report import find_runs, read_metrics
+from jobs.report import find_runs
 from jobs.status import shown_path
 
 Level = Literal["ok", "info", "warn", "problem", "unknown"]
@@ -137,12 +138,12 @@ def exposure(c: Cluster, qos: Optional[str] = None) -> Exposure:
 def read_run(run: Optional[Path], root: Path = Path("runs")) -> RunInfo:
     """``run``'s largest recent save time and its settings; without ``run``, the newest run under ``root`` that
     measured a save."""
-    if run is not None and not (run / "config.yaml").is_file():
+    if run is not None and not RunDir(run).exists():
         raise DdpJobError(f"'{run}' is not a run directory (no config.yaml)", "pass a folder `ddpjob submit` printed")
-    runs = [p for p in find_runs(root) if (p / "metrics.jsonl").is_file()] if run is None and root.is_dir() else []
-    runs.sort(key=lambda p: (p / "metrics.jsonl").stat().st_mtime, reverse=True)
+    runs = [p for p in find_runs(root) if RunDir(p).metrics_file.is_file()] if run is None and root.is_dir() else []
+    runs.sort(key=lambda p: RunDir(p).metrics_file.stat().st_mtime, reverse=True)
     for path in [run] if run is not None else runs:
-        saves = [r.get("save_s") for r in read_metrics(path) if r["split"] == "checkpoint"]
+        saves = [r.get("save_s") for r in RunDir(path).metrics() if r["split"] == "checkpoint"]
         saves = [s for s in saves if isinstance(s, (int, float))]
         if saves:
             return _settings(path, float(max(saves[-RECENT_SAVES:])))
@@ -150,12 +151,12 @@ def read_run(run: Optional[Path], root: Path = Path("runs")) -> RunInfo:
 
 
 def _settings(path: Optional[Path], save_s: Optional[float]) -> RunInfo:
-    from ddp_core.config import CheckpointConfig, SlurmConfig, load_config  # omegaconf: not for `ddpjob --help`
+    from ddp_core.config import CheckpointConfig, SlurmConfig  # omegaconf: not for `ddpjob --help`
 
     ckpt, slurm = CheckpointConfig(), SlurmConfig()
     if path is not None:
         try:
-            cfg = load_config(path / "config.yaml")
+            cfg = RunDir(path).load_config()
             ckpt, slurm = cfg.checkpoint, cfg.slurm
         except DdpJobError:
             pass  # an older or hand-edited config: the defaults still say what the trainer does

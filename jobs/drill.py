@@ -23,7 +23,6 @@ from ddp_core.config import Config, load_config
 from ddp_core.rundir import RunDir, new_run_dir
 from ddp_core.slurm import GATEWAY, SlurmGateway
 from jobs.doctor import Finding
-from jobs.report import read_metrics
 
 DIGEST = re.compile(r"final weights sha256 ([0-9a-f]{64})")
 # Long enough that the job is still training after three interruptions, short enough for a drill.
@@ -67,7 +66,7 @@ class Drill:
         return [e for e in self.run.events() if e["event"] == kind]
 
     def trained_past(self, step: int) -> Optional[dict[str, Any]]:
-        return next((m for m in read_metrics(self.run.path) if m["split"] == "train" and m["step"] > step), None)
+        return next((m for m in self.run.metrics() if m["split"] == "train" and m["step"] > step), None)
 
     def interrupt(self, how: str, do: Callable[[], None], expect_kind: str) -> Timing:
         n = len(self.events("interrupted"))

@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ddp_core.errors import DdpJobError
 from ddp_core.rundir import RunDir
 
 
-def _job_ids(run_dir: Path) -> set[str]:
-    ids: set[str] = set()
+def _job_ids(run: RunDir) -> set[str]:
     try:
-        ids.update(str(j["job_id"]) for j in json.loads((run_dir / "run.json").read_text()).get("jobs", []))
-    except (OSError, ValueError):
-        pass
-    attempts = run_dir / "attempts.jsonl"
-    if attempts.exists():
-        for line in attempts.read_text().splitlines():
-            try:
-                ids.add(str(json.loads(line).get("job_id")))
-            except ValueError:
-                continue
-    return ids
+        ids = {str(j["job_id"]) for j in run.jobs()}
+    except DdpJobError:
+        ids = set()  # a damaged run.json: its attempts may still name the job
+    return ids | {str(e.get("job_id")) for e in run.events()}
 
 
 def find_run(target: str, root: Path = Path("runs")) -> RunDir:
@@ -36,6 +27,6 @@ def find_run(target: str, root: Path = Path("runs")) -> RunDir:
     if not target.replace("_", "").isdigit():
         raise DdpJobError(f"'{target}' is neither a directory nor a Slurm job id", "pass RUN_DIR or JOB_ID")
     for config in sorted(root.glob("*/config.yaml")) + sorted(root.glob("*/*/config.yaml")):
-        if target in _job_ids(config.parent):
+        if target in _job_ids(RunDir(config.parent)):
             return RunDir(config.parent.resolve())
     raise DdpJobError(f"no run under '{root}' has job {target}", "pass the run directory, or --root where runs live")

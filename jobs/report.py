@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import html
-import json
 import math
 import sys
 from dataclasses import dataclass, field
@@ -19,9 +18,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ddp_core.errors import DdpJobError
+from ddp_core.rundir import CONFIG_FILE, RunDir
 
-CONFIG_FILE = "config.yaml"
-METRICS_FILE = "metrics.jsonl"
 # tab10, shared by the PNG and the HTML so a run has the same colour in both.
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 PNG_SIZE = (1200, 800)  # pixels: figsize x dpi with no tight bbox, so the size never depends on the content
@@ -61,25 +59,6 @@ def find_runs(path: Path) -> list[Path]:
     return sorted(runs)
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The records of ``metrics.jsonl`` in file order; [] if there is none yet.
-
-    A line that does not parse (the torn last line of a writer killed mid-write) is skipped, not fatal."""
-    try:
-        text = (Path(run_dir) / METRICS_FILE).read_text(errors="replace")
-    except FileNotFoundError:
-        return []
-    records = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and isinstance(record.get("split"), str):
-            records.append(record)
-    return records
-
-
 def _curves(records: list[dict[str, Any]]) -> dict[str, Points]:
     curves: dict[str, Points] = {}
     for record in records:
@@ -95,7 +74,7 @@ def _read_config(run_dir: Path) -> dict[str, Any]:
 
     try:
         data = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
-    except (OSError, yaml.YAMLError):
+    except (OSError, ValueError, yaml.YAMLError):  # ValueError: not UTF-8
         return {}  # the table just shows no config columns for it; the curves still count
 
     def flatten(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -293,7 +272,7 @@ def write_report(path: Path, out_dir: Optional[Path] = None, metric: str = "eval
     if not run_dirs:
         raise DdpJobError(f"no run directories in '{path}' (no {CONFIG_FILE} in it or below it)", "pass a run or sweep")
     base = path if run_dirs != [path] else path.parent  # names relative to the sweep: nested trial ids stay unique
-    runs = [_Run(d.relative_to(base).as_posix(), _curves(read_metrics(d)), _read_config(d)) for d in run_dirs]
+    runs = [_Run(d.relative_to(base).as_posix(), _curves(RunDir(d).metrics()), _read_config(d)) for d in run_dirs]
     keys = _chart_keys(runs)
     out = Path(out_dir) if out_dir is not None else path
     out.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 import math
 import os
 import sys
@@ -20,11 +21,12 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ddp_core.errors import DdpJobError
 from ddp_core.slurm import Runner, gateway_for
-from jobs.report import _parse_metric, find_runs, read_metrics
+from jobs.report import _parse_metric, find_runs
 
 if TYPE_CHECKING:
     from ddp_core.rundir import RunDir
 
+log = logging.getLogger(__name__)
 SACCT_FIELDS = "JobID,JobIDRaw,State,ExitCode,Start,End"
 # A job in one of these states may still produce output or run again; anything else is final.
 ACTIVE_STATES = frozenset(
@@ -50,10 +52,8 @@ class Job:
 def run_jobs(run: RunDir) -> list[Job]:
     """The run's jobs in submission order: run.json's, then the ones only attempts.jsonl or a
     ``<job>_batch.out`` names (plain ``sbatch`` submissions record no job in run.json)."""
-    jobs = [
-        Job(str(j["job_id"]), Path(j.get("log_dir") or run.slurm), j.get("submitted", ""), j.get("via") != "local")
-        for j in run.read_meta().get("jobs", [])
-    ]
+    jobs = [Job(str(j["job_id"]), Path(str(j.get("log_dir") or run.slurm)), str(j.get("submitted", "")),
+                j.get("via") != "local") for j in run.jobs()]  # fmt: skip
     if any("_" in j.job_id for j in jobs):
         return jobs  # an array task logs its raw SLURM_JOB_ID in attempts.jsonl: the same job, not another one
     seen = [str(e.get("job_id") or "") for e in run.events()]
@@ -162,7 +162,7 @@ class Row:
 def _read_row(run: RunDir, metric_key: str) -> Row:
     row = Row(run, run_jobs(run), run.events())
     split, _, name = metric_key.partition("/")
-    records = read_metrics(run.path)
+    records = run.metrics()
     for record in records:
         if record["split"] == "train" and isinstance(record.get("loss"), (int, float)):
             row.loss = float(record["loss"])
@@ -180,7 +180,14 @@ def collect(run_paths: Sequence[Path], metric_key: str, runner: Optional[Runner]
     """Read every run and attach its sacct attempts: one sacct call for all of them."""
     from ddp_core.rundir import RunDir  # imports omegaconf: not at module level, `ddpjob --help` builds our parsers
 
-    rows = [_read_row(RunDir(Path(p)), metric_key) for p in run_paths]
+    rows = []
+    for path in run_paths:
+        try:
+            rows.append(_read_row(RunDir(Path(path)), metric_key))
+        except DdpJobError as err:
+            if len(run_paths) == 1:
+                raise
+            log.warning("skipping %s: %s", path, err)  # one damaged run must not hide a whole sweep's status
     owner: dict[str, Row] = {}  # any id a job goes by (as submitted, or raw) -> its row
     tasks: dict[str, list[tuple[int, Row]]] = {}  # array base id -> (task index, row)
     for row in rows:
@@ -250,8 +257,10 @@ def runs_to_show(path: Optional[str], limit: int = 20) -> tuple[list[Path], bool
         runs = find_runs(DEFAULT_ROOT) if DEFAULT_ROOT.is_dir() else []
         if not runs:
             raise DdpJobError(f"no runs found under ./{DEFAULT_ROOT}", "pass a run directory or a sweep folder")
+        from ddp_core.rundir import META_FILE
+
         # run.json is rewritten at each submission: newest activity first
-        runs.sort(key=lambda p: (p / "run.json").stat().st_mtime if (p / "run.json").exists() else 0, reverse=True)
+        runs.sort(key=lambda p: (p / META_FILE).stat().st_mtime if (p / META_FILE).is_file() else 0, reverse=True)
         return runs[:limit], False
     target = Path(path)
     runs = find_runs(target) if target.is_dir() else []

@@ -153,23 +153,46 @@ def make_executor(cfg: Config, run_dir: RunDir, local: bool) -> Any:
 
 
 def submit(cfg: Config, run_dir: RunDir, local: bool = False, fresh: bool = True) -> Submitted:
-    """Initialise ``run_dir`` (a new one when ``fresh``) and submit the trainer on it."""
+    """Initialise ``run_dir`` (a new one when ``fresh``) and submit the trainer on it. A failed submission leaves
+    no job behind, and no run directory (fresh) or the run's config as it was (resume)."""
     from ddp_core.launch import run
 
     previous = None if fresh or not run_dir.config_file.exists() else run_dir.config_file.read_text()
     run_dir.initialize(cfg)
+    before = set() if fresh or local else set(GATEWAY.queued_from(run_dir.slurm))
     try:
         job = make_executor(cfg, run_dir, local).submit(run, str(run_dir.path))
     except Exception as err:
+        withdrawn = [] if local else withdraw(run_dir.slurm, before, err)
         if fresh:
             shutil.rmtree(run_dir.path, ignore_errors=True)
         elif previous is not None:  # a resume that did not submit leaves the run's config as it was
             atomic_write_text(run_dir.config_file, previous)
-        raise DdpJobError(
-            f"submission failed: {str(err).strip().splitlines()[-1] if str(err).strip() else err}"
-        ) from err
+        cancelled = f" (cancelled job {', '.join(withdrawn)}, which sbatch had queued)" if withdrawn else ""
+        raise DdpJobError(f"submission failed: {reason(err)}{cancelled}") from err
     run_dir.record_job(str(job.job_id), "local" if local else "submitit")
     return Submitted(job, run_dir)
+
+
+def reason(err: BaseException) -> str:
+    """One line for a failed submission: sbatch's last error line, else the first line of what submitit said."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return errors[-1] if errors else lines[0] if lines else type(err).__name__
+
+
+def withdraw(folder: Path, before: set[str], err: BaseException) -> list[str]:
+    """Cancel the jobs queued from ``folder`` since ``before``: submitit still moves files and writes the job id
+    after sbatch accepts a job, and a job whose submission then failed cannot start correctly. Returns their ids;
+    raises if scancel fails, so the caller keeps what the job needs and the user learns its id."""
+    stray = [job_id for job_id in GATEWAY.queued_from(folder) if job_id not in before]
+    if stray and GATEWAY.cancel(stray).returncode != 0:
+        raise DdpJobError(
+            f"submission failed after sbatch queued job {', '.join(stray)}, which could not be cancelled: "
+            f"{reason(err)}",
+            f"scancel {' '.join(stray)}",
+        ) from err
+    return stray
 
 
 def slurm_state(job_id: str) -> str:

@@ -22,7 +22,7 @@ from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from ddp_core.rundir import RunDir, atomic_write_text
 from ddp_core.slurm import GATEWAY
-from jobs.submit import check_cluster, cpus_per_task, sbatch_parameters
+from jobs.submit import check_cluster, cpus_per_task, reason, sbatch_parameters, withdraw
 from jobs.sweep_spec import Sweep, Trial
 
 SWEEP_FILE = "sweep.json"
@@ -86,7 +86,7 @@ def plan(sweep: Sweep) -> list[TrialPlan]:
     for trial, cfg in zip(sweep.trials, sweep.configs, strict=True):
         run_dir = RunDir(root / trial.trial_id)
         events = run_dir.events() if run_dir.exists() else []
-        recorded[trial.trial_id] = [j["job_id"] for j in run_dir.read_meta().get("jobs", [])] if events else []
+        recorded[trial.trial_id] = [str(j["job_id"]) for j in run_dir.jobs()] if events else []
         if events and events[-1]["event"] == "completed":
             action = "completed"
         else:
@@ -145,7 +145,17 @@ def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int) -> list
     executor.update_parameters(**array_parameters(sweep, parallelism))
     arrays = []
     for chunk in chunks(todo, max_array_size()):
-        jobs = executor.map_array(run, [str(p.run_dir.path) for p in chunk])  # one sbatch per chunk
+        before = set(GATEWAY.queued_from(folder))  # earlier arrays of this sweep may still be queued
+        try:
+            jobs = executor.map_array(run, [str(p.run_dir.path) for p in chunk])  # one sbatch per chunk
+        except Exception as err:
+            withdrawn = withdraw(folder, before, err)
+            cancelled = f" (cancelled array {', '.join(withdrawn)}, which sbatch had queued)" if withdrawn else ""
+            done = f"; {len(arrays)} earlier arrays were submitted: {' '.join(arrays)}" if arrays else ""
+            raise DdpJobError(
+                f"sweep submission failed: {reason(err)}{cancelled}{done}",
+                "fix the cause and rerun the same `ddpjob sweep` command: it submits only the trials not yet queued",
+            ) from err
         array_id = str(jobs[0].job_id).split("_")[0]
         arrays.append(array_id)
         for p, job in zip(chunk, jobs, strict=True):

@@ -70,11 +70,13 @@ def slurm_cluster():
     return True
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m jobs ARGS`` the way a user would, from ``cwd``."""
+def run_cli(
+    *args: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m jobs ARGS`` the way a user would, from ``cwd`` (``env`` adds to the environment)."""
     return subprocess.run(
         [sys.executable, "-m", "jobs", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
     )  # fmt: skip
 
 

@@ -74,3 +74,19 @@ class StragglerDigitsTask(DigitsTask):
         if self.pause_s and dist.is_initialized() and dist.get_rank() == 1:
             time.sleep(self.pause_s)
         return super().split(batch)
+
+
+class UnrecordableTask(DigitsTask):
+    """Digits that, at training batch ``break_at``, puts a directory where the run's event log is (as a failing
+    file system might): the attempt trains to its end, then cannot record that it completed."""
+
+    def __init__(self, events_file: str = "", break_at: int = 0, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.events_file, self.break_at, self.batches = events_file, break_at, 0
+
+    def split(self, batch: tuple) -> tuple:
+        self.batches += 1
+        if self.batches == self.break_at:
+            os.unlink(self.events_file)
+            os.mkdir(self.events_file)
+        return super().split(batch)

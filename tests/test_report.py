@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from ddp_core.errors import DdpJobError
-from jobs.report import PNG_SIZE, find_runs, read_metrics, write_report
+from ddp_core.rundir import RunDir
+from jobs.report import PNG_SIZE, find_runs, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,12 +78,12 @@ def test_find_runs_sweep_single_and_nested(sweep: Path, tmp_path: Path):
 
 
 def test_read_metrics_skips_torn_last_line(sweep: Path):
-    records = read_metrics(sweep / "lr-3e-3")
+    records = RunDir(sweep / "lr-3e-3").metrics()
     assert len(records) == 12 + 3 and records[-1]["split"] == "eval"
-    assert read_metrics(sweep / "lr-3e-2") == []  # no metrics.jsonl yet
+    assert RunDir(sweep / "lr-3e-2").metrics() == []  # no metrics.jsonl yet
     garbled = sweep / "lr-1e-2" / "metrics.jsonl"
     garbled.write_text('{"step": 1, "split": "train", "loss": 1.0}\n\nnot json\n[1, 2]\n{"split": "train"}\n')
-    assert read_metrics(sweep / "lr-1e-2") == [{"step": 1, "split": "train", "loss": 1.0}]
+    assert RunDir(sweep / "lr-1e-2").metrics() == [{"step": 1, "split": "train", "loss": 1.0}]
 
 
 def test_sweep_report(sweep: Path):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -131,3 +133,56 @@ def test_concurrent_resumes_submit_one_job(slurm_cluster, tmp_path):
     assert jobs == [field(first.stdout, "job"), job]
     subprocess.run(["scancel", job], check=False)
     wait_gone(job)
+
+
+def mangling_sbatch(tmp_path: Path) -> dict[str, str]:
+    """A PATH whose ``sbatch`` queues the job with the real one, then prints what submitit cannot parse (as a site
+    wrapper that rewrites sbatch's output might): the submission fails after Slurm accepted the job."""
+    real = shutil.which("sbatch")
+    assert real
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "sbatch"
+    wrapper.write_text(f'#!/bin/bash\nout=$({real} "$@") || exit $?\necho "${{out/job /id }}"\n')
+    wrapper.chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def withdrawn_job(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Could not make sense of sbatch output" in lines[0], stderr
+    found = re.search(r"\(cancelled (?:job|array) (\d+), which sbatch had queued\)", lines[0])
+    assert found, stderr
+    wait_gone(found.group(1), timeout=30)
+    assert sacct_state(found.group(1)).startswith("CANCELLED")
+    return found.group(1)
+
+
+def test_a_submission_that_fails_after_sbatch_leaves_no_job_behind(slurm_cluster, tmp_path):
+    """submitit still writes files after sbatch accepts a job; if that fails, the job is cancelled, not left to
+    run against a deleted run directory. Fresh submits remove the directory, resumes keep the old config, and a
+    sweep can be rerun as it was."""
+    mangled, root = mangling_sbatch(tmp_path), tmp_path / "runs"
+    fresh = run_cli("submit", DIGITS, *QUICK, f"run.root={root}", cwd=tmp_path, env=mangled)
+    assert fresh.returncode == 2
+    withdrawn_job(fresh.stderr)
+    assert not list(root.glob("*/config.yaml"))
+
+    first = run_cli("submit", DIGITS, *QUICK, f"run.root={root}", "slurm.partition=local", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    subprocess.run(["scancel", field(first.stdout, "job")], check=True)
+    wait_gone(field(first.stdout, "job"))
+    run_dir = Path(field(first.stdout, "run dir"))
+    config = (run_dir / "config.yaml").read_text()
+    resumed = run_cli("resume", str(run_dir), "train.max_steps=80", cwd=tmp_path, env=mangled)
+    assert resumed.returncode == 2
+    withdrawn_job(resumed.stderr)
+    assert (run_dir / "config.yaml").read_text() == config
+
+    sweep = run_cli("sweep", DIGITS, "optim.lr=0.1,0.2", *QUICK, f"run.root={root}", "--name", "s", cwd=tmp_path,
+                    env=mangled)  # fmt: skip
+    assert sweep.returncode == 2
+    withdrawn_job(sweep.stderr)
+    again = run_cli("sweep", DIGITS, "optim.lr=0.1,0.2", *QUICK, f"run.root={root}", "--name", "s", "--dry-run",
+                    cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 0 and again.stdout.count(" resume ") == 2, again.stdout

@@ -209,3 +209,17 @@ def test_a_second_trainer_in_the_same_run_directory_is_refused(tmp_path):
     finally:
         first.kill()
         first.wait()
+
+
+def test_a_failure_after_training_is_logged_and_exits_nonzero(tmp_path):
+    """Recording the end of an attempt can fail too (here the event log became a directory): the trainer names
+    the rank, host, step and error in one log line and exits 1; it does not die silently or report success."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ddp_core", DIGITS, "--run-dir", str(run), *BASE, "train.max_steps=20",
+           "task.target=tests.tasks:UnrecordableTask", f"task.data.events_file={run / 'attempts.jsonl'}",
+           "task.data.break_at=20"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env | {"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 1, proc.stderr
+    assert re.search(r"rank 0/1 on \S+ failed after training, at step 20: IsADirectoryError", proc.stderr), proc.stderr
+    assert (run / "checkpoints" / "step_00000020.json").exists()  # the work itself was saved

@@ -1,0 +1,82 @@
+"""Damaged run directories (a full disk, a killed writer, a careless edit): ``status``, ``logs``, ``cancel`` and
+``report`` either work around the damage with a warning or stop with one ``ddpjob: error:`` line; never a traceback.
+(Damaged checkpoints are skipped by ``find_latest``: tests/test_checkpoint.py.)"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobs.cli import main
+from tests.conftest import ROOT
+
+FILES = ["config.yaml", "run.json", "attempts.jsonl", "metrics.jsonl", "checkpoints/step_00000020.json"]
+DAMAGE = {
+    "truncated": lambda data: data[: len(data) // 2],
+    "null": lambda _: b"null",
+    "list": lambda _: b"[1, {}]",
+    "binary": lambda _: b"\xff\xfe\x00\x01garbage",
+    "empty": lambda _: b"",
+    "fields": lambda _: b'{"jobs": [{"via": 3}, 7], "job_id": [], "event": 1, "step": "x", "split": 2}\n',
+    "directory": None,
+}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A real run of 20 steps, with a submitted job recorded as `ddpjob submit` would."""
+    run = tmp_path_factory.mktemp("base") / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))} | {"OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "ddp_core", str(ROOT / "configs" / "digits.yaml"), "--run-dir", str(run),
+           "train.max_steps=20", "checkpoint.every_steps=10", "train.eval_every=10", "optim.warmup_steps=2",
+           "wandb.mode=disabled"]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, env=env, timeout=120)
+    meta = json.loads((run / "run.json").read_text())
+    meta["jobs"] = [{"job_id": "4242", "via": "submitit", "log_dir": str(run / "slurm")}]
+    (run / "run.json").write_text(json.dumps(meta))
+    return run
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+@pytest.mark.parametrize("name", FILES)
+def test_damaged_run_files_give_a_warning_or_one_error_line(finished_run, tmp_path, capsys, caplog, name, damage):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    target = run / name
+    if DAMAGE[damage] is None:
+        target.unlink()
+        target.mkdir()
+    else:
+        target.write_bytes(DAMAGE[damage](target.read_bytes()))
+    commands = [["status", str(run)], ["status", str(tmp_path)], ["logs", str(run)], ["cancel", str(run)],
+                ["report", str(run), "--out", str(tmp_path / "report")]]  # fmt: skip
+    for argv in commands:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            code = main(argv)  # any exception fails the test: that is the traceback a user would see
+        err = capsys.readouterr().err.strip()
+        if code == 2:
+            assert len(err.splitlines()) == 1 and err.startswith("ddpjob: error: "), (argv, err)
+        else:
+            assert code == 0 or (argv[0] == "logs" and "no rank 0 err log" in err), (argv, code, err)
+        readers = {"attempts.jsonl": ("status",), "metrics.jsonl": ("status", "report")}.get(name, ())
+        if code == 0 and damage == "directory" and argv[0] in readers:
+            assert f"skipping {target}" in caplog.text, (argv, caplog.text)  # the damage is reported, not hidden
+
+
+def test_status_over_many_runs_skips_a_damaged_one(finished_run, tmp_path, capsys, caplog):
+    for name in ("a", "b"):
+        shutil.copytree(finished_run, tmp_path / name)
+    (tmp_path / "a" / "run.json").write_text('{"run_id": "ab')
+    with caplog.at_level(logging.WARNING):
+        assert main(["status", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path / "b") in out and str(tmp_path / "a") not in out, out
+    assert f"skipping {tmp_path / 'a'}: {tmp_path / 'a' / 'run.json'} is unreadable" in caplog.text
