@@ -42,6 +42,11 @@ def running_profile() -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            # Under pytest-xdist (--dist loadgroup) every cluster test runs on one worker, one at a time: they size
+            # their jobs for an idle cluster. The other worker runs the tests that need no cluster meanwhile.
+            item.add_marker(pytest.mark.xdist_group("slurm"))
     wanted = {item: m.args[0] for item in items if (m := item.get_closest_marker("cluster_profile"))}
     only = config.getoption("--cluster-profile-only")
     if not wanted and not only:
