@@ -12,8 +12,9 @@ import math
 import re
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cache
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union, get_args, get_origin, get_type_hints
 
 import yaml
 from omegaconf import MISSING, OmegaConf
@@ -25,6 +26,8 @@ from omegaconf.errors import (
 )
 
 from ddp_core.errors import DdpJobError
+from ddp_core.watchdog import WatchdogConfig
+from ddp_core.watchdog import validate as validate_watchdog
 
 
 class StrategyName(str, Enum):
@@ -195,6 +198,7 @@ class SlurmConfig:
     signal_lead_s: int = 120
     max_timeouts: int = 20
     max_preemptions: int = 20
+    max_hangs: int = 3  # attempts ended by the hang watchdog (watchdog.stall_s) that requeue the job
     array_parallelism: int = 32  # sweeps: at most this many trials of an array run at once (%N)
     # Shell lines run in the batch script before the ranks start (module load, conda activate, ...).
     setup: List[str] = field(default_factory=list)
@@ -224,6 +228,7 @@ class Config:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
 
 
 def ranks_per_node(cfg: Config) -> int:
@@ -252,19 +257,17 @@ def _refuse_secret_interpolation(where: str, text: str) -> None:
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
     """YAML file (optional) + dotlist overrides over the schema → validated ``Config``."""
     for item in overrides:
-        if "=" not in item or item.startswith("="):
-            raise DdpJobError(
-                f"override '{item}' is not of the form key=value",
-                "write e.g. optim.lr=3e-4; a bare key would silently become null",
-            )
+        check_override(item)
     layers = [OmegaConf.structured(Config)]
     try:
-        for item in overrides:
-            _refuse_secret_interpolation(f"override '{item.split('=', 1)[0]}'", item)
         if path is not None:
-            read_yaml_mapping(Path(path))  # one clear error for a file that is not a sane YAML mapping
-            layers.append(OmegaConf.load(path))  # OmegaConf's YAML: 1e-4 is a float (PyYAML reads a string)
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
+            # One clear error for a file that is not a sane YAML mapping, then the shape of every value.
+            _check_value(_read_yaml(Path(path), _CheckLoader), Config, "")
+            layers.append(_omegaconf_load(Path(path)))  # OmegaConf's YAML: 1e-4 is a float (PyYAML reads a string)
+        try:
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        except yaml.YAMLError as err:  # what PyYAML accepted in check_override and libyaml does not: one line too
+            raise DdpJobError(f"an override is not valid YAML: {_yaml_problem(err)}", _OVERRIDE_HINT) from None
         merged = OmegaConf.merge(*layers)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
@@ -274,32 +277,239 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     return cfg
 
 
+def check_override(item: str) -> None:
+    """What a ``key=value`` override must be before OmegaConf sees it: a dotted key, no secret interpolation,
+    valid YAML, and a value of the right shape (a bool key takes true/false only, a section a mapping, ...)."""
+    key, eq, text = item.partition("=")
+    if not eq or not key:
+        raise DdpJobError(
+            f"override '{_clip(item)}' is not of the form key=value",
+            "write e.g. optim.lr=3e-4; a bare key would silently become null",
+        )
+    if not _OVERRIDE_KEY.fullmatch(key):
+        # OmegaConf's list indexes (tags[0]=x) merge a mapping into the list unless the same dotlist made it.
+        raise DdpJobError(
+            f"override '{_clip(item)}' does not start with a dotted config key",
+            "write key=value with no spaces around '=' and no [index] (set a whole list: wandb.tags=[a,b])",
+        )
+    _refuse_secret_interpolation(f"override '{key}'", item)
+    value = _parse_override(item, text)
+    hint = _hint_at(key)
+    if hint is not None:
+        _check_value(value, hint, key)
+
+
+_OVERRIDE_KEY = re.compile(r"[^\s.\[\]=]+(?:\.[^\s.\[\]=]+)*")
+
+
+# What str.splitlines() breaks a line at, and other control characters: escaped in messages, which are one line.
+_LINE_BREAKS = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]")
+
+
+def one_line(text: str) -> str:
+    """``text`` with control characters and line breaks escaped (``\\n``): error messages are one line."""
+    return _LINE_BREAKS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    """User text as shown in a one-line error: control characters and line breaks escaped, at most ``limit``."""
+    shown = one_line(text)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
+_OVERRIDE_HINT = "values are YAML: quote a string with special characters, e.g. run.name='\"a b\"'"
+
+
+def _parse_override(item: str, text: str) -> Any:
+    """An override's value as ``_CheckLoader`` reads it; the same YAML errors as a file, naming the override."""
+    where = f"override '{_clip(item)}'"
+    try:
+        root = yaml.compose(text, Loader=_CheckLoader)
+        if root is None:
+            return None
+        _check_nodes(where, root)
+        return yaml.load(text, Loader=_CheckLoader)
+    except RecursionError:
+        raise DdpJobError(f"{where} nests deeper than {_MAX_DEPTH} levels", _OVERRIDE_HINT) from None
+    except yaml.YAMLError as err:
+        raise DdpJobError(f"{where} is not valid YAML: {_yaml_problem(err)}", _OVERRIDE_HINT) from None
+
+
+def _omegaconf_load(path: Path) -> Any:
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as err:  # OmegaConf's own alias limits (ratio of expansion) can be stricter than ours
+        raise DdpJobError(
+            f"config file '{path}' cannot be read by OmegaConf: {_yaml_problem(err)}",
+            "write the values out instead of repeating YAML aliases",
+        ) from None
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """The first sentence of a YAML error: PyYAML's own str spans several lines (marks, snippets)."""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    return str(problem).split(". See ")[0]
+
+
+# YAML as OmegaConf's loader reads it (its float resolver is copied here: the expression is the one OmegaConf
+# adds to PyYAML's YAML 1.1 resolvers, so ``1e-4`` is a float and not a string).
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_OMEGACONF_FLOAT = re.compile(
+    r"""^(?:
+     [-+]?[0-9]+(?:_[0-9]+)*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9]+(?:_[0-9]+)*(?:[eE][-+]?[0-9]+)
+    |\.[0-9]+(?:_[0-9]+)*(?:[eE][-+][0-9]+)?
+    |[-+]?[0-9]+(?:_[0-9]+)*(?::[0-5]?[0-9])+\.[0-9_]*
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+
+
+class _CheckLoader(yaml.SafeLoader):
+    """Reads plain scalars as OmegaConf does (``1e-4`` a float, dates stay strings), except that only true/false
+    are booleans: YAML 1.1's yes/no/on/off stay strings, so a bool key can refuse them instead of OmegaConf
+    coercing them (and 2, and "yes") to True."""
+
+
+_CheckLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL_TAG, "tag:yaml.org,2002:timestamp")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_CheckLoader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_CheckLoader.add_implicit_resolver(_FLOAT_TAG, _OMEGACONF_FLOAT, list("-+0123456789."))
+
+
+class _Dumper(yaml.SafeDumper):
+    """Quotes every string that OmegaConf's loader would read as something else (``1e3`` is a float there)."""
+
+
+_Dumper.add_implicit_resolver(_FLOAT_TAG, _OMEGACONF_FLOAT, list("-+0123456789."))
+
+
+@cache
+def _fields(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _hint_at(key: str) -> Any:
+    """The schema's type at a dotted override key, or None where OmegaConf will name the key as unknown."""
+    hint: Any = Config
+    for part in key.split("."):
+        if dataclasses.is_dataclass(hint):
+            if part not in _fields(hint):
+                return None
+            hint = _fields(hint)[part]
+        elif get_origin(hint) is dict:
+            hint = get_args(hint)[1]
+        elif hint is not Any:
+            return None  # into a scalar or a list (OmegaConf's own error names it)
+    return hint
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _bad_value(key: str, value: Any, hint: str) -> DdpJobError:
+    return DdpJobError(f"bad value for config key '{key}': {_short(value)}", hint)
+
+
+def _type_name(hint: Any) -> str:
+    if isinstance(hint, type):
+        return "a mapping of its keys" if dataclasses.is_dataclass(hint) else hint.__name__
+    return str(hint).replace("typing.", "")
+
+
+def _check_value(value: Any, hint: Any, key: str) -> None:
+    """Refuse what OmegaConf would coerce or choke on: a bool that is not true/false, a list or mapping where the
+    schema has a scalar (and the reverse), a non-string key, a YAML type with no config equivalent (bytes, sets).
+    Everything else (ints for float keys, enum names, ranges) is OmegaConf's and ``validate``'s."""
+    if value is None or (isinstance(value, str) and "${" in value):
+        return  # null is OmegaConf's to refuse (it names the key); an interpolation is checked once resolved
+    if get_origin(hint) is Union:  # Optional[X]: None is handled above
+        hint = next(arg for arg in get_args(hint) if arg is not type(None))
+    where = key or "the top level"
+    if isinstance(value, dict):
+        for name in value:
+            if not isinstance(name, str):
+                raise DdpJobError(
+                    f"config key {_short(name)} under '{where}' is not a string",
+                    f"keys are names: quote it, e.g. '{name}': ...",
+                )
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise _bad_value(where, value, f"'{where}' is a section: a mapping of its keys, e.g. {{key: value}}")
+        for name, item in value.items():
+            if name in _fields(hint):  # unknown keys: OmegaConf names them with a spelling suggestion
+                _check_value(item, _fields(hint)[name], f"{key}.{name}" if key else name)
+        return
+    origin = get_origin(hint)
+    if origin is list:
+        if not isinstance(value, list):
+            raise _bad_value(key, value, f"give a list, e.g. {key}=[a,b]")
+        for i, item in enumerate(value):
+            _check_value(item, get_args(hint)[0], f"{key}[{i}]")
+    elif origin is dict:
+        if not isinstance(value, dict):
+            raise _bad_value(key, value, f"give a mapping, e.g. {key}={{a: 1}}")
+        for name, item in value.items():
+            _check_value(item, get_args(hint)[1], f"{key}.{name}")
+    elif hint is Any:
+        if isinstance(value, (dict, list)):
+            for name, item in value.items() if isinstance(value, dict) else enumerate(value):
+                _check_value(item, Any, f"{key}.{name}" if isinstance(value, dict) else f"{key}[{name}]")
+        elif not isinstance(value, (str, int, float, bool)):
+            raise _bad_value(key, value, f"a config holds strings, numbers, booleans, lists and mappings, not "
+                                         f"{type(value).__name__}")  # fmt: skip
+    elif hint is bool:
+        if not (isinstance(value, bool) or (isinstance(value, str) and value.lower() in ("true", "false"))):
+            raise _bad_value(key, value, "use true or false")
+    elif isinstance(value, (dict, list)) or not isinstance(value, (str, int, float, bool)):
+        raise _bad_value(key, value, f"give a single value of type {_type_name(hint)}")
+
+
 # Aliases make a tiny YAML file expand to gigabytes ("billion laughs") once the tree is copied; real configs
 # have a few hundred nodes.
 _MAX_NODES = 100_000
+# Real configs nest 3 or 4 levels; OmegaConf's recursive merge overflows Python's stack near 100.
+_MAX_DEPTH = 32
 
 
 def read_yaml_mapping(path: Path) -> dict[str, Any]:
     """A YAML file's top-level mapping (as PyYAML reads it), or one ``DdpJobError`` naming the file (and line)
-    and what is wrong: syntax, encoding, tags, a repeated key, alias bombs, a top level that is not a mapping,
-    a secret-looking ``${oc.env:...}``."""
-    if not path.is_file():
-        raise DdpJobError(f"config file '{path}' not found", "pass a YAML file, e.g. configs/digits.yaml")
+    and what is wrong: syntax, encoding, tags, a repeated key, alias bombs, deep nesting, a top level that is not a
+    mapping, a secret-looking ``${oc.env:...}``."""
+    return _read_yaml(path, yaml.SafeLoader)
+
+
+def _read_yaml(path: Path, loader: type) -> dict[str, Any]:
     hint = "a config is a YAML mapping of sections (run:, task:, optim:, ...), e.g. configs/digits.yaml"
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        is_file = False
+    if not is_file:
+        raise DdpJobError(f"config file '{path}' not found", "pass a YAML file, e.g. configs/digits.yaml")
     try:
         text = path.read_text(encoding="utf-8")
         _refuse_secret_interpolation(f"config file '{path}'", text)
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=loader)
         if root is not None:
-            _check_nodes(path, root)
-        data = yaml.safe_load(text)  # safe_load: no !!python tags
+            _check_nodes(f"config file '{path}'", root)
+        data = yaml.load(text, Loader=loader)  # a safe loader: no !!python tags
+    except OSError as err:
+        raise DdpJobError(f"config file '{path}' cannot be read: {err.strerror}", hint) from None
     except UnicodeDecodeError as err:
         raise DdpJobError(f"config file '{path}' is not UTF-8 text ({err.reason} at byte {err.start})", hint) from None
+    except RecursionError:
+        raise DdpJobError(f"config file '{path}' nests deeper than {_MAX_DEPTH} levels", hint) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise DdpJobError(f"config file '{path}' is not valid YAML{where}: {problem}", hint) from None
+        raise DdpJobError(f"config file '{path}' is not valid YAML{where}: {_yaml_problem(err)}", hint) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -307,45 +517,51 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
     return data
 
 
-def _check_nodes(path: Path, root: yaml.Node) -> None:
-    """Refuse a repeated key (safe_load keeps the last one silently) and a tree that aliases expand past
-    ``_MAX_NODES``. Each node is visited once, aliased or not: linear in the file, not in its expansion."""
-    expanded: dict[int, int] = {}
-    order: list[yaml.Node] = []
-    stack = [root]
-    while stack:  # every distinct node once
-        node = stack.pop()
-        if id(node) in expanded:
-            continue
-        expanded[id(node)] = 0
-        order.append(node)
-        if isinstance(node, yaml.MappingNode):
-            seen: set[str] = set()
-            for key, value in node.value:
-                if isinstance(key, yaml.ScalarNode):
-                    if key.value in seen:
-                        raise DdpJobError(
-                            f"config file '{path}' repeats the key '{key.value}' at line {key.start_mark.line + 1}",
-                            "keep one of them (YAML keeps the last silently)",
-                        )
-                    seen.add(key.value)
-                stack.extend((key, value))
-        elif isinstance(node, yaml.SequenceNode):
-            stack.extend(node.value)
-    for node in reversed(order):  # children before parents: sizes as the copied tree would have them
+def _check_nodes(where: str, root: yaml.Node) -> None:
+    """Refuse a repeated key (safe_load keeps the last one silently), an alias that contains itself, nesting past
+    ``_MAX_DEPTH`` and a tree that aliases expand past ``_MAX_NODES``. Each node is visited once, aliased or not:
+    linear in the text, not in its expansion."""
+    size: dict[int, int] = {}  # values in the node's subtree once aliases are copied out
+    height: dict[int, int] = {}
+    seen: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:  # depth first, each node's children finished before the node itself
+        node, finished = stack.pop()
         children = [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else (
             node.value if isinstance(node, yaml.SequenceNode) else [])  # fmt: skip
-        expanded[id(node)] = min(_MAX_NODES + 1, 1 + sum(expanded[id(c)] for c in children))
-    if expanded[id(root)] > _MAX_NODES:
+        if finished:
+            if any(id(c) not in size for c in children):  # a child still open is an ancestor: a cycle
+                raise DdpJobError(f"{where} has a YAML alias that contains itself", "write the values out")
+            size[id(node)] = min(_MAX_NODES + 1, 1 + sum(size[id(c)] for c in children))
+            height[id(node)] = 1 + max((height[id(c)] for c in children), default=0)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            keys: set[str] = set()
+            for key, _ in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    if key.value in keys:
+                        raise DdpJobError(
+                            f"{where} repeats the key '{key.value}' at line {key.start_mark.line + 1}",
+                            "keep one of them (YAML keeps the last silently)",
+                        )
+                    keys.add(key.value)
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in seen)
+    if size[id(root)] > _MAX_NODES:
         raise DdpJobError(
-            f"config file '{path}' expands to more than {_MAX_NODES} values through YAML aliases",
+            f"{where} expands to more than {_MAX_NODES} values through YAML aliases",
             "write the values out; aliases that multiply like this are a YAML bomb",
         )
+    if height[id(root)] > _MAX_DEPTH:
+        raise DdpJobError(f"{where} nests deeper than {_MAX_DEPTH} levels", "real configs nest a few levels")
 
 
 def _explain(err: OmegaConfBaseException) -> DdpJobError:
-    key = getattr(err, "full_key", None) or "?"
-    first_line = str(err).splitlines()[0]
+    key = _clip(str(getattr(err, "full_key", None) or "?"))
+    first_line = _clip(str(err).splitlines()[0], 200) if str(err) else type(err).__name__
     if isinstance(err, MissingMandatoryValue):
         return DdpJobError(f"config key '{key}' is required but has no value", f"set it: {key}=...")
     if isinstance(err, ConfigKeyError):
@@ -355,7 +571,7 @@ def _explain(err: OmegaConfBaseException) -> DdpJobError:
         )
     if isinstance(err, ValidationError):
         return DdpJobError(f"bad value for config key '{key}': {first_line}", "give a value of the key's type")
-    return DdpJobError(f"invalid config at '{key}': {first_line}")
+    return DdpJobError(f"invalid config at '{key}': {first_line}", "check the value and any ${...} interpolation in it")
 
 
 def _require(ok: bool, key: str, value: Any, why: str) -> None:
@@ -364,13 +580,18 @@ def _require(ok: bool, key: str, value: Any, why: str) -> None:
 
 
 def _floats(node: Any, prefix: str = "") -> Any:
-    """(key, value) of every float in the tree (dotted keys)."""
-    for f in dataclasses.fields(node):
-        value = getattr(node, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from _floats(value, f"{prefix}{f.name}.")
-        elif isinstance(value, float):
-            yield f"{prefix}{f.name}", value
+    """(key, value) of every float in the tree (dotted keys), task arguments and sbatch options included."""
+    if dataclasses.is_dataclass(node):
+        items = [(f"{prefix}{f.name}", getattr(node, f.name)) for f in dataclasses.fields(node)]
+    elif isinstance(node, dict):
+        items = [(f"{prefix}{name}", value) for name, value in node.items()]
+    else:
+        items = [(f"{prefix[:-1]}[{i}]", value) for i, value in enumerate(node)]
+    for key, value in items:
+        if isinstance(value, float):
+            yield key, value
+        elif dataclasses.is_dataclass(value) or isinstance(value, (dict, list)):
+            yield from _floats(value, f"{key}.")
 
 
 # Upper bounds that no real run comes near; past them a value is a typo (or 1e20) that would fail only after the
@@ -444,7 +665,7 @@ def validate(cfg: Config) -> None:
         f"must be >= 0 and below the time limit ({cfg.slurm.time_min * 60} s)",
     )
     _require(cfg.slurm.array_parallelism > 0, "slurm.array_parallelism", cfg.slurm.array_parallelism, "must be > 0")
-    for key in ("max_timeouts", "max_preemptions"):
+    for key in ("max_timeouts", "max_preemptions", "max_hangs"):
         _require(getattr(cfg.slurm, key) >= 0, f"slurm.{key}", getattr(cfg.slurm, key), "must be >= 0")
     _require(cfg.slurm.tasks_per_node > 0, "slurm.tasks_per_node", cfg.slurm.tasks_per_node, "must be > 0")
     _require(
@@ -456,9 +677,16 @@ def validate(cfg: Config) -> None:
     _require(cfg.slurm.gpu_bind in GPU_BIND, "slurm.gpu_bind", cfg.slurm.gpu_bind, f"must be one of {GPU_BIND}")
     _require(cfg.slurm.cpu_bind in CPU_BIND, "slurm.cpu_bind", cfg.slurm.cpu_bind, f"must be one of {CPU_BIND}")
     _validate_guard(cfg.dist.guard)
+    validate_watchdog(cfg.watchdog, cfg.dist.timeout_s)
     _validate_script_strings(cfg)
     _validate_strategy(cfg)
-    _require(":" in cfg.task.target, "task.target", cfg.task.target, "must look like 'package.module:ClassName'")
+    module, _, cls = cfg.task.target.partition(":")
+    _require(
+        cls.isidentifier() and all(part.isidentifier() for part in module.split(".")),
+        "task.target",
+        cfg.task.target,
+        "must look like 'package.module:ClassName'",
+    )
     _require(bool(cfg.run.name.strip()) and "/" not in cfg.run.name, "run.name", cfg.run.name, "must be a plain name")
 
 
@@ -485,8 +713,10 @@ def _validate_script_strings(cfg: Config) -> None:
         option = str(name).replace("_", "-")
         _require(bool(_OPTION.fullmatch(option)), "slurm.additional", name,
                  "option names are sbatch's long options without '--', e.g. constraint or mail-type")  # fmt: skip
-        if not isinstance(value, (bool, int, float)):
-            _require(not _UNSAFE_WORD.search(str(value)), f"slurm.additional.{name}", value, _WORD_RULE)
+        _require(isinstance(value, (str, bool, int, float)), f"slurm.additional.{name}", value,
+                 "one value per option: a word, a number, or true for a flag")  # fmt: skip
+        if isinstance(value, str):
+            _require(not _UNSAFE_WORD.search(value), f"slurm.additional.{name}", value, _WORD_RULE)
 
 
 def _validate_guard(guard: Optional[str]) -> None:
@@ -579,5 +809,21 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 def to_yaml(cfg: Config) -> str:
     # Plain YAML of plain values: loads back to an equal Config, ~100x faster than OmegaConf.structured
-    # (which dominated submitting a 1,000-trial sweep).
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+    # (which dominated submitting a 1,000-trial sweep). Strings are quoted where OmegaConf would read them as
+    # numbers, and a literal "${" is escaped: load_config would otherwise resolve it on the compute node.
+    return yaml.dump(_escaped(to_dict(cfg)), Dumper=_Dumper, sort_keys=False, default_flow_style=False)
+
+
+_INTERPOLATION_START = re.compile(r"(\\*)\$\{")
+
+
+def _escaped(value: Any) -> Any:
+    """Values (not keys) with every ``${`` escaped the way OmegaConf reads it back literally: ``\\${``, and the
+    backslashes before it doubled."""
+    if isinstance(value, str):
+        return _INTERPOLATION_START.sub(lambda m: m.group(1) * 2 + "\\${", value)
+    if isinstance(value, dict):
+        return {k: _escaped(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escaped(v) for v in value]
+    return value

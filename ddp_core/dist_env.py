@@ -7,10 +7,11 @@ the process group is initialised from the values here, explicitly.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from ddp_core.errors import DdpJobError
 
@@ -176,10 +177,17 @@ def derive_master_port(job_id: int) -> int:
     return PORT_BASE + PORT_SPAN if port == _TORCH_DEFAULT_PORT else port
 
 
-_BRACKET = re.compile(r"^(?P<prefix>[^\[\]]*)\[(?P<ranges>[^\[\]]+)\](?P<suffix>.*)$")
+_RANGE_ITEM = re.compile(r"([0-9]{1,18})(?:-([0-9]{1,18}))?")  # ASCII digits: str.isdigit() takes "²"
+_NODELIST_HINT = "Slurm's hostlist syntax, e.g. gpu[01-04,07],login1 (from SLURM_STEP_NODELIST / SLURM_JOB_NODELIST)"
 
 
-def _split_top_level(text: str) -> list[str]:
+def _nodelist_error(nodelist: str, why: str) -> DdpJobError:
+    shown = repr(nodelist) if len(nodelist) <= 100 else repr(nodelist[:100]) + "..."
+    return DdpJobError(f"cannot parse Slurm nodelist {shown}: {why}", _NODELIST_HINT)
+
+
+def _split_top_level(nodelist: str, text: str) -> list[str]:
+    """Comma-separated hostlist items, commas inside one bracket level kept; unbalanced or nested brackets refused."""
     parts, depth, start = [], 0, 0
     for i, ch in enumerate(text):
         if ch == "[":
@@ -189,29 +197,61 @@ def _split_top_level(text: str) -> list[str]:
         elif ch == "," and depth == 0:
             parts.append(text[start:i])
             start = i + 1
+        if depth not in (0, 1):
+            raise _nodelist_error(nodelist, "unbalanced or nested brackets")
+    if depth:
+        raise _nodelist_error(nodelist, "unbalanced brackets")
     parts.append(text[start:])
     return [p for p in parts if p]
 
 
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Slurm's compressed hostlist (``n[1-2]``, ``gpu[01-04,07],login1``) → hostnames, in order."""
-    hosts: list[str] = []
-    for part in _split_top_level(nodelist.strip()):
-        match = _BRACKET.match(part)
-        if not match:
-            hosts.append(part)
+def _parse_item(nodelist: str, item: str) -> list[Any]:
+    """One hostlist item as literal strings and bracket groups, each group a list of (low, high, width)."""
+    parts: list[Any] = []
+    for i, piece in enumerate(re.split(r"\[([^\[\]]*)\]", item)):
+        if i % 2 == 0:  # literal text between bracket groups
+            if re.search(r"[\s\x00-\x1f\x7f\[\]]", piece):
+                raise _nodelist_error(nodelist, f"bad host name part {piece[:40]!r}")
+            if piece:
+                parts.append(piece)
             continue
-        suffixes = expand_nodelist(match["suffix"]) if "[" in match["suffix"] else [match["suffix"]]
-        for item in match["ranges"].split(","):
-            lo, _, hi = item.partition("-")
-            if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
-                raise DdpJobError(f"cannot parse Slurm nodelist {nodelist!r}: bad range '{item}'")
-            if hi and int(hi) - int(lo) + len(hosts) >= _MAX_HOSTS:
-                raise DdpJobError(f"Slurm nodelist {nodelist!r} names more than {_MAX_HOSTS} hosts")
-            numbers = [lo] if not hi else [str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1)]
-            hosts.extend(f"{match['prefix']}{n}{s}" for n in numbers for s in suffixes)
-    if not hosts or any(not host or "[" in host or "]" in host for host in hosts):
-        raise DdpJobError(f"cannot parse Slurm nodelist {nodelist!r}")
+        ranges = []
+        for spec in piece.split(","):
+            match = _RANGE_ITEM.fullmatch(spec)
+            if not match or (match[2] is not None and int(match[2]) < int(match[1])):
+                raise _nodelist_error(nodelist, f"bad range {spec[:40]!r}")
+            lo = int(match[1])
+            ranges.append((lo, int(match[2]) if match[2] is not None else lo, len(match[1])))
+        parts.append(ranges)
+    return parts
+
+
+def _numbers(ranges: list[tuple[int, int, int]]) -> list[str]:
+    return [str(n).zfill(width) for lo, hi, width in ranges for n in range(lo, hi + 1)]
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm's compressed hostlist (``n[1-2]``, ``gpu[01-04,07],login1``, ``rack[1-2]-n[1-2]``) → hostnames, in
+    order; numbers are zero-padded to the width of the range's low end. Counts before it expands: more than
+    ``_MAX_HOSTS`` hosts (``n[0-99999999]``, or two ranges multiplied) is refused without building them."""
+    items = [_parse_item(nodelist, item) for item in _split_top_level(nodelist, nodelist.strip())]
+    total = 0
+    for parts in items:
+        count = 1
+        for part in parts:
+            if isinstance(part, list):
+                count *= sum(hi - lo + 1 for lo, hi, _ in part)
+                if count > _MAX_HOSTS:
+                    break
+        total += count
+        if total > _MAX_HOSTS:
+            raise _nodelist_error(nodelist, f"names more than {_MAX_HOSTS} hosts")
+    if not total:
+        raise _nodelist_error(nodelist, "names no host")
+    hosts: list[str] = []
+    for parts in items:
+        choices = [[part] if isinstance(part, str) else _numbers(part) for part in parts]
+        hosts.extend("".join(combo) for combo in itertools.product(*choices))
     return hosts
 
 

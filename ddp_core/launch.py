@@ -8,8 +8,10 @@ others); a successful run meets at a barrier and destroys the process group befo
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -24,6 +26,7 @@ from ddp_core.log import setup_logging
 from ddp_core.preemption import Interruption, StopFlag
 from ddp_core.rundir import RunDir
 from ddp_core.slurm import NODE_GATEWAY
+from ddp_core.watchdog import Watchdog, attempt_folder
 
 if TYPE_CHECKING:
     from ddp_core.train import Outcome
@@ -37,6 +40,7 @@ EXIT_BUDGET_SPENT = 3
 EXIT_STOPPED = 4  # a signal outside Slurm: checkpointed, nobody requeues; continue by starting it on the run dir
 EXIT_REQUEUE_FAILED = 5  # inside Slurm, but `scontrol requeue` was refused: the job must not look COMPLETED
 EXIT_TERMINATED = 143  # 128 + SIGTERM, the shell convention
+EXIT_HUNG = 6  # the watchdog ended a stalled attempt outside Slurm (stacks in RUN/hangs/): nobody requeues
 
 
 def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Outcome:
@@ -48,9 +52,14 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
             # The previous attempt of this Slurm job may still be exiting when its requeued successor starts.
             holder = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.job_id or "-"}
             lock = run_dir.hold_trainer_lock(holder, wait_s=60.0 if env.restart_count else 0.0)
+        # From before the rendezvous to the last step: a rank stuck anywhere in between is a hang.
+        folder = attempt_folder(run_dir.hangs, env.job_id, env.restart_count)
+        on_hang = functools.partial(_after_hang, cfg, run_dir, env)
+        watchdog = Watchdog(cfg.watchdog, folder, env.rank, env.world_size, on_hang).start()
         try:
-            return train(cfg, run_dir, env, stop_flag)
+            return train(cfg, run_dir, env, stop_flag, watchdog)
         finally:
+            watchdog.stop()
             if lock is not None:
                 lock.close()
     except BaseException as err:
@@ -120,6 +129,28 @@ def _after_stop(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag,
     return EXIT_REQUEUED
 
 
+def _after_hang(cfg: Config, run_dir: RunDir, env: DistEnv, folder: Path, summary: str, step: Optional[int]) -> int:
+    """The rank that coordinates a hang (any rank: rank 0 may be the one stuck) records it and requeues the job
+    within ``slurm.max_hangs``. Returns its exit code; the other ranks end with the job."""
+    run_dir.log_event("hang", job_id=env.job_id, step=step, rank=env.rank, stacks=str(folder), summary=summary)
+    if not env.slurm_job_id:
+        log.error("attempt ended by the hang watchdog; continue with: python -m ddp_core %s", run_dir.path)
+        return EXIT_HUNG
+    spent = sum(1 for e in run_dir.events() if e["event"] == "hang" and e.get("job_id") == env.job_id)
+    if spent > cfg.slurm.max_hangs:
+        limit = cfg.slurm.max_hangs
+        reason = f"requeue budget exhausted after {spent} hang{'s' if spent > 1 else ''} (slurm.max_hangs={limit})"
+        run_dir.log_event("budget_exhausted", reason=reason, job_id=env.job_id, step=step)
+        log.error("%s; read %s, then continue with: ddpjob resume %s", reason, folder / "summary.txt", run_dir.path)
+        return EXIT_BUDGET_SPENT
+    if not preemption.requeue(env):
+        run_dir.log_event("requeue_failed", kind="hang", job_id=env.job_id, step=step)
+        log.error("the job could not requeue itself after a hang; continue with: ddpjob resume %s", run_dir.path)
+        return EXIT_REQUEUE_FAILED
+    run_dir.log_event("requeued", kind="hang", job_id=env.job_id, step=step, count=spent)
+    return EXIT_REQUEUED
+
+
 def _finish(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, outcome: Outcome) -> int:
     code = 0
     if outcome.signum:
@@ -149,12 +180,24 @@ def run(run_dir: str) -> dict[str, float]:
 def _run_dir_for(cfg: Config, env: DistEnv, explicit: Optional[str]) -> RunDir:
     if explicit:
         return RunDir(Path(explicit).resolve())
-    # Every rank must derive the same directory without talking: key it on the launcher's job identity. A process
-    # started alone adds its pid (two started in the same second are two runs); rerun with --run-dir to resume.
+    # Every rank must derive the same directory without talking: key it on the launcher's job identity (a Slurm
+    # job id, torchrun's --rdzv-id). A process started alone adds its pid (two started in the same second are two
+    # runs). Only a named identity resumes when the same command is run again; else rerun with --run-dir.
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id == "none":  # torchrun --rdzv-backend c10d without --rdzv-id: the shared endpoint tells runs apart
-        run_id = f"{time.strftime('%Y%m%d')}-{os.environ.get('MASTER_ADDR', '')}-{os.environ.get('MASTER_PORT', '')}"
+    if run_id == "none" and not os.environ.get("SLURM_JOB_ID"):
+        # torchrun --rdzv-backend c10d without --rdzv-id names every such launch "none" (one directory would pool
+        # all of them), and nothing else its workers see is stable: MASTER_PORT is its agent's store, on a fresh
+        # port each launch, so a rerun would not find its directory, and a port coming round again would resume an
+        # unrelated run.
+        raise DdpJobError(
+            "torchrun was started with --rdzv-backend c10d but without --rdzv-id: this run has no identity to name "
+            "its run directory by (torchrun calls every such run 'none')",
+            f"add --rdzv-id NAME (the run directory is then {Path(cfg.run.root) / cfg.run.name}-NAME, and the same "
+            "command run again resumes it), or give the directory with --run-dir DIR",
+        )
     key = os.environ.get("SLURM_JOB_ID") or run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", key):  # a name inside run.root, never a path out of it
+        raise DdpJobError(f"run id '{key}' cannot name a run directory", "use letters, digits, '.', '_' and '-'")
     return RunDir((Path(cfg.run.root) / f"{cfg.run.name}-{key}").resolve())
 
 

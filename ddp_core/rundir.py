@@ -10,6 +10,7 @@ Layout::
     <run>/metrics.jsonl   one JSON object per logged step (rank 0)
     <run>/slurm/          submitit's and sbatch's job files and per-task logs
     <run>/wandb/          W&B run files (offline runs are synced from here)
+    <run>/hangs/<job>_<attempt>/  a hung attempt: rank<R>.txt (every thread's stack), rank<R>.json, summary.txt
 
 The one module that knows this layout: the trainer, status, logs, report and doctor all read it from here. Stdlib
 only at import (omegaconf is imported when a config is read or written), so login-node readers stay light.
@@ -134,6 +135,10 @@ class RunDir:
     @property
     def wandb(self) -> Path:
         return self.path / "wandb"
+
+    @property
+    def hangs(self) -> Path:
+        return self.path / "hangs"
 
     @property
     def name(self) -> str:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import types
+import typing
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union, get_args, get_origin
 
 import torch
 from torch import nn
@@ -37,6 +40,17 @@ class Output:
 
 
 class Task(ABC):
+    @classmethod
+    def check_args(cls, data: dict[str, Any], model: dict[str, Any]) -> None:
+        """Login-node check of the task's arguments before anything is submitted; raise ``DdpJobError`` naming
+        the key (``task.data.X`` / ``task.model.X``) for a value the job could not use.
+
+        ``data`` holds ``__init__``'s keyword arguments and ``model`` ``build_model``'s, each with the signature's
+        defaults filled in, already checked against their annotations (names and types). Called by ``ddpjob
+        submit`` and ``ddpjob sweep`` for every trial: keep it cheap (no data loading, no model building).
+        The default accepts everything."""
+        return None
+
     @abstractmethod
     def build_model(self, **model_args: Any) -> nn.Module:
         """The model, on the CPU; called after the trainer seeds torch so every rank builds the same one."""
@@ -77,32 +91,122 @@ def _resolve(target: str) -> type:
             f"task.target '{target}': '{attr}' is not a ddp_core.task.Task subclass in {module_name}",
             "name a class that subclasses ddp_core.task.Task",
         )
+    if inspect.isabstract(obj):  # it would fail only on the compute node, at Task(...)
+        missing = ", ".join(sorted(obj.__abstractmethods__))
+        raise DdpJobError(f"task.target '{target}' is abstract: it does not implement {missing}",
+                          "name your Task subclass, which implements build_model and build_datasets")  # fmt: skip
     return obj
 
 
-def _check_kwargs(fn: Any, given: dict[str, Any], key: str) -> None:
-    params = inspect.signature(fn).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    accepted = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
-    unknown = sorted(set(given) - accepted)
-    if unknown:
-        raise DdpJobError(
-            f"unknown config key '{key}.{unknown[0]}' for {fn.__qualname__}",
-            f"accepted keys: {', '.join(sorted(accepted)) or 'none'}",
+def _signature_chain(cls: type, method: str) -> list[Any]:
+    """``cls``'s ``method`` and, while each takes ``**kwargs`` (passed on to ``super()``), its bases' versions."""
+    chain = []
+    for owner in cls.__mro__:
+        fn = owner.__dict__.get(method)
+        if fn is None or owner in (Task, object):
+            continue
+        fn = getattr(fn, "__func__", fn)  # staticmethod / classmethod
+        chain.append(fn)
+        if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values()):
+            break
+    return chain
+
+
+def _check_kwargs(cls: type, method: str, given: dict[str, Any], key: str) -> dict[str, Any]:
+    """Refuse unknown and missing keyword arguments of ``cls.method``, and values that do not fit the annotations
+    of the method that names them (following ``**kwargs`` into the bases); returns the arguments with the
+    signatures' defaults filled in."""
+    chain = _signature_chain(cls, method)
+    if not chain:
+        return dict(given)
+    owner: dict[str, Any] = {}  # parameter name -> the first method of the chain that names it
+    defaults: dict[str, Any] = {}
+    for fn in chain:
+        for name, p in inspect.signature(fn).parameters.items():
+            if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name not in owner:
+                owner[name] = fn
+                if p.default is not p.empty:
+                    defaults[name] = p.default
+    for name, value in given.items():
+        fn = owner.get(name)
+        hint = _hints(fn).get(name, Any) if fn is not None else Any
+        if not _fits(value, hint):
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            raise DdpJobError(
+                f"config key '{key}.{name}' = {shown} is invalid: {fn.__qualname__} expects {_type_name(hint)}",
+                f"fix it in the YAML or with {key}.{name}=...",
+            )
+    params = inspect.signature(chain[0]).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        accepted = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+        unknown = sorted(set(given) - accepted)
+        if unknown:
+            raise DdpJobError(
+                f"unknown config key '{key}.{unknown[0]}' for {chain[0].__qualname__}",
+                f"accepted keys: {', '.join(sorted(accepted)) or 'none'}",
+            )
+        missing = [n for n, p in params.items() if n in accepted and p.default is p.empty and n not in given]
+        if missing:
+            raise DdpJobError(
+                f"config key '{key}.{missing[0]}' is required by {chain[0].__qualname__}",
+                f"set {key}.{missing[0]}=...",
+            )
+    return {**defaults, **given}
+
+
+def _hints(fn: Any) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(fn)
+    except Exception:  # an annotation that does not evaluate here (a name only the type checker imports): unchecked
+        return {}
+
+
+def _type_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a config value (YAML scalars, lists, mappings) fits an annotation. Checked: None, bool, int, float
+    (an int fits), str, Any, Optional/Union, Literal, list/tuple/Sequence, dict/Mapping and their item types.
+    Anything else (a class of the user's, a Path, a TypeVar) accepts any value: the config cannot make one."""
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is Any or isinstance(hint, (str, typing.TypeVar)):  # unevaluated forward reference: unchecked
+        return True
+    if hint is None or hint is type(None):
+        return value is None
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, arg) for arg in args)
+    if origin is typing.Literal:
+        return any(value == arg and type(value) is type(arg) for arg in args)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    container = origin or hint
+    if container in (list, tuple, Sequence, typing.Sequence) or container is set:
+        if not isinstance(value, list):
+            return False
+        if container is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(_fits(v, a) for v, a in zip(value, args, strict=True))
+        return not args or all(_fits(v, args[0]) for v in value)
+    if container in (dict, Mapping, typing.Mapping):
+        return isinstance(value, dict) and (
+            not args or all(_fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items())
         )
-    missing = [n for n, p in params.items() if n in accepted and p.default is p.empty and n not in given]
-    if missing:
-        raise DdpJobError(
-            f"config key '{key}.{missing[0]}' is required by {fn.__qualname__}", f"set {key}.{missing[0]}=..."
-        )
+    return True
 
 
 def check_task(cfg: TaskConfig) -> None:
-    """Login-node check: the task imports and accepts exactly the configured model/data keys."""
+    """Login-node check: the task imports, accepts exactly the configured model/data keys with values of the
+    annotated types, and its ``check_args`` accepts them."""
     cls = _resolve(cfg.target)
-    _check_kwargs(cls.__init__, cfg.data, "task.data")
-    _check_kwargs(cls.build_model, cfg.model, "task.model")
+    data = _check_kwargs(cls, "__init__", cfg.data, "task.data")
+    model = _check_kwargs(cls, "build_model", cfg.model, "task.model")
+    cls.check_args(data, model)
 
 
 def load_task(cfg: TaskConfig) -> Task:

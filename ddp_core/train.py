@@ -32,6 +32,7 @@ from ddp_core.rundir import RunDir
 from ddp_core.strategies import Strategy, build_strategy
 from ddp_core.task import Task, load_task
 from ddp_core.wandb_run import WandbRun
+from ddp_core.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ def check_determinism(cfg: Config, device: torch.device) -> None:
         )
 
 
-def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Outcome:
+def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watchdog: Watchdog) -> Outcome:
     device = distributed.setup(env, cfg.dist)
     check_determinism(cfg, device)
     torch.use_deterministic_algorithms(cfg.train.deterministic)
@@ -272,9 +273,10 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Ou
         if saved_step != pos.step:
             if metrics_log is not None:
                 metrics_log.sync()
-            last_save_s = save_checkpoint(
-                cfg, run_dir, env, strategy, model, optimizer, scheduler, pos, log_loss, sharded
-            )
+            with watchdog.allowance():  # a save of a large model may take longer than a step may stall
+                last_save_s = save_checkpoint(
+                    cfg, run_dir, env, strategy, model, optimizer, scheduler, pos, log_loss, sharded
+                )
             saved_step = pos.step
             if env.is_main:
                 log.info("training blocked %.3f s for the checkpoint of step %d", last_save_s, pos.step)
@@ -329,11 +331,13 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Ou
             scheduler.step()
             pos.step += 1
             pos.micro_in_epoch += len(group)
+            watchdog.beat(pos.step)
 
             if pos.step % cfg.train.log_every == 0 or pos.step == cfg.train.max_steps:
                 log_progress()
             if cfg.train.eval_every and pos.step % cfg.train.eval_every == 0 and pos.step < cfg.train.max_steps:
-                record("eval", evaluate(task, model, evals, cfg, strategy))
+                with watchdog.allowance():
+                    record("eval", evaluate(task, model, evals, cfg, strategy))
             if (
                 cfg.checkpoint.every_steps
                 and pos.step % cfg.checkpoint.every_steps == 0
@@ -357,7 +361,8 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Ou
                 break
 
     stop_flag.settle()  # a signal in the last step is moot: the run is complete
-    final = evaluate(task, model, evals, cfg, strategy)
+    with watchdog.allowance():
+        final = evaluate(task, model, evals, cfg, strategy)
     record("eval", final)
     checkpoint_now()
     if sharded is not None:

@@ -32,19 +32,41 @@ class WandbRun:
             os.environ.setdefault(var, str(run_dir.wandb / sub))
         try:
             import wandb
-
+        except Exception as err:  # a broken install is W&B trouble too
+            log.warning("W&B disabled for this run: %s", _one_line(err))
+            return
+        try:
             self.run = self._init(wandb, cfg, cfg.mode.value, run_dir, run_id, config)
         except Exception as err:
-            if cfg.mode is WandbMode.online:
-                log.warning("W&B online init failed (%s); logging offline instead, sync later with `ddpjob sync`", err)
-                try:
-                    self.run = self._init(wandb, cfg, "offline", run_dir, run_id, config)
-                except Exception as err2:
-                    log.warning("W&B disabled for this run: %s", err2)
+            if cfg.mode is not WandbMode.online:
+                log.warning("W&B disabled for this run: %s", _one_line(err))
             else:
-                log.warning("W&B disabled for this run: %s", err)
+                self.run = self._fall_back_offline(wandb, cfg, run_dir, run_id, config, err)
         if self.run is not None:
             log.info("W&B run %s (%s) in %s", run_id, self.run.settings.mode, run_dir.wandb)
+
+    @classmethod
+    def _fall_back_offline(
+        cls, wandb: Any, cfg: WandbConfig, run_dir: RunDir, run_id: str, config: dict[str, Any], err: Exception
+    ) -> Optional[Any]:
+        """Retry a failed online init offline, under the same run id, so that ``ddpjob sync`` can upload it later.
+
+        A failed online init (a server that cannot be reached) leaves W&B's service process holding the run id,
+        and an offline init of the same id in this process is then refused ("run ID ... is in use"): tear that
+        service down first; the offline init starts a fresh one."""
+        try:
+            wandb.teardown()
+        except Exception as teardown_err:  # the offline init below says whether it mattered
+            log.debug("W&B teardown after the failed online init: %s", teardown_err)
+        try:
+            run = cls._init(wandb, cfg, "offline", run_dir, run_id, config)
+        except Exception as err2:
+            log.warning("W&B online init failed (%s), and offline too (%s): W&B disabled for this run",
+                        _one_line(err), _one_line(err2))  # fmt: skip
+            return None
+        log.warning("W&B online init failed (%s); logging offline instead: upload later with `ddpjob sync %s`",
+                    _one_line(err), run_dir.path)  # fmt: skip
+        return run
 
     @staticmethod
     def _init(wandb: Any, cfg: WandbConfig, mode: str, run_dir: RunDir, run_id: str, config: dict[str, Any]) -> Any:
@@ -78,3 +100,8 @@ class WandbRun:
         except Exception as err:  # W&B trouble must never end a training run
             log.warning("W&B %s failed (%s: %s); W&B logging stops for this attempt", what, type(err).__name__, err)
             self.run = None
+
+
+def _one_line(err: BaseException) -> str:
+    """W&B's errors span lines (the error, then what it was retrying): a warning stays one log line."""
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"

@@ -162,6 +162,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
         pass
     except BrokenPipeError:  # `ddpjob logs RUN | head`: Python's recipe, so exiting does not raise again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    for hang in (e for e in run.events() if e["event"] == "hang"):  # after the log, where a reader's eye is
+        print(f"ddpjob: attempt of job {hang.get('job_id')} hung after step {hang.get('step')}: "
+              f"{str(hang.get('summary', ''))[6:]}", file=sys.stderr)  # fmt: skip
     return 0
 
 

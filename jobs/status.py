@@ -34,7 +34,8 @@ ACTIVE_STATES = frozenset(
      "CONFIGURING", "SIGNALING", "STAGE_OUT", "STOPPED"}
 )  # fmt: skip
 EVENT_STATES = {"start": "STARTED", "interrupted": "INTERRUPTED", "requeued": "INTERRUPTED",
-                "completed": "COMPLETED", "budget_exhausted": "BUDGET_EXHAUSTED", "preempted": "PREEMPTED"}  # fmt: skip
+                "completed": "COMPLETED", "budget_exhausted": "BUDGET_EXHAUSTED", "preempted": "PREEMPTED",
+                "hang": "HUNG"}  # fmt: skip
 ACCOUNTING_LAG_S = 120  # a job this young with no sacct record yet is queued, not lost
 DEFAULT_ROOT = Path("runs")
 # Every Slurm command goes through the gateway (ddp_core.slurm); ``runner=`` hands it fabricated output in tests.
@@ -248,7 +249,11 @@ def render(rows: Sequence[Row], metric_key: str, best: Optional[Row], now: float
         "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
         for line in table
     ]
-    return "\n".join(line.rstrip() for line in lines)
+    # The newest hang of each run, with the rank suspected and where its stacks are (ddp_core/watchdog.py).
+    hangs = [(r, [e for e in r.events if e["event"] == "hang"]) for r in rows]
+    notes = [f"hang in {r.run.name} after step {found[-1].get('step')}: {str(found[-1].get('summary', ''))[6:]}"
+             for r, found in hangs if found]  # fmt: skip
+    return "\n".join([*(line.rstrip() for line in lines), *notes])
 
 
 def runs_to_show(path: Optional[str], limit: int = 20) -> tuple[list[Path], bool]:

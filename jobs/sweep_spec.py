@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -21,19 +22,20 @@ import math
 import os
 import random
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ddp_core.config import Config, load_config, read_yaml_mapping, validate
+from ddp_core.config import Config, check_override, load_config, one_line, read_yaml_mapping, validate
 from ddp_core.errors import DdpJobError
 
+T = TypeVar("T")
 SWEEP_FILE_KEYS = ("base", "name", "overrides", "grid", "random")
 DISTRIBUTIONS = {
     "uniform": ("low", "high"),
@@ -47,6 +49,9 @@ _NAME = re.compile(r"[A-Za-z0-9][\w.-]*")
 # Strings written bare into an override must read back as the same string; these would become bool/null.
 _PLAIN = re.compile(r"[A-Za-z_][\w./-]*")
 _YAML_WORDS = {"true", "false", "yes", "no", "on", "off", "y", "n", "null", "nan", "inf"}
+# More trials than any cluster queues at once (Slurm's MaxArraySize defaults to 1001): a typo such as
+# range(0,10**9) or a grid of 20 keys is refused before it is expanded.
+MAX_TRIALS = 10_000
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,21 @@ class Sweep:
         return Path(self.name) / trial.trial_id
 
 
+def _one_line_errors(fn: Callable[..., T]) -> Callable[..., T]:
+    """Keys, values and paths of a sweep come from the user verbatim: a newline in one would split the CLI's one
+    error line. Every error leaving this module's entry points is made one line here, whatever built it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except DdpJobError as err:
+            raise DdpJobError(one_line(err.message), one_line(err.hint)) from None
+
+    return wrapper
+
+
+@_one_line_errors
 def load_sweep(
     config: Path, args: Sequence[str] = (), trials: int | None = None, seed: int | None = None, name: str | None = None
 ) -> Sweep:
@@ -80,17 +100,20 @@ def load_sweep(
     return parse_cli_sweep(Path(config), args, name=name)
 
 
+@_one_line_errors
 def is_sweep_file(path: Path) -> bool:
     # A file that is not a YAML mapping is refused here, naming the file and line (not "nothing to sweep").
     return bool({"grid", "random"} & set(read_yaml_mapping(Path(path))))
 
 
+@_one_line_errors
 def parse_cli_sweep(config: Path, args: Sequence[str], name: str | None = None) -> Sweep:
     """Base config + ``key=v1,v2`` / ``key=range(a,b)`` grid arguments + plain ``key=value`` fixed ones."""
     fixed, grid = _parse_args(args)
     return _build(name or f"{Path(config).stem}-sweep", Path(config), fixed, grid, {}, None, None)
 
 
+@_one_line_errors
 def load_sweep_file(
     path: Path,
     trials: int | None = None,
@@ -102,10 +125,13 @@ def load_sweep_file(
 ) -> Sweep:
     """A sweep YAML; ``trials``/``seed``/``extra`` (command-line ``key=value``s) win over the file's entries."""
     path = Path(path)
+    read_yaml_mapping(path)  # one clear error, naming the file and line, for what is not a sane YAML mapping
     try:
         data = OmegaConf.to_container(OmegaConf.load(path))  # OmegaConf's YAML reads 1e-4 as a float, PyYAML not
     except (OSError, yaml.YAMLError, OmegaConfBaseException) as err:
-        raise DdpJobError(f"cannot read sweep file '{path}': {err}", "check the path and the YAML syntax") from None
+        raise DdpJobError(
+            f"cannot read sweep file '{path}': {str(err).splitlines()[0]}", "check the path and the YAML syntax"
+        ) from None
     if not isinstance(data, dict):
         raise DdpJobError(f"sweep file '{path}' is not a mapping", f"use the keys {', '.join(SWEEP_FILE_KEYS)}")
     for key in sorted(set(data) - set(SWEEP_FILE_KEYS)):
@@ -189,6 +215,8 @@ def _range(key: str, args: str) -> list[str]:
         raise _bad(
             key, f"has range({args}): not a non-empty range of ints", "range(start, stop[, step]); stop excluded"
         )
+    if range(*bounds)[MAX_TRIALS:]:  # len() of a range past sys.maxsize raises OverflowError; a slice does not
+        raise _bad(key, f"has range({args}) of more than {MAX_TRIALS} values", "a sweep has at most that many trials")
     return [str(v) for v in range(*bounds)]
 
 
@@ -233,11 +261,20 @@ def _check_dist(key: str, spec: Any) -> dict[str, Any]:
     kinds = (int,) if dist == "randint" else (int, float)
     if any(isinstance(b, bool) or not isinstance(b, kinds) for b in (low, high)):
         raise _bad(where, f"({dist}) has low={low!r} high={high!r}", f"{dist} bounds must be {kinds[-1].__name__}s")
+    if dist != "randint" and not all(_finite_float(b) for b in (low, high)):  # randint draws ints of any size
+        raise _bad(where, f"({dist}) has low={low!r} high={high!r}", "bounds must be finite numbers")
     if low > high or (dist == "randint" and low == high):
         raise _bad(where, f"({dist}) has low={low!r} > high={high!r}", "need low <= high (randint: low < high)")
     if dist == "loguniform" and low <= 0:
         raise _bad(where, f"(loguniform) has low={low!r} <= 0", "loguniform needs 0 < low <= high")
     return spec
+
+
+def _finite_float(value: int | float) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int past float's range
+        return False
 
 
 def _draw(rng: random.Random, spec: dict[str, Any]) -> Any:
@@ -263,7 +300,17 @@ def _fmt(value: Any, nested: bool = False) -> str:
         return "{" + ", ".join(f"{_fmt(k, True)}: {_fmt(v, True)}" for k, v in value.items()) + "}"
     text = str(value)
     plain = not nested and _PLAIN.fullmatch(text) and text.lower() not in _YAML_WORDS
-    return text if plain else json.dumps(text)
+    return text if plain else _SURROGATE_PAIR.sub(_astral, json.dumps(text))
+
+
+# JSON escapes a character past U+FFFF as a UTF-16 surrogate pair, which YAML (libyaml) refuses: \U escapes it.
+# The pair's backslash must not itself be escaped (an even run of backslashes before it).
+_SURROGATE_PAIR = re.compile(r"(?<!\\)((?:\\\\)*)\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})")
+
+
+def _astral(match: re.Match[str]) -> str:
+    high, low = int(match[2], 16), int(match[3], 16)
+    return f"{match[1]}\\U{0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00):08x}"
 
 
 def _disjoint(fixed: Mapping[str, Any], grid: Mapping[str, Any], params: Mapping[str, Any]) -> None:
@@ -290,14 +337,24 @@ def _build(
     _disjoint(fixed, grid, params)
     if not grid and not params:
         raise DdpJobError("nothing to sweep: no key has more than one value", "e.g. optim.lr=1e-4,3e-4")
-    if not base.is_file():
-        raise DdpJobError(f"config file '{base}' not found", "pass a YAML file, e.g. configs/digits.yaml")
-    draws: list[dict[str, str]] = [{}]
-    natives: dict[str, Any] = {}  # override text -> the number drawn, so the fast path skips parsing it back
+    try:
+        found = base.is_file()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        found = False
+    if not found:
+        raise DdpJobError(f"config file {str(base)!r} not found", "pass a YAML file, e.g. configs/digits.yaml")
     if params:
         for key, value in (("random.trials", trials), ("random.seed", seed)):
             if isinstance(value, bool) or not isinstance(value, int) or (key == "random.trials" and value < 1):
                 raise _bad(key, f"= {value!r} is invalid", "trials must be an int >= 1 and seed an int")
+    count = math.prod(len(values) for values in grid.values()) * (trials if params else 1)
+    if count > MAX_TRIALS:
+        raise DdpJobError(
+            f"sweep '{name}' has {count} trials, more than {MAX_TRIALS}", "sweep fewer values, or split the sweep"
+        )
+    draws: list[dict[str, str]] = [{}]
+    natives: dict[str, Any] = {}  # override text -> the number drawn, so the fast path skips parsing it back
+    if params:
         rng = random.Random(seed)  # never the global RNG: the same seed gives the same trials anywhere
         draws = []
         for _ in range(trials):
@@ -392,6 +449,7 @@ def _convert(node: Any, scratch: Any, key: str, text: str, parsed: dict[str, Any
     """The value ``load_config`` holds at ``key`` after override ``key=text`` on the merged base ``node``."""
     if "${" in text:
         raise ValueError("interpolations resolve against the whole trial: exact path only")
+    check_override(f"{key}={text}")  # what load_config refuses before OmegaConf would coerce it (data.shuffle=2)
     if text not in parsed:
         parsed[text] = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]))["v"]
     if isinstance(parsed[text], dict):  # dicts merge into what is there: start from the base, not the scratch

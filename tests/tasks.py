@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -89,4 +91,49 @@ class UnrecordableTask(DigitsTask):
         if self.batches == self.break_at:
             os.unlink(self.events_file)
             os.mkdir(self.events_file)
+        return super().split(batch)
+
+
+class HangingTask(DigitsTask):
+    """Digits where rank ``hang_rank`` stops the job's progress once per run: only while ``once_file`` does not exist
+    (the hanging rank creates it), so the requeued or resumed attempt runs normally, with unchanged numerics.
+    ``hang_in``: "step" (the rank sleeps in split() at batch ``hang_at``; the others then wait in the all-reduce),
+    "collective" (the other ranks enter a collective at batch ``hang_at`` that this rank skips; it goes on into the
+    gradient all-reduce, so every rank waits inside a collective), "datasets" (the rank sleeps while building
+    the datasets, before the first step) or "gil" (the rank runs a C call that never releases the GIL)."""
+
+    def __init__(self, once_file: str, hang_rank: int = 1, hang_at: int = 5, hang_in: str = "step",
+                 **kwargs: object) -> None:  # fmt: skip
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.once_file, self.hang_rank, self.hang_at, self.hang_in = once_file, hang_rank, hang_at, hang_in
+        self.batches, self.armed = 0, not os.path.exists(once_file)  # decided once, before any rank creates it
+        self.side: object = None
+
+    def _rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def _hang_here(self) -> None:
+        open(self.once_file, "w").close()
+        while True:
+            time.sleep(3600)
+
+    def build_datasets(self) -> tuple:
+        if self.hang_in == "datasets" and self.armed and self._rank() == self.hang_rank:
+            self._hang_here()
+        return super().build_datasets()
+
+    def split(self, batch: tuple) -> tuple:
+        self.batches += 1
+        if self.hang_in == "collective" and self.side is None and dist.is_initialized():
+            self.side = dist.new_group(backend="gloo")  # every rank, at its first batch: a group for the trap
+        if self.batches == self.hang_at and self.armed:
+            if self.hang_in == "step" and self._rank() == self.hang_rank:
+                self._hang_here()
+            if self.hang_in == "gil" and self._rank() == self.hang_rank:
+                open(self.once_file, "w").close()
+                re.fullmatch(r"(a|aa)+b", "a" * 64)  # years of backtracking in C, holding the GIL throughout
+            if self.hang_in == "collective":
+                if self._rank() != self.hang_rank:
+                    dist.all_reduce(torch.zeros(1), group=self.side)  # never completes: hang_rank skips it
+                open(self.once_file, "w").close()
         return super().split(batch)

@@ -104,7 +104,7 @@ def test_bf16_and_accumulation_train(tmp_path):
 
 
 def test_wandb_offline_records_and_online_without_key_falls_back(tmp_path):
-    env = {"WANDB_API_KEY": "", "WANDB_MODE": "", "HOME": str(tmp_path)}  # no key anywhere
+    env = {"WANDB_API_KEY": "", "HOME": str(tmp_path)}  # no key anywhere
     log = trainer(tmp_path / "run", *BASE[:-1], "train.max_steps=10", "wandb.mode=online", env=env)
     assert "logging offline instead" in log
     run_id = json.loads((tmp_path / "run" / "run.json").read_text())["run_id"]

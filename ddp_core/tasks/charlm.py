@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sysconfig
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -108,7 +108,25 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
+def _require(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise DdpJobError(f"config key '{key}' = {value!r} is invalid: {why}", f"fix it in the YAML or with {key}=...")
+
+
 class CharLMTask(Task):
+    @classmethod
+    def check_args(cls, data: dict[str, Any], model: dict[str, Any]) -> None:
+        _require(data["seq_len"] >= 1, "task.data.seq_len", data["seq_len"], "must be >= 1")
+        _require(data["max_chars"] >= 2, "task.data.max_chars", data["max_chars"], "must be >= 2")
+        _require(0 < data["eval_fraction"] < 1, "task.data.eval_fraction", data["eval_fraction"], "must be in (0, 1)")
+        for name in ("d_model", "n_heads"):
+            _require(model[name] >= 1, f"task.model.{name}", model[name], "must be >= 1")
+        _require(model["n_layers"] >= 0, "task.model.n_layers", model["n_layers"], "must be >= 0")
+        _require(0 <= model["dropout"] < 1, "task.model.dropout", model["dropout"], "must be in [0, 1)")
+        # Checked again in build_model (a task built without the config); here it fails before the queue wait.
+        _require(model["d_model"] % model["n_heads"] == 0, "task.model.n_heads", model["n_heads"],
+                 f"must divide task.model.d_model = {model['d_model']}")  # fmt: skip
+
     def __init__(self, seq_len: int = 64, max_chars: int = 1_000_000, eval_fraction: float = 0.05) -> None:
         self.seq_len, self.max_chars, self.eval_fraction = seq_len, max_chars, eval_fraction
 

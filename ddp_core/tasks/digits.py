@@ -2,15 +2,39 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset, TensorDataset
 
+from ddp_core.errors import DdpJobError
 from ddp_core.task import Output, Task
+
+N_IMAGES = 1797  # scikit-learn's digits: fixed, so the split sizes are known without loading it
 
 
 class DigitsTask(Task):
+    @classmethod
+    def check_args(cls, data: dict[str, Any], model: dict[str, Any]) -> None:
+        # Only the keys present: a subclass may take other arguments and inherit this check.
+        bounds = [
+            ("data", "eval_fraction", lambda v: 0 < v < 1, "must be in (0, 1)"),
+            ("data", "eval_fraction", lambda v: int(N_IMAGES * v) >= 1, f"leaves none of {N_IMAGES} images to eval"),
+            ("data", "split_seed", lambda v: 0 <= v < 2**63, "must be in [0, 2**63)"),
+            ("model", "hidden", lambda v: 1 <= v <= 1 << 16, "must be in [1, 65536]"),
+            ("model", "depth", lambda v: 0 <= v <= 64, "must be in [0, 64]"),
+            ("model", "dropout", lambda v: 0 <= v < 1, "must be in [0, 1)"),
+        ]
+        for section, name, ok, why in bounds:
+            args = data if section == "data" else model
+            if name in args and not ok(args[name]):
+                raise DdpJobError(
+                    f"config key 'task.{section}.{name}' = {args[name]!r} is invalid: {why}",
+                    f"fix it in the YAML or with task.{section}.{name}=...",
+                )
+
     def __init__(self, eval_fraction: float = 0.2, split_seed: int = 0) -> None:
         self.eval_fraction = eval_fraction
         self.split_seed = split_seed

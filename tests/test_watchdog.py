@@ -1,0 +1,167 @@
+"""The hang watchdog (ddp_core/watchdog.py): a stalled attempt is dumped, recorded, and requeued on Slurm.
+
+Outside Slurm a hung run ends with the watchdog's exit code (6) and its stacks; on the local cluster a hang in a
+step, inside a collective, or before the first step requeues the job, which resumes bitwise exactly. A main
+thread that holds the GIL is ended by faulthandler's C-level backstop."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_core.errors import DdpJobError
+from ddp_core.watchdog import WatchdogConfig, _suspects, validate
+from tests.conftest import ROOT, field, run_cli
+from tests.helpers import digests, events, rank_logs, wait_gone
+
+DIGITS = str(ROOT / "configs" / "digits.yaml")
+QUICK = ["train.max_steps=60", "train.log_every=5", "train.eval_every=0", "checkpoint.every_steps=20",
+         "optim.warmup_steps=2", "wandb.mode=disabled"]  # fmt: skip
+HANGING = ["task.target=tests.tasks:HangingTask", "watchdog.stall_s=8", "dist.timeout_s=120"]
+
+
+def hang_folder(run: Path) -> Path:
+    (folder,) = [p for p in (run / "hangs").iterdir() if p.is_dir()]
+    return folder
+
+
+def test_watchdog_settings_are_checked_against_the_collective_timeout():
+    validate(WatchdogConfig(stall_s=0), collective_timeout_s=10)  # off
+    with pytest.raises(DdpJobError, match=r"'watchdog.stall_s' = 600 is invalid: must be below dist.timeout_s"):
+        validate(WatchdogConfig(stall_s=600), collective_timeout_s=600)
+    with pytest.raises(DdpJobError, match=r"'watchdog.first_step_s' = 5 is invalid: must be >= watchdog.stall_s"):
+        validate(WatchdogConfig(stall_s=10, first_step_s=5), collective_timeout_s=600)
+    with pytest.raises(DdpJobError, match=r"'watchdog.stall_s' = nan is invalid"):
+        validate(WatchdogConfig(stall_s=float("nan")), collective_timeout_s=600)
+
+
+def test_suspects_are_ranks_in_their_own_code_else_the_ones_behind():
+    waiting = "/x/torch/distributed/distributed_c10d.py:3000 in all_reduce"
+    ranks = [{"rank": 0, "step": 3, "frame": waiting}, {"rank": 1, "step": 3, "frame": "/u/train.py:7 in load"}]
+    assert [r["rank"] for r in _suspects(ranks)] == [1]
+    behind = [{"rank": 0, "step": 4, "frame": waiting}, {"rank": 1, "step": 3, "frame": waiting}]
+    assert [r["rank"] for r in _suspects(behind)] == [1]
+    alike = [{"rank": 0, "step": 3, "frame": waiting}, {"rank": 1, "step": 3, "frame": waiting}]
+    assert [r["rank"] for r in _suspects(alike)] == [0, 1]
+
+
+def run_alone(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))} | {"OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "ddp_core", DIGITS, "--run-dir", str(tmp_path / "run"), *QUICK, *HANGING,
+           f"task.data.once_file={tmp_path / 'once'}", "task.data.hang_rank=0", *overrides]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+
+
+def test_a_hang_outside_slurm_dumps_stacks_and_exits_6(tmp_path):
+    started = time.monotonic()
+    proc = run_alone(tmp_path, "watchdog.stall_s=2")
+    assert proc.returncode == 6, proc.stderr[-3000:]
+    assert time.monotonic() - started < 60
+    folder = hang_folder(tmp_path / "run")
+    stacks = (folder / "rank0.txt").read_text()
+    assert "Thread MainThread" in stacks and "in _hang_here" in stacks and "time.sleep(3600)" in stacks
+    assert "ddpjob-watchdog" not in stacks  # its own stack is noise
+    summary = (folder / "summary.txt").read_text()
+    assert summary.startswith("hang: no progress for 2 s; suspect rank 0 on ") and "in _hang_here" in summary
+    (hang,) = events(tmp_path / "run", "hang")
+    assert hang["step"] == 4 and hang["stacks"] == str(folder)
+    assert "continue with: python -m ddp_core" in proc.stderr
+
+
+def test_a_main_thread_holding_the_gil_is_ended_by_the_backstop(tmp_path):
+    """No Python thread runs while the main thread holds the GIL in C: faulthandler's own thread dumps and exits."""
+    proc = run_alone(tmp_path, "watchdog.stall_s=2", "task.data.hang_in=gil")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    stacks = (hang_folder(tmp_path / "run") / "rank0.txt").read_text()
+    assert "most recent call first" in stacks and "in split" in stacks, stacks  # faulthandler's format
+
+
+# --- on the local cluster ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_cluster, tmp_path_factory) -> str:
+    """The digest of the same two-rank run with no hang (the once-file exists from the start)."""
+    cwd = tmp_path_factory.mktemp("reference")
+    (cwd / "once").touch()
+    proc = run_cli("submit", DIGITS, "--wait", *QUICK, *HANGING, f"task.data.once_file={cwd / 'once'}",
+                   "slurm.tasks_per_node=2", cwd=cwd)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    d = digests(rank_logs(Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")))
+    assert d[0] == d[1]
+    return d[0]
+
+
+def submit(cwd: Path, *overrides: str) -> tuple[str, Path]:
+    proc = run_cli("submit", DIGITS, *QUICK, *HANGING, f"task.data.once_file={cwd / 'once'}",
+                   "slurm.tasks_per_node=2", *overrides, cwd=cwd)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+
+
+def first_step_after(run: Path, t: float) -> float:
+    times = [m["time"] for m in (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
+             if m.get("split") == "train" and m.get("time", 0) > t]  # fmt: skip
+    return min(times)
+
+
+@pytest.mark.slurm
+def test_a_hung_step_is_dumped_requeued_and_resumed_exactly(reference, tmp_path):
+    job, run = submit(tmp_path, "task.data.hang_at=25")
+    assert wait_gone(job) == "COMPLETED"
+    (hang,) = events(run, "hang")
+    (requeued,) = events(run, "requeued")
+    starts = events(run, "start")
+    assert requeued["kind"] == "hang" and [s["step"] for s in starts] == [0, 20]  # from the newest checkpoint
+    folder = hang_folder(run)
+    summary = (folder / "summary.txt").read_text()
+    assert "suspect rank 1 on " in summary and "in _hang_here" in summary, summary
+    stacks = (folder / "rank1.txt").read_text()
+    assert "time.sleep(3600)" in stacks and "in split" in stacks
+    assert "_engine_run_backward" in (folder / "rank0.txt").read_text()  # rank 0 waited in the all-reduce
+    assert digests(rank_logs(run, job)) == {0: reference, 1: reference}
+    stalled_at = max(m["time"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                     if m.get("split") == "train" and m["time"] < hang["t"])  # fmt: skip
+    assert hang["t"] - stalled_at < 8 + 30
+    print(f"hang -> event {hang['t'] - stalled_at:.1f} s, -> next attempt {starts[1]['t'] - hang['t']:.1f} s, "
+          f"-> first step {first_step_after(run, starts[1]['t']) - hang['t']:.1f} s")  # fmt: skip
+
+
+@pytest.mark.slurm
+def test_hangs_in_a_collective_and_before_the_first_step_and_a_spent_budget(reference, tmp_path):
+    """Three jobs at once (the cluster has room): every rank inside a collective; a rank stuck building its
+    datasets (caught by the first-step allowance); and slurm.max_hangs=0, which ends the job and is resumable."""
+    jobs = {}
+    for case, extra in {
+        "collective": ["task.data.hang_in=collective", "task.data.hang_at=25"],
+        "datasets": ["task.data.hang_in=datasets", "watchdog.first_step_s=20"],
+        "budget": ["task.data.hang_at=25", "slurm.max_hangs=0"],
+    }.items():
+        (tmp_path / case).mkdir()
+        jobs[case] = submit(tmp_path / case, *extra)
+    states = {case: wait_gone(job) for case, (job, _) in jobs.items()}
+    assert states == {"collective": "COMPLETED", "datasets": "COMPLETED", "budget": "FAILED"}, states
+    for case in ("collective", "datasets"):
+        job, run = jobs[case]
+        assert len(events(run, "hang")) == 1 and events(run, "requeued")[0]["kind"] == "hang", case
+        assert digests(rank_logs(run, job)) == {0: reference, 1: reference}, case
+    assert "all_reduce" in (hang_folder(jobs["collective"][1]) / "rank0.txt").read_text()
+    (before_first,) = events(jobs["datasets"][1], "hang")
+    assert before_first["step"] is None
+    assert "in build_datasets" in (hang_folder(jobs["datasets"][1]) / "rank1.txt").read_text()
+
+    job, run = jobs["budget"]
+    final = events(run)[-1]
+    assert final["event"] == "budget_exhausted"
+    assert final["reason"] == "requeue budget exhausted after 1 hang (slurm.max_hangs=0)"
+    status = run_cli("status", str(run), cwd=tmp_path)
+    assert f"hang in {run.name} after step 23: no progress for 8 s; suspect rank 1" in status.stdout, status.stdout
+    proc = run_cli("resume", str(run), "--wait", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert digests(rank_logs(run, field(proc.stdout, "job"))) == {0: reference, 1: reference}
