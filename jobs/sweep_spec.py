@@ -32,7 +32,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ddp_core.config import Config, check_override, load_config, one_line, read_yaml_mapping, validate
+from ddp_core.config import Config, check_override, load_config, validate
+from ddp_core.config_input import one_line, read_yaml_mapping
 from ddp_core.errors import DdpJobError
 
 T = TypeVar("T")
