@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
@@ -13,10 +15,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jobs.cli import main
 from tests.conftest import ROOT
+from tests.test_fuzz import fuzz
 
+# The keys the readers look for, so random records reach their field checks instead of being skipped whole.
+KEYS = ["jobs", "job_id", "via", "log_dir", "submitted", "event", "step", "split", "loss", "time", "t", "run_id",
+        "file", "size", "sha256", "kind", "summary"]  # fmt: skip
 FILES = ["config.yaml", "run.json", "attempts.jsonl", "metrics.jsonl", "checkpoints/step_00000020.json"]
 DAMAGE = {
     "truncated": lambda data: data[: len(data) // 2],
@@ -80,3 +88,36 @@ def test_status_over_many_runs_skips_a_damaged_one(finished_run, tmp_path, capsy
     out = capsys.readouterr().out
     assert str(tmp_path / "b") in out and str(tmp_path / "a") not in out, out
     assert f"skipping {tmp_path / 'a'}: {tmp_path / 'a' / 'run.json'} is unreadable" in caplog.text
+
+
+JSON_LIKE = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=5), inner,
+                                                                max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+
+
+@fuzz(30)
+@given(
+    name=st.sampled_from(FILES),
+    content=st.binary(max_size=200)
+    | JSON_LIKE.map(lambda v: json.dumps(v).encode())
+    | st.lists(JSON_LIKE, max_size=4).map(lambda vs: "\n".join(json.dumps(v) for v in vs).encode()),
+)
+def test_any_bytes_in_a_run_file_never_give_a_traceback(finished_run, tmp_path_factory, name, content):
+    """Property: whatever a run file holds (random bytes, JSON of any shape, JSON lines of any shape, with the
+    keys the readers look for), status, logs, cancel and report give a result or one error line."""
+    run = tmp_path_factory.mktemp("fuzz") / "run"
+    shutil.copytree(finished_run, run)
+    (run / name).write_bytes(content)
+    for argv in (["status", str(run)], ["logs", str(run)], ["cancel", str(run)],
+                 ["report", str(run), "--out", str(run.parent / "report")]):  # fmt: skip
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(argv)
+        text = err.getvalue().strip()
+        if code == 2:
+            assert len(text.splitlines()) == 1 and text.startswith("ddpjob: error: "), (argv, text)
+        else:
+            assert code == 0 or (argv[0] == "logs" and "no rank 0 err log" in text), (argv, code, text)
