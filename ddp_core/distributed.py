@@ -33,6 +33,7 @@ import logging
 import os
 import random
 import socket
+import time
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -124,15 +125,19 @@ def setup(env: DistEnv, cfg: Optional[DistConfig] = None) -> torch.device:
 
 
 def _rendezvous_store(env: DistEnv, cfg: DistConfig) -> dist.TCPStore:
-    """Our own store: its timeout bounds the rendezvous (every rank joins), the group's bounds each collective."""
+    """Our own store: its timeout bounds the rendezvous (every rank joins), the group's bounds each collective.
+    Each rank signs in; rank 0 waits for all of them, so a rank that never arrives (a wrong address or port, a
+    node that cannot reach the master) ends the attempt within ``dist.init_timeout_s`` naming who is missing."""
     hosting = env.rank == 0 and not env.agent_store
+    where = f"{env.master_addr}:{env.master_port}"
     try:
-        return dist.TCPStore(
+        store = dist.TCPStore(
             env.master_addr,
             env.master_port,
             env.world_size,
             is_master=hosting,
             timeout=timedelta(seconds=cfg.init_timeout_s),
+            wait_for_workers=False,  # rank 0 waits below, where it can say which ranks are missing
         )
     except dist.DistNetworkError as err:
         if hosting and "in use" in str(err):
@@ -141,7 +146,32 @@ def _rendezvous_store(env: DistEnv, cfg: DistConfig) -> dist.TCPStore:
                 "another process on this node holds it (a job sharing the node, a stray torchrun): export a free "
                 "MASTER_PORT in slurm.setup, or resubmit",
             ) from None
-        raise
+        raise DdpJobError(
+            f"rank {env.rank} on {socket.gethostname()} could not reach the rendezvous at {where} within "
+            f"dist.init_timeout_s ({cfg.init_timeout_s:g} s): {str(err).splitlines()[0]}",
+            "check that every rank gets the same MASTER_ADDR/MASTER_PORT and that this node can reach that host "
+            "and port (firewall, the interface the name resolves to)",
+        ) from None
+    prefix = f"ddpjob/{env.restart_count}/arrived/"  # torchrun's store outlives a restart of its workers
+    store.set(f"{prefix}{env.rank}", socket.gethostname())
+    if env.rank == 0:
+        _await_ranks(store, [f"{prefix}{r}" for r in range(env.world_size)], cfg.init_timeout_s, where)
+    return store
+
+
+def _await_ranks(store: dist.Store, keys: list[str], timeout_s: float, where: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            arrived = [f"{r} on {store.get(key).decode()}" for r, key in enumerate(keys) if r not in missing]
+            shown = ", ".join(map(str, missing[:20])) + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
+            raise DdpJobError(
+                f"rank{'s' if len(missing) > 1 else ''} {shown} never arrived at the rendezvous at {where} within "
+                f"dist.init_timeout_s ({timeout_s:g} s); arrived: {', '.join(arrived[:20])}",
+                "read the missing ranks' logs: a rank that cannot reach this host and port says so there",
+            )
+        time.sleep(0.05)
 
 
 def describe_binding(env: DistEnv, cuda: bool) -> str:
