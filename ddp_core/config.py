@@ -127,6 +127,9 @@ class TrainConfig:
     # Stop (non-zero exit, a clear message) when the logged loss is NaN or infinite: checked at each progress
     # line, where the loss is read back anyway, so it costs nothing per step.
     stop_on_nan: bool = True
+    # `ddpjob status` names a rank whose own work per step (data wait + forward) stays this many times the
+    # median's, progress line after progress line (ddp_core/straggler.py).
+    straggler_factor: float = 1.5
 
 
 @dataclass
@@ -384,6 +387,7 @@ def validate(cfg: Config) -> None:
     _require(cfg.slurm.cpu_bind in CPU_BIND, "slurm.cpu_bind", cfg.slurm.cpu_bind, f"must be one of {CPU_BIND}")
     _validate_guard(cfg.dist.guard)
     validate_watchdog(cfg.watchdog, cfg.dist.timeout_s)
+    _require(cfg.train.straggler_factor >= 1, "train.straggler_factor", cfg.train.straggler_factor, "must be >= 1")
     _validate_script_strings(cfg)
     _validate_strategy(cfg)
     module, _, cls = cfg.task.target.partition(":")

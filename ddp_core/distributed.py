@@ -218,6 +218,15 @@ def all_gather_floats(values: list[float]) -> list[list[float]]:
     return [t.tolist() for t in out]
 
 
+def hosts() -> list[str]:
+    """Every rank's host name, indexed by rank (one object all-gather: once per attempt)."""
+    if not dist.is_initialized():
+        return [socket.gethostname()]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, socket.gethostname())
+    return [str(h) for h in everyone]
+
+
 def union_keys(keys: list[str]) -> list[str]:
     """The sorted union of every rank's ``keys``: the same list everywhere, for collectives over dicts."""
     if not dist.is_initialized():

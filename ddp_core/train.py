@@ -20,7 +20,7 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
-from ddp_core import checkpoint, distributed, sharded_checkpoint
+from ddp_core import checkpoint, distributed, sharded_checkpoint, straggler
 from ddp_core.config import Config, Precision, to_dict
 from ddp_core.data import ResumableShardSampler, eval_loader, train_loader
 from ddp_core.dist_env import DistEnv
@@ -246,6 +246,8 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
         enabled=env.is_main,
         skip_through=metrics_log.previous_last_step if metrics_log else -1,
     )
+    hosts = distributed.hosts()  # for the straggler report: which host the slowest rank is on
+    spreads: list[dict[str, Any]] = []  # the ranks' work per step, one entry per progress line
     samples_per_step = cfg.data.batch_size * cfg.train.grad_accum * strategy.data_world
     progress = Progress(pos.step, cfg.train.max_steps, samples_per_step, enabled=env.is_main)
 
@@ -286,7 +288,10 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
         nonlocal logged_at, logged_step
         # One host collective for the line: every rank's (loss sum, steps, peak GPU memory); the .item() in
         # state() is the only host-device sync of the interval.
-        ranks = distributed.all_gather_floats([*log_loss.state().tolist(), distributed.peak_memory_gb(device) or 0])
+        # The loss read-back synchronises with the device first: the forward timings' events have completed.
+        state = log_loss.state().tolist()
+        work_ms = strategy.work.take_ms() / max(1, pos.step - logged_step)
+        ranks = distributed.all_gather_floats([*state, distributed.peak_memory_gb(device) or 0, work_ms])
         log_loss.reset()
         now = time.perf_counter()
         metrics = {
@@ -298,7 +303,17 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
             metrics |= {"peak_mem_gb": max(r[2] for r in ranks), "peak_mem_gb_min": min(r[2] for r in ranks)}
         logged_at, logged_step = now, pos.step
         progress.update(pos.step, metrics)
-        record("train", metrics | {"samples_per_s": progress.rate(pos.step)[1]})
+        spread = straggler.spread([r[3] for r in ranks], hosts) if len(ranks) > 1 else {}
+        if spread:
+            spreads.append(spread | {"step_ms": metrics["step_ms"]})
+            del spreads[: -straggler.LINES]
+            slow = straggler.persistent(spreads, cfg.train.straggler_factor)
+            if slow is not None:
+                spread["straggler_rank"] = slow
+            if slow is not None and env.is_main:
+                log.warning("rank %d on %s is a straggler: %.1f ms of its own work per step, median %.1f",
+                            slow, hosts[slow], spread["work_ms_max"], spread["work_ms_median"])  # fmt: skip
+        record("train", metrics | {"samples_per_s": progress.rate(pos.step)[1]} | spread)
         if cfg.train.stop_on_nan and not math.isfinite(metrics["loss"]):
             # Every rank read the same gathered loss: all of them stop here, none is left in a collective.
             raise DdpJobError(
@@ -314,7 +329,7 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
             pos.epoch, pos.micro_in_epoch = pos.epoch + 1, 0
         # The loader (and its workers) lives for the whole attempt; each pass reads the sampler's epoch anew.
         sampler.set_epoch(pos.epoch, start=pos.micro_in_epoch * cfg.data.batch_size)
-        for group in micro_batches(loader, cfg.train.grad_accum):
+        for group in strategy.work.timed(micro_batches(loader, cfg.train.grad_accum)):
             if not primed:  # this attempt's first step: every attempt's steps run alike (DDPStrategy.prime)
                 with autocast(cfg, device):
                     strategy.prime(task, model, to_device(group[0], device))

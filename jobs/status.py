@@ -114,6 +114,7 @@ class Row:
     loss: Optional[float] = None
     metric: Optional[float] = None
     checkpoint_mtime: Optional[float] = None
+    straggler: Optional[dict[str, Any]] = None  # the last progress line, when it names a persistent straggler
 
     @property
     def job_label(self) -> str:
@@ -167,6 +168,7 @@ def _read_row(run: RunDir, metric_key: str) -> Row:
     for record in records:
         if record["split"] == "train" and isinstance(record.get("loss"), (int, float)):
             row.loss = float(record["loss"])
+            row.straggler = record if isinstance(record.get("straggler_rank"), int) else None
         if record["split"] == split and isinstance(record.get(name), (int, float)):
             row.metric = float(record[name])
     # attempts.jsonl knows steps metrics.jsonl may not (a stop between two log lines)
@@ -253,7 +255,17 @@ def render(rows: Sequence[Row], metric_key: str, best: Optional[Row], now: float
     hangs = [(r, [e for e in r.events if e["event"] == "hang"]) for r in rows]
     notes = [f"hang in {r.run.name} after step {found[-1].get('step')}: {str(found[-1].get('summary', ''))[6:]}"
              for r, found in hangs if found]  # fmt: skip
+    notes += [_straggler_note(r) for r in rows if r.straggler is not None]
     return "\n".join([*(line.rstrip() for line in lines), *notes])
+
+
+def _straggler_note(row: Row) -> str:
+    s = row.straggler or {}
+    median, slowest = s.get("work_ms_median") or 0, s.get("work_ms_max") or 0
+    ratio = f" (x{slowest / median:.1f})" if median else ""
+    who = f"rank {s.get('straggler_rank')} on {s.get('slowest_host')}"
+    return (f"straggler in {row.run.name}: {who}, {slowest:.1f} ms of its own work per step vs median "
+            f"{median:.1f}{ratio} (step {s.get('step')})")  # fmt: skip
 
 
 def runs_to_show(path: Optional[str], limit: int = 20) -> tuple[list[Path], bool]:

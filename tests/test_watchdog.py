@@ -1,4 +1,5 @@
-"""The hang watchdog (ddp_core/watchdog.py): a stalled attempt is dumped, recorded, and requeued on Slurm.
+"""Hangs and stragglers: the watchdog (ddp_core/watchdog.py) dumps, records and requeues a stalled attempt; the
+rendezvous names ranks that never arrive; the straggler report (ddp_core/straggler.py) names a slow rank.
 
 Outside Slurm a hung run ends with the watchdog's exit code (6) and its stacks; on the local cluster a hang in a
 step, inside a collective, or before the first step requeues the job, which resumes bitwise exactly. A main
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from ddp_core.errors import DdpJobError
+from ddp_core.straggler import persistent
 from ddp_core.watchdog import WatchdogConfig, _suspects, validate
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import digests, events, rank_logs, wait_gone
@@ -189,3 +192,33 @@ def test_a_rank_that_never_arrives_ends_the_rendezvous_naming_it(tmp_path):
     assert f"rank 1 never arrived at the rendezvous at 127.0.0.1:{good} within dist.init_timeout_s (8 s)" in errs[0]
     assert "arrived: 0 on " in errs[0]
     assert f"rank 1 on {os.uname().nodename} could not reach the rendezvous at 127.0.0.1:{bad}" in errs[1], errs[1]
+
+
+# --- stragglers (ddp_core/straggler.py) -------------------------------------------------------------------------
+
+
+def line(slowest: int, high: float, median: float, step_ms: float = 50.0) -> dict:
+    return {"slowest_rank": slowest, "work_ms_max": high, "work_ms_median": median, "step_ms": step_ms}
+
+
+def test_a_straggler_is_the_same_rank_slow_line_after_line_at_a_cost():
+    assert persistent([line(1, 54, 27)] * 3, factor=1.5) == 1
+    assert persistent([line(1, 54, 27)] * 2, factor=1.5) is None  # not yet line after line
+    assert persistent([line(1, 54, 27), line(0, 54, 27), line(1, 54, 27)], factor=1.5) is None  # not one rank
+    assert persistent([line(1, 54, 27)] * 3, factor=2.5) is None  # under the factor
+    assert persistent([line(1, 3, 1)] * 3, factor=1.5) is None  # 3x, but 2 ms of a 50 ms step is noise
+
+
+@pytest.mark.slurm
+def test_a_rank_slower_by_50_ms_per_step_is_reported_as_the_straggler(slurm_cluster, tmp_path):
+    proc = run_cli("submit", DIGITS, "--wait", *QUICK, "task.target=tests.tasks:StragglerDigitsTask",
+                   "task.data.pause_s=0.05", "slurm.tasks_per_node=2", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = Path(field(proc.stdout, "run dir"))
+    train = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if m["split"] == "train"]
+    assert all(m["slowest_rank"] == 1 for m in train[1:]), train  # the first interval holds start-up work
+    assert train[-1]["straggler_rank"] == 1 and train[-1]["work_ms_max"] > 50 > train[-1]["work_ms_min"]
+    host = re.search(r"rank 1/2 on (\S+)", rank_logs(run, field(proc.stdout, "job"))[1]).group(1)
+    assert train[-1]["slowest_host"] == host
+    status = run_cli("status", str(run), cwd=tmp_path).stdout
+    assert f"straggler in {run.name}: rank 1 on {host}, " in status, status

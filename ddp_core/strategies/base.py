@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ddp_core.config import StrategyConfig
 from ddp_core.dist_env import DistEnv
+from ddp_core.straggler import WorkTimer
 from ddp_core.task import Output, Task
 
 
@@ -24,6 +25,7 @@ class Strategy(ABC):
         self.cfg = cfg
         self.env = env
         self.device = device
+        self.work = WorkTimer(device)  # this rank's data wait and forward: the straggler report (ddp_core/straggler.py)
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -45,7 +47,8 @@ class Strategy(ABC):
         communication happens. Returns the micro-batch's loss / grad_accum for logging: a detached tensor on the
         device, never read back here (a read-back would make the host wait for the GPU every micro-batch)."""
         with self.no_sync(model) if not sync else contextlib.nullcontext():
-            out = task.compute(model, batch)
+            with self.work.forward():
+                out = task.compute(model, batch)
             loss = out.loss / grad_accum
             loss.backward()
         return loss.detach()

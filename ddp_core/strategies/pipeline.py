@@ -96,7 +96,8 @@ class PipelineStrategy(Strategy):
 
     def forward_backward(self, task: Task, model: nn.Module, batch: Any, grad_accum: int, sync: bool) -> torch.Tensor:
         schedule = self._schedule_for(task, grad_accum)
-        inputs, targets = task.split(batch)
+        with self.work.forward():  # a stage's forward runs inside the schedule, among its sends and receives
+            inputs, targets = task.split(batch)
         losses: list[torch.Tensor] = []
         if self.stage.is_first and self.stage.is_last:
             schedule.step(inputs, target=targets, losses=losses)
