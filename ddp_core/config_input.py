@@ -251,13 +251,17 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
     return read_yaml(path, yaml.SafeLoader)
 
 
+def is_file(path: Path) -> bool:
+    """Whether ``path`` names a file; False, not an exception, for a name too long or with a NUL byte."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def read_yaml(path: Path, loader: type) -> dict[str, Any]:
     hint = "a config is a YAML mapping of sections (run:, task:, optim:, ...), e.g. configs/digits.yaml"
-    try:
-        is_file = path.is_file()
-    except (OSError, ValueError):  # a name too long, a NUL byte
-        is_file = False
-    if not is_file:
+    if not is_file(path):
         raise DdpJobError(f"config file '{path}' not found", "pass a YAML file, e.g. configs/digits.yaml")
     try:
         text = path.read_text(encoding="utf-8")

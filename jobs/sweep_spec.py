@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ddp_core.config import Config, check_override, load_config, validate
-from ddp_core.config_input import one_line, read_yaml_mapping
+from ddp_core.config_input import is_file, one_line, read_yaml_mapping
 from ddp_core.errors import DdpJobError
 
 T = TypeVar("T")
@@ -338,11 +338,7 @@ def _build(
     _disjoint(fixed, grid, params)
     if not grid and not params:
         raise DdpJobError("nothing to sweep: no key has more than one value", "e.g. optim.lr=1e-4,3e-4")
-    try:
-        found = base.is_file()
-    except (OSError, ValueError):  # a name too long, a NUL byte
-        found = False
-    if not found:
+    if not is_file(base):
         raise DdpJobError(f"config file {str(base)!r} not found", "pass a YAML file, e.g. configs/digits.yaml")
     if params:
         for key, value in (("random.trials", trials), ("random.seed", seed)):
