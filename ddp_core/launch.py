@@ -83,31 +83,37 @@ def _hint(err: BaseException) -> str:
 
 
 def _after_stop(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, outcome: Outcome) -> int:
-    """Rank 0 decides what an interrupted attempt leads to (``preemption.decide``): requeue, or leave. Returns the
-    exit code. Every rank returns the same code for a signal; rank 0's tells Slurm whether its requeue failed."""
+    rerun = f"python -m ddp_core {run_dir.path}"
+    return after_stop(cfg, run_dir, env, stop_flag, outcome.signum, outcome.step, rerun)
+
+
+def after_stop(
+    cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, signum: int, step: Optional[int], rerun: str
+) -> int:
+    """Rank 0 decides what an attempt interrupted by ``signum`` after ``step`` (its checkpoint) leads to
+    (``preemption.decide``): requeue, or leave. Returns the exit code. Every rank returns the same code for a signal;
+    rank 0's tells Slurm whether its requeue failed. ``rerun``: the command that continues it outside Slurm. Shared
+    by the trainer and ``ddp_core.runtime.requeue`` (script mode): one set of budgets and events."""
     if not env.slurm_job_id:
         # Outside Slurm nothing requeues: not a timeout or a preemption, and not a success either.
         if env.is_main:
-            run_dir.log_event("interrupted", kind=Interruption.stopped.value, job_id=env.job_id, step=outcome.step)
-            log.warning("stopped at step %d by a signal outside Slurm; continue with: python -m ddp_core %s",
-                        outcome.step, run_dir.path)  # fmt: skip
+            run_dir.log_event("interrupted", kind=Interruption.stopped.value, job_id=env.job_id, step=step)
+            log.warning("stopped at step %s by a signal outside Slurm; continue with: %s", step, rerun)
         return EXIT_STOPPED
-    code = EXIT_TERMINATED if outcome.signum != stop_flag.warning else EXIT_REQUEUED
+    code = EXIT_TERMINATED if signum != stop_flag.warning else EXIT_REQUEUED
     if not env.is_main:
         return code  # rank 0 decides; the teardown barrier keeps this rank until it has requeued
     job = NODE_GATEWAY.show_job(env.slurm_job_id)
     mode = NODE_GATEWAY.preempt_mode(job) if job is not None and job.preempt_time else None
     left = preemption.time_left(job, stop_flag.received_at or time.time())
-    decision = preemption.decide(
-        outcome.signum, stop_flag.warning, job, mode, env.restart_count, left, cfg.slurm.signal_lead_s
-    )
+    decision = preemption.decide(signum, stop_flag.warning, job, mode, env.restart_count, left, cfg.slurm.signal_lead_s)
     kind = decision.kind
-    run_dir.log_event("interrupted", kind=kind.value, job_id=env.job_id, step=outcome.step)
-    log.info("stopped at step %d: %s", outcome.step, decision.why)
+    run_dir.log_event("interrupted", kind=kind.value, job_id=env.job_id, step=step)
+    log.info("stopped at step %s: %s", step, decision.why)
     if decision.ends_preempted:
-        run_dir.log_event("preempted", job_id=env.job_id, step=outcome.step)
-        log.warning("preempted at step %d and not requeued by this partition; continue with: ddpjob resume %s",
-                    outcome.step, run_dir.path)  # fmt: skip
+        run_dir.log_event("preempted", job_id=env.job_id, step=step)
+        log.warning("preempted at step %s and not requeued by this partition; continue with: ddpjob resume %s",
+                    step, run_dir.path)  # fmt: skip
         return EXIT_TERMINATED
     if not decision.requeue:
         return code
@@ -117,15 +123,15 @@ def _after_stop(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag,
     if spent > limit:
         plural = "" if spent == 1 else "s"
         reason = f"requeue budget exhausted after {spent} {kind.value}{plural} (slurm.max_{kind.value}s={limit})"
-        run_dir.log_event("budget_exhausted", reason=reason, job_id=env.job_id, step=outcome.step)
+        run_dir.log_event("budget_exhausted", reason=reason, job_id=env.job_id, step=step)
         log.error("%s; continue with: ddpjob resume %s", reason, run_dir.path)
         return EXIT_BUDGET_SPENT
     if not preemption.requeue(env):
-        run_dir.log_event("requeue_failed", kind=kind.value, job_id=env.job_id, step=outcome.step)
-        log.error("the job could not requeue itself after its checkpoint at step %d; continue with: ddpjob resume %s",
-                  outcome.step, run_dir.path)  # fmt: skip
+        run_dir.log_event("requeue_failed", kind=kind.value, job_id=env.job_id, step=step)
+        log.error("the job could not requeue itself after its checkpoint at step %s; continue with: ddpjob resume %s",
+                  step, run_dir.path)  # fmt: skip
         return EXIT_REQUEUE_FAILED
-    run_dir.log_event("requeued", kind=kind.value, job_id=env.job_id, step=outcome.step, count=spent)
+    run_dir.log_event("requeued", kind=kind.value, job_id=env.job_id, step=step, count=spent)
     return EXIT_REQUEUED
 
 

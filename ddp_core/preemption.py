@@ -10,6 +10,9 @@ The all-reduce is asynchronous and on the CPU (gloo, also on GPU nodes: see ``dd
 started after step N is read after step N+1, by when it has long completed. No rank waits for its peers at a
 step boundary, and the CUDA stream never waits for the flag. Every rank reads the same result at the same step,
 so they still all stop after the same step, one step after the signal's.
+
+Torch-free at import (``agree`` imports torch): ``ddp_core.runtime`` installs a
+``StopFlag`` when a user's script imports it, before the script has imported torch.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
 from types import FrameType
-from typing import Optional
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Optional
 
 from ddp_core.dist_env import DistEnv
 from ddp_core.slurm import NODE_GATEWAY, JobInfo, SlurmGateway
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,9 @@ class StopFlag:
     def agree(self) -> int:
         """Called by every rank after every step: the signal any rank had received by the previous call (0 if
         none), the same on every rank. Starts the exchange of this step's flag, read at the next call."""
+        import torch  # already loaded by the caller: a dictionary lookup, not an import, per step
+        import torch.distributed as dist
+
         if not dist.is_initialized():
             return self.received
         agreed = self.settle()

@@ -1,0 +1,359 @@
+"""Script mode without Slurm: ``python -m ddp_core.script RUN`` started by hand, once per rank, with the variables an
+srun task has, running a plain torchrun script and one that stops and resumes through ``ddp_core.runtime``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import pytest
+
+from ddp_core.config import load_config
+from ddp_core.dist_env import DistEnv, derive_master_port
+from ddp_core.errors import DdpJobError
+from ddp_core.rundir import RunDir
+from ddp_core.script import SCRIPT_FILE, read_script_spec, script_environment
+from tests.helpers import FINAL_DIGEST, events, metric_steps
+
+ROOT = Path(__file__).resolve().parent.parent
+HOST = socket.gethostname()
+TUTORIAL = ROOT / "examples" / "ddp_tutorial.py"
+CHARLM = ROOT / "examples" / "charlm_script.py"
+EXIT_STOPPED = 4  # ddp_core.launch.EXIT_STOPPED (not imported: launch imports torch)
+# What a launcher around the test run may have set; each rank here gets only what the test gives it.
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def make_run(
+    tmp_path: Path,
+    path: Optional[Path] = None,
+    module: Optional[str] = None,
+    args: Sequence[str] = (),
+    name: str = "run",
+    overrides: Sequence[str] = (),
+) -> Path:
+    cfg = load_config(ROOT / "configs" / "digits.yaml", [f"run.root={tmp_path}", "wandb.mode=disabled", *overrides])
+    rd = RunDir(tmp_path / name)
+    rd.initialize(cfg)
+    spec = {"path": str(path) if path else None, "module": module, "args": list(args)}
+    (rd.path / SCRIPT_FILE).write_text(json.dumps(spec))
+    return rd.path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    prefixes = ("SLURM_", "SUBMITIT_", "TORCHELASTIC_", "DDPJOB_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes) and k not in _LAUNCHER_VARS}
+    return env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)} | extra
+
+
+def srun_task_env(rank: int, world: int, port: int, job_id: Optional[str]) -> dict[str, str]:
+    """What an srun task of a one-node step has (the subset dist_env reads), this host being the node."""
+    env = clean_env(
+        SLURM_PROCID=str(rank),
+        SLURM_LOCALID=str(rank),
+        SLURM_NTASKS=str(world),
+        SLURM_TASKS_PER_NODE=str(world),
+        SLURM_NODEID="0",
+        SLURM_STEP_ID="0",
+        SLURM_STEP_NODELIST=HOST,
+        SLURM_JOB_NODELIST=HOST,
+        MASTER_PORT=str(port),
+    )
+    return env | ({"SLURM_JOB_ID": job_id} if job_id else {})
+
+
+class Ranks:
+    """``python -m ddp_core.script RUN`` once per rank, each with its own log files."""
+
+    def __init__(
+        self, run: Path, world: int, logs: Path, job_id: Optional[str] = None, extra: Optional[dict[str, str]] = None
+    ) -> None:
+        self.port = port = free_port()
+        logs.mkdir(parents=True, exist_ok=True)
+        self.out = [logs / f"rank{r}.out" for r in range(world)]
+        self.err = [logs / f"rank{r}.err" for r in range(world)]
+        self.procs = []
+        for r in range(world):
+            with open(self.out[r], "w") as out, open(self.err[r], "w") as err:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "ddp_core.script", str(run)],
+                    stdout=out, stderr=err, env=srun_task_env(r, world, port, job_id) | (extra or {}), cwd=ROOT,
+                ))  # fmt: skip
+
+    def wait(self, timeout: float = 120) -> list[int]:
+        deadline = time.monotonic() + timeout
+        try:
+            return [p.wait(max(1.0, deadline - time.monotonic())) for p in self.procs]
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+    def text(self, rank: int) -> str:
+        return self.out[rank].read_text() + self.err[rank].read_text()
+
+    def all_text(self) -> str:
+        return "\n".join(f"--- rank {r}\n{self.text(r)}" for r in range(len(self.procs)))
+
+
+def test_tutorial_runs_unchanged_under_the_launcher(tmp_path):
+    run = make_run(tmp_path, TUTORIAL, args=["--steps", "5"])
+    ranks = Ranks(run, 2, tmp_path / "logs", job_id="4242")
+    assert ranks.wait() == [0, 0], ranks.all_text()
+    for r in (0, 1):
+        out = ranks.text(r)
+        assert f"rank {r}/2 local_rank {r} master {HOST}:{ranks.port}" in out, out
+        assert f"rank {r}: final loss" in out and "after 5 steps" in out, out  # script.json's args reached it
+    assert [e["event"] for e in events(run)] == ["start", "completed"]
+    start = events(run, "start")[0]
+    assert (start["job_id"], start["world_size"], start["restart_count"]) == ("4242", 2, 0)
+
+
+def test_launcher_exports_torchruns_contract(tmp_path):
+    run = RunDir(make_run(tmp_path, TUTORIAL))
+    slurm = {k: v for k, v in srun_task_env(1, 2, 0, "4242").items() if k.startswith("SLURM_")}
+    env = DistEnv.from_env(slurm)  # no MASTER_PORT: derived from the job id, as in a real job
+    exported = script_environment(env, run, "USR1")
+    assert {k: exported[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")} == {
+        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"
+    }  # fmt: skip
+    assert (exported["MASTER_ADDR"], exported["MASTER_PORT"]) == (HOST, str(derive_master_port(4242)))
+    assert exported["DDPJOB_RUN_DIR"] == str(run.path)
+    assert exported["DDPJOB_CHECKPOINT_DIR"] == str(run.checkpoints)
+    assert (exported["DDPJOB_RESTART_COUNT"], exported["DDPJOB_SIGNAL"]) == ("0", "USR1")
+    # What the script's own DistEnv reads back from them (ddp_core.runtime builds one) is the launcher's identity.
+    again = DistEnv.from_env(slurm | exported)
+    assert (again.rank, again.world_size, again.local_rank, again.master_port) == (1, 2, 1, env.master_port)
+    assert again.slurm_job_id == "4242"
+
+
+def _run_charlm(tmp_path: Path, name: str, args: Sequence[str]) -> tuple[Path, Ranks]:
+    run = make_run(tmp_path, CHARLM, args=args, name=name)
+    return run, Ranks(run, 2, tmp_path / f"logs-{name}")
+
+
+def _digests(ranks: Ranks) -> list[str]:
+    found = [FINAL_DIGEST.findall(ranks.text(r)) for r in (0, 1)]
+    assert all(found), ranks.all_text()
+    return [f[-1] for f in found]
+
+
+def test_charlm_script_stopped_by_usr2_resumes_bitwise(tmp_path):
+    steps = 100
+    args = ["--steps", str(steps), "--save-every", "30", "--log-every", "10"]
+    reference_run, reference = _run_charlm(tmp_path, "reference", args)
+    assert reference.wait() == [0, 0], reference.all_text()
+    expected = _digests(reference)
+    assert expected[0] == expected[1]
+
+    run, first = _run_charlm(tmp_path, "stopped", args)
+    # Past step 20 of 100 (rank 0 logged it), signal rank 1 alone; stopped first, so it cannot finish meanwhile.
+    deadline = time.monotonic() + 90
+    while not any(s >= 20 for s in metric_steps(run)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in first.procs), first.all_text()
+        time.sleep(0.02)
+    os.kill(first.procs[1].pid, signal.SIGSTOP)
+    try:
+        assert max(metric_steps(run)) < steps - 20, "ran too far before the signal"
+        os.kill(first.procs[1].pid, signal.SIGUSR2)
+    finally:
+        os.kill(first.procs[1].pid, signal.SIGCONT)
+    assert first.wait() == [EXIT_STOPPED, EXIT_STOPPED], first.all_text()
+    stop = events(run, "interrupted")[0]
+    assert stop["kind"] == "stopped" and 20 <= stop["step"] < steps, stop
+    assert f"continue with: python -m ddp_core.script {run}" in first.text(0)
+    assert all(f"stopping at step {stop['step']}" in first.text(r) for r in (0, 1))  # the same step on both ranks
+    assert (run / "checkpoints" / f"step_{stop['step']:08d}.pt").is_file()
+
+    second = Ranks(run, 2, tmp_path / "logs-resumed")
+    assert second.wait() == [0, 0], second.all_text()
+    assert f"resumed from step_{stop['step']:08d}.pt" in second.text(1)
+    assert _digests(second) == expected
+    assert [e["event"] for e in events(run)] == ["start", "interrupted", "start", "completed"]
+    assert metric_steps(run) == metric_steps(reference_run) == list(range(10, steps + 1, 10))
+
+
+def test_requeue_inside_a_slurm_job_uses_the_trainers_decision(tmp_path):
+    """runtime.requeue() in a Slurm job (a fake scontrol on PATH): the trainer's decision, events and exit codes (its
+    budgets are the trainer's own code, tested with the trainer)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text(
+        textwrap.dedent(f"""\
+        #!/bin/sh
+        echo "$@" >> {tmp_path}/scontrol.calls
+        if [ "$1" = show ]; then echo "JobId=$4 JobState=RUNNING Requeue=1 Restarts=0 EndTime=Unknown"; fi
+    """)
+    )
+    (fake / "scontrol").chmod(0o755)
+    script = tmp_path / "stops.py"
+    script.write_text(
+        textwrap.dedent("""\
+        import os, signal
+        import torch.distributed as dist
+        from ddp_core import runtime
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGUSR2)  # Slurm's warning signal, to one rank only
+        while not runtime.stop_requested():
+            pass
+        runtime.requeue(step=7)
+        raise AssertionError("requeue() returned")
+    """)
+    )
+    run = make_run(tmp_path, script)
+    path = f"{fake}{os.pathsep}{os.environ['PATH']}"
+    ranks = Ranks(run, 2, tmp_path / "logs", job_id="4343", extra={"PATH": path})
+    assert ranks.wait(90) == [0, 0], ranks.all_text()
+    assert [e["event"] for e in events(run)] == ["start", "interrupted", "requeued"]
+    stop = events(run, "interrupted")[0]
+    assert (stop["kind"], stop["step"], stop["job_id"]) == ("timeout", 7, "4343")
+    calls = (tmp_path / "scontrol.calls").read_text().splitlines()
+    assert calls[0] == "show job -o 4343"  # rank 0 alone asks Slurm
+    assert "requeue 4343" in calls
+    assert events(run, "requeued")[0]["count"] == 1
+
+
+def test_failing_rank_exits_1_naming_itself(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(
+        textwrap.dedent("""\
+        import os
+        if os.environ["RANK"] == "1":
+            raise RuntimeError("boom on purpose")
+        print("rank 0 done", flush=True)
+    """)
+    )
+    run = make_run(tmp_path, script)
+    ranks = Ranks(run, 2, tmp_path / "logs")
+    assert ranks.wait(60) == [0, 1], ranks.all_text()
+    err = ranks.err[1].read_text()
+    assert f"[rank 1/2] ERROR ddp_core.script: rank 1/2 on {HOST} failed: RuntimeError: boom on purpose" in err, err
+    assert "Traceback" in err  # the user's own frames, for the fix
+    assert [e["event"] for e in events(run)] == ["start", "completed"]  # rank 0's own part went fine
+
+
+def test_module_mode_argv_and_exit_codes(tmp_path):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text(
+        textwrap.dedent("""\
+        import os, sys
+        print("argv", sys.argv[1:], "rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], flush=True)
+        if __name__ == "__main__":
+            sys.exit(int(sys.argv[1]))
+    """)
+    )
+    env = clean_env(PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    for code in (3, 0):
+        run = make_run(tmp_path, module="mypkg.train", args=[str(code), "--lr=1e-3"], name=f"run{code}")
+        proc = subprocess.run([sys.executable, "-m", "ddp_core.script", str(run)], env=env, capture_output=True,
+                              text=True, timeout=60, cwd=tmp_path)  # fmt: skip
+        assert proc.returncode == code, proc.stdout + proc.stderr
+        assert f"argv ['{code}', '--lr=1e-3'] rank 0 of 1" in proc.stdout
+        expected = ["start", "completed"] if code == 0 else ["start"]
+        assert [e["event"] for e in events(run)] == expected
+        if code:
+            assert "the script exited with code 3" in proc.stderr
+
+
+def test_runtime_imports_without_torch_and_agrees_locally(tmp_path):
+    code = textwrap.dedent("""\
+        import os, signal, sys
+        import ddp_core.runtime as runtime
+        assert "torch" not in sys.modules, "importing ddp_core.runtime loaded torch"
+        assert not runtime.stop_requested()
+        os.kill(os.getpid(), signal.SIGUSR1)  # the run's warning signal, from DDPJOB_SIGNAL
+        assert runtime.stop_requested() and runtime.stop_requested()
+        assert "torch" not in sys.modules, "stop_requested() without a process group loaded torch"
+        assert runtime.restart_count() == 0 and not runtime.in_ddpjob()
+        try:
+            runtime.checkpoint_dir()
+        except Exception as err:
+            print(type(err).__name__, err)
+        runtime.log({"loss": 1.5}, step=3)  # outside ddpjob: a log line, no file
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(DDPJOB_SIGNAL="USR1"), capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "DdpJobError this script is not running under ddpjob (DDPJOB_RUN_DIR is not set)" in proc.stdout
+    assert proc.stdout.endswith("ok\n")
+    assert not list(tmp_path.iterdir())
+
+
+def test_runtime_log_records_and_continuity_across_attempts(tmp_path):
+    """metrics.jsonl gets the trainer's records; a second attempt rewinds it to before its first step and sends W&B
+    only the steps the first attempt had not sent."""
+    run = make_run(tmp_path, TUTORIAL)
+    code = textwrap.dedent("""\
+        import sys
+        import ddp_core.wandb_run
+        sent = []
+        class FakeWandb:
+            def __init__(self, cfg, run_dir, run_id, config, enabled, skip_through=-1):
+                self.skip_through = skip_through
+                print("wandb", run_id, skip_through)
+            def log(self, metrics, step):
+                if step > self.skip_through:
+                    print("sent", step, sorted(metrics))
+            def finish(self):
+                pass
+        ddp_core.wandb_run.WandbRun = FakeWandb
+        from ddp_core import runtime
+        for step in map(int, sys.argv[1:]):
+            runtime.log({"loss": 1.0 / step, "lr": 0.1}, step=step)
+    """)
+    env = clean_env(DDPJOB_RUN_DIR=str(run), RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    out = []
+    for steps in (["10", "20", "30"], ["20", "30", "40"]):  # the second attempt resumed from step 10's checkpoint
+        proc = subprocess.run([sys.executable, "-c", code, *steps], env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out.append(proc.stdout)
+    run_id = RunDir(run).read_meta()["run_id"]
+    assert out[0].splitlines()[0] == f"wandb {run_id} -1"
+    assert out[1].splitlines() == [f"wandb {run_id} 30", "sent 40 ['train/loss', 'train/lr']"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [10, 20, 30, 40]
+    assert all(set(r) == {"step", "time", "split", "loss", "lr"} and r["split"] == "train" for r in records)
+    assert records[3]["loss"] == pytest.approx(1 / 40)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (None, "does not exist: this run has no script"),
+        ({"path": "/x.py", "module": "m"}, "exactly one of 'path' and 'module'"),
+        ({"path": None, "module": None}, "exactly one of 'path' and 'module'"),
+        ({"path": "train.py", "module": None}, "must be an absolute path"),
+        ({"path": "/nonexistent/train.py", "module": None}, "does not exist on"),
+        ({"path": None, "module": "pkg/train"}, "must be a dotted module name"),
+        ({"path": None, "module": "m", "args": "--lr=1"}, "'args' must be a list of strings"),
+        ({"path": None, "module": "m", "argv": []}, "unknown keys ['argv']"),
+        ([], "holds list, not an object"),
+    ],
+)
+def test_script_spec_errors(tmp_path, spec, message):
+    rd = RunDir(tmp_path)
+    if spec is not None:
+        (tmp_path / SCRIPT_FILE).write_text(json.dumps(spec))
+    with pytest.raises(DdpJobError) as err:
+        read_script_spec(rd)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
