@@ -56,6 +56,10 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
         folder = attempt_folder(run_dir.hangs, env.job_id, env.restart_count)
         on_hang = functools.partial(_after_hang, cfg, run_dir, env)
         watchdog = Watchdog(cfg.watchdog, folder, env.rank, env.world_size, on_hang).start()
+        if env.slurm_job_id:
+            from ddp_core import suspend  # torch, as train: imported by now
+
+            suspend.on_change(watchdog.suspended)  # a suspended job makes no progress and is not hung
         try:
             return train(cfg, run_dir, env, stop_flag, watchdog)
         finally:

@@ -32,7 +32,7 @@ import signal
 import time
 from datetime import timedelta
 from types import FrameType
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -44,6 +44,7 @@ UNBOUNDED = timedelta(days=365)
 _owner = 0  # the pid that installed the handlers: forked children (DataLoader workers) inherit them, leave them be
 _saved: dict[int, tuple[Any, timedelta]] = {}  # id(backend) -> (backend, its own timeout) while suspended
 _warned_at = 0.0
+_listeners: list[Callable[[bool], None]] = []  # told True at the suspend warning, False at resume (the watchdog)
 
 
 def install() -> None:
@@ -53,6 +54,12 @@ def install() -> None:
     _owner = os.getpid()
     signal.signal(signal.SIGTSTP, _on_suspend)
     signal.signal(signal.SIGCONT, _on_resume)
+
+
+def on_change(listener: Callable[[bool], None]) -> None:
+    """Call ``listener(True)`` when a suspension is announced and ``listener(False)`` when the job resumes: a stopped
+    job makes no progress, and that is not a hang (``ddp_core.watchdog``)."""
+    _listeners.append(listener)
 
 
 def _backends() -> list[Any]:
@@ -77,6 +84,8 @@ def _on_suspend(signum: int, frame: Optional[FrameType]) -> None:
         _saved[id(backend)] = (backend, backend.options._timeout)
         backend.set_timeout(UNBOUNDED)
     _warned_at = time.monotonic()
+    for listener in _listeners:
+        listener(True)
     log.warning("suspend warning (SIGTSTP): collective timeouts lifted until the job resumes (SIGCONT)")
 
 
@@ -86,4 +95,6 @@ def _on_resume(signum: int, frame: Optional[FrameType]) -> None:
     for backend, timeout in _saved.values():
         backend.set_timeout(timeout)
     _saved.clear()
+    for listener in _listeners:
+        listener(False)
     log.warning("resumed %.1f s after the suspend warning: collective timeouts restored", time.monotonic() - _warned_at)

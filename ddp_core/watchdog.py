@@ -16,6 +16,10 @@ A daemon thread in every rank, backed by faulthandler's C-level timer.
   every Python thread of its process. For that case faulthandler's own C thread is armed with a later
   deadline and re-armed by the watchdog thread while it runs: if it fires, it writes all threads' stacks and
   exits the process, and ``srun --kill-on-bad-exit`` ends the step. The other ranks' watchdogs still requeue.
+* A Slurm suspension is not a hang: ``ddp_core.suspend`` tells the watchdog at the warning (SIGTSTP), which
+  disarms the backstop and pauses the checks, and at resume, which restarts the clock. A process stopped without
+  that warning shows as a gap in the watchdog thread's own wake-ups, and its clock restarts too (the backstop,
+  then armed, fires at continue if the stop outlasted its deadline).
 * Not a per-node sidecar or the batch script: they see processes, not Python frames, and py-spy needs ptrace
   rights that clusters often withhold. A thread reads its own process's frames for free.
 
@@ -104,6 +108,7 @@ class Watchdog:
         self.step: Optional[int] = None  # the last finished step; None until the attempt's first
         self.progressed = time.monotonic()
         self.long_pause = True  # until the first step: the first-step allowance applies
+        self.paused = False  # a Slurm suspension: the job is stopped, not hung
         self.host = socket.gethostname()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -148,6 +153,17 @@ class Watchdog:
                 except OSError:
                     break
 
+    def suspended(self, stopped: bool) -> None:
+        """``ddp_core.suspend``'s listener: no hang is declared while the job is suspended, and the clock restarts
+        when it resumes. The backstop is disarmed first: its C thread would fire the moment the process continues."""
+        self.paused = stopped
+        if stopped:
+            if self._backstop is not None:
+                faulthandler.cancel_dump_traceback_later()
+        else:
+            self.progressed = time.monotonic()
+            self._arm_backstop(self._limit())
+
     def allowance(self) -> _Allowance:
         """``with watchdog.allowance():`` a pause that may last up to ``first_step_s`` (a checkpoint save)."""
         return _Allowance(self)
@@ -158,8 +174,18 @@ class Watchdog:
         return self.cfg.first_step_s if self.long_pause else self.cfg.stall_s
 
     def _watch(self) -> None:
+        woke = time.monotonic()
         while not self._stop.wait(self.poll_s):
-            stalled = time.monotonic() - self.progressed
+            now, last = time.monotonic(), woke
+            woke = now
+            if self.paused:  # a suspension announced by its warning signal (ddp_core.suspend)
+                continue
+            if now - last > 3 * self.poll_s + 5:
+                # This thread did not run for a while: the process was stopped (kill -STOP, a suspension whose
+                # warning the main thread had no chance to handle) or starved. Time it was not running is not a stall.
+                log.warning("watchdog: this process did not run for %.0f s; its stall clock restarts", now - last)
+                self.progressed = max(self.progressed, now)
+            stalled = now - self.progressed
             self._arm_backstop(self._limit() - stalled)
             if stalled > self._limit() / 2:  # where it is, for the coordinator's summary if a hang follows
                 self._publish(stalled)

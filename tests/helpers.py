@@ -64,6 +64,13 @@ def in_queue(job_id: str) -> bool:
     return bool(subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip())
 
 
+def wait_idle(timeout: float = 120) -> None:
+    """Until no job is queued or running: a preemption test must not meet another test's leftover high-priority
+    job (a drill's twin, a preemptor still pending), which would preempt its job once more."""
+    idle = lambda: not subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout.strip()  # noqa: E731
+    wait_for(idle, timeout, "an idle cluster", poll=0.5)
+
+
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, poll: float = 0.2) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

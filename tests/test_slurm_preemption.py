@@ -16,7 +16,17 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, field, run_cli
-from tests.helpers import digests, events, final_digests, rank_logs, run_trainer, sacct_state, wait_for, wait_gone
+from tests.helpers import (
+    digests,
+    events,
+    final_digests,
+    rank_logs,
+    run_trainer,
+    sacct_state,
+    wait_for,
+    wait_gone,
+    wait_idle,
+)
 from tests.test_preemption import interrupt, wait_training
 
 pytestmark = pytest.mark.slurm
@@ -38,6 +48,7 @@ def reference(slurm_cluster, tmp_path_factory) -> str:
 
 
 def submit(cwd: Path, *extra: str) -> tuple[str, Path]:
+    wait_idle()
     proc = run_cli("submit", DIGITS, *CONFIG, SLOW, *extra, cwd=cwd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))

@@ -1,5 +1,6 @@
 """Slurm suspension (PreemptMode=SUSPEND, ``scontrol suspend``/``resume``) pauses a job longer than its collectives'
-timeout: the job must continue and end with the weights of an uninterrupted run (``ddp_core.suspend``)."""
+timeout, and longer than the hang watchdog's stall allowance: the job must continue and end with the weights of an
+uninterrupted run, with no hang declared (``ddp_core.suspend``, ``ddp_core.watchdog``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ CONFIG = [
     "task.target=tests.tasks:StragglerDigitsTask", "train.max_steps=100", "train.log_every=5",
     "train.eval_every=0", "checkpoint.every_steps=1000", "wandb.mode=disabled", f"dist.timeout_s={TIMEOUT_S}",
     "slurm.nodes=2", "slurm.tasks_per_node=1",
+    "watchdog.stall_s=2",  # below the collectives' timeout; a suspension 4x as long must not count as a hang
 ]  # fmt: skip
 
 

@@ -218,7 +218,7 @@ def test_a_rank_slower_by_50_ms_per_step_is_reported_as_the_straggler(slurm_clus
     train = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if m["split"] == "train"]
     assert all(m["slowest_rank"] == 1 for m in train[1:]), train  # the first interval holds start-up work
     assert train[-1]["straggler_rank"] == 1 and train[-1]["work_ms_max"] > 50 > train[-1]["work_ms_min"]
-    host = re.search(r"rank 1/2 on (\S+)", rank_logs(run, field(proc.stdout, "job"))[1]).group(1)
+    host = re.search(r"on (\S+): rank 1/2", rank_logs(run, field(proc.stdout, "job"))[1]).group(1)
     assert train[-1]["slowest_host"] == host
     status = run_cli("status", str(run), cwd=tmp_path).stdout
     assert f"straggler in {run.name}: rank 1 on {host}, " in status, status
