@@ -124,18 +124,24 @@ def after_stop(
     limit = cfg.slurm.max_timeouts if kind is Interruption.timeout else cfg.slurm.max_preemptions
     spent = sum(1 for e in run_dir.events() if e["event"] == "interrupted" and e.get("kind") == kind.value
                 and e.get("job_id") == env.job_id)  # fmt: skip
+    return _requeue_within(run_dir, env, kind.value, spent, limit, step, f"its checkpoint at step {step}")
+
+
+def _requeue_within(
+    run_dir: RunDir, env: DistEnv, kind: str, spent: int, limit: int, step: Optional[int], after: str, read: str = ""
+) -> int:
+    """Rank 0 (or a hang's coordinator) requeues the job unless this submission spent its ``slurm.max_<kind>s``
+    budget; records what happened and returns the exit code."""
     if spent > limit:
-        plural = "" if spent == 1 else "s"
-        reason = f"requeue budget exhausted after {spent} {kind.value}{plural} (slurm.max_{kind.value}s={limit})"
+        reason = f"requeue budget exhausted after {spent} {kind}{'' if spent == 1 else 's'} (slurm.max_{kind}s={limit})"
         run_dir.log_event("budget_exhausted", reason=reason, job_id=env.job_id, step=step)
-        log.error("%s; continue with: ddpjob resume %s", reason, run_dir.path)
+        log.error("%s; %scontinue with: ddpjob resume %s", reason, read, run_dir.path)
         return EXIT_BUDGET_SPENT
     if not preemption.requeue(env):
-        run_dir.log_event("requeue_failed", kind=kind.value, job_id=env.job_id, step=step)
-        log.error("the job could not requeue itself after its checkpoint at step %s; continue with: ddpjob resume %s",
-                  step, run_dir.path)  # fmt: skip
+        run_dir.log_event("requeue_failed", kind=kind, job_id=env.job_id, step=step)
+        log.error("the job could not requeue itself after %s; continue with: ddpjob resume %s", after, run_dir.path)
         return EXIT_REQUEUE_FAILED
-    run_dir.log_event("requeued", kind=kind.value, job_id=env.job_id, step=step, count=spent)
+    run_dir.log_event("requeued", kind=kind, job_id=env.job_id, step=step, count=spent)
     return EXIT_REQUEUED
 
 
@@ -147,18 +153,8 @@ def _after_hang(cfg: Config, run_dir: RunDir, env: DistEnv, folder: Path, summar
         log.error("attempt ended by the hang watchdog; continue with: python -m ddp_core %s", run_dir.path)
         return EXIT_HUNG
     spent = sum(1 for e in run_dir.events() if e["event"] == "hang" and e.get("job_id") == env.job_id)
-    if spent > cfg.slurm.max_hangs:
-        limit = cfg.slurm.max_hangs
-        reason = f"requeue budget exhausted after {spent} hang{'s' if spent > 1 else ''} (slurm.max_hangs={limit})"
-        run_dir.log_event("budget_exhausted", reason=reason, job_id=env.job_id, step=step)
-        log.error("%s; read %s, then continue with: ddpjob resume %s", reason, folder / "summary.txt", run_dir.path)
-        return EXIT_BUDGET_SPENT
-    if not preemption.requeue(env):
-        run_dir.log_event("requeue_failed", kind="hang", job_id=env.job_id, step=step)
-        log.error("the job could not requeue itself after a hang; continue with: ddpjob resume %s", run_dir.path)
-        return EXIT_REQUEUE_FAILED
-    run_dir.log_event("requeued", kind="hang", job_id=env.job_id, step=step, count=spent)
-    return EXIT_REQUEUED
+    read = f"read {folder / 'summary.txt'}, then "
+    return _requeue_within(run_dir, env, "hang", spent, cfg.slurm.max_hangs, step, "a hang", read)
 
 
 def _finish(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, outcome: Outcome) -> int:
