@@ -246,7 +246,7 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
         enabled=env.is_main,
         skip_through=metrics_log.previous_last_step if metrics_log else -1,
     )
-    hosts = distributed.hosts()  # for the straggler report: which host the slowest rank is on
+    hosts: list[str] = []  # for the straggler report: which host the slowest rank is on (at the first line)
     spreads: list[dict[str, Any]] = []  # the ranks' work per step, one entry per progress line
     samples_per_step = cfg.data.batch_size * cfg.train.grad_accum * strategy.data_world
     progress = Progress(pos.step, cfg.train.max_steps, samples_per_step, enabled=env.is_main)
@@ -303,6 +303,8 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
             metrics |= {"peak_mem_gb": max(r[2] for r in ranks), "peak_mem_gb_min": min(r[2] for r in ranks)}
         logged_at, logged_step = now, pos.step
         progress.update(pos.step, metrics)
+        if len(ranks) > 1 and not hosts:
+            hosts.extend(distributed.hosts())  # every rank is at this line: one object all-gather per attempt
         spread = straggler.spread([r[3] for r in ranks], hosts) if len(ranks) > 1 else {}
         if spread:
             spreads.append(spread | {"step_ms": metrics["step_ms"]})

@@ -30,6 +30,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="run only tests marked cluster_profile(P) for the running cluster's profile P")  # fmt: skip
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "dist", "no") == "loadgroup" and pytest.version_tuple >= (9,):
+        # xdist 3.8 groups by rewriting node ids, which pytest 9 no longer reads: every group would be split.
+        raise pytest.UsageError("--dist loadgroup needs pytest < 9 here (pyproject.toml pins it): scripts/setup")
+
+
 def running_profile() -> str:
     """The local cluster's profile (see scripts/slurm-local), read from its configuration."""
     try:
@@ -41,6 +47,7 @@ def running_profile() -> str:
     return "preempt-qos" if "preempt/qos" in out else "default"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks to group the tests
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("slurm"):

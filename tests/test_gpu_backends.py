@@ -38,8 +38,11 @@ def test_cuda_branch_builds_gloo_and_nccl(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.setdefault("set_device", device))
 
     class Store:
-        def __init__(self, host, port, world, is_master, timeout):
-            calls["tcp_store"] = (host, port, world, is_master, timeout)
+        def __init__(self, host, port, world, is_master, timeout, wait_for_workers=True):
+            calls["tcp_store"] = (host, port, world, is_master, timeout, wait_for_workers)
+
+        def set(self, key, value):
+            calls["signed_in"] = (key, value)  # the rendezvous sign-in rank 0 waits for
 
     monkeypatch.setattr(dist, "TCPStore", Store)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
@@ -50,7 +53,9 @@ def test_cuda_branch_builds_gloo_and_nccl(monkeypatch):
     assert calls["backend"] == distributed.GPU_BACKEND == "cpu:gloo,cuda:nccl"
     assert calls["device_id"] == device and calls["rank"] == 3 and calls["world_size"] == 4
     assert calls["timeout"] == timedelta(seconds=90)
-    assert isinstance(calls["store"], Store) and calls["tcp_store"] == ("n1", 23456, 4, False, timedelta(seconds=900))
+    assert isinstance(calls["store"], Store)
+    assert calls["tcp_store"] == ("n1", 23456, 4, False, timedelta(seconds=900), False)
+    assert calls["signed_in"][0] == "ddpjob/0/arrived/3"
     assert distributed.backend_spec(cuda=False) == "gloo"
 
 
