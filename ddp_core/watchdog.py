@@ -45,10 +45,12 @@ from pathlib import Path
 from typing import IO, Any, Callable, Optional
 
 from ddp_core.errors import DdpJobError
+from ddp_core.rundir import atomic_write_text
 
 log = logging.getLogger(__name__)
 
 SUMMARY = "summary.txt"
+_HANG = "hang: "  # how a summary's first line (also the `hang` event's summary) starts
 COORDINATOR = ".coordinator"  # created exclusively by the rank that summarises a hang
 # How long the coordinator waits for the other ranks' dumps: they detect the same stall within one poll.
 COLLECT_S = 5.0
@@ -203,9 +205,7 @@ class Watchdog:
     def _publish(self, stalled: float, frame: str = "") -> None:
         record = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step,
                   "stalled_s": round(stalled, 1), "frame": frame or _main_frame()}  # fmt: skip
-        tmp = self.folder / f".rank{self.rank}.json.tmp"
-        tmp.write_text(json.dumps(record) + "\n")
-        os.replace(tmp, self.folder / f"rank{self.rank}.json")
+        atomic_write_text(self.folder / f"rank{self.rank}.json", json.dumps(record) + "\n")
 
     def _hang(self, stalled: float) -> None:
         frame = _main_frame()
@@ -248,7 +248,7 @@ class Watchdog:
                 ranks.append({"rank": r, "host": "?", "step": None, "frame": "no report (process stuck or gone)"})
         suspects = _suspects(ranks)
         who = ", ".join(f"rank {r['rank']} on {r['host']}" for r in suspects)
-        lines = [f"hang: no progress for {self.cfg.stall_s:g} s; suspect {who} (stacks: {self.folder})"]
+        lines = [f"{_HANG}no progress for {self.cfg.stall_s:g} s; suspect {who} (stacks: {self.folder})"]
         for r in ranks:
             mark = "*" if r in suspects else " "
             lines.append(f"{mark} rank {r['rank']:>4} on {r['host']}: step {r.get('step')}, in {r.get('frame')}")
@@ -299,6 +299,11 @@ def _all_stacks() -> str:
         parts.extend(traceback.format_stack(frames[ident]))
         parts.append("\n")
     return "".join(parts)
+
+
+def cause(summary: str) -> str:
+    """A hang summary's first line without its ``hang:`` label: what status and logs print after their own."""
+    return summary.removeprefix(_HANG)
 
 
 def attempt_folder(hangs: Path, job_id: Optional[str], restart_count: int) -> Path:

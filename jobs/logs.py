@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence, TextIO
 from ddp_core.errors import DdpJobError
 from ddp_core.rundir import RunDir
 from ddp_core.slurm import Runner, gateway_for
+from ddp_core.watchdog import cause
 from jobs.status import Job, query_ids, run_jobs, runs_to_show, shown_path
 
 # The first line of an attempt: the trainer's rank banner (stderr), submitit's start line (stdout), or the
@@ -165,7 +166,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         return 0
     for hang in (e for e in run.events() if e["event"] == "hang"):  # after the log, where a reader's eye is
         print(f"ddpjob: attempt of job {hang.get('job_id')} hung after step {hang.get('step')}: "
-              f"{str(hang.get('summary', ''))[6:]}", file=sys.stderr)  # fmt: skip
+              f"{cause(str(hang.get('summary', '')))}", file=sys.stderr)  # fmt: skip
     return 0
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ddp_core.errors import DdpJobError
 from ddp_core.slurm import Runner, gateway_for
+from ddp_core.watchdog import cause
 from jobs.report import _parse_metric, find_runs
 
 if TYPE_CHECKING:
@@ -253,7 +254,7 @@ def render(rows: Sequence[Row], metric_key: str, best: Optional[Row], now: float
     ]
     # The newest hang of each run, with the rank suspected and where its stacks are (ddp_core/watchdog.py).
     hangs = [(r, [e for e in r.events if e["event"] == "hang"]) for r in rows]
-    notes = [f"hang in {r.run.name} after step {found[-1].get('step')}: {str(found[-1].get('summary', ''))[6:]}"
+    notes = [f"hang in {r.run.name} after step {found[-1].get('step')}: {cause(str(found[-1].get('summary', '')))}"
              for r, found in hangs if found]  # fmt: skip
     notes += [_straggler_note(r) for r in rows if r.straggler is not None]
     return "\n".join([*(line.rstrip() for line in lines), *notes])
