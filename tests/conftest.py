@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import cluster_guard
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -80,6 +82,23 @@ def slurm_cluster():
             pytest.fail("the local Slurm cluster is not up (scripts/slurm-local up)")
         pytest.skip("no Slurm cluster (scripts/slurm-local up); set DDPJOB_REQUIRE_SLURM=1 to fail instead")
     return True
+
+
+@pytest.fixture(autouse=True)
+def _cluster_turn(request: pytest.FixtureRequest):
+    """Each cluster test starts on an idle, healthy cluster (see tests/cluster_guard.py)."""
+    if request.node.get_closest_marker("slurm") and _cluster_up():
+        for repair in cluster_guard.make_idle():
+            print(f"cluster guard: {repair}")
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and report.when == "call" and item.get_closest_marker("slurm"):
+        report.sections.append(("cluster state after the failure", cluster_guard.snapshot()))
 
 
 def run_cli(

@@ -1,0 +1,80 @@
+"""Keeps one cluster test's failure from becoming the next test's: cluster tests run one at a time and size their
+jobs for an idle cluster, so a job a failed test left behind, or a node Slurm drained or marked down, would make
+every following test wait out its timeouts (once, in CI, ten tests of 300 s each).
+
+Before a cluster test: whatever is still queued gets a short grace to finish, then is cancelled; nodes that are
+down or drained are resumed. Each repair is printed with what Slurm said, so it shows in the test's output. After a
+failed cluster test its report carries the cluster's state: the queue, the nodes and the controller's last lines.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+HOME = Path(os.environ.get("DDPJOB_SLURM_HOME", "/var/tmp/ddpjob-slurm"))
+UNHEALTHY = ("down", "drain", "drng", "fail", "failg", "maint", "unk")
+LEFTOVER_GRACE_S = 30  # a cancelled or finishing job of the last test may still be completing
+
+
+def _run(*cmd: str) -> str:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"({' '.join(cmd)}: {err})"
+    return proc.stdout + proc.stderr
+
+
+def queued() -> list[str]:
+    return _run("squeue", "-h", "-o", "%i %P %j %T %M %R").strip().splitlines()
+
+
+def unhealthy_nodes() -> dict[str, str]:
+    """Node -> 'state: reason' for nodes that cannot take jobs."""
+    out = {}
+    for line in _run("sinfo", "-h", "-N", "-o", "%N|%t|%E").splitlines():
+        node, state, reason = [*line.split("|"), "", ""][:3]
+        if state.rstrip("*~#!%$@^-").lower() in UNHEALTHY or state.endswith("*"):
+            out[node] = f"{state}: {reason}"
+    return out
+
+
+def _settle(timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not queued():
+            return True
+        time.sleep(0.5)
+    return not queued()
+
+
+def make_idle() -> list[str]:
+    """Bring the cluster to idle and healthy; returns what had to be repaired (empty when it already was)."""
+    repairs = []
+    if queued() and not _settle(LEFTOVER_GRACE_S):
+        left = queued()
+        repairs.append("cancelled jobs a previous test left: " + "; ".join(left))
+        _run("scancel", "--me")
+        if not _settle(60):
+            repairs.append("still queued after scancel: " + "; ".join(queued()))
+    for node, why in unhealthy_nodes().items():
+        repairs.append(f"resumed node {node} ({why})")
+        _run("scontrol", "update", f"NodeName={node}", "State=RESUME")
+    if repairs:
+        deadline = time.monotonic() + 30
+        while unhealthy_nodes() and time.monotonic() < deadline:
+            time.sleep(0.5)
+    return repairs
+
+
+def snapshot(lines: int = 40) -> str:
+    """The queue, the nodes and the controller's last lines: what a failed cluster test's report carries."""
+    log = HOME / "log" / "slurmctld.log"
+    tail = log.read_text(errors="replace").splitlines()[-lines:] if log.exists() else ["(no slurmctld.log)"]
+    return "\n".join([
+        "$ squeue", *queued(),
+        "$ sinfo -N", _run("sinfo", "-N", "-o", "%N %T %C %G %E").rstrip(),
+        f"$ tail -{lines} {log}", *tail,
+    ])  # fmt: skip
