@@ -153,7 +153,7 @@ def run_drill(
         fix = "read the drill job's logs above; `ddpjob doctor` lists the cluster's settings"
         if "could not requeue" in str(err):
             fix = "the compute nodes need scontrol (and the Slurm config) for self-requeue: ask the site's admins"
-        findings.append(Finding("drill", "problem", str(err), fix))
+        findings.append(Finding("drill", "problem", f"{err} ({_states(gateway, jobs)})", fix))
     finally:
         if jobs:
             gateway.cancel(jobs)
@@ -163,6 +163,16 @@ def run_drill(
                 findings.append(Finding("drill_cleanup", "warn", str(err), f"scancel {' '.join(jobs)}; rm -r {root}"))
         shutil.rmtree(root, ignore_errors=True)
     return findings, timings
+
+
+def _states(gateway: SlurmGateway, jobs: Sequence[str]) -> str:
+    """Where each drill job stood when the drill gave up: what a stuck preemption or requeue is diagnosed from."""
+    out = []
+    for job in jobs:
+        info = gateway.show_job(job)
+        where = f"{info.state} ({info.reason}) on {info.raw.get('NodeList') or '-'}" if info else "gone"
+        out.append(f"job {job}: {where}")
+    return "; ".join(out) or "no jobs"
 
 
 def _check(proc: Any) -> None:
