@@ -36,6 +36,8 @@ from ddp_core.config_input import (
     yaml_problem,
 )
 from ddp_core.errors import DdpJobError
+from ddp_core.script import ScriptConfig
+from ddp_core.script import validate_config as validate_script
 from ddp_core.watchdog import WatchdogConfig
 from ddp_core.watchdog import validate as validate_watchdog
 
@@ -242,6 +244,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    script: ScriptConfig = field(default_factory=ScriptConfig)  # set: a user's script trains (ddp_core.script)
 
 
 def ranks_per_node(cfg: Config) -> int:
@@ -389,6 +392,8 @@ def validate(cfg: Config) -> None:
     validate_watchdog(cfg.watchdog, cfg.dist.timeout_s)
     _require(cfg.train.straggler_factor >= 1, "train.straggler_factor", cfg.train.straggler_factor, "must be >= 1")
     _validate_script_strings(cfg)
+    validate_script(cfg.script)
+    _validate_script_mode(cfg)
     _validate_strategy(cfg)
     module, _, cls = cfg.task.target.partition(":")
     _require(
@@ -427,6 +432,36 @@ def _validate_script_strings(cfg: Config) -> None:
                  "one value per option: a word, a number, or true for a flag")  # fmt: skip
         if isinstance(value, str):
             _require(not _UNSAFE_WORD.search(value), f"slurm.additional.{name}", value, _WORD_RULE)
+
+
+# Sections only the built-in trainer reads: in script mode a value there would be silently ignored.
+_TRAINER_SECTIONS = ("task", "data", "optim", "train")
+# strategy.name values that still mean something to a script: one process per node (it drives all the node's GPUs).
+_SCRIPT_STRATEGIES = (StrategyName.ddp, *SINGLE_PROCESS_STRATEGIES)
+
+
+def _validate_script_mode(cfg: Config) -> None:
+    if not cfg.script.enabled:
+        return
+    plain = to_dict(cfg)
+    for section in _TRAINER_SECTIONS:
+        given, default = plain[section], _plain(dataclasses.asdict(type(getattr(cfg, section))()))
+        changed = sorted(k for k in given if given[k] != default[k])
+        if changed:
+            raise DdpJobError(
+                f"config key '{section}.{changed[0]}' is set, but {section}.* applies to the built-in trainer, not "
+                "to script mode",
+                f"drop it (your script takes its own arguments: ddpjob submit --script train.py -- ARGS), or use a "
+                f"config without a {section} section",
+            )
+    strategy, default_strategy = plain["strategy"], _plain(dataclasses.asdict(StrategyConfig()))
+    changed = sorted(k for k in strategy if k != "name" and strategy[k] != default_strategy[k])
+    if changed or cfg.strategy.name not in _SCRIPT_STRATEGIES:
+        key = f"strategy.{changed[0]}" if changed else "strategy.name"
+        raise DdpJobError(
+            f"config key '{key}' is set, but in script mode the script chooses its own parallelism",
+            "drop it; strategy.name=dp or model_parallel only asks for one process per node",
+        )
 
 
 def _validate_guard(guard: Optional[str]) -> None:

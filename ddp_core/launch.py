@@ -207,6 +207,15 @@ def _run_dir_for(cfg: Config, env: DistEnv, explicit: Optional[str]) -> RunDir:
     return RunDir((Path(cfg.run.root) / f"{cfg.run.name}-{key}").resolve())
 
 
+def _has_script(target: str) -> bool:
+    if not Path(target).is_dir():
+        return False
+    try:
+        return RunDir(Path(target).resolve()).load_config().script.enabled
+    except DdpJobError:
+        return False  # main reports it, with the rank's logging
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ddp_core",
@@ -216,6 +225,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides (only with a YAML config)")
     parser.add_argument("--run-dir", help="where to create the run directory for a YAML config")
     args = parser.parse_intermixed_args(argv)
+    if _has_script(args.target):
+        # A run with a script section trains with that script (a hand-edited template may still say ddp_core).
+        from ddp_core import script
+
+        return script.main([args.target])
 
     env = DistEnv.from_env()
     setup_logging(env)
@@ -231,6 +245,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cfg = run_dir.load_config()
         else:
             cfg = load_config(target, args.overrides)
+            if cfg.script.enabled:
+                raise DdpJobError(
+                    "this config names a script: `python -m ddp_core` trains the built-in trainer",
+                    "create its run directory with `ddpjob prepare`, then python -m ddp_core.script RUN",
+                )
             run_dir = _run_dir_for(cfg, env, args.run_dir)
             if env.is_main:
                 run_dir.initialize(cfg)

@@ -16,19 +16,54 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from ddp_core.errors import DdpJobError
 from jobs import doctor as doctor_cmd
 from jobs import export as export_cmd
 from jobs import status as status_cmds
 
+if TYPE_CHECKING:
+    from ddp_core.config import Config
+
 log = logging.getLogger("ddpjob")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="YAML config, e.g. configs/digits.yaml")
+    p.add_argument("config", nargs="?", help="YAML config, e.g. configs/digits.yaml (optional with --script)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=3e-4")
+    p.add_argument(
+        "--script",
+        metavar="TRAIN.py",
+        help="script mode: run this torchrun-style script instead of the trainer; its arguments go after --",
+    )
+
+
+def _load(args: argparse.Namespace) -> Config:
+    """The config of ``submit``/``prepare``: CONFIG + overrides, plus ``--script`` and the script's arguments after
+    ``--``. In script mode CONFIG is optional (run.name then defaults to the script's name)."""
+    from ddp_core.config import load_config, validate
+
+    config, overrides = args.config, list(args.overrides)
+    module = next((o.partition("=")[2] for o in overrides if o.startswith("script.module=")), None)
+    scripted = args.script is not None or module is not None
+    if scripted and config is not None and "=" in config and not Path(config).exists():
+        overrides.insert(0, config)  # `submit --script t.py k=v`: argparse took the first override for CONFIG
+        config = None
+    if config is None:
+        if not scripted:
+            raise DdpJobError("no config given", "ddpjob submit CONFIG.yaml [key=value ...], or --script train.py")
+        name = Path(args.script).stem if args.script is not None else str(module).rpartition(".")[2]
+        overrides.insert(0, f"run.name={name}")  # the user's own run.name=..., later in the list, wins
+    cfg = load_config(config, overrides)
+    if args.script is not None or args.script_args is not None:
+        # Set on the loaded config, not as overrides: a path or an argument is taken as it is, never read as YAML.
+        if args.script is not None:
+            cfg.script.path = args.script
+        if args.script_args is not None:
+            cfg.script.args = list(args.script_args)
+        validate(cfg)
+    return cfg
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", action="store_true", help="follow the job and exit with its status")
     p.add_argument("--local", action="store_true", help="run here without Slurm (submitit local executor; waits)")
     p.add_argument("--dry-run", action="store_true", help="print the sbatch script and resolved config only")
+    p.add_argument("--no-cluster-check", action="store_true", help="skip checking the request against sinfo")
 
     p = sub.add_parser("prepare", help="validate a config and create its run directory; print its path")
     _add_config_args(p)
@@ -115,16 +151,19 @@ def _follow(sub: object) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from ddp_core.config import load_config, to_yaml
+    from ddp_core.config import to_yaml
     from ddp_core.rundir import new_run_dir
-    from jobs.submit import render_submitit_script, submit, validate_for_submit
+    from jobs.submit import entry_module, render_submitit_script, submit, validate_for_submit
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load(args)
     # A dry run checks the request against the cluster where there is one, and still renders where not.
-    validate_for_submit(cfg, local=args.local, cluster_check=not (args.dry_run and shutil.which("sinfo") is None))
+    no_sinfo = args.dry_run and shutil.which("sinfo") is None
+    validate_for_submit(cfg, local=args.local, cluster_check=not (args.no_cluster_check or no_sinfo))
     run_dir = new_run_dir(cfg)
     if args.dry_run:
         print("# sbatch script (nothing submitted)")
+        entry = entry_module(cfg)
+        print(f"# each task runs {entry}.run({str(run_dir.path)!r}), as python -m {entry} RUN_DIR would")
         print(render_submitit_script(cfg, run_dir))
         print("# resolved config")
         print(to_yaml(cfg), end="")
@@ -135,11 +174,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from ddp_core.config import load_config
     from ddp_core.rundir import RunDir, new_run_dir
     from jobs.submit import validate_for_submit
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load(args)
     if args.job_id and not re.fullmatch(r"\d+(_\d+)?", args.job_id):
         # The id names a directory under run.root: anything but a Slurm job id could point outside it.
         raise DdpJobError(f"--job-id {args.job_id!r} is not a Slurm job id", "pass $SLURM_JOB_ID (digits)")
@@ -252,8 +290,15 @@ _COMMANDS |= status_cmds.COMMANDS | export_cmd.COMMANDS | doctor_cmd.COMMANDS
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="ddpjob: %(levelname)s: %(message)s")
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args = None
+    if "--" in argv:  # everything after the first `--` is the script's own, passed as it is
+        script_args, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
     # Overrides may come after options (`submit cfg.yaml --wait optim.lr=1e-3`): collect the leftovers.
     args, extra = parser.parse_known_args(argv)
+    if script_args is not None and not hasattr(args, "script"):
+        parser.error(f"arguments after -- are a script's: only submit and prepare take them, not {args.command}")
+    args.script_args = script_args
     if extra and (not hasattr(args, "overrides") or any(e.startswith("-") for e in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:

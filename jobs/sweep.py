@@ -60,6 +60,10 @@ def check_sweep(sweep: Sweep, local_check: bool = True) -> None:
             f"sweep key '{shared[0]}' cannot vary: the trials of one array share its resources and run root",
             "set it once for the whole sweep (a plain key=value)",
         )
+    if any(cfg.script.enabled for cfg in sweep.configs):
+        # The array runs the trainer on every trial; a script's trials would silently train the built-in task.
+        raise DdpJobError("sweeps do not run scripts yet (script.path / script.module is set)",
+                          "submit each setting with `ddpjob submit --script train.py -- ARGS`")  # fmt: skip
     seen: set[str] = set()
     for cfg in sweep.configs:
         key = json.dumps([cfg.task.target, cfg.task.model, cfg.task.data], sort_keys=True, default=str)
