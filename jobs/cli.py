@@ -45,7 +45,8 @@ def _load(args: argparse.Namespace) -> Config:
     from ddp_core.config import load_config, validate
 
     config, overrides = args.config, list(args.overrides)
-    module = next((o.partition("=")[2] for o in overrides if o.startswith("script.module=")), None)
+    given = overrides if config is None else [config, *overrides]
+    module = next((o.partition("=")[2] for o in given if o.startswith("script.module=")), None)
     scripted = args.script is not None or module is not None
     if scripted and config is not None and "=" in config and not Path(config).exists():
         overrides.insert(0, config)  # `submit --script t.py k=v`: argparse took the first override for CONFIG
