@@ -26,6 +26,11 @@ default (the process ends). Importing ``ddp_core.runtime`` replaces both with ha
 **Exits.** The script returns (or ``sys.exit(0)``): rank 0 records ``completed``, exit 0. ``SystemExit`` with another
 code: that code. An exception: ``rank R/W on HOST failed: ...`` is logged and the process exits 1 at once (``srun
 --kill-on-bad-exit`` ends the others). ``runtime.requeue()`` exits by itself with the trainer's codes.
+
+**The config's ``script`` section** (``ScriptConfig``, part of ``ddp_core.config.Config``) lives here too: its shape
+is checked at every load (``validate_config``: no filesystem), the login node checks the file and records its
+absolute path and sha256 (``resolve_for_submit``), and the compute node reads it back (``spec_from_config``).
+``run(RUN_DIR)`` is what submitit calls on every task. This module imports no torch.
 """
 
 from __future__ import annotations
