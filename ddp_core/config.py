@@ -38,6 +38,8 @@ from ddp_core.config_input import (
 from ddp_core.errors import DdpJobError
 from ddp_core.script import ScriptConfig
 from ddp_core.script import validate_config as validate_script
+from ddp_core.snapshot import SnapshotConfig
+from ddp_core.snapshot import validate_config as validate_snapshot
 from ddp_core.watchdog import WatchdogConfig
 from ddp_core.watchdog import validate as validate_watchdog
 
@@ -245,6 +247,7 @@ class Config:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     script: ScriptConfig = field(default_factory=ScriptConfig)  # set: a user's script trains (ddp_core.script)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)  # the code every attempt runs (ddp_core.snapshot)
 
 
 def ranks_per_node(cfg: Config) -> int:
@@ -390,6 +393,7 @@ def validate(cfg: Config) -> None:
     _require(cfg.slurm.cpu_bind in CPU_BIND, "slurm.cpu_bind", cfg.slurm.cpu_bind, f"must be one of {CPU_BIND}")
     _validate_guard(cfg.dist.guard)
     validate_watchdog(cfg.watchdog, cfg.dist.timeout_s)
+    validate_snapshot(cfg.snapshot)
     _require(cfg.train.straggler_factor >= 1, "train.straggler_factor", cfg.train.straggler_factor, "must be >= 1")
     _validate_script_strings(cfg)
     validate_script(cfg.script)

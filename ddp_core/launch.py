@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from ddp_core import distributed, preemption
+from ddp_core import distributed, preemption, snapshot
 from ddp_core.config import Config, load_config
 from ddp_core.dist_env import DistEnv
 from ddp_core.errors import DdpJobError
@@ -47,6 +47,7 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
     from ddp_core.train import train  # torch is imported here, after logging and signal handlers are up
 
     try:
+        snapshot.activate(run_dir)  # before the task's module is imported: the code that was submitted
         lock = None
         if env.is_main:
             # The previous attempt of this Slurm job may still be exiting when its requeued successor starts.

@@ -11,6 +11,8 @@ Layout::
     <run>/slurm/          submitit's and sbatch's job files and per-task logs
     <run>/wandb/          W&B run files (offline runs are synced from here)
     <run>/hangs/<job>_<attempt>/  a hung attempt: rank<R>.txt (every thread's stack), rank<R>.json, summary.txt
+    <run>/code/           the user's code as submitted (a sweep's trials share <sweep>/code/ instead)
+    <run>/code.json       the snapshot's record: source, path, files, bytes, git commit; code.diff: uncommitted changes
 
 The one module that knows this layout: the trainer, status, logs, report and doctor all read it from here. Stdlib
 only at import (omegaconf is imported when a config is read or written), so login-node readers stay light.
@@ -39,6 +41,9 @@ CONFIG_FILE = "config.yaml"
 META_FILE = "run.json"
 ATTEMPTS_FILE = "attempts.jsonl"
 METRICS_FILE = "metrics.jsonl"
+CODE_DIR = "code"  # the snapshot of the user's code taken at submit (ddp_core.snapshot, jobs.snapshot)
+CODE_RECORD = "code.json"  # where it came from, where it lies (a sweep's trials share the sweep's), git commit
+CODE_DIFF = "code.diff"  # uncommitted changes against that commit, when the code is in a git repository
 # Advisory locks (flock): the kernel drops them when their process exits, however it exits.
 TRAINER_LOCK = ".trainer.lock"  # rank 0 of the attempt training in this directory; holds who it is
 SUBMIT_LOCK = ".submit.lock"  # a CLI command between "is the run active?" and "job recorded"
@@ -139,6 +144,14 @@ class RunDir:
     @property
     def hangs(self) -> Path:
         return self.path / "hangs"
+
+    @property
+    def code(self) -> Path:
+        return self.path / CODE_DIR
+
+    @property
+    def code_record(self) -> Path:
+        return self.path / CODE_RECORD
 
     @property
     def name(self) -> str:

@@ -47,8 +47,9 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, List, Optional, Sequence
+from typing import IO, Any, List, Optional, Sequence
 
+from ddp_core import snapshot
 from ddp_core.dist_env import DistEnv
 from ddp_core.errors import DdpJobError
 from ddp_core.log import setup_logging
@@ -166,8 +167,11 @@ class ScriptSpec:
         return self.path if self.path is not None else f"-m {self.module}"
 
 
-def spec_from_config(script: ScriptConfig, where: str = "config.yaml") -> ScriptSpec:
-    """Compute node: what the run's ``script`` section says to run, checked where the ranks run."""
+def spec_from_config(
+    script: ScriptConfig, where: str = "config.yaml", code: Optional[dict[str, Any]] = None
+) -> ScriptSpec:
+    """Compute node: what the run's ``script`` section says to run, checked where the ranks run; with the run's code
+    snapshot record ``code`` (``ddp_core.snapshot.activate``), the snapshot's copy of the script."""
     if not script.enabled:
         raise DdpJobError(
             f"{where} has no script section (script.path or script.module): this run has no script to run",
@@ -179,22 +183,21 @@ def spec_from_config(script: ScriptConfig, where: str = "config.yaml") -> Script
                 f"{where}: 'script.path' must be an absolute path, not {script.path!r}",
                 "ddpjob submit/prepare record it absolute; write the absolute path by hand",
             )
-        if not Path(script.path).is_file():
-            raise DdpJobError(f"script {script.path} does not exist on {socket.gethostname()}",
+        path = snapshot.script_in_snapshot(code, script.path)
+        if not Path(path).is_file():
+            raise DdpJobError(f"script {path} does not exist on {socket.gethostname()}",
                               "run directories and scripts must be on a filesystem every node sees")  # fmt: skip
-        if script.sha256 and _sha256(Path(script.path), "script.path") != script.sha256:
-            # A requeued attempt may run after the user edited the script: said, not refused (as for a task module).
-            log.warning(
-                "%s changed since it was submitted (sha256 %s...): running it as it is now",
-                script.path,
-                script.sha256[:12],
-            )
+        if script.sha256 and _sha256(Path(path), "script.path") != script.sha256:
+            # Without a snapshot (--no-snapshot) a requeued attempt may run after the user edited the script.
+            log.warning("%s changed since it was submitted (sha256 %s...): running it as it is now", path,
+                        script.sha256[:12])  # fmt: skip
+        return ScriptSpec(path, None, tuple(script.args))
     return ScriptSpec(script.path, script.module, tuple(script.args))
 
 
 def read_script_spec(run_dir: RunDir) -> ScriptSpec:
     """The script a run trains with, from the ``script`` section of ``RUN/config.yaml``."""
-    return spec_from_config(run_dir.load_config().script, str(run_dir.config_file))
+    return spec_from_config(run_dir.load_config().script, str(run_dir.config_file), snapshot.read_record(run_dir))
 
 
 def script_environment(env: DistEnv, run_dir: RunDir, warning_signal: str) -> dict[str, str]:
@@ -288,7 +291,8 @@ def _run(run_dir_arg: str) -> int:
     try:
         run_dir = RunDir(Path(run_dir_arg).resolve())
         cfg = run_dir.load_config()
-        spec = spec_from_config(cfg.script, str(run_dir.config_file))
+        code = snapshot.activate(run_dir)  # first on sys.path: the script's siblings / package as submitted
+        spec = spec_from_config(cfg.script, str(run_dir.config_file), code)
     except DdpJobError as err:
         log.error("%s", err)
         return 2

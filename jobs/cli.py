@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from ddp_core.errors import DdpJobError
 from jobs import doctor as doctor_cmd
 from jobs import export as export_cmd
+from jobs import snapshot
 from jobs import status as status_cmds
 
 if TYPE_CHECKING:
@@ -36,6 +37,11 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         "--script",
         metavar="TRAIN.py",
         help="script mode: run this torchrun-style script instead of the trainer; its arguments go after --",
+    )
+    p.add_argument(
+        "--no-snapshot",
+        action="store_true",
+        help="do not copy the code into the run directory (snapshot.enabled=false): attempts run the code as it is",
     )
 
 
@@ -56,6 +62,8 @@ def _load(args: argparse.Namespace) -> Config:
             raise DdpJobError("no config given", "ddpjob submit CONFIG.yaml [key=value ...], or --script train.py")
         name = Path(args.script).stem if args.script is not None else str(module).rpartition(".")[2]
         overrides.insert(0, f"run.name={name}")  # the user's own run.name=..., later in the list, wins
+    if args.no_snapshot:
+        overrides.append("snapshot.enabled=false")
     cfg = load_config(config, overrides)
     if args.script is not None or args.script_args is not None:
         # Set on the loaded config, not as overrides: a path or an argument is taken as it is, never read as YAML.
@@ -162,10 +170,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     validate_for_submit(cfg, local=args.local, cluster_check=not (args.no_cluster_check or no_sinfo))
     run_dir = new_run_dir(cfg)
     if args.dry_run:
+        code = snapshot.plan(cfg)  # an oversized snapshot is refused before anything is printed
         print("# sbatch script (nothing submitted)")
         entry = entry_module(cfg)
         print(f"# each task runs {entry}.run({str(run_dir.path)!r}), as python -m {entry} RUN_DIR would")
         print(render_submitit_script(cfg, run_dir))
+        print(f"# code snapshot: {code.summary() if code else 'none'}")
         print("# resolved config")
         print(to_yaml(cfg), end="")
         return 0
@@ -191,7 +201,13 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     else:
         run_dir = new_run_dir(cfg)
     validate_for_submit(cfg, local=False, cluster_check=not args.no_cluster_check)
+    code = snapshot.plan(cfg)
     run_dir.initialize(cfg)
+    try:
+        snapshot.take(code, run_dir)
+    except OSError as err:
+        shutil.rmtree(run_dir.path, ignore_errors=True)
+        raise DdpJobError(f"could not copy the code snapshot: {err}", "check the space left under run.root") from err
     if args.sbatch_script:
         from jobs.sbatch_template import render
 

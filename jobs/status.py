@@ -260,6 +260,16 @@ def render(rows: Sequence[Row], metric_key: str, best: Optional[Row], now: float
     return "\n".join([*(line.rstrip() for line in lines), *notes])
 
 
+def _code_line(run: RunDir) -> str:
+    """What the run's attempts import: its code snapshot (ddp_core.snapshot), or the working tree."""
+    from ddp_core import snapshot
+
+    try:
+        return snapshot.describe(snapshot.read_record(run))
+    except DdpJobError as err:
+        return str(err)
+
+
 def _straggler_note(row: Row) -> str:
     s = row.straggler or {}
     median, slowest = s.get("work_ms_median") or 0, s.get("work_ms_max") or 0
@@ -296,6 +306,8 @@ def status_text(path: Optional[str], metric: str, limit: int = 20, runner: Optio
     if is_sweep:
         rows, best = sort_by_metric(rows, metric)
     text = render(rows, metric_key, best, now)
+    if len(rows) == 1 and not is_sweep:
+        text += f"\ncode: {_code_line(rows[0].run)}"
     if best is not None:
         text += f"\n* best by {metric}: {shown_path(best.run.path)} = {best.metric:.6g}"
     return text, any(r.active(now) for r in rows)

@@ -19,7 +19,7 @@ from ddp_core.config import DEFAULT_CPUS_PER_GPU, Config, ranks_per_node
 from ddp_core.errors import DdpJobError
 from ddp_core.rundir import RunDir, atomic_write_text
 from ddp_core.slurm import GATEWAY
-from jobs import cluster
+from jobs import cluster, snapshot
 
 # Each rank gets the CPUs Slurm gave its task: oversubscribed OpenMP threads cost 3x on small nodes.
 THREADS_SETUP = "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"
@@ -179,10 +179,13 @@ def submit(cfg: Config, run_dir: RunDir, local: bool = False, fresh: bool = True
     """Initialise ``run_dir`` (a new one when ``fresh``) and submit the trainer (or the config's script) on it. A
     failed submission leaves no job behind, and no run directory (fresh) or the run's config as it was (resume)."""
     run = task_function(cfg)
+    # Sized before anything exists (too big: refused here). A resumed run keeps the code it was submitted with.
+    code = snapshot.plan(cfg) if fresh else None
     previous = None if fresh or not run_dir.config_file.exists() else run_dir.config_file.read_text()
     run_dir.initialize(cfg)
     before = set() if fresh or local else set(GATEWAY.queued_from(run_dir.slurm))
     try:
+        snapshot.take(code, run_dir)
         job = make_executor(cfg, run_dir, local).submit(run, str(run_dir.path))
     except Exception as err:
         withdrawn = [] if local else withdraw(run_dir.slurm, before, err)
