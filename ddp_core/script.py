@@ -368,6 +368,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _run(run_dir_arg: str) -> int:
     env = DistEnv.from_env()
     setup_logging(env)
+    # Every rank's first line of every attempt, as the trainer's banner: `ddpjob logs` splits attempts at it.
+    log.info("%s on %s: rank %d/%d local %d/%d node %d/%d restart %d", env.source, socket.gethostname(), env.rank,
+             env.world_size, env.local_rank, env.local_world_size, env.node_rank, env.num_nodes,
+             env.restart_count)  # fmt: skip
     try:
         run_dir = RunDir(Path(run_dir_arg).resolve())
         cfg = run_dir.load_config()
