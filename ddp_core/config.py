@@ -30,13 +30,14 @@ from ddp_core.config_input import (
     check_value,
     explain,
     hint_at,
+    list_prefix,
     omegaconf_load,
     parse_override,
     read_yaml,
     yaml_problem,
 )
 from ddp_core.errors import DdpJobError
-from ddp_core.script import ScriptConfig
+from ddp_core.script import SWEPT_ARG_PREFIX, ScriptConfig
 from ddp_core.script import validate_config as validate_script
 from ddp_core.snapshot import SnapshotConfig
 from ddp_core.snapshot import validate_config as validate_snapshot
@@ -284,6 +285,13 @@ def check_override(item: str) -> None:
     """What a ``key=value`` override must be before OmegaConf sees it: a dotted key, no secret interpolation,
     valid YAML, and a value of the right shape (a bool key takes true/false only, a section a mapping, ...)."""
     key, value = parse_override(item)
+    inside = list_prefix(Config, key)
+    if inside is not None:
+        hint = f"set the whole list: {inside}=[a, b]"
+        if key.startswith(SWEPT_ARG_PREFIX):  # a sweep's script.args.NAME key given to a single run
+            hint = (f"{key}=v1,v2 is a sweep key (ddpjob sweep); for one run, put the argument after --: "
+                    f"ddpjob submit --script train.py -- --{key[len(SWEPT_ARG_PREFIX):]}=VALUE")  # fmt: skip
+        raise DdpJobError(f"config key '{inside}' is a list: '{key}' names no part of it", hint)
     hint = hint_at(Config, key)
     if hint is not None:
         check_value(value, hint, key)
@@ -560,19 +568,19 @@ def to_yaml(cfg: Config) -> str:
     # Plain YAML of plain values: loads back to an equal Config, ~100x faster than OmegaConf.structured
     # (which dominated submitting a 1,000-trial sweep). Strings are quoted where OmegaConf would read them as
     # numbers, and a literal "${" is escaped: load_config would otherwise resolve it on the compute node.
-    return yaml.dump(_escaped(to_dict(cfg)), Dumper=Dumper, sort_keys=False, default_flow_style=False)
+    return yaml.dump(escape_interpolations(to_dict(cfg)), Dumper=Dumper, sort_keys=False, default_flow_style=False)
 
 
 _INTERPOLATION_START = re.compile(r"(\\*)\$\{")
 
 
-def _escaped(value: Any) -> Any:
+def escape_interpolations(value: Any) -> Any:
     """Values (not keys) with every ``${`` escaped the way OmegaConf reads it back literally: ``\\${``, and the
     backslashes before it doubled."""
     if isinstance(value, str):
         return _INTERPOLATION_START.sub(lambda m: m.group(1) * 2 + "\\${", value)
     if isinstance(value, dict):
-        return {k: _escaped(v) for k, v in value.items()}
+        return {k: escape_interpolations(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_escaped(v) for v in value]
+        return [escape_interpolations(v) for v in value]
     return value

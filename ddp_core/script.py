@@ -31,6 +31,12 @@ code: that code. An exception: ``rank R/W on HOST failed: ...`` is logged and th
 is checked at every load (``validate_config``: no filesystem), the login node checks the file and records its
 absolute path and sha256 (``resolve_for_submit``), and the compute node reads it back (``spec_from_config``).
 ``run(RUN_DIR)`` is what submitit calls on every task. This module imports no torch.
+
+**Sweeps over script arguments.** A sweep key ``script.args.NAME`` (``ddpjob sweep ... script.args.lr=1e-4,3e-4``)
+is one argument of each trial's script, not a config key: ``with_swept_args`` turns a trial's values into its
+``script.args`` on the login node (``--NAME=VALUE`` after the fixed arguments; ``NAME=VALUE`` with
+``script.arg_style: hydra``), so the trial's config.yaml holds the exact command line its ranks run. The sweep
+(``jobs/sweep_spec.py``) calls it; the syntax of those keys and values is defined here only.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, List, Optional, Sequence
+from typing import IO, Any, List, Mapping, Optional, Sequence
 
 from ddp_core import snapshot
 from ddp_core.dist_env import DistEnv
@@ -58,6 +64,12 @@ from ddp_core.rundir import RunDir
 log = logging.getLogger("ddp_core.script")
 
 _SCRIPT_HINT = "give one with `ddpjob submit --script train.py`, or script.path=... / script.module=pkg.train"
+# How a swept script.args.NAME=VALUE key is written into the script's arguments (script.arg_style).
+ARG_STYLES = {"flag": "--{name}={value}", "hydra": "{name}={value}"}
+SWEPT_ARG_PREFIX = "script.args."
+# An option name (argparse: --save-every, --lr); with hydra, a dotted key (optim.lr, model.n_layers).
+_FLAG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+_HYDRA_NAME = re.compile(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*")
 
 
 @dataclass
@@ -72,10 +84,16 @@ class ScriptConfig:
     args: List[str] = field(default_factory=list)
     # Recorded at submit: sha256 of the script's content, so a run names exactly what it trained with.
     sha256: Optional[str] = None
+    # Sweeps: how a swept script.args.NAME=VALUE is passed, `--NAME=VALUE` (flag) or `NAME=VALUE` (hydra).
+    arg_style: str = "flag"
 
     @property
     def enabled(self) -> bool:
         return self.path is not None or self.module is not None
+
+    def command(self) -> list[str]:
+        """What each rank runs, as a command line: ``[PATH, *args]`` or ``["-m", MODULE, *args]``."""
+        return [*([self.path] if self.path is not None else ["-m", str(self.module)]), *self.args]
 
 
 def validate_config(script: ScriptConfig) -> None:
@@ -100,6 +118,13 @@ def validate_config(script: ScriptConfig) -> None:
         )
     if script.args and not script.enabled:
         raise DdpJobError("config key 'script.args' is set but no script is", "set script.path or script.module")
+    if script.arg_style != "flag" and not script.enabled:
+        raise DdpJobError("config key 'script.arg_style' is set but no script is", "set script.path or script.module")
+    if script.arg_style not in ARG_STYLES:
+        raise DdpJobError(
+            f"config key 'script.arg_style' = {script.arg_style!r} is invalid: must be one of {', '.join(ARG_STYLES)}",
+            "flag: a swept script.args.NAME becomes --NAME=VALUE (argparse); hydra: NAME=VALUE",
+        )
 
 
 def resolve_for_submit(script: ScriptConfig, base: Optional[Path] = None) -> None:
@@ -153,6 +178,64 @@ def _sha256(path: Path, key: str) -> str:
             "make it readable by you and the job (chmod a+r), or copy it somewhere that is",
         ) from None
     return digest.hexdigest()
+
+
+def swept_arg_name(key: str) -> Optional[str]:
+    """``NAME`` of a sweep key ``script.args.NAME``; None for every other key (config keys)."""
+    return key[len(SWEPT_ARG_PREFIX) :] if key.startswith(SWEPT_ARG_PREFIX) else None
+
+
+def arg_value(text: str) -> str:
+    """A swept value as the script receives it: the text as the sweep lists it (``1e-4`` stays ``1e-4``, ``true``
+    and ``null`` stay words), except that a value in quotes loses them (``'a,b'``: quotes keep a comma from splitting
+    the values; a sweep file's strings reach the sweep quoted this way)."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        import yaml  # the sweep's quoting is YAML's: 'it''s' and "a\tb" unquote as they would in a config value
+
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
+        if isinstance(value, str):
+            return value
+    return text
+
+
+def with_swept_args(script: ScriptConfig, swept: Mapping[str, str]) -> list[str]:
+    """A sweep trial's arguments: ``script.args`` as they are, then one argument per swept ``script.args.NAME`` in
+    ``swept``'s order (NAME -> the value's text as the sweep lists it): ``--NAME=VALUE``, or ``NAME=VALUE`` with
+    ``script.arg_style: hydra``. Refused, naming the key: no script, a NAME that is not an option name (a Hydra key
+    with hydra), a NAME the fixed arguments already give (the script would see it twice)."""
+    for name in swept:
+        key = f"{SWEPT_ARG_PREFIX}{name}"
+        if not script.enabled:
+            raise DdpJobError(
+                f"sweep key '{key}' is a script argument, but the sweep runs no script (script.path or script.module)",
+                "ddpjob sweep --script train.py [CONFIG] script.args.NAME=v1,v2 -- FIXED_ARGS",
+            )
+        hydra = script.arg_style == "hydra"
+        if not (_HYDRA_NAME if hydra else _FLAG_NAME).fullmatch(name):
+            what, example = ("a Hydra key", "script.args.optim.lr") if hydra else ("an option name", "script.args.lr")
+            raise DdpJobError(
+                f"sweep key '{key}': {name!r} is not {what}",
+                f"e.g. {example}=1e-4,3e-4 (letters, digits, '_', '-'" + (", '.' between parts)" if hydra else ")"),
+            )
+        clash = next((arg for arg in script.args if _names(arg, name, hydra)), None)
+        if clash is not None:
+            raise DdpJobError(
+                f"sweep key '{key}' is also in the script's fixed arguments ({clash!r}): the script would get it twice",
+                f"drop {clash!r} from script.args (the arguments after --), or stop sweeping {key}",
+            )
+    style = ARG_STYLES[script.arg_style]
+    return [*script.args, *(style.format(name=name, value=arg_value(text)) for name, text in swept.items())]
+
+
+def _names(arg: str, name: str, hydra: bool) -> bool:
+    """Whether a fixed argument sets ``name``: ``--name`` / ``--name=v``, or Hydra's ``name=v`` / ``+name=v`` /
+    ``++name=v`` / ``~name``."""
+    if hydra:
+        return arg.lstrip("+~").partition("=")[0] == name
+    return arg == f"--{name}" or arg.startswith(f"--{name}=")
 
 
 @dataclass(frozen=True)
@@ -288,6 +371,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _run(run_dir_arg: str) -> int:
     env = DistEnv.from_env()
     setup_logging(env)
+    # Every rank's first line of every attempt, as the trainer's banner: `ddpjob logs` splits attempts at it.
+    log.info("%s on %s: rank %d/%d local %d/%d node %d/%d restart %d", env.source, socket.gethostname(), env.rank,
+             env.world_size, env.local_rank, env.local_world_size, env.node_rank, env.num_nodes,
+             env.restart_count)  # fmt: skip
     try:
         run_dir = RunDir(Path(run_dir_arg).resolve())
         cfg = run_dir.load_config()

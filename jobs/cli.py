@@ -104,12 +104,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--local", action="store_true", help="run here without Slurm (waits)")
 
     p = sub.add_parser("sweep", help="submit a hyperparameter sweep as Slurm job arrays (returns at once)")
-    p.add_argument("config", help="a base config (then key=v1,v2 / key=range(a,b) args) or a sweep YAML")
+    p.add_argument(
+        "config",
+        nargs="?",
+        help="a base config (then key=v1,v2 / key=range(a,b) args) or a sweep YAML (optional with --script)",
+    )
     p.add_argument("overrides", nargs="*", metavar="key=values", help="grid keys (comma lists, range()) or fixed keys")
+    p.add_argument(
+        "--script",
+        metavar="TRAIN.py",
+        help="script mode: every trial runs this script; its fixed arguments go after --, swept ones are "
+        "script.args.NAME=v1,v2",
+    )
     p.add_argument("--name", help="sweep name (directory under run.root, W&B group)")
     p.add_argument("--trials", type=int, help="random search: number of draws (sweep YAML with random:)")
     p.add_argument("--seed", type=int, help="random search: seed (same seed, same trials)")
     p.add_argument("--dry-run", action="store_true", help="list the trials and print the array script only")
+    p.add_argument("--no-cluster-check", action="store_true", help="skip checking the request against sinfo")
 
     p = sub.add_parser("report", help="PNG + self-contained HTML of loss/metric curves of a run or sweep")
     p.add_argument("path", help="a run directory or a sweep directory")
@@ -262,18 +273,29 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from jobs import sweep as sw
+    from jobs.submit import entry_module
     from jobs.sweep_spec import load_sweep
 
     started = time.monotonic()
-    spec = load_sweep(Path(args.config), args.overrides, trials=args.trials, seed=args.seed, name=args.name)
-    sw.check_sweep(spec, local_check=not (args.dry_run and shutil.which("sinfo") is None))
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not Path(config).exists():
+        overrides.insert(0, config)  # `sweep --script t.py k=v1,v2`: argparse took the first key for CONFIG
+        config = None
+    spec = load_sweep(None if config is None else Path(config), overrides, trials=args.trials, seed=args.seed,
+                      name=args.name, script=args.script, script_args=args.script_args)  # fmt: skip
+    no_sinfo = args.dry_run and shutil.which("sinfo") is None
+    sw.check_sweep(spec, local_check=not (args.no_cluster_check or no_sinfo))
     plans = sw.plan(spec)
     parallelism = spec.configs[0].slurm.array_parallelism
     if args.dry_run:
         for p in plans:
             print(f"{p.trial.index:5d}  {p.trial.trial_id}  {p.action:9s}  {shlex.join(p.trial.overrides)}")
+            if p.cfg.script.enabled:  # what this trial's ranks run, exactly
+                print(f"{'':18}runs: {shlex.join(p.cfg.script.command())}")
         count = sum(1 for p in plans if p.action in ("submit", "resume"))
-        print(f"# array script for {count} trials (nothing submitted)")
+        entry = entry_module(spec.configs[0])
+        print(f"# array script for {count} trials (nothing submitted); each task runs {entry}.run(RUN_DIR) on its "
+              f"trial's run directory, as python -m {entry} RUN_DIR would")  # fmt: skip
         print(sw.render_array_script(spec, max(1, count), parallelism))
         return 0
     arrays = sw.submit_sweep(spec, plans, parallelism)
@@ -314,7 +336,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Overrides may come after options (`submit cfg.yaml --wait optim.lr=1e-3`): collect the leftovers.
     args, extra = parser.parse_known_args(argv)
     if script_args is not None and not hasattr(args, "script"):
-        parser.error(f"arguments after -- are a script's: only submit and prepare take them, not {args.command}")
+        parser.error(f"arguments after -- are a script's: only submit, prepare and sweep take them, not {args.command}")
     args.script_args = script_args
     if extra and (not hasattr(args, "overrides") or any(e.startswith("-") for e in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import pytest
+import yaml
 
 from ddp_core.config import load_config, to_yaml
 from ddp_core.dist_env import DistEnv, derive_master_port
@@ -352,11 +353,10 @@ def test_runtime_log_records_and_continuity_across_attempts(tmp_path):
 def test_script_spec_errors(tmp_path, script, message):
     """What the compute node refuses in a run's script section (a hand-written or damaged config.yaml)."""
     rd = RunDir(tmp_path)
-    text = to_yaml(load_config(None, ["run.name=r"]))
+    data = yaml.safe_load(to_yaml(load_config(None, ["run.name=r"])))
     if script is not None:
-        text = text.replace("script:\n", "script_unused:\n") + "script: " + json.dumps(script) + "\n"
-        text = text.replace("script_unused:\n  path: null\n  module: null\n  args: []\n  sha256: null\n", "")
-    rd.config_file.write_text(text)
+        data["script"] = script  # as written by hand: whatever shape the row gives
+    rd.config_file.write_text(yaml.safe_dump(data))
     with pytest.raises(DdpJobError) as err:
         read_script_spec(rd)
     assert message in str(err.value)

@@ -44,6 +44,10 @@ def _refused(proc: subprocess.CompletedProcess[str], needle: str, cwd: Path) -> 
         (["--script", TUTORIAL, "strategy.name=fsdp"], "config key 'strategy.name' is set, but in script mode"),
         (["--script", TUTORIAL, "strategy.split=[1,2]"], "config key 'strategy.split' is set"),
         ([DIGITS, "--", "--steps", "3"], "config key 'script.args' is set but no script is"),
+        (
+            ["--script", TUTORIAL, "script.args.lr=1e-4"],
+            "'script.args.lr' names no part of it (hint: script.args.lr=v1",
+        ),
         ([], "no config given"),
     ],
     ids=[
@@ -57,6 +61,7 @@ def _refused(proc: subprocess.CompletedProcess[str], needle: str, cwd: Path) -> 
         "strategy",
         "split",
         "args_without_script",
+        "sweep_key",
         "nothing",
     ],
 )
