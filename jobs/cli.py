@@ -120,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, help="random search: number of draws (sweep YAML with random:)")
     p.add_argument("--seed", type=int, help="random search: seed (same seed, same trials)")
     p.add_argument("--dry-run", action="store_true", help="list the trials and print the array script only")
+    p.add_argument("--no-snapshot", action="store_true", help="do not copy the code into the sweep (snapshot.enabled)")
     p.add_argument("--no-cluster-check", action="store_true", help="skip checking the request against sinfo")
 
     p = sub.add_parser("report", help="PNG + self-contained HTML of loss/metric curves of a run or sweep")
@@ -281,6 +282,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if config is not None and "=" in config and not Path(config).exists():
         overrides.insert(0, config)  # `sweep --script t.py k=v1,v2`: argparse took the first key for CONFIG
         config = None
+    if args.no_snapshot:
+        overrides.append("snapshot.enabled=false")
     spec = load_sweep(None if config is None else Path(config), overrides, trials=args.trials, seed=args.seed,
                       name=args.name, script=args.script, script_args=args.script_args)  # fmt: skip
     no_sinfo = args.dry_run and shutil.which("sinfo") is None

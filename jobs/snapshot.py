@@ -22,12 +22,12 @@ import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 if TYPE_CHECKING:
     from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import CODE_DIFF, RunDir, atomic_write_text
+from ddp_core.rundir import CODE_DIFF, CODE_DIR, CODE_RECORD, RunDir, atomic_write_text
 from ddp_core.snapshot import LIBRARY_PACKAGES
 
 SKIP_DIRS = frozenset({"__pycache__"})
@@ -82,15 +82,28 @@ class Plan:
 def take(p: Optional[Plan], run_dir: RunDir) -> None:
     """Copy ``p`` into ``RUN/code`` and record it (nothing for a run without a snapshot)."""
     if p is not None:
-        write_record(run_dir, p.take(run_dir.code), p.diff)
+        write_record(run_dir.path, p.take(run_dir.code), p.diff)
 
 
-def write_record(run_dir: RunDir, record: dict[str, Any], diff: str = "") -> None:
+def take_shared(p: Optional[Plan], folder: Path) -> Optional[dict[str, Any]]:
+    """A sweep's one snapshot, ``SWEEP/code``, for all its trials (``write_record`` each trial's copy of the record).
+    A rerun of the same sweep keeps the snapshot it took first: every trial of a sweep runs the same code."""
+    record = folder / CODE_RECORD
+    if record.exists():
+        return dict(json.loads(record.read_text()))
+    if p is None:
+        return None
+    write_record(folder, p.take(folder / CODE_DIR), p.diff)
+    return dict(json.loads(record.read_text()))
+
+
+def write_record(folder: Path, record: dict[str, Any], diff: str = "") -> None:
+    """``folder/code.json`` (and ``folder/code.diff`` for uncommitted changes): a run's or a sweep's record."""
     record = dict(record)
     if diff:
-        atomic_write_text(run_dir.path / CODE_DIFF, diff)
-        record["git"] = {**(record.get("git") or {}), "diff": CODE_DIFF}
-    atomic_write_text(run_dir.code_record, json.dumps(record, indent=2) + "\n")
+        atomic_write_text(folder / CODE_DIFF, diff)
+        record["git"] = {**(record.get("git") or {}), "diff": str(folder / CODE_DIFF)}  # a sweep's trials share it
+    atomic_write_text(folder / CODE_RECORD, json.dumps(record, indent=2) + "\n")
 
 
 def code_source(cfg: Config) -> Optional[tuple[Path, str]]:
@@ -121,6 +134,19 @@ def _installed(path: Path) -> bool:
     roots.update([*site.getsitepackages(), site.getusersitepackages()])
     resolved = path.resolve()
     return any(resolved.is_relative_to(Path(r).resolve()) for r in roots if r)
+
+
+def plan_sweep(configs: Sequence[Config]) -> Optional[Plan]:
+    """The one snapshot of a sweep's trials: they must share their code's source (a script, a task package)."""
+    sources = {code_source(cfg) for cfg in configs if cfg.snapshot.enabled}
+    if len(sources) > 1:
+        names = sorted(str(s[0]) if s else "the library" for s in sources)
+        raise DdpJobError(
+            f"the trials of this sweep run code from {len(sources)} places ({', '.join(names)}): one snapshot "
+            "cannot hold them",
+            "sweep one task or script at a time, or pass --no-snapshot",
+        )
+    return plan(configs[0]) if sources else None
 
 
 def plan(cfg: Config) -> Optional[Plan]:

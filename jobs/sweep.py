@@ -21,8 +21,9 @@ from typing import Any, Optional, Sequence
 
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import RunDir, atomic_write_text
+from ddp_core.rundir import CODE_RECORD, RunDir, atomic_write_text
 from ddp_core.slurm import GATEWAY
+from jobs import snapshot
 from jobs.submit import check_cluster, cpus_per_task, entry_module, reason, sbatch_parameters, task_function, withdraw
 from jobs.sweep_spec import Sweep, Trial
 
@@ -158,10 +159,15 @@ def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int) -> list
         return []
     run = task_function(sweep.configs[0])  # one function for the whole array: check_sweep made sure it fits all
     root = sweep_dir(sweep)
+    # Sized before anything exists; new trials share the sweep's one snapshot, resumed ones keep theirs.
+    code = None if (root / CODE_RECORD).exists() else snapshot.plan_sweep(sweep.configs)
     folder = root / "slurm"
     folder.mkdir(parents=True, exist_ok=True)
+    shared = snapshot.take_shared(code, root)
     for p in todo:
         p.run_dir.initialize(p.cfg)
+        if shared is not None and p.action == "submit" and p.cfg.snapshot.enabled:
+            snapshot.write_record(p.run_dir.path, shared)
     executor = submitit.SlurmExecutor(folder=folder)
     executor.update_parameters(**array_parameters(sweep, parallelism))
     arrays = []

@@ -253,6 +253,9 @@ def test_trials_record_their_arguments_and_events(ran_sweep):
         assert lr in ("--lr=0.1", "--lr=0.2") and cfg.wandb.group == "lrs"
         assert [e["event"] for e in events(trial)] == ["start", "start", "completed"]
         assert [e["step"] for e in events(trial)] == [None, None, 20]  # a start has no step; completed: the last logged
+        code = json.loads((trial / "code.json").read_text())  # one snapshot for the whole sweep, the script's folder
+        assert code["path"] == str(ran_sweep / "code") and code["source"] == str(Path(TRAIN).parent)
+        assert (ran_sweep / "code" / Path(TRAIN).name).is_file() and not (trial / "code").exists()
         out = "".join(p.read_text() for p in (ran_sweep / "slurm").glob("900_*_0_log.out"))
         assert f"argv ['--steps', '20', '--crash-once', '{lr}']" in out
 

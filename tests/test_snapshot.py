@@ -128,7 +128,7 @@ def test_git_repository_snapshot_holds_what_git_would_commit_and_records_the_dif
     run = _prepare(tmp_path, DIGITS, "task.target=snaptask.task:MarkedTask", *QUICK, env=_env(repo))
     record = json.loads(run.code_record.read_text())
     head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
-    assert record["git"]["commit"] == head.strip() and record["git"]["diff"] == "code.diff"
+    assert record["git"]["commit"] == head.strip() and record["git"]["diff"] == str(run.path / "code.diff")
     assert sorted(p.name for p in (run.code / "snaptask").rglob("*") if p.is_file()) == [
         "__init__.py", "extra.py", "settings.py", "task.py"]  # fmt: skip
     diff = (run.path / "code.diff").read_text()
