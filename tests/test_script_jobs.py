@@ -22,12 +22,21 @@ from tests.helpers import digests, events, metric_steps, rank_logs, wait_for, wa
 pytestmark = pytest.mark.slurm
 TUTORIAL = str(ROOT / "examples" / "ddp_tutorial.py")
 CHARLM = str(ROOT / "examples" / "charlm_script.py")
-CHARLM_ARGS = ["--", "--steps", "120", "--save-every", "1000", "--log-every", "5", "--batch", "4"]
+CHARLM_ARGS = ["--", "--steps", "900", "--save-every", "1000", "--log-every", "5", "--batch", "4"]
 
 
 def _submitted(proc: subprocess.CompletedProcess[str]) -> tuple[str, Path]:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+
+
+def rank_output(run_dir: Path, job_id: str) -> dict[int, str]:
+    """Each rank's stdout then stderr: a script prints to stdout, ddpjob logs to stderr."""
+    out = {}
+    for rank, err in rank_logs(run_dir, job_id).items():
+        path = run_dir / "slurm" / f"{job_id}_{rank}_log.out"
+        out[rank] = (path.read_text() if path.exists() else "") + err
+    return out
 
 
 def _nodes(job_id: str) -> str:
@@ -40,7 +49,7 @@ def test_tutorial_script_runs_unchanged_on_two_nodes(slurm_cluster, tmp_path):
     then the same through the sbatch template (scripts/submit.sh)."""
     job_id, run_dir = _submitted(run_cli("submit", "--script", TUTORIAL, "slurm.nodes=2", "slurm.tasks_per_node=1",
                                          "--wait", "--", "--steps", "5", cwd=tmp_path))  # fmt: skip
-    logs = rank_logs(run_dir, job_id)
+    logs = rank_output(run_dir, job_id)
     assert sorted(logs) == [0, 1]
     for rank in (0, 1):
         assert re.search(rf"rank {rank}/2 local_rank 0 master n1:\d+", logs[rank]), logs[rank]
@@ -54,7 +63,7 @@ def test_tutorial_script_runs_unchanged_on_two_nodes(slurm_cluster, tmp_path):
     job_id, run_dir = _submitted(proc)
     assert wait_gone(job_id) == "COMPLETED", (run_dir / "slurm" / f"{job_id}_batch.out").read_text()
     assert "ENTRY=ddp_core.script" in (run_dir / "slurm" / "job.sbatch").read_text()
-    logs = rank_logs(run_dir, job_id)
+    logs = rank_output(run_dir, job_id)
     assert all(f"rank {r}: final loss" in logs[r] for r in (0, 1)) and _nodes(job_id) == "n[1-2]"
 
 
@@ -66,7 +75,7 @@ def test_charlm_script_interrupted_three_times_ends_bitwise_equal(slurm_cluster,
     common = ["--script", CHARLM, "slurm.tasks_per_node=2", "wandb.mode=offline"]
     (tmp_path / "ref").mkdir()
     ref_job, ref_dir = _submitted(run_cli("submit", *common, "--wait", *CHARLM_ARGS, cwd=tmp_path / "ref"))
-    reference = digests(rank_logs(ref_dir, ref_job))
+    reference = digests(rank_output(ref_dir, ref_job))
     job_id, run_dir = _submitted(run_cli("submit", *common, *CHARLM_ARGS, cwd=tmp_path))
     stopped = [0]
     for i in range(3):
@@ -80,11 +89,11 @@ def test_charlm_script_interrupted_three_times_ends_bitwise_equal(slurm_cluster,
     starts = events(run_dir, "start")
     assert [s["restart_count"] for s in starts] == [0, 1, 2, 3] and {s["job_id"] for s in starts} == {job_id}
     assert len(events(run_dir, "requeued")) == 3 and events(run_dir)[-1]["event"] == "completed"
-    logs = rank_logs(run_dir, job_id)
+    logs = rank_output(run_dir, job_id)
     resumed = [int(m) for m in re.findall(r"rank 0: resumed from step_(\d+)\.pt \(restart \d\)", logs[0])]
     assert resumed == stopped[1:], f"seed {seed}: stopped at {stopped[1:]}, resumed at {resumed}"
     steps = metric_steps(run_dir)
-    assert steps == list(range(5, 121, 5)), steps  # every logged step once, none lost
+    assert steps == list(range(5, 901, 5)), steps  # every logged step once, none lost
     assert digests(logs) == reference, f"seed {seed}"
     run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
     offline = sorted((run_dir / "wandb").glob("offline-run-*"))
@@ -106,7 +115,7 @@ def test_failing_rank_ends_the_job_fast_and_is_named(slurm_cluster, tmp_path):
     took = time.monotonic() - started
     assert proc.returncode == 1, proc.stdout + proc.stderr
     job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
-    logs = rank_logs(run_dir, job_id)
+    logs = rank_output(run_dir, job_id)
     assert re.search(r"rank 1/2 on \S+ failed: ValueError: bad batch at step 3", logs[1]), logs[1]
     assert took < 120, f"the job took {took:.0f} s to end after rank 1 failed"
 
@@ -140,5 +149,5 @@ def test_requeued_attempt_runs_the_code_as_submitted(slurm_cluster, tmp_path):
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     assert wait_gone(job_id) == "COMPLETED"
     assert len(events(run_dir, "start")) == 2
-    marks = re.findall(r"snapshot mark: (.+)", rank_logs(run_dir, job_id)[0])
+    marks = re.findall(r"snapshot mark: (.+)", rank_output(run_dir, job_id)[0])
     assert marks == ["as submitted", "as submitted"], marks
