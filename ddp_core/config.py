@@ -30,12 +30,17 @@ from ddp_core.config_input import (
     check_value,
     explain,
     hint_at,
+    list_prefix,
     omegaconf_load,
     parse_override,
     read_yaml,
     yaml_problem,
 )
 from ddp_core.errors import DdpJobError
+from ddp_core.script import SWEPT_ARG_PREFIX, ScriptConfig
+from ddp_core.script import validate_config as validate_script
+from ddp_core.snapshot import SnapshotConfig
+from ddp_core.snapshot import validate_config as validate_snapshot
 from ddp_core.watchdog import WatchdogConfig
 from ddp_core.watchdog import validate as validate_watchdog
 
@@ -242,6 +247,8 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    script: ScriptConfig = field(default_factory=ScriptConfig)  # set: a user's script trains (ddp_core.script)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)  # the code every attempt runs (ddp_core.snapshot)
 
 
 def ranks_per_node(cfg: Config) -> int:
@@ -278,6 +285,13 @@ def check_override(item: str) -> None:
     """What a ``key=value`` override must be before OmegaConf sees it: a dotted key, no secret interpolation,
     valid YAML, and a value of the right shape (a bool key takes true/false only, a section a mapping, ...)."""
     key, value = parse_override(item)
+    inside = list_prefix(Config, key)
+    if inside is not None:
+        hint = f"set the whole list: {inside}=[a, b]"
+        if key.startswith(SWEPT_ARG_PREFIX):  # a sweep's script.args.NAME key given to a single run
+            hint = (f"{key}=v1,v2 is a sweep key (ddpjob sweep); for one run, put the argument after --: "
+                    f"ddpjob submit --script train.py -- --{key[len(SWEPT_ARG_PREFIX):]}=VALUE")  # fmt: skip
+        raise DdpJobError(f"config key '{inside}' is a list: '{key}' names no part of it", hint)
     hint = hint_at(Config, key)
     if hint is not None:
         check_value(value, hint, key)
@@ -387,8 +401,11 @@ def validate(cfg: Config) -> None:
     _require(cfg.slurm.cpu_bind in CPU_BIND, "slurm.cpu_bind", cfg.slurm.cpu_bind, f"must be one of {CPU_BIND}")
     _validate_guard(cfg.dist.guard)
     validate_watchdog(cfg.watchdog, cfg.dist.timeout_s)
+    validate_snapshot(cfg.snapshot)
     _require(cfg.train.straggler_factor >= 1, "train.straggler_factor", cfg.train.straggler_factor, "must be >= 1")
     _validate_script_strings(cfg)
+    validate_script(cfg.script)
+    _validate_script_mode(cfg)
     _validate_strategy(cfg)
     module, _, cls = cfg.task.target.partition(":")
     _require(
@@ -427,6 +444,36 @@ def _validate_script_strings(cfg: Config) -> None:
                  "one value per option: a word, a number, or true for a flag")  # fmt: skip
         if isinstance(value, str):
             _require(not _UNSAFE_WORD.search(value), f"slurm.additional.{name}", value, _WORD_RULE)
+
+
+# Sections only the built-in trainer reads: in script mode a value there would be silently ignored.
+_TRAINER_SECTIONS = ("task", "data", "optim", "train")
+# strategy.name values that still mean something to a script: one process per node (it drives all the node's GPUs).
+_SCRIPT_STRATEGIES = (StrategyName.ddp, *SINGLE_PROCESS_STRATEGIES)
+
+
+def _validate_script_mode(cfg: Config) -> None:
+    if not cfg.script.enabled:
+        return
+    plain = to_dict(cfg)
+    for section in _TRAINER_SECTIONS:
+        given, default = plain[section], _plain(dataclasses.asdict(type(getattr(cfg, section))()))
+        changed = sorted(k for k in given if given[k] != default[k])
+        if changed:
+            raise DdpJobError(
+                f"config key '{section}.{changed[0]}' is set, but {section}.* applies to the built-in trainer, not "
+                "to script mode",
+                f"drop it (your script takes its own arguments: ddpjob submit --script train.py -- ARGS), or use a "
+                f"config without a {section} section",
+            )
+    strategy, default_strategy = plain["strategy"], _plain(dataclasses.asdict(StrategyConfig()))
+    changed = sorted(k for k in strategy if k != "name" and strategy[k] != default_strategy[k])
+    if changed or cfg.strategy.name not in _SCRIPT_STRATEGIES:
+        key = f"strategy.{changed[0]}" if changed else "strategy.name"
+        raise DdpJobError(
+            f"config key '{key}' is set, but in script mode the script chooses its own parallelism",
+            "drop it; strategy.name=dp or model_parallel only asks for one process per node",
+        )
 
 
 def _validate_guard(guard: Optional[str]) -> None:
@@ -521,19 +568,19 @@ def to_yaml(cfg: Config) -> str:
     # Plain YAML of plain values: loads back to an equal Config, ~100x faster than OmegaConf.structured
     # (which dominated submitting a 1,000-trial sweep). Strings are quoted where OmegaConf would read them as
     # numbers, and a literal "${" is escaped: load_config would otherwise resolve it on the compute node.
-    return yaml.dump(_escaped(to_dict(cfg)), Dumper=Dumper, sort_keys=False, default_flow_style=False)
+    return yaml.dump(escape_interpolations(to_dict(cfg)), Dumper=Dumper, sort_keys=False, default_flow_style=False)
 
 
 _INTERPOLATION_START = re.compile(r"(\\*)\$\{")
 
 
-def _escaped(value: Any) -> Any:
+def escape_interpolations(value: Any) -> Any:
     """Values (not keys) with every ``${`` escaped the way OmegaConf reads it back literally: ``\\${``, and the
     backslashes before it doubled."""
     if isinstance(value, str):
         return _INTERPOLATION_START.sub(lambda m: m.group(1) * 2 + "\\${", value)
     if isinstance(value, dict):
-        return {k: _escaped(v) for k, v in value.items()}
+        return {k: escape_interpolations(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_escaped(v) for v in value]
+        return [escape_interpolations(v) for v in value]
     return value

@@ -174,6 +174,25 @@ def hint_at(root: type, key: str) -> Any:
     return hint
 
 
+def list_prefix(root: type, key: str) -> str | None:
+    """The leading part of a dotted ``key`` that the schema types as a list when ``key`` goes on below it
+    (``wandb.tags.x`` -> ``wandb.tags``), else None: OmegaConf cannot merge such an override into the list."""
+    hint: Any = root
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if get_origin(hint) is Union:  # Optional[List[int]]
+            hint = next(arg for arg in get_args(hint) if arg is not type(None))
+        if hint is list or get_origin(hint) is list:
+            return ".".join(parts[:i])
+        if dataclasses.is_dataclass(hint) and part in _fields(hint):
+            hint = _fields(hint)[part]
+        elif get_origin(hint) is dict:
+            hint = get_args(hint)[1]
+        else:
+            return None
+    return None
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

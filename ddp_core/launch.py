@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from ddp_core import distributed, preemption
+from ddp_core import distributed, preemption, snapshot
 from ddp_core.config import Config, load_config
 from ddp_core.dist_env import DistEnv
 from ddp_core.errors import DdpJobError
@@ -47,6 +47,7 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
     from ddp_core.train import train  # torch is imported here, after logging and signal handlers are up
 
     try:
+        snapshot.activate(run_dir)  # before the task's module is imported: the code that was submitted
         lock = None
         if env.is_main:
             # The previous attempt of this Slurm job may still be exiting when its requeued successor starts.
@@ -207,6 +208,15 @@ def _run_dir_for(cfg: Config, env: DistEnv, explicit: Optional[str]) -> RunDir:
     return RunDir((Path(cfg.run.root) / f"{cfg.run.name}-{key}").resolve())
 
 
+def _has_script(target: str) -> bool:
+    if not Path(target).is_dir():
+        return False
+    try:
+        return RunDir(Path(target).resolve()).load_config().script.enabled
+    except DdpJobError:
+        return False  # main reports it, with the rank's logging
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ddp_core",
@@ -216,6 +226,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides (only with a YAML config)")
     parser.add_argument("--run-dir", help="where to create the run directory for a YAML config")
     args = parser.parse_intermixed_args(argv)
+    if _has_script(args.target):
+        # A run with a script section trains with that script (a hand-edited template may still say ddp_core).
+        from ddp_core import script
+
+        return script.main([args.target])
 
     env = DistEnv.from_env()
     setup_logging(env)
@@ -231,6 +246,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cfg = run_dir.load_config()
         else:
             cfg = load_config(target, args.overrides)
+            if cfg.script.enabled:
+                raise DdpJobError(
+                    "this config names a script: `python -m ddp_core` trains the built-in trainer",
+                    "create its run directory with `ddpjob prepare`, then python -m ddp_core.script RUN",
+                )
             run_dir = _run_dir_for(cfg, env, args.run_dir)
             if env.is_main:
                 run_dir.initialize(cfg)

@@ -26,23 +26,36 @@ default (the process ends). Importing ``ddp_core.runtime`` replaces both with ha
 **Exits.** The script returns (or ``sys.exit(0)``): rank 0 records ``completed``, exit 0. ``SystemExit`` with another
 code: that code. An exception: ``rank R/W on HOST failed: ...`` is logged and the process exits 1 at once (``srun
 --kill-on-bad-exit`` ends the others). ``runtime.requeue()`` exits by itself with the trainer's codes.
+
+**The config's ``script`` section** (``ScriptConfig``, part of ``ddp_core.config.Config``) lives here too: its shape
+is checked at every load (``validate_config``: no filesystem), the login node checks the file and records its
+absolute path and sha256 (``resolve_for_submit``), and the compute node reads it back (``spec_from_config``).
+``run(RUN_DIR)`` is what submitit calls on every task. This module imports no torch.
+
+**Sweeps over script arguments.** A sweep key ``script.args.NAME`` (``ddpjob sweep ... script.args.lr=1e-4,3e-4``)
+is one argument of each trial's script, not a config key: ``with_swept_args`` turns a trial's values into its
+``script.args`` on the login node (``--NAME=VALUE`` after the fixed arguments; ``NAME=VALUE`` with
+``script.arg_style: hydra``), so the trial's config.yaml holds the exact command line its ranks run. The sweep
+(``jobs/sweep_spec.py``) calls it; the syntax of those keys and values is defined here only.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import hashlib
 import logging
 import os
+import re
 import runpy
 import shlex
 import signal
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Optional, Sequence
+from typing import IO, Any, List, Mapping, Optional, Sequence
 
+from ddp_core import snapshot
 from ddp_core.dist_env import DistEnv
 from ddp_core.errors import DdpJobError
 from ddp_core.log import setup_logging
@@ -50,8 +63,179 @@ from ddp_core.rundir import RunDir
 
 log = logging.getLogger("ddp_core.script")
 
-SCRIPT_FILE = "script.json"  # until the config has a `script` section: {"path" | "module", "args"}
-_SPEC_HINT = 'write {"path": "/abs/train.py", "module": null, "args": [...]} (or "module": "pkg.train", "path": null)'
+_SCRIPT_HINT = "give one with `ddpjob submit --script train.py`, or script.path=... / script.module=pkg.train"
+# How a swept script.args.NAME=VALUE key is written into the script's arguments (script.arg_style).
+ARG_STYLES = {"flag": "--{name}={value}", "hydra": "{name}={value}"}
+SWEPT_ARG_PREFIX = "script.args."
+# An option name (argparse: --save-every, --lr); with hydra, a dotted key (optim.lr, model.n_layers).
+_FLAG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+_HYDRA_NAME = re.compile(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*")
+
+
+@dataclass
+class ScriptConfig:
+    """The config's ``script`` section: a torchrun-style script that trains instead of the built-in trainer."""
+
+    # A .py file; the login node makes it absolute at submit (relative to where ddpjob runs).
+    path: Optional[str] = None
+    # Or a module, run as `python -m MODULE`: it must be importable from the job's environment.
+    module: Optional[str] = None
+    # The script's command-line arguments, passed as they are (sys.argv[1:]).
+    args: List[str] = field(default_factory=list)
+    # Recorded at submit: sha256 of the script's content, so a run names exactly what it trained with.
+    sha256: Optional[str] = None
+    # Sweeps: how a swept script.args.NAME=VALUE is passed, `--NAME=VALUE` (flag) or `NAME=VALUE` (hydra).
+    arg_style: str = "flag"
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None or self.module is not None
+
+    def command(self) -> list[str]:
+        """What each rank runs, as a command line: ``[PATH, *args]`` or ``["-m", MODULE, *args]``."""
+        return [*([self.path] if self.path is not None else ["-m", str(self.module)]), *self.args]
+
+
+def validate_config(script: ScriptConfig) -> None:
+    """Shape checks at every load (login and compute node): nothing here touches the filesystem."""
+    if script.path is not None and script.module is not None:
+        raise DdpJobError(
+            "config keys 'script.path' and 'script.module' are both set: a run has one script",
+            "keep one of them (set the other to null)",
+        )
+    module = script.module
+    if module is not None and not all(part.isidentifier() for part in module.split(".")):
+        raise DdpJobError(
+            f"config key 'script.module' = {module!r} is invalid: must be a dotted module name",
+            "e.g. script.module=mypkg.train (what `python -m` takes)",
+        )
+    if script.path is not None and not script.path.strip():
+        raise DdpJobError("config key 'script.path' is empty", "give the .py file, or null for the built-in trainer")
+    if script.sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", script.sha256):
+        raise DdpJobError(
+            f"config key 'script.sha256' = {script.sha256!r} is invalid: not a sha256 hex digest",
+            "leave it out: ddpjob records it at submit",
+        )
+    if script.args and not script.enabled:
+        raise DdpJobError("config key 'script.args' is set but no script is", "set script.path or script.module")
+    if script.arg_style != "flag" and not script.enabled:
+        raise DdpJobError("config key 'script.arg_style' is set but no script is", "set script.path or script.module")
+    if script.arg_style not in ARG_STYLES:
+        raise DdpJobError(
+            f"config key 'script.arg_style' = {script.arg_style!r} is invalid: must be one of {', '.join(ARG_STYLES)}",
+            "flag: a swept script.args.NAME becomes --NAME=VALUE (argparse); hydra: NAME=VALUE",
+        )
+
+
+def resolve_for_submit(script: ScriptConfig, base: Optional[Path] = None) -> None:
+    """Login node, before anything is created: the script exists and is readable here; record its absolute path and
+    sha256 in place. A module is looked up (its parent packages are imported) and its file hashed where it has one."""
+    if script.path is not None:
+        path = ((base or Path.cwd()) / Path(script.path).expanduser()).absolute()
+        if not path.exists():
+            raise DdpJobError(
+                f"config key 'script.path' = {script.path!r}: {path} does not exist",
+                "check the path: a relative one is taken from the directory you run ddpjob in",
+            )
+        if not path.is_file():
+            raise DdpJobError(
+                f"config key 'script.path' = {script.path!r}: {path} is not a regular file",
+                "name the .py file itself, not its directory (or use script.module for a package)",
+            )
+        script.path = str(path)
+        script.sha256 = _sha256(path, "script.path")
+    elif script.module is not None:
+        origin = _module_origin(script.module)
+        script.sha256 = _sha256(Path(origin), "script.module") if origin else None
+
+
+def _module_origin(module: str) -> Optional[str]:
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as err:
+        spec, why = None, f" ({type(err).__name__}: {err})"
+    else:
+        why = ""
+    if spec is None:
+        raise DdpJobError(
+            f"config key 'script.module' = {module!r} cannot be imported here{why}",
+            "jobs inherit this environment: install the package or add it to PYTHONPATH",
+        )
+    return spec.origin if spec.has_location and spec.origin and Path(spec.origin).is_file() else None
+
+
+def _sha256(path: Path, key: str) -> str:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError as err:
+        raise DdpJobError(
+            f"config key '{key}': {path} is not readable ({err.strerror or err})",
+            "make it readable by you and the job (chmod a+r), or copy it somewhere that is",
+        ) from None
+    return digest.hexdigest()
+
+
+def swept_arg_name(key: str) -> Optional[str]:
+    """``NAME`` of a sweep key ``script.args.NAME``; None for every other key (config keys)."""
+    return key[len(SWEPT_ARG_PREFIX) :] if key.startswith(SWEPT_ARG_PREFIX) else None
+
+
+def arg_value(text: str) -> str:
+    """A swept value as the script receives it: the text as the sweep lists it (``1e-4`` stays ``1e-4``, ``true``
+    and ``null`` stay words), except that a value in quotes loses them (``'a,b'``: quotes keep a comma from splitting
+    the values; a sweep file's strings reach the sweep quoted this way)."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        import yaml  # the sweep's quoting is YAML's: 'it''s' and "a\tb" unquote as they would in a config value
+
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
+        if isinstance(value, str):
+            return value
+    return text
+
+
+def with_swept_args(script: ScriptConfig, swept: Mapping[str, str]) -> list[str]:
+    """A sweep trial's arguments: ``script.args`` as they are, then one argument per swept ``script.args.NAME`` in
+    ``swept``'s order (NAME -> the value's text as the sweep lists it): ``--NAME=VALUE``, or ``NAME=VALUE`` with
+    ``script.arg_style: hydra``. Refused, naming the key: no script, a NAME that is not an option name (a Hydra key
+    with hydra), a NAME the fixed arguments already give (the script would see it twice)."""
+    for name in swept:
+        key = f"{SWEPT_ARG_PREFIX}{name}"
+        if not script.enabled:
+            raise DdpJobError(
+                f"sweep key '{key}' is a script argument, but the sweep runs no script (script.path or script.module)",
+                "ddpjob sweep --script train.py [CONFIG] script.args.NAME=v1,v2 -- FIXED_ARGS",
+            )
+        hydra = script.arg_style == "hydra"
+        if not (_HYDRA_NAME if hydra else _FLAG_NAME).fullmatch(name):
+            what, example = ("a Hydra key", "script.args.optim.lr") if hydra else ("an option name", "script.args.lr")
+            raise DdpJobError(
+                f"sweep key '{key}': {name!r} is not {what}",
+                f"e.g. {example}=1e-4,3e-4 (letters, digits, '_', '-'" + (", '.' between parts)" if hydra else ")"),
+            )
+        clash = next((arg for arg in script.args if _names(arg, name, hydra)), None)
+        if clash is not None:
+            raise DdpJobError(
+                f"sweep key '{key}' is also in the script's fixed arguments ({clash!r}): the script would get it twice",
+                f"drop {clash!r} from script.args (the arguments after --), or stop sweeping {key}",
+            )
+    style = ARG_STYLES[script.arg_style]
+    return [*script.args, *(style.format(name=name, value=arg_value(text)) for name, text in swept.items())]
+
+
+def _names(arg: str, name: str, hydra: bool) -> bool:
+    """Whether a fixed argument sets ``name``: ``--name`` / ``--name=v``, or Hydra's ``name=v`` / ``+name=v`` /
+    ``++name=v`` / ``~name``."""
+    if hydra:
+        return arg.lstrip("+~").partition("=")[0] == name
+    return arg == f"--{name}" or arg.startswith(f"--{name}=")
 
 
 @dataclass(frozen=True)
@@ -66,34 +250,37 @@ class ScriptSpec:
         return self.path if self.path is not None else f"-m {self.module}"
 
 
-def read_script_spec(run_dir: RunDir) -> ScriptSpec:
-    """The script a run trains with, from ``RUN/script.json``: the one place that knows where the spec lives."""
-    path = run_dir.path / SCRIPT_FILE
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DdpJobError(f"{path} does not exist: this run has no script to run", _SPEC_HINT) from None
-    except (OSError, ValueError) as err:
-        raise DdpJobError(f"{path} is unreadable ({err})", _SPEC_HINT) from None
-    if not isinstance(raw, dict):
-        raise DdpJobError(f"{path} holds {type(raw).__name__}, not an object", _SPEC_HINT)
-    unknown = sorted(set(raw) - {"path", "module", "args"})
-    if unknown:
-        raise DdpJobError(f"{path} has unknown keys {unknown}", _SPEC_HINT)
-    script, module, args = raw.get("path"), raw.get("module"), raw.get("args", [])
-    if (script is None) == (module is None):
-        raise DdpJobError(f"{path} must name exactly one of 'path' and 'module'", _SPEC_HINT)
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise DdpJobError(f"{path}: 'args' must be a list of strings", _SPEC_HINT)
-    if script is not None:
-        if not isinstance(script, str) or not Path(script).is_absolute():
-            raise DdpJobError(f"{path}: 'path' must be an absolute path, not {script!r}", _SPEC_HINT)
-        if not Path(script).is_file():
-            raise DdpJobError(f"script {script} does not exist on {socket.gethostname()}",
+def spec_from_config(
+    script: ScriptConfig, where: str = "config.yaml", code: Optional[dict[str, Any]] = None
+) -> ScriptSpec:
+    """Compute node: what the run's ``script`` section says to run, checked where the ranks run; with the run's code
+    snapshot record ``code`` (``ddp_core.snapshot.activate``), the snapshot's copy of the script."""
+    if not script.enabled:
+        raise DdpJobError(
+            f"{where} has no script section (script.path or script.module): this run has no script to run",
+            f"{_SCRIPT_HINT}; a run without one trains with `python -m ddp_core RUN`",
+        )
+    if script.path is not None:
+        if not Path(script.path).is_absolute():
+            raise DdpJobError(
+                f"{where}: 'script.path' must be an absolute path, not {script.path!r}",
+                "ddpjob submit/prepare record it absolute; write the absolute path by hand",
+            )
+        path = snapshot.script_in_snapshot(code, script.path)
+        if not Path(path).is_file():
+            raise DdpJobError(f"script {path} does not exist on {socket.gethostname()}",
                               "run directories and scripts must be on a filesystem every node sees")  # fmt: skip
-    elif not isinstance(module, str) or not all(part.isidentifier() for part in module.split(".")):
-        raise DdpJobError(f"{path}: 'module' must be a dotted module name, not {module!r}", _SPEC_HINT)
-    return ScriptSpec(script, module, tuple(args))
+        if script.sha256 and _sha256(Path(path), "script.path") != script.sha256:
+            # Without a snapshot (--no-snapshot) a requeued attempt may run after the user edited the script.
+            log.warning("%s changed since it was submitted (sha256 %s...): running it as it is now", path,
+                        script.sha256[:12])  # fmt: skip
+        return ScriptSpec(path, None, tuple(script.args))
+    return ScriptSpec(script.path, script.module, tuple(script.args))
+
+
+def read_script_spec(run_dir: RunDir) -> ScriptSpec:
+    """The script a run trains with, from the ``script`` section of ``RUN/config.yaml``."""
+    return spec_from_config(run_dir.load_config().script, str(run_dir.config_file), snapshot.read_record(run_dir))
 
 
 def script_environment(env: DistEnv, run_dir: RunDir, warning_signal: str) -> dict[str, str]:
@@ -160,20 +347,39 @@ def _failed(env: DistEnv, err: BaseException) -> None:
               type(err).__name__, err, hint, exc_info=True)  # fmt: skip
 
 
+def run(run_dir: str) -> None:
+    """Run the script of ``run_dir`` (created on the login node) as this task's rank: what submitit calls on every
+    task, as ``ddp_core.launch.run`` for the trainer. Leaves with ``SystemExit`` for a non-zero code, so submitit
+    writes no result for an attempt that did not finish."""
+    # submitit's worker bypasses SIGTERM (it would keep a plain script running past its end): the default again.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    code = _run(run_dir)
+    if code:
+        sys.exit(code)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ddp_core.script",
-        description="Run a run directory's training script (RUN/script.json) in this process, as torchrun would.",
+        description="Run a run directory's training script (its config's script section) in this process, as "
+        "torchrun would.",
     )
-    parser.add_argument("run_dir", help="the run directory (config.yaml, script.json)")
-    args = parser.parse_args(argv)
+    parser.add_argument("run_dir", help="the run directory (config.yaml with a script section)")
+    return _run(parser.parse_args(argv).run_dir)
 
+
+def _run(run_dir_arg: str) -> int:
     env = DistEnv.from_env()
     setup_logging(env)
+    # Every rank's first line of every attempt, as the trainer's banner: `ddpjob logs` splits attempts at it.
+    log.info("%s on %s: rank %d/%d local %d/%d node %d/%d restart %d", env.source, socket.gethostname(), env.rank,
+             env.world_size, env.local_rank, env.local_world_size, env.node_rank, env.num_nodes,
+             env.restart_count)  # fmt: skip
     try:
-        run_dir = RunDir(Path(args.run_dir).resolve())
+        run_dir = RunDir(Path(run_dir_arg).resolve())
         cfg = run_dir.load_config()
-        spec = read_script_spec(run_dir)
+        code = snapshot.activate(run_dir)  # first on sys.path: the script's siblings / package as submitted
+        spec = spec_from_config(cfg.script, str(run_dir.config_file), code)
     except DdpJobError as err:
         log.error("%s", err)
         return 2

@@ -5,7 +5,7 @@ resumed run bitwise equal to an uninterrupted one: the same initial weights on e
 is built), data that is a function of the step alone (each step's batch indices come from a generator seeded with
 the step), and checkpoints holding model, optimizer, step and every rank's RNG state (dropout).
 
-    python -m ddp_core.script RUN_DIR                          # under ddpjob (RUN_DIR/script.json names this file)
+    ddpjob submit --script examples/charlm_script.py -- ARGS     # under ddpjob, as a Slurm job
     torchrun --standalone --nproc-per-node=2 examples/charlm_script.py --checkpoint-dir /tmp/ckpt
 
 It prints ``final weights sha256 <hex>`` on every rank at the end, in the trainer's format.

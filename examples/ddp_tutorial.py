@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node=2 examples/ddp_tutorial.py --steps 20
     python examples/ddp_tutorial.py                          # alone: a one-process group
-    python -m ddp_core.script RUN_DIR                        # under ddpjob (RUN_DIR/script.json names this file)
+    ddpjob submit --script examples/ddp_tutorial.py -- --steps 20   # under ddpjob, as a Slurm job
 
 The launcher provides RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; ``init_process_group()`` reads them
 (env://). Started alone (no RANK), the script makes a one-process group on an in-memory store, so the DDP code below

@@ -16,19 +16,63 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from ddp_core.errors import DdpJobError
 from jobs import doctor as doctor_cmd
 from jobs import export as export_cmd
+from jobs import snapshot
 from jobs import status as status_cmds
+
+if TYPE_CHECKING:
+    from ddp_core.config import Config
 
 log = logging.getLogger("ddpjob")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="YAML config, e.g. configs/digits.yaml")
+    p.add_argument("config", nargs="?", help="YAML config, e.g. configs/digits.yaml (optional with --script)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=3e-4")
+    p.add_argument(
+        "--script",
+        metavar="TRAIN.py",
+        help="script mode: run this torchrun-style script instead of the trainer; its arguments go after --",
+    )
+    p.add_argument(
+        "--no-snapshot",
+        action="store_true",
+        help="do not copy the code into the run directory (snapshot.enabled=false): attempts run the code as it is",
+    )
+
+
+def _load(args: argparse.Namespace) -> Config:
+    """The config of ``submit``/``prepare``: CONFIG + overrides, plus ``--script`` and the script's arguments after
+    ``--``. In script mode CONFIG is optional (run.name then defaults to the script's name)."""
+    from ddp_core.config import load_config, validate
+
+    config, overrides = args.config, list(args.overrides)
+    given = overrides if config is None else [config, *overrides]
+    module = next((o.partition("=")[2] for o in given if o.startswith("script.module=")), None)
+    scripted = args.script is not None or module is not None
+    if scripted and config is not None and "=" in config and not Path(config).exists():
+        overrides.insert(0, config)  # `submit --script t.py k=v`: argparse took the first override for CONFIG
+        config = None
+    if config is None:
+        if not scripted:
+            raise DdpJobError("no config given", "ddpjob submit CONFIG.yaml [key=value ...], or --script train.py")
+        name = Path(args.script).stem if args.script is not None else str(module).rpartition(".")[2]
+        overrides.insert(0, f"run.name={name}")  # the user's own run.name=..., later in the list, wins
+    if args.no_snapshot:
+        overrides.append("snapshot.enabled=false")
+    cfg = load_config(config, overrides)
+    if args.script is not None or args.script_args is not None:
+        # Set on the loaded config, not as overrides: a path or an argument is taken as it is, never read as YAML.
+        if args.script is not None:
+            cfg.script.path = args.script
+        if args.script_args is not None:
+            cfg.script.args = list(args.script_args)
+        validate(cfg)
+    return cfg
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", action="store_true", help="follow the job and exit with its status")
     p.add_argument("--local", action="store_true", help="run here without Slurm (submitit local executor; waits)")
     p.add_argument("--dry-run", action="store_true", help="print the sbatch script and resolved config only")
+    p.add_argument("--no-cluster-check", action="store_true", help="skip checking the request against sinfo")
 
     p = sub.add_parser("prepare", help="validate a config and create its run directory; print its path")
     _add_config_args(p)
@@ -59,12 +104,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--local", action="store_true", help="run here without Slurm (waits)")
 
     p = sub.add_parser("sweep", help="submit a hyperparameter sweep as Slurm job arrays (returns at once)")
-    p.add_argument("config", help="a base config (then key=v1,v2 / key=range(a,b) args) or a sweep YAML")
+    p.add_argument(
+        "config",
+        nargs="?",
+        help="a base config (then key=v1,v2 / key=range(a,b) args) or a sweep YAML (optional with --script)",
+    )
     p.add_argument("overrides", nargs="*", metavar="key=values", help="grid keys (comma lists, range()) or fixed keys")
+    p.add_argument(
+        "--script",
+        metavar="TRAIN.py",
+        help="script mode: every trial runs this script; its fixed arguments go after --, swept ones are "
+        "script.args.NAME=v1,v2",
+    )
     p.add_argument("--name", help="sweep name (directory under run.root, W&B group)")
     p.add_argument("--trials", type=int, help="random search: number of draws (sweep YAML with random:)")
     p.add_argument("--seed", type=int, help="random search: seed (same seed, same trials)")
     p.add_argument("--dry-run", action="store_true", help="list the trials and print the array script only")
+    p.add_argument("--no-snapshot", action="store_true", help="do not copy the code into the sweep (snapshot.enabled)")
+    p.add_argument("--no-cluster-check", action="store_true", help="skip checking the request against sinfo")
 
     p = sub.add_parser("report", help="PNG + self-contained HTML of loss/metric curves of a run or sweep")
     p.add_argument("path", help="a run directory or a sweep directory")
@@ -115,17 +172,22 @@ def _follow(sub: object) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from ddp_core.config import load_config, to_yaml
+    from ddp_core.config import to_yaml
     from ddp_core.rundir import new_run_dir
-    from jobs.submit import render_submitit_script, submit, validate_for_submit
+    from jobs.submit import entry_module, render_submitit_script, submit, validate_for_submit
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load(args)
     # A dry run checks the request against the cluster where there is one, and still renders where not.
-    validate_for_submit(cfg, local=args.local, cluster_check=not (args.dry_run and shutil.which("sinfo") is None))
+    no_sinfo = args.dry_run and shutil.which("sinfo") is None
+    validate_for_submit(cfg, local=args.local, cluster_check=not (args.no_cluster_check or no_sinfo))
     run_dir = new_run_dir(cfg)
     if args.dry_run:
+        code = snapshot.plan(cfg)  # an oversized snapshot is refused before anything is printed
         print("# sbatch script (nothing submitted)")
+        entry = entry_module(cfg)
+        print(f"# each task runs {entry}.run({str(run_dir.path)!r}), as python -m {entry} RUN_DIR would")
         print(render_submitit_script(cfg, run_dir))
+        print(f"# code snapshot: {code.summary() if code else 'none'}")
         print("# resolved config")
         print(to_yaml(cfg), end="")
         return 0
@@ -135,11 +197,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from ddp_core.config import load_config
     from ddp_core.rundir import RunDir, new_run_dir
     from jobs.submit import validate_for_submit
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load(args)
     if args.job_id and not re.fullmatch(r"\d+(_\d+)?", args.job_id):
         # The id names a directory under run.root: anything but a Slurm job id could point outside it.
         raise DdpJobError(f"--job-id {args.job_id!r} is not a Slurm job id", "pass $SLURM_JOB_ID (digits)")
@@ -152,7 +213,13 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     else:
         run_dir = new_run_dir(cfg)
     validate_for_submit(cfg, local=False, cluster_check=not args.no_cluster_check)
+    code = snapshot.plan(cfg)
     run_dir.initialize(cfg)
+    try:
+        snapshot.take(code, run_dir)
+    except OSError as err:
+        shutil.rmtree(run_dir.path, ignore_errors=True)
+        raise DdpJobError(f"could not copy the code snapshot: {err}", "check the space left under run.root") from err
     if args.sbatch_script:
         from jobs.sbatch_template import render
 
@@ -207,18 +274,31 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from jobs import sweep as sw
+    from jobs.submit import entry_module
     from jobs.sweep_spec import load_sweep
 
     started = time.monotonic()
-    spec = load_sweep(Path(args.config), args.overrides, trials=args.trials, seed=args.seed, name=args.name)
-    sw.check_sweep(spec, local_check=not (args.dry_run and shutil.which("sinfo") is None))
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not Path(config).exists():
+        overrides.insert(0, config)  # `sweep --script t.py k=v1,v2`: argparse took the first key for CONFIG
+        config = None
+    if args.no_snapshot:
+        overrides.append("snapshot.enabled=false")
+    spec = load_sweep(None if config is None else Path(config), overrides, trials=args.trials, seed=args.seed,
+                      name=args.name, script=args.script, script_args=args.script_args)  # fmt: skip
+    no_sinfo = args.dry_run and shutil.which("sinfo") is None
+    sw.check_sweep(spec, local_check=not (args.no_cluster_check or no_sinfo))
     plans = sw.plan(spec)
     parallelism = spec.configs[0].slurm.array_parallelism
     if args.dry_run:
         for p in plans:
             print(f"{p.trial.index:5d}  {p.trial.trial_id}  {p.action:9s}  {shlex.join(p.trial.overrides)}")
+            if p.cfg.script.enabled:  # what this trial's ranks run, exactly
+                print(f"{'':18}runs: {shlex.join(p.cfg.script.command())}")
         count = sum(1 for p in plans if p.action in ("submit", "resume"))
-        print(f"# array script for {count} trials (nothing submitted)")
+        entry = entry_module(spec.configs[0])
+        print(f"# array script for {count} trials (nothing submitted); each task runs {entry}.run(RUN_DIR) on its "
+              f"trial's run directory, as python -m {entry} RUN_DIR would")  # fmt: skip
         print(sw.render_array_script(spec, max(1, count), parallelism))
         return 0
     arrays = sw.submit_sweep(spec, plans, parallelism)
@@ -252,8 +332,15 @@ _COMMANDS |= status_cmds.COMMANDS | export_cmd.COMMANDS | doctor_cmd.COMMANDS
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="ddpjob: %(levelname)s: %(message)s")
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args = None
+    if "--" in argv:  # everything after the first `--` is the script's own, passed as it is
+        script_args, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
     # Overrides may come after options (`submit cfg.yaml --wait optim.lr=1e-3`): collect the leftovers.
     args, extra = parser.parse_known_args(argv)
+    if script_args is not None and not hasattr(args, "script"):
+        parser.error(f"arguments after -- are a script's: only submit, prepare and sweep take them, not {args.command}")
+    args.script_args = script_args
     if extra and (not hasattr(args, "overrides") or any(e.startswith("-") for e in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:

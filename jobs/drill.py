@@ -38,7 +38,7 @@ WAIT_S = 300  # for any one thing to happen (a requeued job may queue behind oth
 @dataclass(frozen=True)
 class Timing:
     how: str
-    step: int  # where the attempt stopped
+    step: Optional[int]  # where the attempt stopped (None: a script that never told runtime a step)
     saved_s: float  # signal -> checkpoint written and recorded
     requeued_s: Optional[float]  # signal -> back in the queue (None: Slurm requeued it itself, unrecorded)
     resumed_s: float  # signal -> first step of the next attempt
@@ -46,6 +46,13 @@ class Timing:
 
 class DrillFailed(Exception):
     pass
+
+
+def _step(event: dict[str, Any]) -> Optional[int]:
+    """An event's step; None where it has none: script mode records ``start`` with ``step: null``, and ``completed``
+    or ``interrupted`` with null when the script never gave ``runtime.log`` / ``runtime.requeue`` a step."""
+    step = event.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _wait(what: str, check: Callable[[], Any], timeout: float = WAIT_S) -> Any:
@@ -65,14 +72,17 @@ class Drill:
     def events(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.run.events() if e["event"] == kind]
 
-    def trained_past(self, step: int) -> Optional[dict[str, Any]]:
-        return next((m for m in self.run.metrics() if m["split"] == "train" and m["step"] > step), None)
+    def trained_past(self, step: Optional[int]) -> Optional[dict[str, Any]]:
+        """The first train record past ``step``; None for ``step``: any (a script's start has no step)."""
+        after = -1 if step is None else step
+        return next((m for m in self.run.metrics() if m["split"] == "train" and m["step"] > after), None)
 
     def interrupt(self, how: str, do: Callable[[], None], expect_kind: str) -> Timing:
         n = len(self.events("interrupted"))
         _wait("the job to start", lambda: len(self.events("start")) > n)  # one start per attempt
         starts = len(self.events("start"))
-        _wait("the job to train", lambda: self.trained_past(self.events("start")[-1]["step"] + 2))
+        begun = _step(self.events("start")[-1])
+        _wait("the job to train", lambda: self.trained_past(None if begun is None else begun + 2))
         sent = time.time()
         do()
         stop = _wait(f"the job to save after {how}", lambda: self.events("interrupted")[n:])[0]
@@ -81,12 +91,13 @@ class Drill:
         if stop["kind"] != expect_kind:
             raise DrillFailed(f"{how} was taken for a {stop['kind']}, not a {expect_kind}")
         start = _wait(f"the job to come back after {how}", lambda: self.events("start")[starts:])[0]
-        if start["step"] != stop["step"] or str(start["job_id"]) != self.job_id:
-            raise DrillFailed(f"after {how} the job resumed at step {start['step']} (job {start['job_id']}), "
-                              f"not at its checkpoint of step {stop['step']} (job {self.job_id})")  # fmt: skip
-        first = _wait(f"a step after {how}", lambda: self.trained_past(stop["step"]))
+        stopped = _step(stop)
+        if _step(start) != stopped or str(start["job_id"]) != self.job_id:
+            raise DrillFailed(f"after {how} the job resumed at step {start.get('step')} (job {start['job_id']}), "
+                              f"not at its checkpoint of step {stopped} (job {self.job_id})")  # fmt: skip
+        first = _wait(f"a step after {how}", lambda: self.trained_past(stopped))
         requeued = self.events("requeued")[-1:] if expect_kind != "terminated" else []
-        return Timing(how, stop["step"], stop["t"] - sent, requeued[0]["t"] - sent if requeued else None,
+        return Timing(how, stopped, stop["t"] - sent, requeued[0]["t"] - sent if requeued else None,
                       first["time"] - sent)  # fmt: skip
 
     def final_digest(self, job_id: str, run: RunDir) -> str:
@@ -190,5 +201,6 @@ def render_timings(timings: list[Timing]) -> str:
     lines = ["interruption                          stopped at  saved   requeued  first resumed step"]
     for t in timings:
         requeued = f"{t.requeued_s:6.2f} s" if t.requeued_s is not None else "   Slurm"
-        lines.append(f"{t.how:<37} step {t.step:<5} {t.saved_s:5.2f} s {requeued}  {t.resumed_s:6.2f} s")
+        step = "-" if t.step is None else t.step
+        lines.append(f"{t.how:<37} step {step:<5} {t.saved_s:5.2f} s {requeued}  {t.resumed_s:6.2f} s")
     return "\n".join(lines)

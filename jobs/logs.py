@@ -24,10 +24,10 @@ from ddp_core.slurm import Runner, gateway_for
 from ddp_core.watchdog import cause
 from jobs.status import Job, query_ids, run_jobs, runs_to_show, shown_path
 
-# The first line of an attempt: the trainer's rank banner (stderr), submitit's start line (stdout), or the
-# sbatch template's echo (batch log). Output before the first one (Slurm's own notes) belongs to attempt 1.
+# The first line of an attempt: the trainer's or script mode's rank banner (stderr), submitit's start line (stdout),
+# or the sbatch template's echo (batch log). Output before the first one (Slurm's own notes) belongs to attempt 1.
 ATTEMPT_START = re.compile(
-    r"ddp_core\.distributed: \S+ on \S+: rank \d+/\d+ |submitit INFO \(.*\) - Starting with JobEnvironment"
+    r"ddp_core\.(?:distributed|script): \S+ on \S+: rank \d+/\d+ |submitit INFO \(.*\) - Starting with JobEnvironment"
     r"|^ddpjob: job \S+ run directory "
 )
 POLL_S = 0.5

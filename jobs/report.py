@@ -1,8 +1,9 @@
 """Offline loss/metric curves for one run or a whole sweep: ``report.png`` and a self-contained ``report.html``.
 
 Reads only what rank 0 leaves in each run directory (``config.yaml`` marks a run, ``metrics.jsonl`` holds its
-curves), so it works on a login node or a laptop with no W&B, no network and no torch. The HTML draws its charts
-as inline SVG (no CDN scripts, no external CSS) and ends with a table of runs, the best one marked.
+curves: the trainer's, or what a script gave ``ddp_core.runtime.log``, in the same records), so it works on a login
+node or a laptop with no W&B, no network and no torch. The HTML draws its charts as inline SVG (no CDN scripts, no
+external CSS) and ends with a table of runs, the best one marked.
 
     python -m jobs.report runs/my-sweep [--metric min:eval/loss] [--out DIR]
 """
@@ -45,6 +46,10 @@ class _Run:
 
     def last_step(self) -> Optional[int]:
         return max((pts[-1][0] for pts in self.curves.values()), default=None)
+
+    @property
+    def is_script(self) -> bool:
+        return bool(self.config.get("script.path") or self.config.get("script.module"))
 
 
 def find_runs(path: Path) -> list[Path]:
@@ -105,8 +110,12 @@ def _best(runs: list[_Run], key: str, minimise: bool) -> Optional[_Run]:
 
 
 def _chart_keys(runs: list[_Run]) -> list[str]:
+    """train/loss, eval/*, and everything a script logged: a script logs what it chose to (``runtime.log``), while
+    the trainer's train lines also carry lr, samples/s and straggler timings, which are not curves to compare."""
     keys = {key for run in runs for key in run.curves}
-    return [k for k in ("train/loss",) if k in keys] + sorted(k for k in keys if k.startswith("eval/"))
+    first = [k for k in ("train/loss",) if k in keys] + sorted(k for k in keys if k.startswith("eval/"))
+    chosen = {key for run in runs if run.is_script for key in run.curves}
+    return first + sorted(chosen - set(first))
 
 
 def _color(index: int) -> str:

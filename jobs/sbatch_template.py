@@ -10,7 +10,7 @@ from pathlib import Path
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from ddp_core.rundir import RunDir
-from jobs.submit import sbatch_parameters
+from jobs.submit import entry_module, sbatch_parameters
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "slurm_templates" / "ddp.sbatch"
 _SKIP = {"setup", "srun_args", "additional_parameters"}
@@ -45,6 +45,7 @@ def render(cfg: Config, run_dir: RunDir, python: str = sys.executable, template:
     setup = [
         f"PYTHON=${{DDPJOB_PYTHON:-{shlex.quote(python)}}}",
         f"SRUN_ARGS=({' '.join(shlex.quote(a) for a in params['srun_args'])})",
+        f"ENTRY={entry_module(cfg)}",  # the srun line runs `python -m $ENTRY RUN_DIR`
         *params["setup"],  # the request's environment, then the config's slurm.setup lines
     ]
     return _replace_block(text, "setup", setup)

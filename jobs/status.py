@@ -1,9 +1,10 @@
 """``ddpjob status``: where each run or sweep trial stands, one table row per run.
 
 A row per run joins what the run directory says (run.json's job ids, attempts.jsonl, metrics.jsonl, checkpoint
-manifests) with Slurm's accounting. A refresh asks ``sacct`` once for every job of every row (``-D`` lists each
-requeued attempt of a job as its own line), never once per job: a sweep of a thousand trials is one call.
-``ddpjob logs`` and ``ddpjob cancel`` live in ``jobs/logs.py``; ``add_parsers`` registers all three.
+manifests, and for script mode the script from config.yaml) with Slurm's accounting. A refresh asks ``sacct`` once
+for every job of every row (``-D`` lists each requeued attempt of a job as its own line), never once per job: a
+sweep of a thousand trials is one call. ``ddpjob logs`` and ``ddpjob cancel`` live in ``jobs/logs.py``;
+``add_parsers`` registers all three.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import itertools
 import logging
 import math
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -39,6 +41,7 @@ EVENT_STATES = {"start": "STARTED", "interrupted": "INTERRUPTED", "requeued": "I
                 "hang": "HUNG"}  # fmt: skip
 ACCOUNTING_LAG_S = 120  # a job this young with no sacct record yet is queued, not lost
 DEFAULT_ROOT = Path("runs")
+SCRIPT_WIDTH = 48  # characters of a script's command line in the table
 # Every Slurm command goes through the gateway (ddp_core.slurm); ``runner=`` hands it fabricated output in tests.
 # No Slurm client on this machine: sacct lists nothing, and states come from attempts.jsonl alone.
 
@@ -116,6 +119,7 @@ class Row:
     metric: Optional[float] = None
     checkpoint_mtime: Optional[float] = None
     straggler: Optional[dict[str, Any]] = None  # the last progress line, when it names a persistent straggler
+    script: Optional[list[str]] = None  # script mode: what each rank runs (ddp_core.script), else None
 
     @property
     def job_label(self) -> str:
@@ -163,7 +167,7 @@ class Row:
 
 
 def _read_row(run: RunDir, metric_key: str) -> Row:
-    row = Row(run, run_jobs(run), run.events())
+    row = Row(run, run_jobs(run), run.events(), script=run.script_command())
     split, _, name = metric_key.partition("/")
     records = run.metrics()
     for record in records:
@@ -172,7 +176,8 @@ def _read_row(run: RunDir, metric_key: str) -> Row:
             row.straggler = record if isinstance(record.get("straggler_rank"), int) else None
         if record["split"] == split and isinstance(record.get(name), (int, float)):
             row.metric = float(record[name])
-    # attempts.jsonl knows steps metrics.jsonl may not (a stop between two log lines)
+    # attempts.jsonl knows steps metrics.jsonl may not (a stop between two log lines); a script's events may have
+    # none (step null): its steps are the ones it gave ddp_core.runtime, if any.
     steps = [r["step"] for r in records] + [e["step"] for e in row.events if isinstance(e.get("step"), int)]
     row.last_step = max(steps, default=None)
     manifests = [p.stat().st_mtime for p in run.checkpoints.glob("step_*.json")] if run.checkpoints.is_dir() else []
@@ -236,15 +241,43 @@ def shown_path(path: Path) -> str:
     return path.as_posix() if rel.startswith("..") else rel
 
 
+def script_label(command: Optional[list[str]], limit: int = SCRIPT_WIDTH) -> str:
+    """A script run's command for the table: the file's name (not its path) and its arguments; past ``limit``, the
+    last arguments that fit, where a sweep's own arguments are (``train.py … --lr=0.001``)."""
+    if command is None:
+        return "-"
+    head = command[:2] if command[0] == "-m" else [Path(command[0]).name]
+    name, args = shlex.join(head), [shlex.quote(a) for a in command[len(head) :]]
+    if len(name) + sum(1 + len(a) for a in args) <= limit:
+        return " ".join([name, *args])
+    room, kept = limit - len(name) - 2, []  # 2: " …"
+    while args and len(args[-1]) + sum(1 + len(a) for a in kept) <= room:
+        kept.insert(0, args.pop())
+    return f"{name} … {' '.join(kept)}" if kept else f"{name} …{args[-1][-max(8, room) :]}"
+
+
 def render(rows: Sequence[Row], metric_key: str, best: Optional[Row], now: float) -> str:
-    """A fixed-width table; numbers right-aligned, the run directory last (its width varies most)."""
+    """A fixed-width table; numbers right-aligned, the run directory last (its width varies most). A SCRIPT column
+    when any row is a script run."""
     fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
-    head = ["", "JOB", "STATE", "RESTARTS", "STEP", "LOSS", metric_key, "CHECKPOINT", "RUN DIR"]
+    scripts = any(r.script is not None for r in rows)
+    head = [
+        "",
+        "JOB",
+        "STATE",
+        "RESTARTS",
+        "STEP",
+        "LOSS",
+        metric_key,
+        "CHECKPOINT",
+        *(["SCRIPT"] * scripts),
+        "RUN DIR",
+    ]
     right = {3, 4, 5, 6}
     table = [head] + [
         ["*" if r is best else "", r.job_label, r.history(now), str(r.restarts),
          "-" if r.last_step is None else str(r.last_step), fmt(r.loss), fmt(r.metric),
-         age(r.checkpoint_mtime, now), shown_path(r.run.path)]
+         age(r.checkpoint_mtime, now), *([script_label(r.script)] * scripts), shown_path(r.run.path)]
         for r in rows
     ]  # fmt: skip
     widths = [max(len(line[i]) for line in table) for i in range(len(head))]
@@ -258,6 +291,16 @@ def render(rows: Sequence[Row], metric_key: str, best: Optional[Row], now: float
              for r, found in hangs if found]  # fmt: skip
     notes += [_straggler_note(r) for r in rows if r.straggler is not None]
     return "\n".join([*(line.rstrip() for line in lines), *notes])
+
+
+def _code_line(run: RunDir) -> str:
+    """What the run's attempts import: its code snapshot (ddp_core.snapshot), or the working tree."""
+    from ddp_core import snapshot
+
+    try:
+        return snapshot.describe(snapshot.read_record(run))
+    except DdpJobError as err:
+        return str(err)
 
 
 def _straggler_note(row: Row) -> str:
@@ -296,6 +339,8 @@ def status_text(path: Optional[str], metric: str, limit: int = 20, runner: Optio
     if is_sweep:
         rows, best = sort_by_metric(rows, metric)
     text = render(rows, metric_key, best, now)
+    if len(rows) == 1 and not is_sweep:
+        text += f"\ncode: {_code_line(rows[0].run)}"
     if best is not None:
         text += f"\n* best by {metric}: {shown_path(best.run.path)} = {best.metric:.6g}"
     return text, any(r.active(now) for r in rows)

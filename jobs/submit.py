@@ -13,13 +13,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ddp_core.config import DEFAULT_CPUS_PER_GPU, Config, ranks_per_node
 from ddp_core.errors import DdpJobError
 from ddp_core.rundir import RunDir, atomic_write_text
 from ddp_core.slurm import GATEWAY
-from jobs import cluster
+from jobs import cluster, snapshot
 
 # Each rank gets the CPUs Slurm gave its task: oversubscribed OpenMP threads cost 3x on small nodes.
 THREADS_SETUP = "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"
@@ -96,6 +96,23 @@ def sbatch_parameters(cfg: Config) -> dict[str, Any]:
     return params
 
 
+def entry_module(cfg: Config) -> str:
+    """What every task runs, ``python -m MODULE RUN_DIR``: the one place that picks the trainer or the user's script.
+    The template's srun line runs it; the submitit path calls the same module's ``run(RUN_DIR)`` (task_function)."""
+    return "ddp_core.script" if cfg.script.enabled else "ddp_core"
+
+
+def task_function(cfg: Config) -> Callable[[str], Any]:
+    """``entry_module``'s ``run(run_dir)``, which submitit pickles and calls on every task."""
+    if entry_module(cfg) == "ddp_core.script":
+        from ddp_core.script import run as run_script
+
+        return run_script
+    from ddp_core.launch import run  # torch: imported at submit only, as before
+
+    return run
+
+
 def render_submitit_script(cfg: Config, run_dir: RunDir, python: str = sys.executable) -> str:
     """The exact sbatch script ``submit`` would hand to sbatch (submitit's own renderer)."""
     from submitit.slurm.slurm import _make_sbatch_string
@@ -114,9 +131,15 @@ def check_cluster(cfg: Config) -> cluster.Partition:
 
 def validate_for_submit(cfg: Config, local: bool, cluster_check: bool = True) -> None:
     """Everything that can be checked before a run directory exists. Resolves ``slurm.cpus_per_task``."""
-    from ddp_core.task import check_task  # imports the user's task module (and torch): submit-time only
+    if cfg.script.enabled:
+        # The user's script is the job: it must be there and readable now; its absolute path and hash are recorded.
+        from ddp_core.script import resolve_for_submit
 
-    check_task(cfg.task)
+        resolve_for_submit(cfg.script)
+    else:
+        from ddp_core.task import check_task  # imports the user's task module (and torch): submit-time only
+
+        check_task(cfg.task)
     if local and cfg.slurm.nodes > 1:
         raise DdpJobError("config key 'slurm.nodes' > 1 cannot run with --local", "drop --local or set slurm.nodes=1")
     if not local and cluster_check:
@@ -153,14 +176,16 @@ def make_executor(cfg: Config, run_dir: RunDir, local: bool) -> Any:
 
 
 def submit(cfg: Config, run_dir: RunDir, local: bool = False, fresh: bool = True) -> Submitted:
-    """Initialise ``run_dir`` (a new one when ``fresh``) and submit the trainer on it. A failed submission leaves
-    no job behind, and no run directory (fresh) or the run's config as it was (resume)."""
-    from ddp_core.launch import run
-
+    """Initialise ``run_dir`` (a new one when ``fresh``) and submit the trainer (or the config's script) on it. A
+    failed submission leaves no job behind, and no run directory (fresh) or the run's config as it was (resume)."""
+    run = task_function(cfg)
+    # Sized before anything exists (too big: refused here). A resumed run keeps the code it was submitted with.
+    code = snapshot.plan(cfg) if fresh else None
     previous = None if fresh or not run_dir.config_file.exists() else run_dir.config_file.read_text()
     run_dir.initialize(cfg)
     before = set() if fresh or local else set(GATEWAY.queued_from(run_dir.slurm))
     try:
+        snapshot.take(code, run_dir)
         job = make_executor(cfg, run_dir, local).submit(run, str(run_dir.path))
     except Exception as err:
         withdrawn = [] if local else withdraw(run_dir.slurm, before, err)

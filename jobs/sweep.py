@@ -3,7 +3,8 @@
 Each trial is a normal run in ``<run.root>/<sweep name>/<trial id>/`` (the id hashes its resolved overrides),
 so preemption, exact resume, checkpoints and W&B (group = sweep name) work per trial. Submitting the same
 sweep again skips completed and still-active trials and resumes the rest from their checkpoints. The
-command returns as soon as the arrays are queued.
+command returns as soon as the arrays are queued. Every task of the arrays runs what ``ddpjob submit`` would run
+for its trial (``jobs.submit.task_function``): the trainer, or the trial's script with its own arguments.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import RunDir, atomic_write_text
+from ddp_core.rundir import CODE_RECORD, RunDir, atomic_write_text
 from ddp_core.slurm import GATEWAY
-from jobs.submit import check_cluster, cpus_per_task, reason, sbatch_parameters, withdraw
+from jobs import snapshot
+from jobs.submit import check_cluster, cpus_per_task, entry_module, reason, sbatch_parameters, task_function, withdraw
 from jobs.sweep_spec import Sweep, Trial
 
 SWEEP_FILE = "sweep.json"
@@ -50,7 +52,7 @@ def sweep_dir(sweep: Sweep) -> Path:
 
 
 def check_sweep(sweep: Sweep, local_check: bool = True) -> None:
-    """What submit checks for one run, for every distinct task setting and the shared Slurm request."""
+    """What submit checks for one run, for every distinct task setting (or script) and the shared Slurm request."""
     from ddp_core.task import check_task
 
     varying = {key for trial in sweep.trials for key in trial.params}
@@ -60,16 +62,37 @@ def check_sweep(sweep: Sweep, local_check: bool = True) -> None:
             f"sweep key '{shared[0]}' cannot vary: the trials of one array share its resources and run root",
             "set it once for the whole sweep (a plain key=value)",
         )
-    seen: set[str] = set()
-    for cfg in sweep.configs:
-        key = json.dumps([cfg.task.target, cfg.task.model, cfg.task.data], sort_keys=True, default=str)
-        if key not in seen:
-            seen.add(key)
-            check_task(cfg.task)
+    if len({entry_module(cfg) for cfg in sweep.configs}) > 1:
+        # One array pickles one task function for all of its tasks.
+        raise DdpJobError("sweep mixes trials that run a script with trials that run the built-in trainer",
+                          "sweep scripts and trainer settings separately")  # fmt: skip
+    if sweep.configs[0].script.enabled:
+        _resolve_scripts(sweep.configs)
+    else:
+        seen: set[str] = set()
+        for cfg in sweep.configs:
+            key = json.dumps([cfg.task.target, cfg.task.model, cfg.task.data], sort_keys=True, default=str)
+            if key not in seen:
+                seen.add(key)
+                check_task(cfg.task)
     if local_check:
         check_cluster(sweep.configs[0])
     for cfg in sweep.configs:  # one array, one request: every trial records the resolved CPUs per rank
         cfg.slurm.cpus_per_task = cpus_per_task(sweep.configs[0])
+
+
+def _resolve_scripts(configs: Sequence[Config]) -> None:
+    """What submit checks for a script, once per distinct script: it exists and is readable here; every trial records
+    its absolute path and sha256."""
+    from ddp_core.script import resolve_for_submit
+
+    resolved: dict[tuple[Optional[str], Optional[str]], tuple[Optional[str], Optional[str]]] = {}
+    for cfg in configs:
+        key = (cfg.script.path, cfg.script.module)
+        if key not in resolved:
+            resolve_for_submit(cfg.script)
+            resolved[key] = (cfg.script.path, cfg.script.sha256)
+        cfg.script.path, cfg.script.sha256 = resolved[key]
 
 
 def active_jobs(job_ids: list[str]) -> set[str]:
@@ -131,16 +154,20 @@ def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int) -> list
     """Initialise every trial to run and submit them as arrays; returns the array job ids."""
     import submitit
 
-    from ddp_core.launch import run
-
     todo = [p for p in plans if p.action in ("submit", "resume")]
     if not todo:
         return []
+    run = task_function(sweep.configs[0])  # one function for the whole array: check_sweep made sure it fits all
     root = sweep_dir(sweep)
+    # Sized before anything exists; new trials share the sweep's one snapshot, resumed ones keep theirs.
+    code = None if (root / CODE_RECORD).exists() else snapshot.plan_sweep(sweep.configs)
     folder = root / "slurm"
     folder.mkdir(parents=True, exist_ok=True)
+    shared = snapshot.take_shared(code, root)
     for p in todo:
         p.run_dir.initialize(p.cfg)
+        if shared is not None and p.action == "submit" and p.cfg.snapshot.enabled:
+            snapshot.write_record(p.run_dir.path, shared)
     executor = submitit.SlurmExecutor(folder=folder)
     executor.update_parameters(**array_parameters(sweep, parallelism))
     arrays = []
@@ -167,7 +194,8 @@ def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int) -> list
 def _record_array(root: Path, sweep: Sweep, array_id: str, trial_ids: list[str]) -> None:
     path = root / SWEEP_FILE
     meta: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-    meta.update(name=sweep.name, sweep_id=sweep.sweep_id, base_config=str(sweep.base_config.resolve()))
+    base = str(sweep.base_config.resolve()) if sweep.base_config is not None else None
+    meta.update(name=sweep.name, sweep_id=sweep.sweep_id, base_config=base)
     meta.setdefault("trials", {t.trial_id: list(t.overrides) for t in sweep.trials})
     meta.setdefault("arrays", []).append(
         {"job_id": array_id, "trials": trial_ids, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S")}

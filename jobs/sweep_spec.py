@@ -8,6 +8,10 @@ before any run directory exists. Pure Python, no Slurm, no torch: ``ddpjob sweep
 
 A file is a sweep YAML when it has a top-level ``grid:`` or ``random:`` key (no config section has those names).
 ``randint`` draws from ``[low, high)``: high is exclusive, like ``range()`` and numpy.
+
+A sweep of a script (``script.path`` / ``script.module``, e.g. from ``ddpjob sweep --script train.py``) needs no base
+config, and its keys ``script.args.NAME`` are the script's arguments, not config keys: ``ddp_core.script`` owns
+their syntax (``with_swept_args``), ``load_trial_config`` applies them after ``load_config``.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ddp_core.config import Config, check_override, load_config, validate
+from ddp_core.config import Config, check_override, escape_interpolations, load_config, validate
 from ddp_core.config_input import is_file, one_line, read_yaml_mapping
 from ddp_core.errors import DdpJobError
+from ddp_core.script import arg_value, swept_arg_name, with_swept_args
 
 T = TypeVar("T")
 SWEEP_FILE_KEYS = ("base", "name", "overrides", "grid", "random")
@@ -59,14 +64,14 @@ MAX_TRIALS = 10_000
 class Trial:
     index: int
     trial_id: str  # 10 hex of sha256 over the trial's override keys -> values as loaded: 1e-3 == 0.001
-    overrides: tuple[str, ...]  # fixed + varying, key=value, in the order load_config applies them
+    overrides: tuple[str, ...]  # fixed + varying, key=value, in the order load_trial_config applies them
     params: dict[str, Any] = field(default_factory=dict, hash=False)  # varying keys only, loaded values, JSON-able
 
 
 @dataclass(frozen=True)
 class Sweep:
     name: str  # directory under run.root and W&B group
-    base_config: Path
+    base_config: Path | None  # None: a script's sweep from the defaults (`ddpjob sweep --script train.py ...`)
     trials: tuple[Trial, ...]
     sweep_id: str  # over the name, the base config's contents and every trial
     configs: tuple[Config, ...] = field(default=(), compare=False, repr=False)  # trial i's validated config
@@ -91,14 +96,25 @@ def _one_line_errors(fn: Callable[..., T]) -> Callable[..., T]:
 
 @_one_line_errors
 def load_sweep(
-    config: Path, args: Sequence[str] = (), trials: int | None = None, seed: int | None = None, name: str | None = None
+    config: Path | None,
+    args: Sequence[str] = (),
+    trials: int | None = None,
+    seed: int | None = None,
+    name: str | None = None,
+    script: str | None = None,
+    script_args: Sequence[str] | None = None,
 ) -> Sweep:
-    """What ``ddpjob sweep CONFIG [key=value ...]`` calls: CONFIG is a sweep YAML or a base config."""
-    if is_sweep_file(Path(config)):
+    """What ``ddpjob sweep [--script S] [CONFIG] [key=value ...] [-- ARGS]`` calls: CONFIG is a sweep YAML or a base
+    config (optional with a script); ``script`` and ``script_args`` become fixed ``script.path`` / ``script.args``
+    keys, written so that they load back exactly as given (never read as YAML, nor ``${...}`` resolved)."""
+    given = [f"script.path={_fmt(escape_interpolations(script))}"] if script is not None else []
+    given += [f"script.args={_fmt(escape_interpolations(list(script_args)))}"] if script_args is not None else []
+    args = [*given, *args]
+    if config is not None and is_sweep_file(Path(config)):
         return load_sweep_file(Path(config), trials=trials, seed=seed, extra=args, name=name)
     if trials is not None or seed is not None:
         raise DdpJobError(f"--trials/--seed need a sweep file with random:; '{config}' is none", "see configs/sweeps/")
-    return parse_cli_sweep(Path(config), args, name=name)
+    return parse_cli_sweep(None if config is None else Path(config), args, name=name)
 
 
 @_one_line_errors
@@ -108,10 +124,23 @@ def is_sweep_file(path: Path) -> bool:
 
 
 @_one_line_errors
-def parse_cli_sweep(config: Path, args: Sequence[str], name: str | None = None) -> Sweep:
-    """Base config + ``key=v1,v2`` / ``key=range(a,b)`` grid arguments + plain ``key=value`` fixed ones."""
+def parse_cli_sweep(config: Path | None, args: Sequence[str], name: str | None = None) -> Sweep:
+    """Base config (None: a script's, from the defaults) + ``key=v1,v2`` / ``key=range(a,b)`` grid arguments + plain
+    ``key=value`` fixed ones."""
     fixed, grid = _parse_args(args)
-    return _build(name or f"{Path(config).stem}-sweep", Path(config), fixed, grid, {}, None, None)
+    stem = Path(config).stem if config is not None else _script_stem(fixed)
+    return _build(name or f"{stem}-sweep", None if config is None else Path(config), fixed, grid, {}, None, None)
+
+
+def _script_stem(fixed: Mapping[str, str]) -> str:
+    """What names a sweep without a base config: its script (``train.py`` -> ``train``, ``pkg.train`` -> ``train``)."""
+    if "script.path" in fixed:
+        return Path(arg_value(fixed["script.path"])).stem or "script"
+    return arg_value(fixed.get("script.module", "script")).rpartition(".")[2] or "script"
+
+
+def _scripted(*tables: Mapping[str, Any]) -> bool:
+    return any(key in table for table in tables for key in ("script.path", "script.module"))
 
 
 @_one_line_errors
@@ -137,9 +166,7 @@ def load_sweep_file(
         raise DdpJobError(f"sweep file '{path}' is not a mapping", f"use the keys {', '.join(SWEEP_FILE_KEYS)}")
     for key in sorted(set(data) - set(SWEEP_FILE_KEYS)):
         raise _bad(key, "is not a sweep file key", f"use {', '.join(SWEEP_FILE_KEYS)}; config keys go in overrides:")
-    if base is None:
-        if "base" not in data:
-            raise _bad("base", "is missing", "add base: ../digits.yaml (relative to the sweep file) or pass a config")
+    if base is None and "base" in data:
         base = Path(os.path.normpath(path.parent / str(data["base"])))
     fixed = {k: _fmt(v) for k, v in _mapping(data.get("overrides", {}), "overrides").items()}
     grid = {k: _grid_values(k, v) for k, v in _mapping(data.get("grid", {}), "grid").items()}
@@ -166,6 +193,9 @@ def load_sweep_file(
             table.pop(key, None)
     fixed.update(cli_fixed)
     grid.update(cli_grid)
+    if base is None and not _scripted(fixed, grid, params):
+        raise _bad("base", "is missing", "add base: ../digits.yaml (relative to the sweep file) or pass a config; "
+                   "a script's sweep needs none (script.path in overrides:, or --script train.py)")  # fmt: skip
     return _build(name or str(data.get("name", path.stem)), base, fixed, grid, params, trials, seed)
 
 
@@ -317,13 +347,15 @@ def _astral(match: re.Match[str]) -> str:
 def _disjoint(fixed: Mapping[str, Any], grid: Mapping[str, Any], params: Mapping[str, Any]) -> None:
     keys = [*fixed, *grid, *params]
     for a, b in itertools.permutations(keys, 2):
-        if a == b or b.startswith(a + "."):
+        # script.args (the fixed list) and script.args.NAME (one more argument each) add up, they do not overlap.
+        appended = a == "script.args" and swept_arg_name(b) is not None
+        if a == b or (b.startswith(a + ".") and not appended):
             raise _bad(b, f"is given twice (also as '{a}') across overrides, grid and random", "give each key once")
 
 
 def _build(
     name: str,
-    base: Path,
+    base: Path | None,
     fixed: dict[str, str],
     grid: dict[str, list[str]],
     params: dict[str, dict[str, Any]],
@@ -333,12 +365,19 @@ def _build(
     if not _NAME.fullmatch(name):
         raise _bad("name", f"= {name!r} is not a plain name", "letters, digits, '.', '_', '-': it names a directory")
     for key in [*fixed, *grid, *params]:
+        if not _KEY.fullmatch(key) and swept_arg_name(key) is not None:
+            raise _bad(key, "is not script.args.NAME with NAME an option name", "e.g. script.args.lr=1e-4,3e-4")
         if not _KEY.fullmatch(key):
             raise _bad(key, "is not a dotted config key", "write keys like optim.lr or task.model.hidden")
     _disjoint(fixed, grid, params)
     if not grid and not params:
         raise DdpJobError("nothing to sweep: no key has more than one value", "e.g. optim.lr=1e-4,3e-4")
-    if not is_file(base):
+    if base is None:
+        if not _scripted(fixed, grid, params):
+            raise DdpJobError("no config given", "ddpjob sweep CONFIG.yaml key=v1,v2 ..., or --script train.py")
+        if "run.name" not in fixed:  # required by every config; each trial is named after the sweep anyway
+            fixed = {"run.name": _fmt(name), **fixed}
+    elif not is_file(base):
         raise DdpJobError(f"config file {str(base)!r} not found", "pass a YAML file, e.g. configs/digits.yaml")
     if params:
         for key, value in (("random.trials", trials), ("random.seed", seed)):
@@ -367,7 +406,8 @@ def _build(
     seen: dict[str, int] = {}
     for index, (combo, cfg) in enumerate(zip(combos, configs, strict=True)):
         overrides = (*fixed_list, *(f"{k}={v}" for k, v in combo.items()))
-        loaded = json.loads(json.dumps({k: _get(cfg, k) for k in [*fixed, *combo]}, default=_plain))
+        values = {k: _loaded(cfg, k, text) for k, text in [*fixed.items(), *combo.items()]}
+        loaded = json.loads(json.dumps(values, default=_plain))
         trial_id = _digest(loaded)
         if trial_id in seen:
             raise DdpJobError(
@@ -377,8 +417,36 @@ def _build(
         seen[trial_id] = index
         trials_out.append(Trial(index, trial_id, overrides, {k: loaded[k] for k in combo}))
     listing = [[t.trial_id, *t.overrides] for t in trials_out]
-    sweep_id = _digest({"name": name, "base": base.read_text(), "trials": listing})
+    sweep_id = _digest({"name": name, "base": base.read_text() if base else None, "trials": listing})
     return Sweep(name, base, tuple(trials_out), sweep_id, tuple(configs))
+
+
+def _loaded(cfg: Config, key: str, text: str) -> Any:
+    """A key's value in the trial's loaded config; for a script argument, the text the script receives."""
+    return arg_value(text) if swept_arg_name(key) is not None else _get(cfg, key)
+
+
+def load_trial_config(base: Path | None, overrides: Sequence[str]) -> Config:
+    """One trial's config: ``load_config(base, overrides)``, except that ``script.args.NAME=VALUE`` items are the
+    script's arguments (``ddp_core.script.with_swept_args``, in their order here), not config overrides."""
+    items, swept = _split_script_args(overrides)
+    cfg = load_config(base, items)
+    if swept:
+        cfg.script.args = with_swept_args(cfg.script, swept)
+    return cfg
+
+
+def _split_script_args(overrides: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """(config overrides, script arguments: NAME -> value text), each in the given order."""
+    items, swept = [], {}
+    for item in overrides:
+        key, _, text = item.partition("=")
+        name = swept_arg_name(key)
+        if name is None:
+            items.append(item)
+        else:
+            swept[name] = text
+    return items, swept
 
 
 def _digest(value: Any) -> str:
@@ -394,9 +462,9 @@ def _plain(value: Any) -> Any:
 
 
 def _validated_configs(
-    base: Path, fixed: list[str], combos: list[dict[str, str]], natives: dict[str, Any]
+    base: Path | None, fixed: list[str], combos: list[dict[str, str]], natives: dict[str, Any]
 ) -> list[Config]:
-    """``load_config(base, fixed + trial)`` for every trial, without ~15 ms of OmegaConf per trial.
+    """``load_trial_config(base, fixed + trial)`` for every trial, without ~15 ms of OmegaConf per trial.
 
     Trial 0 goes through ``load_config`` itself. The others reuse one merged base and convert each distinct
     (key, value) once, then run the same ``validate``. Whatever the fast path rejects, or gets different from
@@ -406,7 +474,7 @@ def _validated_configs(
     def exact(i: int) -> Config:
         overrides = [*fixed, *(f"{k}={v}" for k, v in combos[i].items())]
         try:
-            return load_config(base, overrides)
+            return load_trial_config(base, overrides)
         except DdpJobError as err:
             raise DdpJobError(f"sweep trial {i} ({' '.join(overrides)}) is invalid: {err.message}", err.hint) from None
 
@@ -420,21 +488,28 @@ def _validated_configs(
 
 
 def _fast_configs(
-    base: Path, fixed: list[str], combos: list[dict[str, str]], natives: dict[str, Any]
+    base: Path | None, fixed: list[str], combos: list[dict[str, str]], natives: dict[str, Any]
 ) -> tuple[list[Config], int | None]:
+    items, fixed_args = _split_script_args(fixed)
     try:
-        node = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(base), OmegaConf.from_dotlist(fixed))
+        loaded = [OmegaConf.load(base)] if base is not None else []
+        node = OmegaConf.merge(OmegaConf.structured(Config), *loaded, OmegaConf.from_dotlist(items))
         cfg0 = OmegaConf.to_object(node)
     except Exception:  # the exact path reports it
         return [], 0
     scratch, parsed, converted, configs = node.copy(), dict(natives), {}, []
     for i, combo in enumerate(combos):
         try:
-            cfg = copy.deepcopy(cfg0)
+            cfg, swept = copy.deepcopy(cfg0), dict(fixed_args)
             for key, text in combo.items():
+                if (name := swept_arg_name(key)) is not None:
+                    swept[name] = text
+                    continue
                 if (key, text) not in converted:
                     converted[key, text] = _convert(node, scratch, key, text, parsed)
                 _set(cfg, key, copy.deepcopy(converted[key, text]))
+            if swept:
+                cfg.script.args = with_swept_args(cfg.script, swept)
             validate(cfg)
         except Exception:  # whatever it is, load_config on this trial says what is wrong (or that it's fine)
             return configs, i

@@ -31,7 +31,7 @@ from ddp_core.dist_env import expand_nodelist
 from ddp_core.errors import DdpJobError
 from ddp_core.task import check_task
 from jobs.submit import validate_for_submit
-from jobs.sweep_spec import Sweep, load_sweep, parse_cli_sweep
+from jobs.sweep_spec import Sweep, load_sweep, load_trial_config, parse_cli_sweep
 from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -321,7 +321,7 @@ def check_sweep(sweep: Sweep) -> None:
     for cfg in sweep.configs:
         validate(cfg)
     for trial in (sweep.trials[0], sweep.trials[-1]):  # the fast path's configs are load_config's own
-        assert load_config(sweep.base_config, list(trial.overrides)) == sweep.configs[trial.index]
+        assert load_trial_config(sweep.base_config, trial.overrides) == sweep.configs[trial.index]
 
 
 def sweep_outcome(load: Any) -> None:

@@ -70,3 +70,20 @@ def test_gpu_binding_and_cpus_per_gpu():
     gpu = script("slurm.gpus_per_node=2")
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" in gpu and "CUBLAS_WORKSPACE_CONFIG" not in gpu
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in script()
+
+
+# Script mode with digits.yaml's slurm.* keys: the same request as the trainer, another entry module.
+SCRIPT = ["run.name=digits", "script.path=/work/train.py", "script.args=[--steps, '5']", "slurm.tasks_per_node=2",
+          "slurm.cpus_per_task=1", "slurm.time_min=30"]  # fmt: skip
+
+
+def test_template_script_mode():
+    check_golden("template-script.sbatch", render(load_config(None, SCRIPT), RUN, python="/usr/bin/python3"))
+
+
+def test_script_mode_submitit_script_is_the_trainers():
+    """submitit's batch script runs its own worker on every task (which calls ddp_core.script.run): byte for byte the
+    trainer's script for the same slurm.* keys."""
+    trainer = load_config(ROOT / "configs" / "digits.yaml")
+    script = load_config(None, SCRIPT)
+    assert render_submitit_script(script, RUN, python="python") == render_submitit_script(trainer, RUN, python="python")

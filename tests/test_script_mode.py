@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import pytest
+import yaml
 
-from ddp_core.config import load_config
+from ddp_core.config import load_config, to_yaml
 from ddp_core.dist_env import DistEnv, derive_master_port
 from ddp_core.errors import DdpJobError
 from ddp_core.rundir import RunDir
-from ddp_core.script import SCRIPT_FILE, read_script_spec, script_environment
+from ddp_core.script import read_script_spec, script_environment
 from tests.helpers import FINAL_DIGEST, events, metric_steps
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,11 +41,11 @@ def make_run(
     name: str = "run",
     overrides: Sequence[str] = (),
 ) -> Path:
-    cfg = load_config(ROOT / "configs" / "digits.yaml", [f"run.root={tmp_path}", "wandb.mode=disabled", *overrides])
+    """A run directory as `ddpjob prepare --script` leaves it: a config whose script section names what to run."""
+    cfg = load_config(None, ["run.name=script", f"run.root={tmp_path}", "wandb.mode=disabled", *overrides])
+    cfg.script.path, cfg.script.module, cfg.script.args = (str(path) if path else None), module, list(args)
     rd = RunDir(tmp_path / name)
     rd.initialize(cfg)
-    spec = {"path": str(path) if path else None, "module": module, "args": list(args)}
-    (rd.path / SCRIPT_FILE).write_text(json.dumps(spec))
     return rd.path
 
 
@@ -118,7 +119,7 @@ def test_tutorial_runs_unchanged_under_the_launcher(tmp_path):
     for r in (0, 1):
         out = ranks.text(r)
         assert f"rank {r}/2 local_rank {r} master {HOST}:{ranks.port}" in out, out
-        assert f"rank {r}: final loss" in out and "after 5 steps" in out, out  # script.json's args reached it
+        assert f"rank {r}: final loss" in out and "after 5 steps" in out, out  # script.args reached it
     assert [e["event"] for e in events(run)] == ["start", "completed"]
     start = events(run, "start")[0]
     assert (start["job_id"], start["world_size"], start["restart_count"]) == ("4242", 2, 0)
@@ -336,24 +337,37 @@ def test_runtime_log_records_and_continuity_across_attempts(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("spec", "message"),
+    ("script", "message"),
     [
-        (None, "does not exist: this run has no script"),
-        ({"path": "/x.py", "module": "m"}, "exactly one of 'path' and 'module'"),
-        ({"path": None, "module": None}, "exactly one of 'path' and 'module'"),
-        ({"path": "train.py", "module": None}, "must be an absolute path"),
-        ({"path": "/nonexistent/train.py", "module": None}, "does not exist on"),
-        ({"path": None, "module": "pkg/train"}, "must be a dotted module name"),
-        ({"path": None, "module": "m", "args": "--lr=1"}, "'args' must be a list of strings"),
-        ({"path": None, "module": "m", "argv": []}, "unknown keys ['argv']"),
-        ([], "holds list, not an object"),
+        (None, "has no script section (script.path or script.module): this run has no script"),
+        ({"path": "/x.py", "module": "m"}, "'script.path' and 'script.module' are both set"),
+        ({"path": "train.py"}, "'script.path' must be an absolute path"),
+        ({"path": "/nonexistent/train.py"}, "script /nonexistent/train.py does not exist on"),
+        ({"module": "pkg/train"}, "config key 'script.module' = 'pkg/train' is invalid: must be a dotted module name"),
+        ({"module": "m", "args": "--lr=1"}, "config key 'script.args'"),
+        ({"module": "m", "argv": []}, "unknown config key 'script.argv'"),
+        ({"args": ["--lr=1"]}, "config key 'script.args' is set but no script is"),
+        ({"module": "m", "sha256": "abc"}, "config key 'script.sha256' = 'abc' is invalid"),
     ],
 )
-def test_script_spec_errors(tmp_path, spec, message):
+def test_script_spec_errors(tmp_path, script, message):
+    """What the compute node refuses in a run's script section (a hand-written or damaged config.yaml)."""
     rd = RunDir(tmp_path)
-    if spec is not None:
-        (tmp_path / SCRIPT_FILE).write_text(json.dumps(spec))
+    data = yaml.safe_load(to_yaml(load_config(None, ["run.name=r"])))
+    if script is not None:
+        data["script"] = script  # as written by hand: whatever shape the row gives
+    rd.config_file.write_text(yaml.safe_dump(data))
     with pytest.raises(DdpJobError) as err:
         read_script_spec(rd)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_script_changed_since_submit_is_run_with_a_warning(tmp_path, caplog):
+    script = tmp_path / "train.py"
+    script.write_text("print('v1')\n")
+    run = make_run(tmp_path, script, overrides=[f"script.sha256={'ab' * 32}"])
+    with caplog.at_level("WARNING", logger="ddp_core.script"):
+        spec = read_script_spec(RunDir(run))
+    assert spec.path == str(script) and spec.args == ()
+    assert f"{script} changed since it was submitted" in caplog.text

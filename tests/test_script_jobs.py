@@ -1,0 +1,153 @@
+"""Script mode on the real local cluster: users' own torchrun-style scripts, submitted as they are.
+
+The PyTorch DDP tutorial's pattern across two nodes (submitit path and plain sbatch), the char-level transformer
+script interrupted three times ending bitwise equal to an uninterrupted run, a failing rank named, and a task module
+edited while its job waits for a requeue (the requeued attempt runs the code as submitted).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, field, run_cli
+from tests.helpers import digests, events, metric_steps, rank_logs, wait_for, wait_gone
+
+pytestmark = pytest.mark.slurm
+TUTORIAL = str(ROOT / "examples" / "ddp_tutorial.py")
+CHARLM = str(ROOT / "examples" / "charlm_script.py")
+CHARLM_ARGS = ["--", "--steps", "900", "--save-every", "1000", "--log-every", "5", "--batch", "4"]
+
+
+def _submitted(proc: subprocess.CompletedProcess[str]) -> tuple[str, Path]:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+
+
+def rank_output(run_dir: Path, job_id: str) -> dict[int, str]:
+    """Each rank's stdout then stderr: a script prints to stdout, ddpjob logs to stderr."""
+    out = {}
+    for rank, err in rank_logs(run_dir, job_id).items():
+        path = run_dir / "slurm" / f"{job_id}_{rank}_log.out"
+        out[rank] = (path.read_text() if path.exists() else "") + err
+    return out
+
+
+def _nodes(job_id: str) -> str:
+    return subprocess.run(["sacct", "-n", "-X", "-P", "-o", "NodeList", "-j", job_id], capture_output=True,
+                          text=True).stdout.strip()  # fmt: skip
+
+
+def test_tutorial_script_runs_unchanged_on_two_nodes(slurm_cluster, tmp_path):
+    """examples/ddp_tutorial.py (no ddpjob import) as a 2-node job: world size 2, one rank on each of n1 and n2;
+    then the same through the sbatch template (scripts/submit.sh)."""
+    job_id, run_dir = _submitted(run_cli("submit", "--script", TUTORIAL, "slurm.nodes=2", "slurm.tasks_per_node=1",
+                                         "--wait", "--", "--steps", "5", cwd=tmp_path))  # fmt: skip
+    logs = rank_output(run_dir, job_id)
+    assert sorted(logs) == [0, 1]
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}/2 local_rank 0 master n1:\d+", logs[rank]), logs[rank]
+        assert f"rank {rank}: final loss" in logs[rank]
+    assert _nodes(job_id) == "n[1-2]"
+    assert [e["event"] for e in events(run_dir)] == ["start", "completed"]
+
+    proc = subprocess.run([str(ROOT / "scripts" / "submit.sh"), "--script", TUTORIAL, "slurm.nodes=2",
+                           "slurm.tasks_per_node=1", "--", "--steps", "5"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    job_id, run_dir = _submitted(proc)
+    assert wait_gone(job_id) == "COMPLETED", (run_dir / "slurm" / f"{job_id}_batch.out").read_text()
+    assert "ENTRY=ddp_core.script" in (run_dir / "slurm" / "job.sbatch").read_text()
+    logs = rank_output(run_dir, job_id)
+    assert all(f"rank {r}: final loss" in logs[r] for r in (0, 1)) and _nodes(job_id) == "n[1-2]"
+
+
+def test_charlm_script_interrupted_three_times_ends_bitwise_equal(slurm_cluster, tmp_path):
+    """examples/charlm_script.py, 2 ranks, ``scancel --signal=USR2`` three times at random moments: one job id,
+    restart count 3, the steps continue without a gap, one W&B run id, and the uninterrupted twin's weights."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    common = ["--script", CHARLM, "slurm.tasks_per_node=2", "wandb.mode=offline"]
+    (tmp_path / "ref").mkdir()
+    ref_job, ref_dir = _submitted(run_cli("submit", *common, "--wait", *CHARLM_ARGS, cwd=tmp_path / "ref"))
+    reference = digests(rank_output(ref_dir, ref_job))
+    job_id, run_dir = _submitted(run_cli("submit", *common, *CHARLM_ARGS, cwd=tmp_path))
+    stopped = [0]
+    for i in range(3):
+        wait_for(lambda n=i: len(events(run_dir, "start")) > n and max(metric_steps(run_dir), default=0)
+                 > stopped[-1] + 5, 120, f"attempt {i + 1} to train")  # fmt: skip
+        time.sleep(rng.uniform(0.0, 1.0))
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+        wait_for(lambda n=i: len(events(run_dir, "interrupted")) > n, 60, f"interruption {i + 1}")
+        stopped.append(events(run_dir, "interrupted")[-1]["step"])
+    assert wait_gone(job_id) == "COMPLETED", f"seed {seed}"
+    starts = events(run_dir, "start")
+    assert [s["restart_count"] for s in starts] == [0, 1, 2, 3] and {s["job_id"] for s in starts} == {job_id}
+    assert len(events(run_dir, "requeued")) == 3 and events(run_dir)[-1]["event"] == "completed"
+    logs = rank_output(run_dir, job_id)
+    resumed = [int(m) for m in re.findall(r"rank 0: resumed from step_(\d+)\.pt \(restart \d\)", logs[0])]
+    assert resumed == stopped[1:], f"seed {seed}: stopped at {stopped[1:]}, resumed at {resumed}"
+    steps = metric_steps(run_dir)
+    assert steps == list(range(5, 901, 5)), steps  # every logged step once, none lost
+    assert digests(logs) == reference, f"seed {seed}"
+    run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
+    offline = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 4 and all(f.name.endswith(f"-{run_id}") for f in offline)
+
+
+def test_failing_rank_ends_the_job_fast_and_is_named(slurm_cluster, tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(
+        "import os, time\n"
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "if dist.get_rank() == 1:\n"
+        "    raise ValueError('bad batch at step 3')\n"
+        "time.sleep(300)\n"
+    )
+    started = time.monotonic()
+    proc = run_cli("submit", "--script", str(script), "slurm.tasks_per_node=2", "--wait", cwd=tmp_path)
+    took = time.monotonic() - started
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+    logs = rank_output(run_dir, job_id)
+    assert re.search(r"rank 1/2 on \S+ failed: ValueError: bad batch at step 3", logs[1]), logs[1]
+    assert took < 120, f"the job took {took:.0f} s to end after rank 1 failed"
+
+
+TASK = """
+import logging
+from tests.tasks import SlowDigitsTask
+from {pkg}.settings import MARK
+
+
+class MarkedTask(SlowDigitsTask):
+    def build_model(self, **kwargs):
+        logging.getLogger("ddp_core").warning("snapshot mark: %s", MARK)
+        return super().build_model(**kwargs)
+"""
+
+
+def test_requeued_attempt_runs_the_code_as_submitted(slurm_cluster, tmp_path):
+    """The task's package is edited while its job runs; the attempt after a requeue still imports the snapshot."""
+    pkg = tmp_path / "src" / "marktask"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "settings.py").write_text('MARK = "as submitted"\n')
+    (pkg / "task.py").write_text(TASK.format(pkg="marktask"))
+    env = {"PYTHONPATH": f"{tmp_path / 'src'}:{ROOT}"}
+    config = [str(ROOT / "configs" / "digits.yaml"), "task.target=marktask.task:MarkedTask", "train.max_steps=60",
+              "train.log_every=5", "train.eval_every=0", "wandb.mode=disabled", "task.data.pause_s=0.05"]  # fmt: skip
+    job_id, run_dir = _submitted(run_cli("submit", *config, cwd=tmp_path, env=env))
+    wait_for(lambda: max(metric_steps(run_dir), default=0) >= 5, 120, "the first attempt to train")
+    (pkg / "settings.py").write_text('MARK = "edited later"\n')
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    assert wait_gone(job_id) == "COMPLETED"
+    assert len(events(run_dir, "start")) == 2
+    marks = re.findall(r"snapshot mark: (.+)", rank_output(run_dir, job_id)[0])
+    assert marks == ["as submitted", "as submitted"], marks
