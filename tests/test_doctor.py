@@ -398,13 +398,3 @@ def test_drill_interrupts_three_ways_and_cleans_up(slurm_cluster, tmp_path):
         "the warning signal (SIGUSR2)", "scontrol requeue (SIGTERM)", "preemption from high"
     ]  # fmt: skip
     assert list(tmp_path.iterdir()) == []  # its run directories are gone
-
-
-@pytest.mark.slurm
-@pytest.mark.cluster_profile("default")
-def test_drill_on_a_cluster_without_preemption(slurm_cluster, tmp_path):
-    proc = run_cli("doctor", "--drill", "--json", cwd=tmp_path, timeout=600)  # the default partition
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    found = {f["key"]: f["level"] for f in json.loads(proc.stdout)}
-    assert found["drill"] == "ok" and found["scontrol_on_nodes"] == "ok" and found["preempt_type"] != "problem"
-    assert list(tmp_path.iterdir()) == []
