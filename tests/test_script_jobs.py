@@ -151,3 +151,23 @@ def test_requeued_attempt_runs_the_code_as_submitted(slurm_cluster, tmp_path):
     assert len(events(run_dir, "start")) == 2
     marks = re.findall(r"snapshot mark: (.+)", rank_output(run_dir, job_id)[0])
     assert marks == ["as submitted", "as submitted"], marks
+
+
+def test_cancelled_script_run_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
+    """``ddpjob cancel`` a charlm script run mid-training: it saves and is not requeued; ``ddpjob resume`` reruns the
+    recorded script and arguments from the run's snapshot and continues at the saved step, to the end."""
+    job_id, run_dir = _submitted(run_cli("submit", "--script", CHARLM, "slurm.tasks_per_node=2", "wandb.mode=disabled",
+                                         "--", "--steps", "400", "--save-every", "1000", "--log-every", "5",
+                                         "--batch", "4", cwd=tmp_path))  # fmt: skip
+    wait_for(lambda: max(metric_steps(run_dir), default=0) >= 20, 120, "the first attempt to train")
+    cancel = run_cli("cancel", str(run_dir), cwd=tmp_path)
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    assert wait_gone(job_id) == "CANCELLED"
+    (stop,) = events(run_dir, "interrupted")
+    assert stop["kind"] == "cancelled" and not events(run_dir, "requeued")
+    resumed = run_cli("resume", str(run_dir), "--wait", cwd=tmp_path)
+    new_job = field(resumed.stdout, "job")
+    assert resumed.returncode == 0 and new_job != job_id, resumed.stdout + resumed.stderr
+    out = rank_output(run_dir, new_job)[0]
+    assert f"rank 0: resumed from step_{stop['step']:08d}.pt" in out and "final weights sha256" in out
+    assert events(run_dir)[-1]["event"] == "completed" and metric_steps(run_dir)[-1] == 400

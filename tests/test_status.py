@@ -92,7 +92,8 @@ def test_one_run_row(tmp_path):
     )  # fmt: skip
     fake = FakeSlurm(sacct="100|100|REQUEUED|0:0|t0|t1\n100|100|RUNNING|0:0|t2|Unknown\n")
     text, active = status.status_text(str(run), "eval/accuracy", runner=fake)
-    header, row = lines_of(text)
+    header, row, code = lines_of(text)
+    assert code == "code: none (each attempt imports the code as it is when it starts)"  # one run: what it imports
     assert header.split() == ["JOB", "STATE", "RESTARTS", "STEP", "LOSS", "eval/accuracy", "CHECKPOINT", "RUN", "DIR"]
     assert row.split() == ["100", "REQUEUED", ">", "RUNNING", "1", "40", "0.25", "0.875", "3m", "ago", str(run)]
     assert active
