@@ -404,7 +404,7 @@ def validate(cfg: Config) -> None:
     validate_snapshot(cfg.snapshot)
     _require(cfg.train.straggler_factor >= 1, "train.straggler_factor", cfg.train.straggler_factor, "must be >= 1")
     _validate_script_strings(cfg)
-    validate_script(cfg.script)
+    validate_script(cfg.script, cfg.slurm)
     _validate_script_mode(cfg)
     _validate_strategy(cfg)
     module, _, cls = cfg.task.target.partition(":")

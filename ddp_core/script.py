@@ -53,7 +53,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, List, Mapping, Optional, Sequence
+from typing import IO, TYPE_CHECKING, Any, List, Mapping, Optional, Sequence
 
 from ddp_core import snapshot
 from ddp_core.dist_env import DistEnv
@@ -61,11 +61,15 @@ from ddp_core.errors import DdpJobError
 from ddp_core.log import setup_logging
 from ddp_core.rundir import RunDir
 
+if TYPE_CHECKING:
+    from ddp_core.config import SlurmConfig  # ddp_core.config imports this module
+
 log = logging.getLogger("ddp_core.script")
 
 _SCRIPT_HINT = "give one with `ddpjob submit --script train.py`, or script.path=... / script.module=pkg.train"
 # How a swept script.args.NAME=VALUE key is written into the script's arguments (script.arg_style).
 ARG_STYLES = {"flag": "--{name}={value}", "hydra": "{name}={value}"}
+LAUNCHERS = ("srun", "torchrun")
 SWEPT_ARG_PREFIX = "script.args."
 # An option name (argparse: --save-every, --lr); with hydra, a dotted key (optim.lr, model.n_layers).
 _FLAG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
@@ -86,6 +90,9 @@ class ScriptConfig:
     sha256: Optional[str] = None
     # Sweeps: how a swept script.args.NAME=VALUE is passed, `--NAME=VALUE` (flag) or `NAME=VALUE` (hydra).
     arg_style: str = "flag"
+    # How the ranks start: "srun" (one Slurm task per rank, each task runs the script) or "torchrun" (one Slurm task
+    # per node runs torchrun's agent, which starts the node's ranks: ddp_core.script_torchrun).
+    launcher: str = "srun"
 
     @property
     def enabled(self) -> bool:
@@ -96,8 +103,9 @@ class ScriptConfig:
         return [*([self.path] if self.path is not None else ["-m", str(self.module)]), *self.args]
 
 
-def validate_config(script: ScriptConfig) -> None:
-    """Shape checks at every load (login and compute node): nothing here touches the filesystem."""
+def validate_config(script: ScriptConfig, slurm: Optional[SlurmConfig] = None) -> None:
+    """Shape checks at every load (login and compute node): nothing here touches the filesystem. With ``slurm``, also
+    the combinations of ``script.launcher`` and ``slurm.*`` that cannot work."""
     if script.path is not None and script.module is not None:
         raise DdpJobError(
             "config keys 'script.path' and 'script.module' are both set: a run has one script",
@@ -124,6 +132,27 @@ def validate_config(script: ScriptConfig) -> None:
         raise DdpJobError(
             f"config key 'script.arg_style' = {script.arg_style!r} is invalid: must be one of {', '.join(ARG_STYLES)}",
             "flag: a swept script.args.NAME becomes --NAME=VALUE (argparse); hydra: NAME=VALUE",
+        )
+    _validate_launcher(script, slurm)
+
+
+def _validate_launcher(script: ScriptConfig, slurm: Optional[SlurmConfig]) -> None:
+    if script.launcher not in LAUNCHERS:
+        raise DdpJobError(
+            f"config key 'script.launcher' = {script.launcher!r} is invalid: must be one of {', '.join(LAUNCHERS)}",
+            "srun: one Slurm task per rank (the default); torchrun: one torchrun agent per node starts its ranks",
+        )
+    if script.launcher != "srun" and not script.enabled:
+        raise DdpJobError(
+            f"config key 'script.launcher' = {script.launcher!r} is set but no script is",
+            "set script.path or script.module (the built-in trainer always runs one Slurm task per rank)",
+        )
+    if script.launcher == "torchrun" and slurm is not None and slurm.gpus_per_node and slurm.gpu_bind == "task":
+        # --gpus-per-task would give the node's one task (the agent) only gpus_per_node / ranks GPUs to share.
+        raise DdpJobError(
+            "config keys 'script.launcher' = 'torchrun' and 'slurm.gpu_bind' = 'task' cannot be combined: the node's "
+            "one task (torchrun's agent) must see all of the node's GPUs",
+            "set slurm.gpu_bind=node (each rank takes cuda:LOCAL_RANK), or script.launcher=srun",
         )
 
 

@@ -64,6 +64,10 @@ def _load(args: argparse.Namespace) -> Config:
         overrides.insert(0, f"run.name={name}")  # the user's own run.name=..., later in the list, wins
     if args.no_snapshot:
         overrides.append("snapshot.enabled=false")
+    if args.script is not None:
+        # Keys that need a script (script.launcher, script.arg_style) are checked as the config loads: a stand-in
+        # path until the real one is set below, as it is (an override's value would be read as YAML).
+        overrides.insert(0, "script.path=--script")
     cfg = load_config(config, overrides)
     if args.script is not None or args.script_args is not None:
         # Set on the loaded config, not as overrides: a path or an argument is taken as it is, never read as YAML.
@@ -174,7 +178,7 @@ def _follow(sub: object) -> int:
 def cmd_submit(args: argparse.Namespace) -> int:
     from ddp_core.config import to_yaml
     from ddp_core.rundir import new_run_dir
-    from jobs.submit import entry_module, render_submitit_script, submit, validate_for_submit
+    from jobs.submit import entry_module, render_submitit_script, submit, task_layout, validate_for_submit
 
     cfg = _load(args)
     # A dry run checks the request against the cluster where there is one, and still renders where not.
@@ -186,6 +190,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print("# sbatch script (nothing submitted)")
         entry = entry_module(cfg)
         print(f"# each task runs {entry}.run({str(run_dir.path)!r}), as python -m {entry} RUN_DIR would")
+        if cfg.script.launcher == "torchrun":
+            ranks = task_layout(cfg).ranks_per_task
+            print(f"# script.launcher=torchrun: one task per node, a torchrun agent that starts {ranks} ranks")
         print(render_submitit_script(cfg, run_dir))
         print(f"# code snapshot: {code.summary() if code else 'none'}")
         print("# resolved config")

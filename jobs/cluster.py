@@ -76,9 +76,10 @@ def pick_partition(partitions: list[Partition], name: Optional[str]) -> Partitio
     raise DdpJobError(f"config key 'slurm.partition' = {name!r}: no such partition", f"available: {names}")
 
 
-def check_request(cfg: SlurmConfig, part: Partition, ranks: int) -> None:
+def check_request(cfg: SlurmConfig, part: Partition, ranks: int, cpus_per_node: Optional[int] = None) -> None:
     """Raise ``DdpJobError`` naming the key when the request (``ranks`` processes per node, see
-    ``config.ranks_per_node``) can never be scheduled on ``part``."""
+    ``config.ranks_per_node``; ``cpus_per_node`` from the request's task layout, ``jobs.submit.task_layout``, else
+    ``ranks`` x ``slurm.cpus_per_task``) can never be scheduled on ``part``."""
     if cfg.nodes > part.nodes:
         raise DdpJobError(
             f"config key 'slurm.nodes' = {cfg.nodes} exceeds partition '{part.name}' ({part.nodes} nodes)",
@@ -90,7 +91,7 @@ def check_request(cfg: SlurmConfig, part: Partition, ranks: int) -> None:
             f"({part.gpus_per_node} GPUs per node)",
             f"use slurm.gpus_per_node<={part.gpus_per_node}, or a GPU partition via slurm.partition",
         )
-    cpus = ranks * (cfg.cpus_per_task or 1)
+    cpus = ranks * (cfg.cpus_per_task or 1) if cpus_per_node is None else cpus_per_node
     if cpus > part.cpus_per_node:
         key = "slurm.gpus_per_node" if cfg.gpus_per_node else "slurm.tasks_per_node"
         raise DdpJobError(

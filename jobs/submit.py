@@ -29,6 +29,10 @@ def environment(cfg: Config) -> list[str]:
     """``export`` lines for every rank, set in the batch script (the trainer reads its environment, never writes
     it). A value the user exported before submitting wins (``${VAR:-default}``)."""
     lines = [THREADS_SETUP]
+    ranks = task_layout(cfg).ranks_per_task
+    if ranks > 1:
+        # A torchrun agent's task holds the CPUs of all of its node's ranks: each rank's threads get their share.
+        lines = [f"export OMP_NUM_THREADS=$(( ${{SLURM_CPUS_PER_TASK:-{ranks}}} / {ranks} ))"]
     if cfg.slurm.gpus_per_node:
         # NCCL errors and timeouts abort the communicator and raise on every rank instead of hanging (torch's
         # default since 2.2; explicit, so an older torch or a site profile cannot turn it off unnoticed).
@@ -59,22 +63,44 @@ def cpus_per_task(cfg: Config, part: Optional[cluster.Partition] = None) -> int:
     return per_gpu * max(1, s.gpus_per_node // ranks_per_node(cfg))
 
 
+@dataclass(frozen=True)
+class TaskLayout:
+    """How a node's ranks map onto Slurm tasks."""
+
+    tasks_per_node: int  # Slurm tasks per node (--ntasks-per-node)
+    cpus_per_task: int  # CPUs of each task (--cpus-per-task)
+    ranks_per_task: int  # processes each task runs: 1 (srun), or the node's ranks (a torchrun agent's workers)
+
+
+def task_layout(cfg: Config, part: Optional[cluster.Partition] = None) -> TaskLayout:
+    """One task per rank (srun: each task is a rank), or with ``script.launcher: torchrun`` one task per node that
+    holds the CPUs of all of the node's ranks (its torchrun agent starts them). ``slurm.cpus_per_task`` stays the
+    CPUs of one rank either way, so a node's request is the same size in both."""
+    ranks, per_rank = ranks_per_node(cfg), cpus_per_task(cfg, part)
+    if cfg.script.enabled and cfg.script.launcher == "torchrun":
+        return TaskLayout(tasks_per_node=1, cpus_per_task=ranks * per_rank, ranks_per_task=ranks)
+    return TaskLayout(tasks_per_node=ranks, cpus_per_task=per_rank, ranks_per_task=1)
+
+
 def sbatch_parameters(cfg: Config) -> dict[str, Any]:
-    """The job's one Slurm request (submitit SlurmExecutor parameters, Slurm's own names): one task per rank.
-    The submitit path, the sbatch template, ``--dry-run`` and sweeps all render from it."""
+    """The job's one Slurm request (submitit SlurmExecutor parameters, Slurm's own names): one task per rank, or one
+    per node for a torchrun agent (``task_layout``). The submitit path, the sbatch template, ``--dry-run`` and sweeps
+    all render from it."""
     s = cfg.slurm
     ranks = ranks_per_node(cfg)
+    layout = task_layout(cfg)
     params: dict[str, Any] = {
         "job_name": s.job_name or cfg.run.name,
         "nodes": s.nodes,
-        "ntasks_per_node": ranks,
-        "cpus_per_task": cpus_per_task(cfg),
+        "ntasks_per_node": layout.tasks_per_node,
+        "cpus_per_task": layout.cpus_per_task,
         "time": s.time_min,
         "setup": [*environment(cfg), *s.setup],
         "srun_args": srun_args(cfg),
     }
     gpus: dict[str, Any] = {}
     if s.gpus_per_node and s.gpu_bind == "task":
+        assert layout.ranks_per_task == 1, "validate_config refuses gpu_bind=task with one task per node"
         gpus["gpus_per_task"] = s.gpus_per_node // ranks  # each task sees only its own GPU(s)
     elif s.gpus_per_node:
         gpus["gpus_per_node"] = s.gpus_per_node  # every task sees all of its node's GPUs
@@ -125,7 +151,8 @@ def check_cluster(cfg: Config) -> cluster.Partition:
     """Check the request against the partition; fills ``slurm.cpus_per_task`` (when null) from its nodes."""
     part = cluster.pick_partition(cluster.query_partitions(), cfg.slurm.partition)
     cfg.slurm.cpus_per_task = cpus_per_task(cfg, part)
-    cluster.check_request(cfg.slurm, part, ranks_per_node(cfg))
+    layout = task_layout(cfg, part)
+    cluster.check_request(cfg.slurm, part, ranks_per_node(cfg), layout.tasks_per_node * layout.cpus_per_task)
     return part
 
 
@@ -167,7 +194,7 @@ def make_executor(cfg: Config, run_dir: RunDir, local: bool) -> Any:
     if local:
         executor = submitit.LocalExecutor(folder=run_dir.slurm)
         executor.update_parameters(
-            tasks_per_node=ranks_per_node(cfg), timeout_min=cfg.slurm.time_min, setup=environment(cfg)
+            tasks_per_node=task_layout(cfg).tasks_per_node, timeout_min=cfg.slurm.time_min, setup=environment(cfg)
         )
         return executor
     executor = submitit.SlurmExecutor(folder=run_dir.slurm)

@@ -56,7 +56,8 @@ def check_sweep(sweep: Sweep, local_check: bool = True) -> None:
     from ddp_core.task import check_task
 
     varying = {key for trial in sweep.trials for key in trial.params}
-    shared = sorted(k for k in varying if k.startswith(("slurm.", "run.")))
+    # script.launcher too: it decides the request's tasks per node.
+    shared = sorted(k for k in varying if k.startswith(("slurm.", "run.")) or k == "script.launcher")
     if shared:
         raise DdpJobError(
             f"sweep key '{shared[0]}' cannot vary: the trials of one array share its resources and run root",
