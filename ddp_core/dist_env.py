@@ -94,6 +94,14 @@ def _cpus(env: Mapping[str, str], local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
 
 
+def _torchrun_cpus(env: Mapping[str, str], local_world: int) -> int:
+    # A torchrun worker inherits its agent's SLURM_CPUS_PER_TASK: the CPUs of the agent's one task, which all of the
+    # node's LOCAL_WORLD_SIZE workers share. (RANK... exported by hand in an srun task: that task is this rank's own.)
+    if "TORCHELASTIC_RUN_ID" in env and env.get("SLURM_CPUS_PER_TASK"):
+        return max(1, _int(env, "SLURM_CPUS_PER_TASK") // max(1, local_world))
+    return _cpus(env, local_world)
+
+
 def _in_srun_step(env: Mapping[str, str]) -> bool:
     return "SLURM_STEP_ID" in env and env.get("SLURM_STEP_ID") != "batch"
 
@@ -122,7 +130,7 @@ def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
         job_id=env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID"),
         slurm_job_id=env.get("SLURM_JOB_ID"),  # torchrun inside an allocation can still requeue it
         restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
-        cpus_per_rank=_cpus(env, local_world),
+        cpus_per_rank=_torchrun_cpus(env, local_world),
         source="torchrun",
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )

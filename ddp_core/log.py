@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Optional
 
 from ddp_core.dist_env import DistEnv
 
-_FORMAT = "%(asctime)s [rank {rank}/{world}] %(levelname)s %(name)s: %(message)s"
+_FORMAT = "%(asctime)s [{label}] %(levelname)s %(name)s: %(message)s"
 
 
-def setup_logging(env: DistEnv, level: int = logging.INFO) -> None:
+def setup_logging(env: DistEnv, level: int = logging.INFO, label: Optional[str] = None) -> None:
+    """``label``: what the prefix names instead of ``rank R/W`` (a process that is no rank, e.g. a torchrun agent)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(_FORMAT.format(rank=env.rank, world=env.world_size), "%H:%M:%S"))
+    prefix = label or f"rank {env.rank}/{env.world_size}"
+    handler.setFormatter(logging.Formatter(_FORMAT.format(label=prefix), "%H:%M:%S"))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

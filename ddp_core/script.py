@@ -27,6 +27,11 @@ default (the process ends). Importing ``ddp_core.runtime`` replaces both with ha
 code: that code. An exception: ``rank R/W on HOST failed: ...`` is logged and the process exits 1 at once (``srun
 --kill-on-bad-exit`` ends the others). ``runtime.requeue()`` exits by itself with the trainer's codes.
 
+**``script.launcher: torchrun``.** The srun task is one per node instead, and ``_run`` hands it to
+``ddp_core.script_torchrun``: a torchrun agent whose workers are ``python -m ddp_core.script RUN`` again, each of them
+a rank as above (torchrun's variables come first in ``DistEnv.from_env``; ``TORCHELASTIC_RUN_ID`` tells a worker from
+the agent).
+
 **The config's ``script`` section** (``ScriptConfig``, part of ``ddp_core.config.Config``) lives here too: its shape
 is checked at every load (``validate_config``: no filesystem), the login node checks the file and records its
 absolute path and sha256 (``resolve_for_submit``), and the compute node reads it back (``spec_from_config``).
@@ -62,7 +67,7 @@ from ddp_core.log import setup_logging
 from ddp_core.rundir import RunDir
 
 if TYPE_CHECKING:
-    from ddp_core.config import SlurmConfig  # ddp_core.config imports this module
+    from ddp_core.config import Config, SlurmConfig  # ddp_core.config imports this module
 
 log = logging.getLogger("ddp_core.script")
 
@@ -397,16 +402,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return _run(parser.parse_args(argv).run_dir)
 
 
-def _run(run_dir_arg: str) -> int:
-    env = DistEnv.from_env()
+def _start_logging(env: DistEnv) -> None:
     setup_logging(env)
     # Every rank's first line of every attempt, as the trainer's banner: `ddpjob logs` splits attempts at it.
     log.info("%s on %s: rank %d/%d local %d/%d node %d/%d restart %d", env.source, socket.gethostname(), env.rank,
              env.world_size, env.local_rank, env.local_world_size, env.node_rank, env.num_nodes,
              env.restart_count)  # fmt: skip
+
+
+def _run(run_dir_arg: str) -> int:
+    env = DistEnv.from_env()
     try:
         run_dir = RunDir(Path(run_dir_arg).resolve())
         cfg = run_dir.load_config()
+    except DdpJobError as err:
+        _start_logging(env)
+        log.error("%s", err)
+        return 2
+    if cfg.script.launcher == "torchrun" and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return _run_agent(run_dir, cfg, env)  # this process starts the node's ranks; each runs _run again
+    _start_logging(env)
+    try:
         code = snapshot.activate(run_dir)  # first on sys.path: the script's siblings / package as submitted
         spec = spec_from_config(cfg.script, str(run_dir.config_file), code)
     except DdpJobError as err:
@@ -452,6 +468,26 @@ def _run(run_dir_arg: str) -> int:
         if lock is not None:
             lock.close()
     return code
+
+
+def _run_agent(run_dir: RunDir, cfg: Config, env: DistEnv) -> int:
+    """``script.launcher: torchrun``: this node's torchrun agent (``ddp_core.script_torchrun``), its workers each a
+    rank of this module."""
+    from ddp_core.config import ranks_per_node
+
+    setup_logging(env, label=f"agent node {env.node_rank}/{env.num_nodes}")
+    # The attempt's first line in the node's log (its workers' banners follow): `ddpjob logs` splits attempts at it.
+    log.info("%s on %s: torchrun agent node %d/%d, %d ranks per node, restart %d", env.source, socket.gethostname(),
+             env.node_rank, env.num_nodes, ranks_per_node(cfg), env.restart_count)  # fmt: skip
+    try:
+        # Checked once here rather than by every worker: a missing script is one error line, not one per rank.
+        spec_from_config(cfg.script, str(run_dir.config_file), snapshot.read_record(run_dir))
+    except DdpJobError as err:
+        log.error("%s", err)
+        return 2
+    from ddp_core.script_torchrun import run_agent
+
+    return run_agent(run_dir.path, cfg, env)
 
 
 if __name__ == "__main__":

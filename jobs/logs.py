@@ -26,9 +26,12 @@ from jobs.status import Job, query_ids, run_jobs, runs_to_show, shown_path
 
 # The first line of an attempt: the trainer's or script mode's rank banner (stderr), submitit's start line (stdout),
 # or the sbatch template's echo (batch log). Output before the first one (Slurm's own notes) belongs to attempt 1.
+# With script.launcher=torchrun a task's log is its node's: the agent's banner starts the attempt, and the banners
+# of the workers it started (source "torchrun") follow within it.
 ATTEMPT_START = re.compile(
-    r"ddp_core\.(?:distributed|script): \S+ on \S+: rank \d+/\d+ |submitit INFO \(.*\) - Starting with JobEnvironment"
-    r"|^ddpjob: job \S+ run directory "
+    r"ddp_core\.distributed: \S+ on \S+: rank \d+/\d+ "
+    r"|ddp_core\.script: (?!torchrun )\S+ on \S+: (?:rank \d+/\d+ |torchrun agent )"
+    r"|submitit INFO \(.*\) - Starting with JobEnvironment|^ddpjob: job \S+ run directory "
 )
 POLL_S = 0.5
 
