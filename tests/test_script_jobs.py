@@ -1,8 +1,9 @@
 """Script mode on the real local cluster: users' own torchrun-style scripts, submitted as they are.
 
-The PyTorch DDP tutorial's pattern across two nodes (submitit path and plain sbatch), the char-level transformer
-script interrupted three times ending bitwise equal to an uninterrupted run, a failing rank named, and a task module
-edited while its job waits for a requeue (the requeued attempt runs the code as submitted).
+The PyTorch DDP tutorial's pattern across two nodes (submitit path and plain sbatch; and with script.launcher=torchrun,
+2 ranks per node), the char-level transformer script interrupted three times ending bitwise equal to an uninterrupted
+run (and under torchrun, interrupted once, equal to srun mode's), a failing rank named, and a task module edited while
+its job waits for a requeue (the requeued attempt runs the code as submitted).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, field, run_cli
-from tests.helpers import digests, events, metric_steps, rank_logs, wait_for, wait_gone
+from tests.helpers import FINAL_DIGEST, digests, events, metric_steps, rank_logs, wait_for, wait_gone
 
 pytestmark = pytest.mark.slurm
 TUTORIAL = str(ROOT / "examples" / "ddp_tutorial.py")
@@ -98,6 +99,54 @@ def test_charlm_script_interrupted_three_times_ends_bitwise_equal(slurm_cluster,
     run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
     offline = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline) == 4 and all(f.name.endswith(f"-{run_id}") for f in offline)
+
+
+def test_tutorial_under_torchrun_on_two_nodes(slurm_cluster, tmp_path):
+    """script.launcher=torchrun, 2 nodes x 2 ranks: one Slurm task per node (its log holds the node's ranks), whose
+    torchrun agent starts ranks 0-1 on n1 and 2-3 on n2, world size 4, rendezvous on n1."""
+    job_id, run_dir = _submitted(run_cli("submit", "--script", TUTORIAL, "script.launcher=torchrun", "slurm.nodes=2",
+                                         "slurm.tasks_per_node=2", "--wait", "--", "--steps", "5",
+                                         cwd=tmp_path))  # fmt: skip
+    logs = rank_output(run_dir, job_id)  # one file per task: here, per node
+    assert sorted(logs) == [0, 1], sorted(logs)
+    for node, host in enumerate(("n1", "n2")):
+        assert f"slurm on {host}: torchrun agent node {node}/2, 2 ranks per node, restart 0" in logs[node]
+        for local in (0, 1):
+            rank = 2 * node + local
+            assert f"torchrun on {host}: rank {rank}/4 local {local}/2 node {node}/2 restart 0" in logs[node]
+            assert re.search(rf"rank {rank}/4 local_rank {local} master n1:\d+", logs[node]), logs[node]
+            assert f"rank {rank}: final loss" in logs[node]
+    assert _nodes(job_id) == "n[1-2]"
+    assert [e["event"] for e in events(run_dir)] == ["start", "completed"]
+    assert events(run_dir, "start")[0]["world_size"] == 4
+
+
+def test_charlm_under_torchrun_requeued_once_matches_srun_mode(slurm_cluster, tmp_path):
+    """examples/charlm_script.py with script.launcher=torchrun (2 ranks on one node), ``scancel --signal=USR2`` once:
+    the same job requeued, restart count 1, resumed from the interruption's checkpoint, every logged step once, and
+    the weights of the same script and arguments run uninterrupted in srun mode."""
+    args = ["--", "--steps", "300", "--save-every", "1000", "--log-every", "5", "--batch", "4"]
+    common = ["--script", CHARLM, "slurm.tasks_per_node=2", "wandb.mode=disabled"]
+    (tmp_path / "ref").mkdir()
+    ref_job, ref_dir = _submitted(run_cli("submit", *common, "--wait", *args, cwd=tmp_path / "ref"))
+    reference = set(digests(rank_output(ref_dir, ref_job)).values())
+    assert len(reference) == 1
+    job_id, run_dir = _submitted(run_cli("submit", *common, "script.launcher=torchrun", *args, cwd=tmp_path))
+    wait_for(lambda: events(run_dir, "start") and max(metric_steps(run_dir), default=0) > 20, 120, "it to train")
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    wait_for(lambda: events(run_dir, "interrupted"), 60, "the interruption")
+    stopped = events(run_dir, "interrupted")[0]["step"]
+    assert wait_gone(job_id) == "COMPLETED"
+    starts = events(run_dir, "start")
+    assert [s["restart_count"] for s in starts] == [0, 1] and {s["job_id"] for s in starts} == {job_id}
+    assert [e["event"] for e in events(run_dir)][-2:] == ["start", "completed"]
+    assert len(events(run_dir, "requeued")) == 1
+    (node,) = rank_output(run_dir, job_id).values()  # one task: the node's agent and both of its ranks
+    for rank in (0, 1):
+        assert f"rank {rank}: resumed from step_{stopped:08d}.pt (restart 1)" in node, node[-3000:]
+    assert metric_steps(run_dir) == list(range(5, 301, 5))
+    final = FINAL_DIGEST.findall(node)
+    assert len(final) == 2 and set(final) == reference
 
 
 def test_failing_rank_ends_the_job_fast_and_is_named(slurm_cluster, tmp_path):
