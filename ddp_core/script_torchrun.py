@@ -11,8 +11,8 @@ script in its own process. ``DDPJOB_RESTART_COUNT`` still comes from ``SLURM_RES
 
 **Rendezvous: static**, on the first node: ``--nnodes=N --node-rank=SLURM_NODEID --master-addr=<first node>
 --master-port=<port>``, all from the agent's ``DistEnv`` (the address and port srun mode's rank 0 serves; the port is
-derived from the job id, so jobs sharing a node do not collide). The node's agent of rank 0 serves the TCP store and
-the workers join it (``TORCHELASTIC_USE_AGENT_STORE``). Static over c10d: Slurm already fixed the nodes and their
+derived from the job id, so jobs sharing a node do not collide). The agent of node 0 serves the TCP store and the
+workers join it (``TORCHELASTIC_USE_AGENT_STORE``). Static over c10d: Slurm already fixed the nodes and their
 order before any agent starts, so there is nothing to negotiate. Static keeps global ranks in Slurm's node order (rank
 0 on the first node, ranks ``node * nproc + local``, as srun mode numbers them) and needs no rendezvous round;
 c10d numbers nodes in the order they arrive and exists for elastic membership, which ``--max-restarts=0`` (Slurm
@@ -20,13 +20,15 @@ requeues a run, torchrun never restarts it) makes moot. Outside Slurm (``--local
 127.0.0.1, a free port (``MASTER_PORT`` if set).
 
 **Signals.** torch's agent handles SIGTERM/SIGINT/SIGHUP/SIGQUIT only from the main thread, by stopping its workers
-(its shutdown timeout, then SIGKILL) and leaving; it does not pass on the warning signal. Here torch's agent runs in
-a helper thread (so it installs no handlers) and the main thread owns the signals:
+(its shutdown timeout, then SIGKILL) and leaving; it does not pass on the warning signal (newer torch's
+``--signals-to-handle`` can add it to that list, but the agent would then stop its workers and leave on it too). Here
+torch's agent runs in a helper thread (so it installs no handlers) and the main thread owns the signals:
 
 - SIGTERM, SIGINT, SIGHUP: passed on at once to every worker, which then behaves as an srun-mode rank does (a plain
   script ends; one using ``ddp_core.runtime`` records it, checkpoints and exits by itself). The agent keeps waiting for
   its workers: Slurm's own SIGKILL after KillWait bounds it, as in srun mode, instead of torch's 30 s. With no worker
-  started yet (rendezvous), the agent leaves at once with 128 + the signal, as a plain process would.
+  running (still in the rendezvous, or all gone), the agent leaves at once with 128 + the signal, as a plain process
+  would.
 - The warning signal (``slurm.signal``): passed on to each worker once it handles that signal (``ddp_core.runtime``
   installed its handler, read from ``/proc/PID/status``), also to workers that reach that point after the signal
   arrived; never to one that would die of it (still starting, default disposition) or ignores it (a plain script:
@@ -189,7 +191,7 @@ class Forwarder:
             return
         workers = worker_pids()
         if not workers:
-            log.warning("%s before any worker started: the agent leaves", signal.Signals(signum).name)
+            log.warning("%s with no worker running: the agent leaves", signal.Signals(signum).name)
             logging.shutdown()
             os._exit(128 + signum)  # torch's agent thread holds no state worth a teardown; a daemon thread
         for pid in workers:
