@@ -605,7 +605,7 @@ def argv_item(item: str) -> bool:
 
 
 @fuzz(12, scalable=False)
-@given(items=st.lists(CLI_OVERRIDES | overrides().flatmap(st.sampled_from).filter(argv_item), max_size=2))
+@given(items=st.lists(CLI_OVERRIDES | overrides().filter(bool).flatmap(st.sampled_from).filter(argv_item), max_size=2))
 def test_cli_dry_run(tmp_path_factory, items):
     tmp = tmp_path_factory.mktemp("cli")
     root = tmp / "runs"
