@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -13,6 +14,28 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 FINAL_DIGEST = re.compile(r"final weights sha256 ([0-9a-f]{64})")
+ROOT = Path(__file__).resolve().parent.parent
+_SOURCES = ("ddp_core/**/*.py", "jobs/**/*.py", "tests/*.py", "configs/*.yaml", "examples/*.py", "pyproject.toml")
+
+
+def cached_reference(pytestconfig: Any, name: str, parts: Sequence[str], compute: Callable[[], str]) -> str:
+    """``compute()`` (an uninterrupted run's digest), reused from pytest's cache when neither ``parts`` nor any
+    source file changed: scripts/test's profile passes rerun a module whose reference the first pass already
+    computed. The key covers every source the run could depend on, and torch's version."""
+    import torch
+
+    key = hashlib.sha256("\0".join([torch.__version__, *parts]).encode())
+    for pattern in _SOURCES:
+        for path in sorted(ROOT.glob(pattern)):
+            key.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    cache = getattr(pytestconfig, "cache", None)  # None under -p no:cacheprovider
+    slot = f"ddpjob/reference/{name}/{key.hexdigest()[:32]}"
+    if cache is not None and isinstance(found := cache.get(slot, None), str):
+        return found
+    digest = compute()
+    if cache is not None:
+        cache.set(slot, digest)
+    return digest
 
 
 def run_trainer(

@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import (
+    cached_reference,
     digests,
     events,
     final_digests,
@@ -40,11 +41,16 @@ SLOW = "task.data.pause_s=0.04"
 
 
 @pytest.fixture(scope="module")
-def reference(slurm_cluster, tmp_path_factory) -> str:
-    """The uninterrupted run, under torchrun on this machine (1 node x 4 equals 2 nodes x 2, bitwise)."""
-    d = final_digests(run_trainer(DIGITS, tmp_path_factory.mktemp("ref") / "run", CONFIG, nproc=4))
-    assert len(d) == 4 and len(set(d)) == 1
-    return d[0]
+def reference(slurm_cluster, tmp_path_factory, pytestconfig) -> str:
+    """The uninterrupted run, under torchrun on this machine (1 node x 4 equals 2 nodes x 2, bitwise). Each profile
+    pass needs it: computed once per source tree."""
+
+    def run() -> str:
+        d = final_digests(run_trainer(DIGITS, tmp_path_factory.mktemp("ref") / "run", CONFIG, nproc=4))
+        assert len(d) == 4 and len(set(d)) == 1
+        return d[0]
+
+    return cached_reference(pytestconfig, "slurm_preemption", [DIGITS, *CONFIG, "nproc=4"], run)
 
 
 def submit(cwd: Path, *extra: str) -> tuple[str, Path]:
