@@ -1,18 +1,28 @@
-"""Keeps one cluster test's failure from becoming the next test's: cluster tests run one at a time and size their
-jobs for an idle cluster, so a job a failed test left behind, or a node Slurm drained or marked down, would make
-every following test wait out its timeouts (once, in CI, ten tests of 300 s each).
+"""Turns on the local cluster for tests, and keeps one cluster test's failure from becoming the next test's.
 
-Before a cluster test: whatever is still queued gets a short grace to finish, then is cancelled; nodes that are
-down or drained are resumed. Each repair is printed with what Slurm said, so it shows in the test's output. After a
-failed cluster test its report carries the cluster's state: the queue, the nodes and the controller's last lines.
+Most cluster tests size their jobs for an idle cluster (preemption fills both nodes, a drill targets a node, sweeps
+and the 8-rank run take every CPU): they take the cluster alone. Tests marked ``cluster_shared`` submit small jobs
+(at most 2 CPUs per node, no GPUs, nothing global) and may run beside one other shared test. ``turn`` is that
+rule, as a reader-writer lock on a file beside the cluster's state (shared tests read, the others write) behind a
+turnstile, so a waiting exclusive test is not starved by shared tests arriving after it. pytest-xdist runs the
+cluster tests in two lanes (tests/conftest.py); most of the time a lane waits on Slurm, not on the CPU.
+
+A job a failed test left behind, or a node Slurm drained or marked down, would make every following test wait out
+its timeouts (once, in CI, ten tests of 300 s each). So before an exclusive test whatever is still queued gets a
+short grace to finish, then is cancelled; before any cluster test nodes that are down or drained are resumed. Each
+repair is printed with what Slurm said, so it shows in the test's output. After a failed cluster test its report
+carries the cluster's state: the queue, the nodes and the controller's last lines.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Iterator
 
 HOME = Path(os.environ.get("DDPJOB_SLURM_HOME", "/var/tmp/ddpjob-slurm"))
 UNHEALTHY = ("down", "drain", "drng", "fail", "failg", "maint", "unk")
@@ -50,6 +60,22 @@ def _settle(timeout: float) -> bool:
     return not queued()
 
 
+@contextlib.contextmanager
+def turn(shared: bool) -> Iterator[list[str]]:
+    """Hold the cluster, alone or (``shared``) beside other shared tests, and heal it first; yields the repairs."""
+    HOME.mkdir(parents=True, exist_ok=True)
+    with open(HOME / "tests.turnstile", "a") as gate, open(HOME / "tests.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)  # in arrival order: a waiting exclusive test holds the gate
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield heal() if shared else make_idle()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def make_idle() -> list[str]:
     """Bring the cluster to idle and healthy; returns what had to be repaired (empty when it already was)."""
     repairs = []
@@ -59,6 +85,12 @@ def make_idle() -> list[str]:
         _run("scancel", "--me")
         if not _settle(60):
             repairs.append("still queued after scancel: " + "; ".join(queued()))
+    return repairs + heal()
+
+
+def heal() -> list[str]:
+    """Resume nodes that are down or drained (a shared test must not cancel its neighbour's jobs)."""
+    repairs = []
     for node, why in unhealthy_nodes().items():
         repairs.append(f"resumed node {node} ({why})")
         _run("scontrol", "update", f"NodeName={node}", "State=RESUME")

@@ -53,9 +53,11 @@ def running_profile() -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("slurm"):
-            # Under pytest-xdist (--dist loadgroup) every cluster test runs on one worker, one at a time: they size
-            # their jobs for an idle cluster. The other worker runs the tests that need no cluster meanwhile.
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+            # Under pytest-xdist (--dist loadgroup) the cluster tests run in two lanes, each on its own worker and one
+            # test at a time: lane "a" holds the tests that need the cluster alone and some shared ones, lane "b" only
+            # shared ones, which tests/cluster_guard.turn lets run beside lane a's. Whole modules go to one lane, so
+            # a module's reference run is computed once. A third worker runs the tests that need no cluster.
+            item.add_marker(pytest.mark.xdist_group(f"slurm-{lane(item)}"))
     wanted = {item: m.args[0] for item in items if (m := item.get_closest_marker("cluster_profile"))}
     only = config.getoption("--cluster-profile-only")
     if not wanted and not only:
@@ -65,6 +67,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if len(keep) != len(items):
         config.hook.pytest_deselected(items=[i for i in items if i not in keep])
         items[:] = keep
+
+
+def lane(item: pytest.Item) -> str:
+    """The cluster-test lane: ``cluster_shared(LANE)``'s, else "a" (the tests that need the cluster alone)."""
+    shared = item.get_closest_marker("cluster_shared")
+    return shared.args[0] if shared else "a"
 
 
 def _cluster_up() -> bool:
@@ -86,11 +94,15 @@ def slurm_cluster():
 
 @pytest.fixture(autouse=True)
 def _cluster_turn(request: pytest.FixtureRequest):
-    """Each cluster test starts on an idle, healthy cluster (see tests/cluster_guard.py)."""
-    if request.node.get_closest_marker("slurm") and _cluster_up():
-        for repair in cluster_guard.make_idle():
+    """Each cluster test takes its turn on the cluster, alone or shared, and starts on a healthy one (an idle one
+    when alone): see tests/cluster_guard.py."""
+    if not (request.node.get_closest_marker("slurm") and _cluster_up()):
+        yield
+        return
+    with cluster_guard.turn(shared=request.node.get_closest_marker("cluster_shared") is not None) as repairs:
+        for repair in repairs:
             print(f"cluster guard: {repair}")
-    yield
+        yield
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -15,7 +15,7 @@ from tests.conftest import ROOT, field, run_cli
 from tests.helpers import digests, events, rank_logs, wait_gone
 from tests.test_preemption import interrupt
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.cluster_shared("a")]  # 2-CPU jobs: see tests/cluster_guard.py
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 COMMON = ["task.target=tests.tasks:SlowDigitsTask", "train.max_steps=200", "train.log_every=5",
           "train.eval_every=100", "checkpoint.every_steps=50", "data.batch_size=16", "task.model.dropout=0.2",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import cluster_guard
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import (
     digests,
@@ -30,7 +31,7 @@ from tests.helpers import (
     wandb_records,
 )
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.cluster_shared("b")]  # 2-CPU jobs: see tests/cluster_guard.py
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 CONFIG = [
     "task.target=tests.tasks:SlowDigitsTask", "train.max_steps=300", "train.log_every=5", "train.eval_every=100",
@@ -43,7 +44,8 @@ SLOW = "task.data.pause_s=0.03"  # ~10 s of training: room for signals at random
 @pytest.fixture(scope="module")
 def reference(slurm_cluster, tmp_path_factory) -> str:
     cwd = tmp_path_factory.mktemp("reference")
-    proc = run_cli("submit", DIGITS, "--wait", *CONFIG, cwd=cwd)
+    with cluster_guard.turn(shared=True):  # a module fixture runs before the test's own turn
+        proc = run_cli("submit", DIGITS, "--wait", *CONFIG, cwd=cwd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     d = digests(rank_logs(Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")))
     assert d[0] == d[1]

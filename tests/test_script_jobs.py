@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from tests import cluster_guard
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import FINAL_DIGEST, digests, events, metric_steps, rank_logs, wait_for, wait_gone
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.cluster_shared("a")]  # 2-CPU jobs: see tests/cluster_guard.py
 TUTORIAL = str(ROOT / "examples" / "ddp_tutorial.py")
 CHARLM = str(ROOT / "examples" / "charlm_script.py")
 CHARLM_ARGS = ["--", "--steps", "300", "--save-every", "1000", "--log-every", "5", "--batch", "4"]
@@ -50,7 +51,9 @@ def _nodes(job_id: str) -> str:
 def charlm_reference(slurm_cluster, tmp_path_factory) -> str:
     """The uninterrupted charlm_script run in srun mode (2 ranks): the digest both interrupted runs must end with."""
     cwd = tmp_path_factory.mktemp("charlm-ref")
-    job, run_dir = _submitted(run_cli("submit", *CHARLM_COMMON, "wandb.mode=disabled", "--wait", *CHARLM_ARGS, cwd=cwd))
+    with cluster_guard.turn(shared=True):  # a module fixture runs before the test's own turn
+        proc = run_cli("submit", *CHARLM_COMMON, "wandb.mode=disabled", "--wait", *CHARLM_ARGS, cwd=cwd)
+    job, run_dir = _submitted(proc)
     final = set(digests(rank_output(run_dir, job)).values())
     assert len(final) == 1
     return final.pop()

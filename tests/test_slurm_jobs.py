@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import digests, rank_logs, sacct_state, wait_gone
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.cluster_shared("a")]  # 2-CPU jobs: see tests/cluster_guard.py
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 QUICK = ["train.max_steps=60", "checkpoint.every_steps=20", "train.eval_every=0", "train.log_every=20"]
 
