@@ -170,28 +170,30 @@ def test_hangs_in_a_collective_and_before_the_first_step_and_a_spent_budget(refe
     assert digests(rank_logs(run, field(proc.stdout, "job"))) == {0: reference, 1: reference}
 
 
-def test_a_rank_that_never_arrives_ends_the_rendezvous_naming_it(tmp_path):
-    """Rank 1 is given the wrong port: it says it cannot reach the rendezvous, rank 0 says rank 1 never arrived,
-    both within dist.init_timeout_s (plus start-up), instead of waiting for the default 20 minutes."""
-    from ddp_core.dist_env import PORT_BASE  # a port below the ephemeral range, as the trainer's are
+@pytest.mark.slurm
+def test_a_rank_that_never_arrives_ends_the_rendezvous_naming_it(slurm_cluster, tmp_path):
+    """A 2-node job whose rank 1 (on n2) is given a port nothing listens on, as from a node that cannot reach the
+    master's: rank 1 says it cannot reach the rendezvous, rank 0 says rank 1 never arrived and who did, and the job
+    ends FAILED within dist.init_timeout_s (plus start-up) instead of waiting for the default 20 minutes."""
+    from ddp_core.dist_env import PORT_BASE, derive_master_port
 
-    good, bad = PORT_BASE + 7919, PORT_BASE + 7920
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC"))}
-    cmd = [sys.executable, "-m", "ddp_core", DIGITS, "--run-dir", str(tmp_path / "run"), *QUICK,
-           "dist.init_timeout_s=8"]  # fmt: skip
+    bad = PORT_BASE - 1  # below the range the trainer derives ports from: never a rendezvous
+    site = tmp_path / "site"  # sitecustomize runs first in each task's interpreter: only SLURM_PROCID 1 is misled
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        f"import os\nif os.environ.get('SLURM_PROCID') == '1':\n    os.environ['MASTER_PORT'] = '{bad}'\n"
+    )
+    proc = run_cli("submit", DIGITS, *QUICK, "slurm.nodes=2", "slurm.tasks_per_node=1", "dist.init_timeout_s=8",
+                   f"slurm.setup=['export PYTHONPATH={site}:$PYTHONPATH']", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job, run = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
     started = time.monotonic()
-    procs = [
-        subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=base | {
-            "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
-        for rank, port in ((0, good), (1, bad))
-    ]  # fmt: skip
-    errs = [p.communicate(timeout=120)[1] for p in procs]
-    assert [p.returncode for p in procs] == [1, 1], errs
+    assert wait_gone(job, 120) == "FAILED"
     assert time.monotonic() - started < 8 + 40
-    assert f"rank 1 never arrived at the rendezvous at 127.0.0.1:{good} within dist.init_timeout_s (8 s)" in errs[0]
-    assert "arrived: 0 on " in errs[0]
-    assert f"rank 1 on {os.uname().nodename} could not reach the rendezvous at 127.0.0.1:{bad}" in errs[1], errs[1]
+    logs, good = rank_logs(run, job), derive_master_port(int(job))
+    assert f"rank 1 never arrived at the rendezvous at n1:{good} within dist.init_timeout_s (8 s)" in logs[0], logs[0]
+    assert "arrived: 0 on n1" in logs[0]
+    assert f"rank 1 on n2 could not reach the rendezvous at n1:{bad} within dist.init_timeout_s (8 s)" in logs[1]
 
 
 # --- stragglers (ddp_core/straggler.py) -------------------------------------------------------------------------
