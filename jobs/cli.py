@@ -79,10 +79,15 @@ def _load(args: argparse.Namespace) -> Config:
     return cfg
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line like every other user error (subcommands inherit the class)."""
+
+    def error(self, message: str):  # type: ignore[override]  # argparse's own signature: never returns
+        self.exit(2, f"ddpjob: error: {message} (see: {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="ddpjob", description="PyTorch distributed training as Slurm batch jobs (see README.md)."
-    )
+    parser = _Parser(prog="ddpjob", description="PyTorch distributed training as Slurm batch jobs (see README.md).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("submit", help="validate a config, create its run directory and submit the job")
@@ -349,6 +354,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"arguments after -- are a script's: only submit, prepare and sweep take them, not {args.command}")
     args.script_args = script_args
     if extra and (not hasattr(args, "overrides") or any(e.startswith("-") for e in extra)):
+        parser.prog = f"ddpjob {args.command}"  # the help that lists this command's options
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from jobs import cli
 from tests.conftest import ROOT, run_cli
 
 DIGITS = str(ROOT / "configs" / "digits.yaml")
@@ -124,3 +125,22 @@ def test_a_resume_that_sbatch_rejects_leaves_the_run_config_as_it_was(slurm_clus
     proc = run_cli("resume", str(run_dir), "train.max_steps=77", "slurm.additional={no-such-option: 1}", cwd=tmp_path)
     assert proc.returncode == 2 and "submission failed" in proc.stderr, proc.stderr
     assert (run_dir / "config.yaml").read_text() == before and run_dir.is_dir()
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["submit", "--bogus"], "unrecognized arguments: --bogus (see: ddpjob submit --help)"),
+        (["bogus"], "invalid choice: 'bogus'"),
+        (["status", "--metric"], "argument --metric: expected one argument (see: ddpjob status --help)"),
+        (["sweep", "-x"], "unrecognized arguments: -x (see: ddpjob sweep --help)"),
+        (["status", "--", "x"], "arguments after -- are a script's"),
+    ],
+)
+def test_usage_errors_are_one_line(argv, needle, capsys):
+    """argparse's own errors read like every other user error: one line, exit 2, and where to look."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and err.startswith("ddpjob: error: "), err
+    assert needle in err, err
