@@ -110,6 +110,9 @@ class FullWriter:
         # Seconds the last completed save took from its start to its manifest: what a synchronous save costs
         # (the one a signal triggers), whether or not it ran in the background. None before the first one.
         self.last_write_s: Optional[float] = None
+        if checkpoint.CHECKSUM == "sha256":
+            log.warning("the Python package xxhash is not installed: full checkpoints are checksummed with sha256, "
+                        "which adds ~1 s per GB to each save (pip install xxhash)")  # fmt: skip
 
     @property
     def async_save(self) -> bool:
