@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -50,11 +51,17 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(value)
 
 
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 class Staging:
     """Host copies of states' tensors, in buffers reused from one copy to the next."""
 
     def __init__(self) -> None:
         self._buffers: list[tuple[torch.UntypedStorage, bool]] = []  # (buffer, pinned), by first use in the state
+        self._copiers: Optional[ThreadPoolExecutor] = None
+        self._copier_threads = 0
 
     def copy(self, state: dict[str, Any]) -> dict[str, Any]:
         """A copy of ``state`` that shares nothing mutable with it: every tensor on the CPU in a staging buffer,
@@ -64,6 +71,7 @@ class Staging:
         staged: dict[int, torch.UntypedStorage] = {}  # a source storage's address -> its buffer
         memo: dict[int, Any] = {}  # for deepcopy: each tensor (by id) -> its copy
         cuda: set[torch.device] = set()
+        host: list[tuple[np.ndarray, np.ndarray]] = []  # (to, from): the copies from host memory
         for tensor in _tensors(state):
             if id(tensor) in memo:
                 continue
@@ -72,18 +80,44 @@ class Staging:
             buffer = staged.get(key) if key else None  # storages of no bytes all have address 0: never shared
             if buffer is None:
                 buffer = self._buffer(len(staged), source.nbytes(), pin=source.device.type == "cuda")
-                buffer.copy_(source, non_blocking=True)  # from a GPU into page-locked memory: asynchronous
-                if source.device.type == "cuda":
+                if source.device.type == "cpu":
+                    host.append((_bytes(buffer).numpy(), _bytes(source).numpy()))
+                else:
+                    _bytes(buffer).copy_(_bytes(source), non_blocking=True)  # into page-locked memory: async
                     cuda.add(source.device)
                 staged[key] = buffer
             view = torch.empty(0, dtype=tensor.dtype).set_(buffer, tensor.storage_offset(), tensor.size(),
                                                            tensor.stride())  # fmt: skip
             view.requires_grad_(tensor.requires_grad)
             memo[id(tensor)] = nn.Parameter(view, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else view
+        self._copy_host(host)
         for device in cuda:
             torch.cuda.synchronize(device)  # the copies are complete before the caller goes on training
         # Plain values (positions, RNG states, the config) are copied too: the caller may change them after.
         return copy.deepcopy(state, memo)
+
+    def _copy_host(self, pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """numpy's copy is a plain memcpy, 1.7x the bandwidth of torch's CPU copy kernel here (1.2 GB: 0.19 vs
+        0.33 s), but one thread: storages go to as many threads as torch computes with (it releases the GIL).
+        Each is copied whole: memcpy streams a large copy past the cache (64 MB at once: 4.1 GB/s, in 32 MB
+        slices: 2.8 GB/s here)."""
+        threads = torch.get_num_threads()
+        if threads > 1 and len(pieces) > 1:
+            if self._copier_threads != threads:
+                self.close()
+                self._copiers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-copy")
+                self._copier_threads = threads
+            assert self._copiers is not None
+            for _ in self._copiers.map(lambda piece: np.copyto(*piece), pieces):
+                pass
+        else:
+            for to, source in pieces:
+                np.copyto(to, source)
+
+    def close(self) -> None:
+        if self._copiers is not None:
+            self._copiers.shutdown()
+            self._copiers, self._copier_threads = None, 0
 
     def _buffer(self, index: int, nbytes: int, pin: bool) -> torch.UntypedStorage:
         if index < len(self._buffers):
@@ -170,5 +204,6 @@ class FullWriter:
         try:
             self.wait()
         finally:
+            self._staging.close()
             if self._background is not None:
                 self._background.shutdown()
