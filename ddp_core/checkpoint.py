@@ -15,8 +15,9 @@ A full checkpoint's checksum is xxh3-128 (``checksum`` and ``digest`` in its man
 ``torch.save`` streams them: at ~8 GB/s it adds little to a save, where sha256 (1.2 GB/s here) added most of a
 second per GB, and verifying on load is as fast. The checksum catches torn and corrupt files; it is no defence
 against whoever can write the checkpoint (they can rewrite the manifest, sha256 or not): loading with
-``weights_only=True`` is. Manifests written before (a ``sha256`` field) still verify. Sharded checkpoints keep
-sha256 per file: every rank hashes its own share, in parallel.
+``weights_only=True`` is. Manifests written before (a ``sha256`` field) still verify. Without the xxhash package
+(a bare GPU box) saves fall back to sha256. Sharded checkpoints keep sha256 per file: every rank hashes its own
+share, in parallel.
 """
 
 from __future__ import annotations
