@@ -68,23 +68,28 @@ class Staging:
         everything else deep-copied. Tensors that share a storage share one buffer, with their own offsets and
         strides, so ``torch.save`` writes the copy exactly as it would write ``state`` (on the CPU, byte for
         byte)."""
-        staged: dict[int, torch.UntypedStorage] = {}  # a source storage's address -> its buffer
+        staged: dict[tuple[torch.device, int], torch.UntypedStorage] = {}  # a source storage -> its buffer
         memo: dict[int, Any] = {}  # for deepcopy: each tensor (by id) -> its copy
         cuda: set[torch.device] = set()
         host: list[tuple[np.ndarray, np.ndarray]] = []  # (to, from): the copies from host memory
         for tensor in _tensors(state):
             if id(tensor) in memo:
                 continue
+            if tensor.layout != torch.strided:  # sparse and the like have no one storage: a plain copy
+                memo[id(tensor)] = tensor.detach().to("cpu", copy=True)
+                continue
             source = tensor.untyped_storage()
-            key = source.data_ptr()
-            buffer = staged.get(key) if key else None  # storages of no bytes all have address 0: never shared
+            key = (source.device, source.data_ptr())
+            buffer = staged.get(key) if key[1] else None  # storages of no bytes all have address 0: never shared
             if buffer is None:
                 buffer = self._buffer(len(staged), source.nbytes(), pin=source.device.type == "cuda")
                 if source.device.type == "cpu":
                     host.append((_bytes(buffer).numpy(), _bytes(source).numpy()))
-                else:
+                elif source.device.type == "cuda":
                     _bytes(buffer).copy_(_bytes(source), non_blocking=True)  # into page-locked memory: async
                     cuda.add(source.device)
+                else:
+                    _bytes(buffer).copy_(_bytes(source))
                 staged[key] = buffer
             view = torch.empty(0, dtype=tensor.dtype).set_(buffer, tensor.storage_offset(), tensor.size(),
                                                            tensor.stride())  # fmt: skip
