@@ -1,7 +1,8 @@
 """Checkpoint save cost on 2 ranks (gloo, CPU), ~100M parameters with AdamW state (1.2 GB in all), through the
 trainer's own ``save_checkpoint``:
 
-- full: ddp's path, every rank a replica; rank 0 writes one file (atomic, fsync, sha256 manifest), all wait;
+- full: ddp's path, every rank a replica; rank 0 writes one file (atomic, fsync, checksummed manifest), all wait;
+- async full: the same with ``checkpoint.async_save``; training blocks while rank 0 copies the state to host memory;
 - sharded: fsdp's path, every rank writes its half with DCP; rank 0 checksums the files and writes the manifest;
 - async sharded: the same through ``dcp.async_save``; training blocks only while the state is copied (reported),
   the rest completes in the background (reported as "complete").
@@ -21,13 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_core import sharded_checkpoint
+from ddp_core import full_checkpoint, sharded_checkpoint
 from ddp_core.config import StrategyConfig, StrategyName, load_config
 from ddp_core.dist_env import DistEnv
 from ddp_core.optim import build_optimizer, build_scheduler
 from ddp_core.rundir import RunDir
 from ddp_core.strategies import build_strategy
-from ddp_core.train import Position, save_checkpoint
+from ddp_core.train import Position, RunningLoss, save_checkpoint
 
 WIDTH = 4096
 
@@ -51,16 +52,20 @@ def measure(
     optimizer.step()  # materialise AdamW's state: 2 more tensors per parameter
     optimizer.zero_grad(set_to_none=True)
     run_dir = RunDir(tmp / f"{name}-{async_save}")
-    writer = None
+    writer: sharded_checkpoint.ShardedWriter | full_checkpoint.FullWriter | None = None
     if strategy.checkpoint_kind == "sharded":
         writer = sharded_checkpoint.ShardedWriter(run_dir.checkpoints, 1, async_save, rank, world)
+    elif rank == 0:
+        writer = full_checkpoint.FullWriter(run_dir.checkpoints, 1, async_save)
+    sharded = writer if isinstance(writer, sharded_checkpoint.ShardedWriter) else None
+    full = writer if isinstance(writer, full_checkpoint.FullWriter) else None
 
     def save(step: int) -> tuple[float, float]:
         if writer is not None:
             writer.wait()  # the previous async save is not part of this one's figures
         dist.barrier()
         blocked = save_checkpoint(cfg, run_dir, env, strategy, model, optimizer, scheduler, Position(step=step),
-                                  torch.zeros(2, dtype=torch.float64), writer)  # fmt: skip
+                                  RunningLoss(torch.device("cpu")), sharded, full)  # fmt: skip
         total = blocked + (writer.wait() if writer is not None else 0.0)
         return blocked, total
 
@@ -76,6 +81,7 @@ def worker(rank: int, world: int, store: str, params: float, repeats: int, tmp: 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     rows = [
         ("full state from rank 0 (ddp)", measure("ddp", rank, world, params, repeats, Path(tmp))),
+        ("async full from rank 0 (ddp)", measure("ddp", rank, world, params, repeats, Path(tmp), async_save=True)),
         ("sharded DCP (fsdp)", measure("fsdp", rank, world, params, repeats, Path(tmp))),
         ("async sharded DCP (fsdp)", measure("fsdp", rank, world, params, repeats, Path(tmp), async_save=True)),
     ]

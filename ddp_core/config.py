@@ -55,8 +55,6 @@ class StrategyName(str, Enum):
 
 # Strategies whose single process per node drives all of that node's GPUs (no process group across nodes).
 SINGLE_PROCESS_STRATEGIES = (StrategyName.dp, StrategyName.model_parallel)
-# Strategies whose checkpoints are written by every rank (torch.distributed.checkpoint), not from rank 0's replica.
-SHARDED_CHECKPOINT_STRATEGIES = (StrategyName.fsdp, StrategyName.pipeline)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 # strategy.mixed_precision values: fsdp's parameter dtype during forward/backward (gradients reduce in fp32).
 MIXED_PRECISION = ("bf16",)
@@ -143,8 +141,9 @@ class CheckpointConfig:
     keep_last: int = 3
     # On SIGTERM Slurm kills the job KillWait seconds later (often 30): save only if the last save took less.
     sigterm_budget_s: float = 20.0
-    # Sharded checkpoints (fsdp) only: training blocks while the state is copied, the files are written in the
-    # background; the manifest appears once they are all durable.
+    # Training blocks only while the state is copied (to host memory, pinned on CUDA); the files are written in
+    # the background and the manifest appears once they are durable. Full checkpoints then keep a host copy of
+    # the state between saves. A signal's save and the last one are synchronous.
     async_save: bool = False
 
 
@@ -506,12 +505,6 @@ def _validate_strategy(cfg: Config) -> None:
             mixed,
             f"applies to strategy.name=fsdp only (this is {name!r}); use train.precision=bf16 for autocast",
         )
-    _require(
-        not cfg.checkpoint.async_save or cfg.strategy.name in SHARDED_CHECKPOINT_STRATEGIES,
-        "checkpoint.async_save",
-        True,
-        f"applies to sharded checkpoints (strategy.name=fsdp); {name!r} saves one file from rank 0",
-    )
     split = cfg.strategy.split
     if split is not None:
         _require(bool(split) and all(n > 0 for n in split), "strategy.split", split, "entries must be > 0")

@@ -6,7 +6,7 @@ Layout::
     <run>/run.json        identity: run id (= W&B id), created time, submitted job ids (login node writes)
     <run>/attempts.jsonl  what each attempt did: start, interrupted, requeued, completed (rank 0 appends)
     <run>/checkpoints/    step_XXXXXXXX.pt (full) or step_XXXXXXXX.dcp/ (sharded) + step_XXXXXXXX.json
-                          (manifest: kind, sizes, sha256; written last)
+                          (manifest: kind, sizes, checksums; written last)
     <run>/metrics.jsonl   one JSON object per logged step (rank 0)
     <run>/slurm/          submitit's and sbatch's job files and per-task logs
     <run>/wandb/          W&B run files (offline runs are synced from here)

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
-from ddp_core import checkpoint, distributed, sharded_checkpoint, straggler
+from ddp_core import checkpoint, distributed, full_checkpoint, sharded_checkpoint, straggler
 from ddp_core.config import Config, Precision, to_dict
 from ddp_core.data import ResumableShardSampler, eval_loader, train_loader
 from ddp_core.dist_env import DistEnv
@@ -133,9 +133,12 @@ def save_checkpoint(
     pos: Position,
     log_loss: RunningLoss,
     sharded: Optional[sharded_checkpoint.ShardedWriter] = None,
+    full: Optional[full_checkpoint.FullWriter] = None,
+    sync: bool = False,
 ) -> float:
-    """Collective: every rank's RNG to rank 0, then rank 0 writes the whole state (full), or every rank its shard
-    (``sharded`` given). Returns the seconds training blocked."""
+    """Collective: every rank's RNG to rank 0, then rank 0 writes the whole state (full: through ``full``, rank 0's
+    writer, in the background if it is async and not ``sync``), or every rank its shard (``sharded`` given).
+    Returns the seconds training blocked."""
     started = time.perf_counter()
     rngs = distributed.gather_to_main(distributed.rng_state(), env)
     rest = {
@@ -153,8 +156,10 @@ def save_checkpoint(
         return time.perf_counter() - started
     if env.is_main:
         state = {"model": strategy.model_state(model), "optimizer": optimizer.state_dict(), **rest}
-        checkpoint.save(run_dir.checkpoints, pos.step, state, cfg.checkpoint.keep_last, writer_rank=env.rank)
-    distributed.barrier()  # nobody runs ahead (or exits) before the checkpoint is durable
+        if full is None:
+            full = full_checkpoint.FullWriter(run_dir.checkpoints, cfg.checkpoint.keep_last, False, env.rank)
+        full.save(pos.step, state, sync=sync)
+    distributed.barrier()  # nobody runs ahead (or exits) before the checkpoint is durable, or copied (async)
     return time.perf_counter() - started
 
 
@@ -264,25 +269,37 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
     started = time.perf_counter()
     last_save_s, saved_step = 0.0, -1
     logged_at, logged_step = started, pos.step  # the last progress line: step time is measured between lines
-    sharded = None
+    sharded, full = None, None
     if strategy.checkpoint_kind == checkpoint.SHARDED:
         sharded = sharded_checkpoint.ShardedWriter(
             run_dir.checkpoints, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, env.rank, env.world_size
         )
+    elif env.is_main:
+        full = full_checkpoint.FullWriter(run_dir.checkpoints, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
 
-    def checkpoint_now() -> None:
+    def checkpoint_now(sync: bool = False) -> None:
+        """``sync``: a full checkpoint is complete when this returns (a signal's, the last one)."""
         nonlocal last_save_s, saved_step
         if saved_step != pos.step:
             if metrics_log is not None:
                 metrics_log.sync()
             with watchdog.allowance():  # a save of a large model may take longer than a step may stall
                 last_save_s = save_checkpoint(
-                    cfg, run_dir, env, strategy, model, optimizer, scheduler, pos, log_loss, sharded
+                    cfg, run_dir, env, strategy, model, optimizer, scheduler, pos, log_loss, sharded, full, sync
                 )
             saved_step = pos.step
             if env.is_main:
                 log.info("training blocked %.3f s for the checkpoint of step %d", last_save_s, pos.step)
-            record("checkpoint", {"save_s": round(last_save_s, 4)})
+            # write_s: what the last completed save cost from start to manifest, i.e. what a signal's
+            # synchronous save costs (save_s is far less for a background save).
+            written = {"write_s": round(full.last_write_s, 4)} if full is not None and full.last_write_s else {}
+            record("checkpoint", {"save_s": round(last_save_s, 4)} | written)
+
+    def sigterm_save_fits() -> bool:
+        """Rank 0's judgement, on every rank (the save is collective): a synchronous save, as long as the last
+        complete one took, fits in checkpoint.sigterm_budget_s."""
+        cost = max(last_save_s, full.last_write_s or 0.0) if full is not None else last_save_s
+        return distributed.all_gather_floats([float(cost <= cfg.checkpoint.sigterm_budget_s)])[0][0] > 0
 
     def log_progress() -> None:
         nonlocal logged_at, logged_step
@@ -363,13 +380,14 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
                 checkpoint_now()
             signum = stop_flag.agree()  # every step: all ranks stop after the same one
             if signum:
-                if signum != signal.SIGTERM or last_save_s <= cfg.checkpoint.sigterm_budget_s:
-                    checkpoint_now()
+                if signum != signal.SIGTERM or sigterm_save_fits():
+                    checkpoint_now(sync=True)
                 else:
                     log.warning("SIGTERM: the last save took %.1f s, over checkpoint.sigterm_budget_s", last_save_s)
                 log.info("stopping at step %d on %s", pos.step, signal.Signals(signum).name)
-                if sharded is not None:
-                    sharded.close()  # an async save completes before the process group goes away
+                for writer in (sharded, full):
+                    if writer is not None:
+                        writer.close()  # an async save completes before the requeue (and the process group)
                 stop_flag.settle()
                 progress.close()
                 wandb_run.finish()
@@ -381,9 +399,10 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
     with watchdog.allowance():
         final = evaluate(task, model, evals, cfg, strategy)
     record("eval", final)
-    checkpoint_now()
-    if sharded is not None:
-        sharded.close()
+    checkpoint_now(sync=True)
+    for writer in (sharded, full):
+        if writer is not None:
+            writer.close()
     progress.close()
     elapsed = time.perf_counter() - started
     log.info("finished at step %d in %.1f s: %s", pos.step, elapsed, " ".join(f"{k} {v:.4f}" for k, v in final.items()))

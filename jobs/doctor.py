@@ -135,6 +135,13 @@ def exposure(c: Cluster, qos: Optional[str] = None) -> Exposure:
     return Exposure(kind, mode, graces.get(name, 0), f"QOS {name}", by, rules)
 
 
+def _save_cost(record: dict[str, Any]) -> Optional[float]:
+    """What a checkpoint record says a synchronous save (a signal's) costs: ``save_s``, the time training blocked,
+    or ``write_s``, a background save's time from start to manifest, whichever is larger."""
+    times = [float(t) for t in (record.get("save_s"), record.get("write_s")) if isinstance(t, (int, float))]
+    return max(times) if times else None
+
+
 def read_run(run: Optional[Path], root: Path = Path("runs")) -> RunInfo:
     """``run``'s largest recent save time and its settings; without ``run``, the newest run under ``root`` that
     measured a save."""
@@ -143,8 +150,8 @@ def read_run(run: Optional[Path], root: Path = Path("runs")) -> RunInfo:
     runs = [p for p in find_runs(root) if RunDir(p).metrics_file.is_file()] if run is None and root.is_dir() else []
     runs.sort(key=lambda p: RunDir(p).metrics_file.stat().st_mtime, reverse=True)
     for path in [run] if run is not None else runs:
-        saves = [r.get("save_s") for r in RunDir(path).metrics() if r["split"] == "checkpoint"]
-        saves = [s for s in saves if isinstance(s, (int, float))]
+        costs = [_save_cost(r) for r in RunDir(path).metrics() if r["split"] == "checkpoint"]
+        saves = [s for s in costs if s is not None]
         if saves:
             return _settings(path, float(max(saves[-RECENT_SAVES:])))
     return _settings(run, None)

@@ -48,7 +48,7 @@ def test_corrupt_newest_is_skipped(tmp_path, caplog):
     newest.path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING):
         assert checkpoint.find_latest(tmp_path).step == 1
-    assert "sha256 mismatch" in caplog.text
+    assert "xxh3_128 mismatch (corrupt)" in caplog.text
 
 
 def test_data_without_manifest_is_not_a_checkpoint(tmp_path):

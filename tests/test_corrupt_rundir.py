@@ -24,7 +24,7 @@ from tests.test_fuzz import fuzz
 
 # The keys the readers look for, so random records reach their field checks instead of being skipped whole.
 KEYS = ["jobs", "job_id", "via", "log_dir", "submitted", "event", "step", "split", "loss", "time", "t", "run_id",
-        "file", "size", "sha256", "kind", "summary"]  # fmt: skip
+        "file", "size", "sha256", "checksum", "digest", "kind", "summary", "save_s", "write_s"]  # fmt: skip
 FILES = ["config.yaml", "run.json", "attempts.jsonl", "metrics.jsonl", "checkpoints/step_00000020.json"]
 DAMAGE = {
     "truncated": lambda data: data[: len(data) // 2],

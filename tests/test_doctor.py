@@ -157,6 +157,15 @@ def test_partition_prio_requeue_with_grace_time(tmp_path):
     assert f["scontrol_on_nodes"].level == "unknown" and "--drill" in f["scontrol_on_nodes"].fix
 
 
+def test_a_background_save_is_measured_by_its_write_time(tmp_path):
+    # checkpoint.async_save: training blocked 0.1 s, but a signal's (synchronous) save costs the 12 s write.
+    run = make_run(tmp_path / "run", saves=[0.1, 0.1])
+    lines = run.joinpath("metrics.jsonl").read_text().splitlines()
+    lines[-1] = json.dumps(json.loads(lines[-1]) | {"write_s": 12.0})
+    run.joinpath("metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert doctor.read_run(run).save_s == 12.0
+
+
 def test_partition_without_own_mode_takes_the_global_one():
     f = diagnose(FakeSlurm([partition("low", PreemptMode="")], PreemptMode="CANCEL"), "low")
     assert f["preempt_mode"].value == "CANCEL"

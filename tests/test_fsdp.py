@@ -88,7 +88,6 @@ def test_config_accepts_fsdp_options():
     [
         (["strategy.name=fsdp", "strategy.mixed_precision=fp16"], "'strategy.mixed_precision' = 'fp16' is invalid"),
         (["strategy.mixed_precision=bf16"], "applies to strategy.name=fsdp only (this is 'ddp')"),
-        (["checkpoint.async_save=true"], "'checkpoint.async_save' = True is invalid: applies to sharded"),
     ],
 )
 def test_config_validation(overrides, message):

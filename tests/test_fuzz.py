@@ -165,7 +165,7 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "wandb.project": st.text(min_size=1, max_size=12),
     "wandb.entity": st.none() | st.text(max_size=12),
     "wandb.group": st.none() | st.text(max_size=12),
-    "checkpoint.async_save": st.just(False),
+    "checkpoint.async_save": st.booleans(),
 }  # fmt: skip
 LEAVES = sorted(k for k in [*SCHEMA, *PLAUSIBLE] if not dataclasses.is_dataclass(SCHEMA.get(k)))
 

@@ -65,6 +65,25 @@ def test_resume_is_bitwise_exact(tmp_path, nproc, strategy):
     assert steps == sorted(steps) and len([s for s in steps if s == 30]) == 1  # no step logged twice
 
 
+def test_resume_is_bitwise_exact_with_async_full_checkpoints(tmp_path):
+    # As test_resume_is_bitwise_exact, with every checkpoint but the last written in the background: the reference
+    # run trains on while they are written, and its weights match a run that saved synchronously.
+    common = [*BASE, "data.batch_size=32", "checkpoint.every_steps=5", "checkpoint.keep_last=20",
+              "task.model.dropout=0.2", "train.max_steps=40"]  # fmt: skip
+    sync = final_digests(trainer(tmp_path / "sync", *common, nproc=2))
+    ref_log = trainer(tmp_path / "run", *common, "checkpoint.async_save=true", nproc=2)
+    assert "writing in the background" in ref_log and final_digests(ref_log) == sync
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    saves = [r for r in records if r["split"] == "checkpoint"]
+    assert [r["step"] for r in saves] == list(range(5, 45, 5)) and all(r["write_s"] > 0 for r in saves[1:]), saves
+    for path in (tmp_path / "run" / "checkpoints").glob("step_*"):
+        if int(path.stem.split("_")[1]) > 15:
+            path.unlink()
+    log = trainer(tmp_path / "run", *common, "checkpoint.async_save=true", nproc=2)
+    assert "resumed from step_00000015.pt (step 15, epoch" in log, log
+    assert final_digests(log) == sync
+
+
 @pytest.mark.parametrize(
     ("nproc", "strategy", "data_world"), [(3, "ddp", 3), (4, "fsdp", 4), (4, "pipeline", 2)],
     ids=["ddp3", "fsdp4", "pipeline4"],
@@ -139,12 +158,15 @@ def test_export_cli_writes_a_plain_state_dict(tmp_path):
     assert final_digests(log) == [weights_digest(state)]
 
 
-def test_a_signal_outside_slurm_stops_non_zero_and_resumes(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_signal_outside_slurm_stops_non_zero_and_resumes(tmp_path, async_save):
     """torchrun or a plain process: nothing requeues, so a signalled run checkpoints, records 'stopped' and exits
-    4 (not 0, which would read as finished); started again on its run directory it completes."""
+    4 (not 0, which would read as finished); started again on its run directory it completes. With async saves
+    the signal's save is synchronous: complete before the process exits."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "ddp_core", DIGITS, "--run-dir", str(run), *BASE, "train.max_steps=200",
-           "train.log_every=1", "task.target=tests.tasks:SlowDigitsTask", "task.data.pause_s=0.02"]  # fmt: skip
+           "train.log_every=1", "task.target=tests.tasks:SlowDigitsTask", "task.data.pause_s=0.02",
+           f"checkpoint.async_save={str(async_save).lower()}", "checkpoint.every_steps=3"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
     proc = subprocess.Popen(cmd, env=env | {"OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
     metrics = run / "metrics.jsonl"
