@@ -15,12 +15,12 @@ import os
 import signal
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
 
-from ddp_core import checkpoint, distributed, sharded_checkpoint, straggler
+from ddp_core import checkpoint, distributed, straggler
 from ddp_core.config import Config, Precision, to_dict
 from ddp_core.data import ResumableShardSampler, eval_loader, train_loader
 from ddp_core.dist_env import DistEnv
@@ -33,6 +33,9 @@ from ddp_core.strategies import Strategy, build_strategy
 from ddp_core.task import Task, load_task
 from ddp_core.wandb_run import WandbRun
 from ddp_core.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from ddp_core.sharded_checkpoint import ShardedWriter
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +135,7 @@ def save_checkpoint(
     scheduler: Any,
     pos: Position,
     log_loss: RunningLoss,
-    sharded: Optional[sharded_checkpoint.ShardedWriter] = None,
+    sharded: Optional[ShardedWriter] = None,
 ) -> float:
     """Collective: every rank's RNG to rank 0, then rank 0 writes the whole state (full), or every rank its shard
     (``sharded`` given). Returns the seconds training blocked."""
@@ -164,6 +167,8 @@ def load_checkpoint(
     """Collective: restore model and optimizer from either kind of checkpoint, under any strategy. Returns the
     rest of it (scheduler, position, RNG, ...)."""
     if info.kind == checkpoint.SHARDED:
+        from ddp_core import sharded_checkpoint  # DCP: imported by the runs that use it (a second of imports)
+
         state, rest = sharded_checkpoint.load(info, strategy.sharded_state(model, optimizer))
         strategy.load_sharded_state(model, optimizer, state)
         return rest
@@ -264,9 +269,11 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
     started = time.perf_counter()
     last_save_s, saved_step = 0.0, -1
     logged_at, logged_step = started, pos.step  # the last progress line: step time is measured between lines
-    sharded = None
+    sharded: Optional[ShardedWriter] = None
     if strategy.checkpoint_kind == checkpoint.SHARDED:
-        sharded = sharded_checkpoint.ShardedWriter(
+        from ddp_core.sharded_checkpoint import ShardedWriter
+
+        sharded = ShardedWriter(
             run_dir.checkpoints, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, env.rank, env.world_size
         )
 
