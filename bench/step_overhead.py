@@ -72,8 +72,12 @@ def launch(kind: str, ranks: int, width: int, steps: int, window_start: int, tmp
     if any(p.returncode for p in procs):
         raise RuntimeError(f"{kind} run failed:\n" + "\n".join(log[-3000:] for log in logs))
     stamps = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    durations = stamps[0]["durations"]
+    assert len(durations) == steps - window_start, len(durations)
     return {
-        "ms_per_step": 1000 * stamps[0]["window_s"] / (steps - window_start),
+        "ms_per_step": 1000 * sum(durations) / len(durations),
+        "median_ms": 1000 * statistics.median(durations),
+        "cpu_ms": 1000 * statistics.mean(s["cpu_s"] for s in stamps) / len(durations),
         "first_step_s": max(s["first_step"] for s in stamps) - started,
     }
 
@@ -98,6 +102,8 @@ def measure(
                     "bench": "step_overhead", "width": width, "ranks": ranks, "steps": n, "repeats": repeats,
                     "raw_ms": med["raw"]["ms_per_step"], "ddpjob_ms": med["ddpjob"]["ms_per_step"],
                     "ratio": med["ddpjob"]["ms_per_step"] / med["raw"]["ms_per_step"],
+                    "raw_median_ms": med["raw"]["median_ms"], "ddpjob_median_ms": med["ddpjob"]["median_ms"],
+                    "median_ratio": med["ddpjob"]["median_ms"] / med["raw"]["median_ms"],
                     "raw_first_step_s": med["raw"]["first_step_s"],
                     "ddpjob_first_step_s": med["ddpjob"]["first_step_s"],
                     "first_step_delta_s": med["ddpjob"]["first_step_s"] - med["raw"]["first_step_s"],
@@ -114,12 +120,14 @@ def rows(repeats: int = 5) -> list[dict[str, Any]]:
 
 def table(results: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| width | ranks | raw ms/step | ddpjob ms/step | ratio | raw launch -> first step | ddpjob | delta |",
-        "|---|---|---|---|---|---|---|---|",
+        "| width | ranks | raw ms/step | ddpjob ms/step | ratio | median step: raw | ddpjob | ratio "
+        "| raw launch -> first step | ddpjob | delta |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r['width']} | {r['ranks']} | {r['raw_ms']:.2f} | {r['ddpjob_ms']:.2f} | {r['ratio']:.3f}x "
+            f"| {r['raw_median_ms']:.2f} | {r['ddpjob_median_ms']:.2f} | {r['median_ratio']:.3f}x "
             f"| {r['raw_first_step_s']:.2f} s | {r['ddpjob_first_step_s']:.2f} s | {r['first_step_delta_s']:+.2f} s |"
         )
     return "\n".join(lines)
@@ -153,22 +161,28 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 class _Stamps:
-    """Wall time of the first step, and rank 0's window, written as JSON for the parent."""
+    """Wall time of the first step, and each step's duration in rank 0's window, written as JSON for the parent."""
 
     def __init__(self, out: Path, steps: int, window_start: int) -> None:
         self.out, self.steps, self.window_start = out, steps, window_start
-        self.first_step = self.window_started = self.window_ended = 0.0
+        self.first_step = 0.0
+        self.last = 0
+        self.ends: list[float] = []  # perf_counter at the end of steps window_start..steps
+        self.cpu: list[float] = []  # this process's CPU time (all its threads) there
 
     def step(self, step: int) -> None:
+        if step <= self.last:  # the trainer's eval batches beat too, with the step they follow
+            return
+        self.last = step
         if step == 1:
             self.first_step = time.time()
-        if step == self.window_start:
-            self.window_started = time.perf_counter()
-        if step == self.steps:
-            self.window_ended = time.perf_counter()
+        if step >= self.window_start:
+            self.ends.append(time.perf_counter())
+            self.cpu.append(time.process_time())
 
     def write(self, rank: int) -> None:
-        record = {"first_step": self.first_step, "window_s": self.window_ended - self.window_started}
+        durations = [b - a for a, b in zip(self.ends[:-1], self.ends[1:], strict=True)]
+        record = {"first_step": self.first_step, "durations": durations, "cpu_s": self.cpu[-1] - self.cpu[0]}
         (self.out / f"rank{rank}.json").write_text(json.dumps(record))
 
 

@@ -74,8 +74,10 @@ def test_interrupted_runs_are_exact_at_every_world_size(tmp_path, nproc, strateg
     attempt, ends with the uninterrupted run's weights. (1 and 2 ranks: test_resume_is_bitwise_exact; 8 ranks on
     2 nodes: test_slurm_preemption.py. With 3+ ranks an all-reduce's summation order depends on DDP's bucket
     layout, see DDPStrategy.prime.)"""
+    # train.stop_check_ms=0: the ranks exchange their flags after every step, so a signal lands at a known step.
     common = [*BASE, "task.target=tests.tasks:SignalledDigitsTask", "data.batch_size=32", "task.model.dropout=0.2",
-              "train.max_steps=30", "checkpoint.every_steps=1000", f"strategy.name={strategy}"]  # fmt: skip
+              "train.max_steps=30", "checkpoint.every_steps=1000", f"strategy.name={strategy}",
+              "train.stop_check_ms=0"]  # fmt: skip
     ref = final_digests(trainer(tmp_path / "ref", *common, nproc=nproc))
     assert len(set(ref)) == 1
     per_epoch = (1438 // data_world) // 32  # digits: 1438 training samples, sharded, whole batches of 32
