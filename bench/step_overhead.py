@@ -104,6 +104,7 @@ def measure(
                     "ratio": med["ddpjob"]["ms_per_step"] / med["raw"]["ms_per_step"],
                     "raw_median_ms": med["raw"]["median_ms"], "ddpjob_median_ms": med["ddpjob"]["median_ms"],
                     "median_ratio": med["ddpjob"]["median_ms"] / med["raw"]["median_ms"],
+                    "raw_cpu_ms": med["raw"]["cpu_ms"], "ddpjob_cpu_ms": med["ddpjob"]["cpu_ms"],
                     "raw_first_step_s": med["raw"]["first_step_s"],
                     "ddpjob_first_step_s": med["ddpjob"]["first_step_s"],
                     "first_step_delta_s": med["ddpjob"]["first_step_s"] - med["raw"]["first_step_s"],
