@@ -16,18 +16,14 @@ import dataclasses
 import re
 from functools import cache
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import (
-    ConfigKeyError,
-    MissingMandatoryValue,
-    OmegaConfBaseException,
-    ValidationError,
-)
 
 from ddp_core.errors import DdpJobError
+
+if TYPE_CHECKING:  # imported where a config is loaded: the trainer, handed one, never imports OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
 _ENV_INTERPOLATION = re.compile(r"\$\{\s*oc\.env\s*:\s*([A-Za-z_][A-Za-z0-9_]*)")
 _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
@@ -101,6 +97,8 @@ def _override_value(item: str, text: str) -> Any:
 
 
 def omegaconf_load(path: Path) -> Any:
+    from omegaconf import OmegaConf
+
     try:
         return OmegaConf.load(path)
     except yaml.YAMLError as err:  # OmegaConf's own alias limits (ratio of expansion) can be stricter than ours
@@ -349,6 +347,8 @@ def _check_nodes(where: str, root: yaml.Node) -> None:
 
 
 def explain(err: OmegaConfBaseException) -> DdpJobError:
+    from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
+
     key = _clip(str(getattr(err, "full_key", None) or "?"))
     first_line = _clip(str(err).splitlines()[0], 200) if str(err) else type(err).__name__
     if isinstance(err, MissingMandatoryValue):

@@ -172,7 +172,7 @@ def run(run_dir: str) -> dict[str, float]:
     """Train the run in ``run_dir`` (created on the login node). Called by submitit on every task."""
     rd = RunDir(Path(run_dir))
     cfg = rd.load_config()
-    stop_flag = StopFlag(cfg.slurm.signal)
+    stop_flag = StopFlag(cfg.slurm.signal, cfg.train.stop_check_ms / 1000)
     env = DistEnv.from_env()
     setup_logging(env)
     outcome = _train(cfg, rd, env, stop_flag)
@@ -254,7 +254,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             run_dir = _run_dir_for(cfg, env, args.run_dir)
             if env.is_main:
                 run_dir.initialize(cfg)
-        stop_flag = StopFlag(cfg.slurm.signal)
+        stop_flag = StopFlag(cfg.slurm.signal, cfg.train.stop_check_ms / 1000)
     except DdpJobError as err:
         log.error("%s", err)
         return 2

@@ -31,7 +31,8 @@ class Output:
 
     ``loss`` is the mean loss to backpropagate. ``sums`` are per-batch *sums* of metrics (e.g. summed
     loss, number correct); the trainer adds them over batches and ranks and divides by the summed
-    ``count``, so evaluation is exact whatever the batch and world size.
+    ``count``, so evaluation is exact whatever the batch and world size. Only evaluation (under
+    ``torch.no_grad()``) reads them: a training step (``torch.is_grad_enabled()``) may leave them out.
     """
 
     loss: torch.Tensor

@@ -15,12 +15,12 @@ import os
 import signal
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
 
-from ddp_core import checkpoint, distributed, full_checkpoint, sharded_checkpoint, straggler
+from ddp_core import checkpoint, distributed, full_checkpoint, straggler
 from ddp_core.config import Config, Precision, to_dict
 from ddp_core.data import ResumableShardSampler, eval_loader, train_loader
 from ddp_core.dist_env import DistEnv
@@ -33,6 +33,9 @@ from ddp_core.strategies import Strategy, build_strategy
 from ddp_core.task import Task, load_task
 from ddp_core.wandb_run import WandbRun
 from ddp_core.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from ddp_core.sharded_checkpoint import ShardedWriter
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,8 @@ class Outcome:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch  # the loader's batches are on the CPU already: .to() would return each tensor itself
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
@@ -88,28 +93,38 @@ def evaluate(task: Task, model: nn.Module, loader: Any, cfg: Config, strategy: S
 
 
 class RunningLoss:
-    """The sum of step losses since the last progress line, kept on the training device: reading it back is a
-    host-device sync, done only when a line is due (``log_every``), never per micro-batch."""
+    """The step losses since the last progress line, kept as the device tensors ``forward_backward`` returned: no
+    arithmetic per micro-batch (an in-place add costs a kernel launch, ~4 us on a CPU, each time), and the host
+    reads them back in one transfer when a line is due (``log_every``) or a checkpoint is written.
 
-    def __init__(self, device: torch.device) -> None:
-        self.sum = torch.zeros((), dtype=torch.float64, device=device)
+    The sum is taken in float64, one loss after the other in the order they came, onto the total of earlier read-backs:
+    the same value whether or not a checkpoint (which folds the pending ones) fell inside the interval."""
+
+    def __init__(self) -> None:
+        self.total = 0.0  # float64 sum of the losses already read back
+        self.pending: list[torch.Tensor] = []  # losses not read back yet (on the training device)
         self.steps = 0  # steps whose loss this rank saw (a pipeline's last stage only)
 
     def add(self, step_loss: torch.Tensor, counts: bool) -> None:
-        self.sum += step_loss
-        self.steps += int(counts)
+        self.pending.append(step_loss)
+        self.steps += counts
+
+    def _fold(self) -> None:
+        if self.pending:
+            for value in torch.stack(self.pending).tolist():  # the one read-back (a host-device sync)
+                self.total += value
+            self.pending.clear()
 
     def state(self) -> torch.Tensor:
         """(sum, steps) as a CPU float64 tensor: the form checkpoints hold."""
-        return torch.tensor([self.sum.item(), float(self.steps)], dtype=torch.float64)
+        self._fold()
+        return torch.tensor([self.total, float(self.steps)], dtype=torch.float64)
 
     def load(self, state: torch.Tensor) -> None:
-        self.sum.fill_(float(state[0]))
-        self.steps = int(state[1])
+        self.total, self.steps, self.pending = float(state[0]), int(state[1]), []
 
     def reset(self) -> None:
-        self.sum.zero_()
-        self.steps = 0
+        self.total, self.steps, self.pending = 0.0, 0, []
 
 
 def micro_batches(loader: Any, grad_accum: int) -> Iterator[list[Any]]:
@@ -132,7 +147,7 @@ def save_checkpoint(
     scheduler: Any,
     pos: Position,
     log_loss: RunningLoss,
-    sharded: Optional[sharded_checkpoint.ShardedWriter] = None,
+    sharded: Optional[ShardedWriter] = None,
     full: Optional[full_checkpoint.FullWriter] = None,
     sync: bool = False,
 ) -> float:
@@ -169,6 +184,8 @@ def load_checkpoint(
     """Collective: restore model and optimizer from either kind of checkpoint, under any strategy. Returns the
     rest of it (scheduler, position, RNG, ...)."""
     if info.kind == checkpoint.SHARDED:
+        from ddp_core import sharded_checkpoint  # DCP: imported by the runs that use it (a second of imports)
+
         state, rest = sharded_checkpoint.load(info, strategy.sharded_state(model, optimizer))
         strategy.load_sharded_state(model, optimizer, state)
         return rest
@@ -219,7 +236,7 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
     distributed.seed_all(cfg.train.seed * 1000 + env.rank + 1)
 
     pos = Position()
-    log_loss = RunningLoss(device)
+    log_loss = RunningLoss()
     latest = checkpoint.find_latest_agreed(run_dir.checkpoints)
     if latest is not None:
         state = load_checkpoint(latest, strategy, model, optimizer)
@@ -269,9 +286,12 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
     started = time.perf_counter()
     last_save_s, saved_step = 0.0, -1
     logged_at, logged_step = started, pos.step  # the last progress line: step time is measured between lines
-    sharded, full = None, None
+    sharded: Optional[ShardedWriter] = None
+    full: Optional[full_checkpoint.FullWriter] = None
     if strategy.checkpoint_kind == checkpoint.SHARDED:
-        sharded = sharded_checkpoint.ShardedWriter(
+        from ddp_core.sharded_checkpoint import ShardedWriter
+
+        sharded = ShardedWriter(
             run_dir.checkpoints, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, env.rank, env.world_size
         )
     elif env.is_main:

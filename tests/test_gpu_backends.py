@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import pytest
@@ -97,12 +98,14 @@ def test_trainer_under_gpu_guard(tmp_path, config, overrides):
     device types kept): every collective it issues, from Python or C++, is one the GPU node serves."""
     small = ["task.data.max_chars=60000", "data.batch_size=8", "task.model.d_model=32"] if config == CHARLM else []
     log = run_trainer(
-        config, tmp_path / "run", [*QUICK, *small, *overrides, "train.max_steps=20", "dist.guard=gpu"], nproc=2
-    )
+        config, tmp_path / "run", [*QUICK, *small, *overrides, "train.max_steps=20", "dist.guard=gpu",
+                                   "train.stop_check_ms=0"], nproc=2
+    )  # fmt: skip
     assert "rehearsed here as cpu:gloo,cuda:gloo" in log and "backend cpu:gloo,cuda:gloo" in log
     assert len(set(final_digests(log))) == 1
     counts = _counts(log)
-    # The stop flag: one all-reduce per step, host-side (gloo on a GPU node). Object collectives likewise.
+    # The stop flag (train.stop_check_ms=0): one all-reduce per step, host-side (gloo on a GPU node). Object
+    # collectives likewise.
     assert counts["all_reduce cpu->gloo"] >= 20
     assert counts["gather_object cpu->gloo"] >= 2  # every rank's RNG to rank 0, per checkpoint
     assert not [k for k in counts if "->nccl" in k and k.split()[1].startswith("cpu")]
@@ -149,6 +152,48 @@ def test_stop_flag_agrees_one_step_later_on_every_rank():
         results = manager.dict()
         mp.spawn(_stop_flag_rank, args=(29000 + os.getpid() % 1000, results), nprocs=2)
         assert results[0] == results[1] == [0, 0, int(signal.SIGUSR2), int(signal.SIGUSR2)]
+
+
+def _paced_flag_rank(rank: int, port: int, results: dict) -> None:
+    from ddp_core.preemption import StopFlag
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    exchanges = 0
+    all_reduce = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        nonlocal exchanges
+        exchanges += 1
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted
+    flag = StopFlag("USR2", interval_s=0.1)
+    seen = []
+    for step in range(1, 101):
+        time.sleep(0.005 if rank == 0 else 0.007)  # the ranks' own paces: the slower one sets the interval
+        if rank == 1 and step == 20:
+            os.kill(os.getpid(), signal.SIGUSR2)
+        seen.append(flag.agree())
+    flag.settle()
+    results[rank] = (seen, exchanges)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_stop_flag_paced_by_time_exchanges_every_few_steps_and_stops_together():
+    """With a target interval the ranks exchange their flags every k steps (k from their paces, the same on both),
+    and still both see rank 1's signal at the same step, within about two intervals of it."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_paced_flag_rank, args=(29000 + os.getpid() % 1000, results), nprocs=2)
+        (seen0, exchanges0), (seen1, exchanges1) = results[0], results[1]
+    assert seen0 == seen1 and exchanges0 == exchanges1
+    stop = next(i for i, signum in enumerate(seen0, start=1) if signum)
+    assert seen0[stop - 1] == signal.SIGUSR2
+    # k <= 0.1 s / 5 ms = 20 steps: read at the exchange after the one that follows step 20.
+    assert 20 < stop <= 20 + 2 * 20 + 1, seen0
+    assert exchanges0 <= 50  # every step would be 100; at most every other one under a heavy load
 
 
 def test_loss_stays_on_the_device(tmp_path):

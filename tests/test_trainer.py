@@ -93,8 +93,10 @@ def test_interrupted_runs_are_exact_at_every_world_size(tmp_path, nproc, strateg
     attempt, ends with the uninterrupted run's weights. (1 and 2 ranks: test_resume_is_bitwise_exact; 8 ranks on
     2 nodes: test_slurm_preemption.py. With 3+ ranks an all-reduce's summation order depends on DDP's bucket
     layout, see DDPStrategy.prime.)"""
+    # train.stop_check_ms=0: the ranks exchange their flags after every step, so a signal lands at a known step.
     common = [*BASE, "task.target=tests.tasks:SignalledDigitsTask", "data.batch_size=32", "task.model.dropout=0.2",
-              "train.max_steps=30", "checkpoint.every_steps=1000", f"strategy.name={strategy}"]  # fmt: skip
+              "train.max_steps=30", "checkpoint.every_steps=1000", f"strategy.name={strategy}",
+              "train.stop_check_ms=0"]  # fmt: skip
     ref = final_digests(trainer(tmp_path / "ref", *common, nproc=nproc))
     assert len(set(ref)) == 1
     per_epoch = (1438 // data_world) // 32  # digits: 1438 training samples, sharded, whole batches of 32
@@ -245,3 +247,23 @@ def test_a_failure_after_training_is_logged_and_exits_nonzero(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert re.search(r"rank 0/1 on \S+ failed after training, at step 20: IsADirectoryError", proc.stderr), proc.stderr
     assert (run / "checkpoints" / "step_00000020.json").exists()  # the work itself was saved
+
+
+def test_the_trainer_imports_only_what_its_run_uses():
+    """``import ddp_core.train`` leaves out what a ddp run on a full checkpoint never touches (a second of imports on
+    top of torch): the other strategies' torch modules, DCP, pipelining, dynamo, W&B, OmegaConf. They load when a
+    run uses them: building the fsdp strategy brings FSDP in."""
+    heavy = ["omegaconf", "wandb", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.pipelining",
+             "torch.distributed.fsdp", "ddp_core.sharded_checkpoint", "ddp_core.strategies.fsdp"]  # fmt: skip
+    code = (
+        "import sys, torch, ddp_core.train\n"
+        f"print([m for m in {heavy!r} if m in sys.modules])\n"
+        "from ddp_core.config import StrategyConfig, StrategyName\n"
+        "from ddp_core.dist_env import DistEnv\n"
+        "from ddp_core.strategies import build_strategy\n"
+        "build_strategy(StrategyConfig(name=StrategyName.fsdp), DistEnv(), torch.device('cpu'))\n"
+        "print('torch.distributed.fsdp' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["[]", "True"], proc.stdout

@@ -8,7 +8,6 @@ from typing import Any, ClassVar, ContextManager
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ddp_core.config import StrategyConfig
 from ddp_core.dist_env import DistEnv
@@ -49,7 +48,8 @@ class Strategy(ABC):
         with self.no_sync(model) if not sync else contextlib.nullcontext():
             with self.work.forward():
                 out = task.compute(model, batch)
-            loss = out.loss / grad_accum
+            # x / 1 is x, bit for bit, forward and backward: skip the kernel (and its backward) without accumulation.
+            loss = out.loss / grad_accum if grad_accum > 1 else out.loss
             loss.backward()
         return loss.detach()
 
@@ -99,11 +99,15 @@ class Strategy(ABC):
     def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """This rank's model and optimizer state for torch.distributed.checkpoint, keyed by parameter names
         (DCP saves each rank's shards and reshards them on load). A replicated model gives full tensors."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # DCP: only runs that use it import it
+
         model_state, optim_state = get_state_dict(self.unwrap(model), optimizer)
         return {"model": model_state, "optimizer": optim_state}
 
     def load_sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Apply what ``sharded_state`` gave, filled from a sharded checkpoint."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
         set_state_dict(
             self.unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )

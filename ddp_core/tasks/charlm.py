@@ -154,5 +154,7 @@ class CharLMTask(Task):
     def score(self, output: torch.Tensor, y: torch.Tensor) -> Output:
         logits = output.float()
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        if torch.is_grad_enabled():  # a training step: the trainer reads only the loss (eval runs under no_grad)
+            return Output(loss=loss, count=y.numel())
         correct = (logits.argmax(dim=-1) == y).sum().float()
         return Output(loss=loss, count=y.numel(), sums={"loss": loss.detach() * y.numel(), "accuracy": correct})

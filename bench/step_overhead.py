@@ -1,0 +1,259 @@
+"""Per-step overhead of ddpjob's trainer against the hand-written DDP loop of PyTorch's tutorial, and launch -> first
+step of both.
+
+Both train the same MLP (``DigitsTask``'s: 64 -> width -> width -> 10, dropout 0.1) on the same data (the digits
+training split), with AdamW and a shuffled sampler of the same order, on gloo, one thread per rank. The hand-written
+loop is the tutorial's: ``init_process_group``, ``DDP(model)``, ``DistributedSampler``, then ``zero_grad``, forward,
+``backward``, ``step``, nothing else. ddpjob's is ``python -m ddp_core configs/digits.yaml`` with W&B disabled and no
+eval or checkpoint before the end: its per-step stop-flag agreement, loss accounting, LR schedule, watchdog beat and
+progress lines (every ``train.log_every``) are what is measured. Each run is its own set of processes, started the way
+torchrun's workers are (RANK, WORLD_SIZE, MASTER_ADDR/PORT); runs alternate raw/ddpjob, so drift on a shared machine
+hits both. The timed window is steps ``--window-start``..N on rank 0 (after the step's optimizer update: for ddpjob,
+where it calls ``Watchdog.beat``). Launch -> first step is from starting the processes to the last rank's first step.
+
+    .venv/bin/python bench/step_overhead.py [--repeats 5] [--widths 64 1024] [--ranks 1 2]
+
+``rows()`` returns the table's rows as dicts (for an aggregator); ``main()`` prints them as markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+DIGITS = ROOT / "configs" / "digits.yaml"
+BATCH_SIZE = 32  # per rank, as configs/digits.yaml
+# Steps per run, by width: about a second or more of timed window at 2 ranks on a 2-core machine.
+STEPS = {64: 600, 1024: 250}
+WINDOW_START = 50  # steps before the timed window: warm-up (allocator, DDP's bucket rebuild, first epochs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_env(rank: int, ranks: int, port: int) -> dict[str, str]:
+    """What torchrun gives its workers (no agent store: rank 0 hosts the rendezvous, as under srun)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC_"))}
+    return env | {
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(ranks),
+        "LOCAL_WORLD_SIZE": str(ranks),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+def launch(kind: str, ranks: int, width: int, steps: int, window_start: int, tmp: Path) -> dict[str, float]:
+    """One run of ``kind`` (raw or ddpjob): rank 0's ms/step over the window, and launch -> first step (s)."""
+    out = Path(tempfile.mkdtemp(dir=tmp))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--out", str(out), "--width", str(width),
+           "--steps", str(steps), "--window-start", str(window_start)]  # fmt: skip
+    port = free_port()
+    started = time.time()
+    procs = [subprocess.Popen(cmd, env=worker_env(r, ranks, port), cwd=out, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(ranks)]  # fmt: skip
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{kind} run failed:\n" + "\n".join(log[-3000:] for log in logs))
+    stamps = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    durations = stamps[0]["durations"]
+    assert len(durations) == steps - window_start, len(durations)
+    return {
+        "ms_per_step": 1000 * sum(durations) / len(durations),
+        "median_ms": 1000 * statistics.median(durations),
+        "cpu_ms": 1000 * statistics.mean(s["cpu_s"] for s in stamps) / len(durations),
+        "first_step_s": max(s["first_step"] for s in stamps) - started,
+    }
+
+
+def measure(
+    widths: Sequence[int], ranks_list: Sequence[int], repeats: int, steps: Optional[int] = None
+) -> list[dict[str, Any]]:
+    """Alternated raw/ddpjob runs for every (width, ranks); medians of ``repeats`` each."""
+    rows = []
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        launch("raw", 1, 64, 60, 10, tmp)  # warm the page cache: the first start of all reads torch from disk
+        for width in widths:
+            n = steps or STEPS.get(width, 300)
+            for ranks in ranks_list:
+                runs: dict[str, list[dict[str, float]]] = {"raw": [], "ddpjob": []}
+                for _ in range(repeats):
+                    for kind in runs:
+                        runs[kind].append(launch(kind, ranks, width, n, WINDOW_START, tmp))
+                med = {kind: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for kind, rs in runs.items()}
+                rows.append({
+                    "bench": "step_overhead", "width": width, "ranks": ranks, "steps": n, "repeats": repeats,
+                    "raw_ms": med["raw"]["ms_per_step"], "ddpjob_ms": med["ddpjob"]["ms_per_step"],
+                    "ratio": med["ddpjob"]["ms_per_step"] / med["raw"]["ms_per_step"],
+                    "raw_median_ms": med["raw"]["median_ms"], "ddpjob_median_ms": med["ddpjob"]["median_ms"],
+                    "median_ratio": med["ddpjob"]["median_ms"] / med["raw"]["median_ms"],
+                    "raw_cpu_ms": med["raw"]["cpu_ms"], "ddpjob_cpu_ms": med["ddpjob"]["cpu_ms"],
+                    "raw_first_step_s": med["raw"]["first_step_s"],
+                    "ddpjob_first_step_s": med["ddpjob"]["first_step_s"],
+                    "first_step_delta_s": med["ddpjob"]["first_step_s"] - med["raw"]["first_step_s"],
+                    "raw_runs_ms": [r["ms_per_step"] for r in runs["raw"]],
+                    "ddpjob_runs_ms": [r["ms_per_step"] for r in runs["ddpjob"]],
+                })  # fmt: skip
+    return rows
+
+
+def rows(repeats: int = 5) -> list[dict[str, Any]]:
+    """The default table (widths 64 and 1024, 1 and 2 ranks) as dicts, for an aggregator."""
+    return measure([64, 1024], [1, 2], repeats)
+
+
+def table(results: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        "| width | ranks | raw ms/step | ddpjob ms/step | ratio | median step: raw | ddpjob | ratio "
+        "| raw launch -> first step | ddpjob | delta |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['width']} | {r['ranks']} | {r['raw_ms']:.2f} | {r['ddpjob_ms']:.2f} | {r['ratio']:.3f}x "
+            f"| {r['raw_median_ms']:.2f} | {r['ddpjob_median_ms']:.2f} | {r['median_ratio']:.3f}x "
+            f"| {r['raw_first_step_s']:.2f} s | {r['ddpjob_first_step_s']:.2f} s | {r['first_step_delta_s']:+.2f} s |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--widths", type=int, nargs="+", default=[64, 1024])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--steps", type=int, help="steps per run (default: by width)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    # A worker process of one run (started by launch()).
+    parser.add_argument("--worker", choices=["raw", "ddpjob"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--window-start", type=int, default=WINDOW_START, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker == "raw":
+        raw_worker(args.out, args.width, args.steps, args.window_start)
+        return
+    if args.worker == "ddpjob":
+        ddpjob_worker(args.out, args.width, args.steps, args.window_start)
+        return
+    results = measure(args.widths, args.ranks, args.repeats, args.steps)
+    print(f"step time, median of {args.repeats} alternated runs (gloo, 1 thread per rank; window: steps "
+          f"{WINDOW_START}..N on rank 0); launch -> first step: last rank's")  # fmt: skip
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+class _Stamps:
+    """Wall time of the first step, and each step's duration in rank 0's window, written as JSON for the parent."""
+
+    def __init__(self, out: Path, steps: int, window_start: int) -> None:
+        self.out, self.steps, self.window_start = out, steps, window_start
+        self.first_step = 0.0
+        self.last = 0
+        self.ends: list[float] = []  # perf_counter at the end of steps window_start..steps
+        self.cpu: list[float] = []  # this process's CPU time (all its threads) there
+
+    def step(self, step: int) -> None:
+        if step <= self.last:  # the trainer's eval batches beat too, with the step they follow
+            return
+        self.last = step
+        if step == 1:
+            self.first_step = time.time()
+        if step >= self.window_start:
+            self.ends.append(time.perf_counter())
+            self.cpu.append(time.process_time())
+
+    def write(self, rank: int) -> None:
+        durations = [b - a for a, b in zip(self.ends[:-1], self.ends[1:], strict=True)]
+        record = {"first_step": self.first_step, "durations": durations, "cpu_s": self.cpu[-1] - self.cpu[0]}
+        (self.out / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def raw_worker(out: Path, width: int, steps: int, window_start: int) -> None:
+    """The tutorial's loop. The data and model are DigitsTask's, built inline: this process imports no ddp_core."""
+    import torch
+    import torch.distributed as dist
+    from sklearn.datasets import load_digits
+    from torch import nn
+    from torch.nn import functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    stamps = _Stamps(out, steps, window_start)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Dropout(0.1), nn.Linear(width, width), nn.ReLU(),
+                          nn.Dropout(0.1), nn.Linear(width, 10))  # fmt: skip
+    ddp_model = DDP(model)
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    train_idx = order[int(len(y) * 0.2) :]
+    dataset = TensorDataset(x[train_idx], y[train_idx])
+    sampler = DistributedSampler(dataset, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler, drop_last=True)
+    optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=0.003, weight_decay=0.01)
+    step, epoch = 0, 0
+    while step < steps:
+        sampler.set_epoch(epoch)
+        for inputs, targets in loader:
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(ddp_model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            stamps.step(step)
+            if step == steps:
+                break
+        epoch += 1
+    stamps.write(rank)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def ddpjob_worker(out: Path, width: int, steps: int, window_start: int) -> None:
+    """``python -m ddp_core configs/digits.yaml ...`` in this process, its watchdog stamping each step: ``beat`` is
+    the trainer's one per-step call out of its loop, after the optimizer update."""
+    from ddp_core import launch
+    from ddp_core.watchdog import Watchdog
+
+    stamps = _Stamps(out, steps, window_start)
+    rank = int(os.environ["RANK"])
+
+    class StampingWatchdog(Watchdog):
+        def beat(self, step: int) -> None:
+            super().beat(step)
+            stamps.step(step)
+
+        def stop(self) -> None:  # after the last step, before the process exits
+            super().stop()
+            stamps.write(rank)
+
+    launch.Watchdog = StampingWatchdog  # type: ignore[misc]
+    overrides = [f"task.model.hidden={width}", f"data.batch_size={BATCH_SIZE}", f"train.max_steps={steps}",
+                 "train.eval_every=0", "checkpoint.every_steps=0", "wandb.mode=disabled"]  # fmt: skip
+    launch.main([str(DIGITS), "--run-dir", str(out / "run"), *overrides])
+
+
+if __name__ == "__main__":
+    main()
