@@ -138,11 +138,13 @@ def _requeue_within(
         run_dir.log_event("budget_exhausted", reason=reason, job_id=env.job_id, step=step)
         log.error("%s; %scontinue with: ddpjob resume %s", reason, read, run_dir.path)
         return EXIT_BUDGET_SPENT
+    # Recorded before asking: once Slurm accepts, it may end this step before a line written after scontrol returns
+    # (seen in CI under load: a requeued attempt without its event). A refusal is recorded after this one.
+    run_dir.log_event("requeued", kind=kind, job_id=env.job_id, step=step, count=spent)
     if not preemption.requeue(env):
         run_dir.log_event("requeue_failed", kind=kind, job_id=env.job_id, step=step)
         log.error("the job could not requeue itself after %s; continue with: ddpjob resume %s", after, run_dir.path)
         return EXIT_REQUEUE_FAILED
-    run_dir.log_event("requeued", kind=kind, job_id=env.job_id, step=step, count=spent)
     return EXIT_REQUEUED
 
 

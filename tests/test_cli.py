@@ -65,6 +65,7 @@ def test_dry_run_prints_script_and_config_and_submits_nothing(tmp_path):
 
 
 @pytest.mark.slurm
+@pytest.mark.cluster_shared("a")  # refused before sbatch: no job (tests/cluster_guard.py)
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -117,6 +118,7 @@ def test_prepare_job_id_cannot_leave_the_run_root(tmp_path):
 
 
 @pytest.mark.slurm
+@pytest.mark.cluster_shared("a")  # sbatch rejects it: no job
 def test_a_resume_that_sbatch_rejects_leaves_the_run_config_as_it_was(slurm_cluster, tmp_path):
     prepared = run_cli("prepare", DIGITS, cwd=tmp_path)
     assert prepared.returncode == 0, prepared.stderr
