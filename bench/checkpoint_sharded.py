@@ -65,7 +65,7 @@ def measure(
             writer.wait()  # the previous async save is not part of this one's figures
         dist.barrier()
         blocked = save_checkpoint(cfg, run_dir, env, strategy, model, optimizer, scheduler, Position(step=step),
-                                  RunningLoss(torch.device("cpu")), sharded, full)  # fmt: skip
+                                  RunningLoss(), sharded, full)  # fmt: skip
         total = blocked + (writer.wait() if writer is not None else 0.0)
         return blocked, total
 
