@@ -171,8 +171,7 @@ def save_checkpoint(
         return time.perf_counter() - started
     if env.is_main:
         state = {"model": strategy.model_state(model), "optimizer": optimizer.state_dict(), **rest}
-        if full is None:
-            full = full_checkpoint.FullWriter(run_dir.checkpoints, cfg.checkpoint.keep_last, False, env.rank)
+        assert full is not None, "rank 0 writes full checkpoints through its FullWriter"
         full.save(pos.step, state, sync=sync)
     distributed.barrier()  # nobody runs ahead (or exits) before the checkpoint is durable, or copied (async)
     return time.perf_counter() - started
@@ -315,11 +314,16 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
             written = {"write_s": round(full.last_write_s, 4)} if full is not None and full.last_write_s else {}
             record("checkpoint", {"save_s": round(last_save_s, 4)} | written)
 
-    def sigterm_save_fits() -> bool:
-        """Rank 0's judgement, on every rank (the save is collective): a synchronous save, as long as the last
-        complete one took, fits in checkpoint.sigterm_budget_s."""
+    def sigterm_save_cost() -> float:
+        """Rank 0's cost of a synchronous save (as long as the last complete one took), on every rank: whether it
+        fits in checkpoint.sigterm_budget_s must be one answer, the save is collective."""
         cost = max(last_save_s, full.last_write_s or 0.0) if full is not None else last_save_s
-        return distributed.all_gather_floats([float(cost <= cfg.checkpoint.sigterm_budget_s)])[0][0] > 0
+        return distributed.all_gather_floats([cost])[0][0]
+
+    def close_writers() -> None:
+        for writer in (sharded, full):
+            if writer is not None:
+                writer.close()  # an async save completes before the requeue (and the process group)
 
     def log_progress() -> None:
         nonlocal logged_at, logged_step
@@ -400,14 +404,13 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
                 checkpoint_now()
             signum = stop_flag.agree()  # every step: all ranks stop after the same one
             if signum:
-                if signum != signal.SIGTERM or sigterm_save_fits():
+                cost = sigterm_save_cost() if signum == signal.SIGTERM else 0.0
+                if cost <= cfg.checkpoint.sigterm_budget_s:
                     checkpoint_now(sync=True)
                 else:
-                    log.warning("SIGTERM: the last save took %.1f s, over checkpoint.sigterm_budget_s", last_save_s)
+                    log.warning("SIGTERM: the last save took %.1f s, over checkpoint.sigterm_budget_s", cost)
                 log.info("stopping at step %d on %s", pos.step, signal.Signals(signum).name)
-                for writer in (sharded, full):
-                    if writer is not None:
-                        writer.close()  # an async save completes before the requeue (and the process group)
+                close_writers()
                 stop_flag.settle()
                 progress.close()
                 wandb_run.finish()
@@ -420,9 +423,7 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
         final = evaluate(task, model, evals, cfg, strategy)
     record("eval", final)
     checkpoint_now(sync=True)
-    for writer in (sharded, full):
-        if writer is not None:
-            writer.close()
+    close_writers()
     progress.close()
     elapsed = time.perf_counter() - started
     log.info("finished at step %d in %.1f s: %s", pos.step, elapsed, " ".join(f"{k} {v:.4f}" for k, v in final.items()))
