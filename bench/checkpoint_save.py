@@ -135,6 +135,24 @@ def print_table(table: list[dict[str, Any]]) -> None:
               f"{r['async_done_s']:8.3f} s | {r['verify_s']:5.3f} s {r['load_s']:5.3f} s")  # fmt: skip
 
 
+def summary(quick: bool = False) -> list[dict[str, Any]]:
+    """The ratio lines of ``bench/run``: sync save against torch.save+fsync, async blocking against the sync save."""
+    out = []
+    for r in rows(repeats=3 if quick else 5):
+        big = r["params_m"] >= 50  # the targets are the 100M model's; the MLP's save is milliseconds
+        out += [{
+            "case": f"full checkpoint, {r['model']} ({r['file_mb']:.0f} MB): sync save vs torch.save+fsync",
+            "baseline": f"{r['baseline_s']:.3f} s", "ddpjob": f"{r['sync_s']:.3f} s", "ratio": r["sync_ratio"],
+            "target": "<= 1.20x" if big else "", "met": r["sync_ratio"] <= 1.2 if big else None,
+        }, {
+            "case": f"full checkpoint, {r['model']}: async save, time blocked vs sync save",
+            "baseline": f"{r['sync_s']:.3f} s", "ddpjob": f"{r['async_blocked_s']:.3f} s",
+            "ratio": r["async_blocked_of_sync"], "target": "<= 0.10x" if big else "",
+            "met": r["async_blocked_of_sync"] <= 0.1 if big else None,
+        }]  # fmt: skip
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=float, default=100e6)

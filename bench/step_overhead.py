@@ -134,6 +134,23 @@ def table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+STEP_TARGETS = {(64, 2): 1.05, (1024, 2): 1.02}  # issue 14: 2 ranks, the tiny model and the width-1024 one
+
+
+def summary(quick: bool = False) -> list[dict[str, Any]]:
+    """The ratio lines of ``bench/run``: step time against the hand-written loop (launch is startup.py's)."""
+    out = []
+    for r in measure([64, 1024], [1, 2], 3 if quick else 5):
+        target = STEP_TARGETS.get((r["width"], r["ranks"]))
+        out.append({
+            "case": f"step time, MLP width {r['width']}, {r['ranks']} rank{'s' if r['ranks'] > 1 else ''} "
+                    "vs hand-written DDP loop",
+            "baseline": f"{r['raw_ms']:.2f} ms", "ddpjob": f"{r['ddpjob_ms']:.2f} ms", "ratio": r["ratio"],
+            "target": f"<= {target:.2f}x" if target else "", "met": r["ratio"] <= target if target else None,
+        })  # fmt: skip
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)

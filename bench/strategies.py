@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 CHARLM = str(ROOT / "configs" / "charlm.yaml")
@@ -44,16 +45,32 @@ def step_time(nproc: int, overrides: list[str], steps: int, tmp: Path, global_ba
     return (train[-1]["time"] - train[0]["time"]) / (train[-1]["step"] - train[0]["step"])  # skips warm-up steps
 
 
+def rows(steps: int = 60, global_batch: int = 32) -> list[dict[str, Any]]:
+    """Each strategy's seconds per step and its ratio to single-process training, as dicts."""
+    with tempfile.TemporaryDirectory() as tmp:
+        times = {name: step_time(n, o, steps, Path(tmp), global_batch) for name, (n, o) in RUNS.items()}
+    base = times["single process"]
+    return [{"bench": "strategies", "strategy": name, "steps": steps, "global_batch": global_batch,
+             "ms_per_step": 1000 * seconds, "ratio": seconds / base} for name, seconds in times.items()]  # fmt: skip
+
+
+def summary(quick: bool = False) -> list[dict[str, Any]]:
+    """The ratio lines of ``bench/run``: every strategy against one process on the same model and global batch."""
+    results = rows(steps=40 if quick else 60)
+    base = results[0]
+    return [{
+        "case": f"char LM step, {r['strategy']} vs single process", "baseline": f"{base['ms_per_step']:.1f} ms",
+        "ddpjob": f"{r['ms_per_step']:.1f} ms", "ratio": r["ratio"], "target": "", "met": None,
+    } for r in results[1:]]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--global-batch", type=int, default=32)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        times = {name: step_time(n, o, args.steps, Path(tmp), args.global_batch) for name, (n, o) in RUNS.items()}
-    base = times["single process"]
-    for name, seconds in times.items():
-        print(f"{name:>36}: {seconds * 1000:7.1f} ms/step  ({seconds / base:4.2f}x single process)")
+    for r in rows(args.steps, args.global_batch):
+        print(f"{r['strategy']:>36}: {r['ms_per_step']:7.1f} ms/step  ({r['ratio']:4.2f}x single process)")
 
 
 if __name__ == "__main__":
