@@ -12,8 +12,15 @@ import pytest
 
 from ddp_core.errors import DdpJobError
 from ddp_core.pruning import Reporter, TrialConfig, bound_trial, open_storage
-from ddp_core.search_study import (JOURNAL_FILE, ask, create_study, distributions, open_study, reassign,
-                                   write_spec)  # fmt: skip
+from ddp_core.search_study import (
+    JOURNAL_FILE,
+    ask,
+    create_study,
+    distributions,
+    open_study,
+    reassign,
+    write_spec,  # fmt: skip
+)
 from jobs.search_spec import load_search_file, parse_cli_search
 from tests.conftest import ROOT
 from tests.helpers import events, run_trainer
