@@ -80,7 +80,7 @@ def start(spec: SearchSpec, cfg: Config) -> tuple[Path, Optional[str]]:
     if is_search(root):
         known = read_spec(root)
         differs = [k for k, v in wanted.items() if k not in ("budget", "parallelism") and known.get(k) != v]
-        if differs or known["budget"] != wanted["budget"]:
+        if differs or wanted["budget"] > known["budget"]:  # --more may have raised it since: that is the same one
             what = differs[0] if differs else "trials"
             raise DdpJobError(
                 f"sweep '{spec.name}' exists in {root} with another search ({what} differs)",
