@@ -97,7 +97,6 @@ def test_pruning_and_a_requeued_worker_resuming_its_trial(slurm_cluster, tmp_pat
         run = Path(t.user_attrs["run_dir"])
         (event,) = events(run, "pruned")
         assert event["step"] < 40 and not events(run, "completed")
-        assert t.params["optim.lr"] >= 30.0
     saved = sum(40 - events(Path(t.user_attrs["run_dir"]), "pruned")[0]["step"] for t in pruned)
     print(f"pruning saved {saved} of {40 * 6} steps ({len(pruned)} trials pruned)")
     status = run_cli("status", str(pruning), cwd=tmp_path)
