@@ -35,6 +35,8 @@ from ddp_core.config_input import (
     yaml_problem,
 )
 from ddp_core.errors import DdpJobError
+from ddp_core.pruning import TrialConfig
+from ddp_core.pruning import validate_config as validate_trial
 from ddp_core.script import SWEPT_ARG_PREFIX, ScriptConfig
 from ddp_core.script import validate_config as validate_script
 from ddp_core.snapshot import SnapshotConfig
@@ -254,6 +256,7 @@ class Config:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     script: ScriptConfig = field(default_factory=ScriptConfig)  # set: a user's script trains (ddp_core.script)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)  # the code every attempt runs (ddp_core.snapshot)
+    trial: TrialConfig = field(default_factory=TrialConfig)  # set: one trial of an adaptive sweep (ddp_core.pruning)
 
 
 def ranks_per_node(cfg: Config) -> int:
@@ -410,6 +413,7 @@ def validate(cfg: Config) -> None:
     _validate_guard(cfg.dist.guard)
     validate_watchdog(cfg.watchdog, cfg.dist.timeout_s)
     validate_snapshot(cfg.snapshot)
+    validate_trial(cfg.trial)
     _require(cfg.train.straggler_factor >= 1, "train.straggler_factor", cfg.train.straggler_factor, "must be >= 1")
     _require(cfg.train.stop_check_ms >= 0, "train.stop_check_ms", cfg.train.stop_check_ms, "must be >= 0")
     _validate_script_strings(cfg)

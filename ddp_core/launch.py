@@ -164,6 +164,8 @@ def _finish(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, out
     code = 0
     if outcome.signum:
         code = _after_stop(cfg, run_dir, env, stop_flag, outcome)
+    elif env.is_main and outcome.pruned:  # an adaptive sweep's pruner ended it early: done, not requeued
+        run_dir.log_event("pruned", job_id=env.job_id, step=outcome.step)
     elif env.is_main:
         run_dir.log_event("completed", job_id=env.job_id, step=outcome.step, final=outcome.final)
     distributed.teardown()  # its barrier also keeps every rank alive until rank 0 has requeued

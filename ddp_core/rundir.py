@@ -4,7 +4,7 @@ Layout::
 
     <run>/config.yaml     resolved config (what the compute node trains with)
     <run>/run.json        identity: run id (= W&B id), created time, submitted job ids (login node writes)
-    <run>/attempts.jsonl  what each attempt did: start, interrupted, requeued, completed (rank 0 appends)
+    <run>/attempts.jsonl  what each attempt did: start, interrupted, requeued, completed, pruned (rank 0 appends)
     <run>/checkpoints/    step_XXXXXXXX.pt (full) or step_XXXXXXXX.dcp/ (sharded) + step_XXXXXXXX.json
                           (manifest: kind, sizes, checksums; written last)
     <run>/metrics.jsonl   one JSON object per logged step (rank 0)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
-from ddp_core import checkpoint, distributed, full_checkpoint, straggler
+from ddp_core import checkpoint, distributed, full_checkpoint, pruning, straggler
 from ddp_core.config import Config, Precision, to_dict
 from ddp_core.data import ResumableShardSampler, eval_loader, train_loader
 from ddp_core.dist_env import DistEnv
@@ -52,6 +52,7 @@ class Outcome:
     step: int
     final: Optional[dict[str, float]]  # eval metrics when the run finished
     signum: int = 0  # the signal the ranks agreed to stop on; 0 when finished
+    pruned: bool = False  # a trial of an adaptive sweep that its study's pruner stopped early (final is None)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -271,6 +272,7 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
     spreads: list[dict[str, Any]] = []  # the ranks' work per step, one entry per progress line
     samples_per_step = cfg.data.batch_size * cfg.train.grad_accum * strategy.data_world
     progress = Progress(pos.step, cfg.train.max_steps, samples_per_step, enabled=env.is_main)
+    trial = pruning.reporter(cfg.trial, env.is_main)  # rank 0 of an adaptive sweep's trial; None otherwise
 
     def record(split: str, metrics: dict[str, float]) -> None:
         if metrics_log is not None:
@@ -367,7 +369,8 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
 
     model.train()
     primed = False
-    while pos.step < cfg.train.max_steps:
+    pruned = False
+    while pos.step < cfg.train.max_steps and not pruned:
         if pos.micro_in_epoch >= micro_per_epoch:
             pos.epoch, pos.micro_in_epoch = pos.epoch + 1, 0
         # The loader (and its workers) lives for the whole attempt; each pass reads the sampler's epoch anew.
@@ -395,7 +398,11 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
                 log_progress()
             if cfg.train.eval_every and pos.step % cfg.train.eval_every == 0 and pos.step < cfg.train.max_steps:
                 with watchdog.allowance():
-                    record("eval", evaluate(task, model, evals, cfg, strategy))
+                    scores = evaluate(task, model, evals, cfg, strategy)
+                    record("eval", scores)
+                    pruned = cfg.trial.bound and pruning.decide(trial, pos.step, scores)
+                if pruned:
+                    break
             if (
                 cfg.checkpoint.every_steps
                 and pos.step % cfg.checkpoint.every_steps == 0
@@ -418,19 +425,22 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
             if pos.step >= cfg.train.max_steps:
                 break
 
-    stop_flag.settle()  # a signal in the last step is moot: the run is complete
-    with watchdog.allowance():
-        final = evaluate(task, model, evals, cfg, strategy)
-    record("eval", final)
+    stop_flag.settle()  # a signal in the last step is moot: the run is complete (or pruned)
+    final = None
+    if not pruned:
+        with watchdog.allowance():
+            final = evaluate(task, model, evals, cfg, strategy)
+        record("eval", final)
     checkpoint_now(sync=True)
     close_writers()
     progress.close()
     elapsed = time.perf_counter() - started
-    log.info("finished at step %d in %.1f s: %s", pos.step, elapsed, " ".join(f"{k} {v:.4f}" for k, v in final.items()))
+    scores = " ".join(f"{k} {v:.4f}" for k, v in (final or {}).items())
+    log.info("%s at step %d in %.1f s: %s", "pruned" if pruned else "finished", pos.step, elapsed, scores)
     peak = distributed.peak_memory_gb(device)
     if peak is not None:
         log.info("peak GPU memory on %s: %.2f GB allocated by tensors", device, peak)
     # Every rank logs its own digest: replicas that drifted apart show up as different lines.
     log.info("final weights sha256 %s", weights_digest(strategy.full_model_state(model)))
     wandb_run.finish()
-    return Outcome(step=pos.step, final=final)
+    return Outcome(step=pos.step, final=final, pruned=pruned)

@@ -8,6 +8,7 @@ User errors (``DdpJobError``) print one line and exit 2; a job that ran and fail
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import re
 import shlex
@@ -131,6 +132,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="list the trials and print the array script only")
     p.add_argument("--no-snapshot", action="store_true", help="do not copy the code into the sweep (snapshot.enabled)")
     p.add_argument("--no-cluster-check", action="store_true", help="skip checking the request against sinfo")
+    p.add_argument("--search", metavar="SAMPLER", help="adaptive search (Optuna): tpe, random, grid or cmaes; "
+                   "params as key=loguniform(1e-5,1e-2), key=choice(a,b), key=range(32,257,32)")  # fmt: skip
+    p.add_argument("--parallel", type=int, help="adaptive search: workers (array tasks) at once")
+    p.add_argument("--pruner", help="adaptive search: median, asha, hyperband or none")
+    p.add_argument("--metric", help="adaptive search: what to optimise, e.g. min:eval/loss (default)")
+    p.add_argument("--more", type=int, metavar="N", help="adaptive search: add N trials to the sweep directory given")
 
     p = sub.add_parser("report", help="PNG + self-contained HTML of loss/metric curves of a run or sweep")
     p.add_argument("path", help="a run directory or a sweep directory")
@@ -290,6 +297,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from jobs.sweep_spec import load_sweep
 
     started = time.monotonic()
+    if args.search or args.more is not None or _is_search(args.config):
+        return _cmd_search(args, started)
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():
         overrides.insert(0, config)  # `sweep --script t.py k=v1,v2`: argparse took the first key for CONFIG
@@ -315,6 +324,64 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return 0
     arrays = sw.submit_sweep(spec, plans, parallelism)
     print(sw.summary(spec, plans, arrays, sw.max_array_size() if arrays else None))
+    print(f"took:    {time.monotonic() - started:.1f} s")
+    return 0
+
+
+def _is_search(config: Optional[str]) -> bool:
+    from jobs.search import is_search
+    from jobs.sweep_spec import is_sweep_file
+
+    if config is None or not Path(config).exists():
+        return False
+    if is_search(config):
+        return True
+    return Path(config).is_file() and is_sweep_file(Path(config)) and _has_search(Path(config))
+
+
+def _has_search(path: Path) -> bool:
+    from ddp_core.config_input import read_yaml_mapping
+
+    return "search" in read_yaml_mapping(path)
+
+
+def _cmd_search(args: argparse.Namespace, started: float) -> int:
+    """``ddpjob sweep`` of an adaptive search: a new one, the same one again, or ``SWEEP_DIR --more N``."""
+    from jobs import search
+    from jobs.search_spec import load_search_file, parse_cli_search
+
+    if search.is_search(args.config):
+        if args.overrides or args.search:
+            raise DdpJobError("a search's sweep directory takes no parameters", "only --more N (and --parallel)")
+        root = Path(args.config).resolve()
+        array = search.extend(root, args.more, args.parallel) if args.more is not None else None
+        if args.more is None:
+            from ddp_core.config import load_config
+            from ddp_core.search_study import BASE_CONFIG
+
+            array = search.submit_workers(root, load_config(root / BASE_CONFIG))
+    else:
+        if args.more is not None:
+            raise DdpJobError("--more extends an existing search", "pass its directory: ddpjob sweep DIR --more N")
+        if args.config is None:
+            raise DdpJobError("an adaptive search needs a base config or a sweep YAML", "sweep CONFIG --search tpe")
+        flags = {"sampler": args.search, "trials": args.trials, "parallelism": args.parallel, "pruner": args.pruner,
+                 "seed": args.seed, "metric": args.metric}  # fmt: skip
+        overrides = [*args.overrides, *(["snapshot.enabled=false"] if args.no_snapshot else [])]
+        if Path(args.config).is_file() and _has_search(Path(args.config)):
+            spec = load_search_file(Path(args.config), overrides, name=args.name, **flags)
+        else:
+            spec = parse_cli_search(Path(args.config), overrides, name=args.name, **flags)
+        cfg = search.check(spec, local_check=not (args.no_cluster_check or args.dry_run))
+        if args.dry_run:
+            print(f"search:  {spec.sampler} {spec.direction} {spec.metric}, {spec.trials} trials, "
+                  f"{spec.parallelism} workers, pruner {spec.pruner} (nothing submitted)")  # fmt: skip
+            for key, dist in spec.params.items():
+                print(f"param:   {key} {json.dumps(dist)}")
+            print(f"step:    {shlex.join([*search.step(cfg)['srun'], *search.step(cfg)['command'], 'RUN_DIR'])}")
+            return 0
+        root, array = search.start(spec, cfg)
+    print("\n".join(search.start_lines(root, array)))
     print(f"took:    {time.monotonic() - started:.1f} s")
     return 0
 

@@ -288,7 +288,12 @@ def write_report(path: Path, out_dir: Optional[Path] = None, metric: str = "eval
     png, page = out / "report.png", out / "report.html"
     title = f"ddpjob report: {path.resolve().name}"
     _write_png(runs, keys, title, png)
-    page.write_text(_html(runs, keys, title, metric), encoding="utf-8")
+    text = _html(runs, keys, title, metric)
+    from jobs import search  # an adaptive sweep adds Optuna's history and importances (search.png, a section)
+
+    if search.is_search(path):
+        text = text.replace("</body>", search.report_section(path, out) + "\n</body>", 1)
+    page.write_text(text, encoding="utf-8")
     return png, page
 
 

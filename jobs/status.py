@@ -38,7 +38,7 @@ ACTIVE_STATES = frozenset(
 )  # fmt: skip
 EVENT_STATES = {"start": "STARTED", "interrupted": "INTERRUPTED", "requeued": "INTERRUPTED",
                 "completed": "COMPLETED", "budget_exhausted": "BUDGET_EXHAUSTED", "preempted": "PREEMPTED",
-                "hang": "HUNG"}  # fmt: skip
+                "hang": "HUNG", "pruned": "PRUNED"}  # fmt: skip
 ACCOUNTING_LAG_S = 120  # a job this young with no sacct record yet is queued, not lost
 DEFAULT_ROOT = Path("runs")
 SCRIPT_WIDTH = 48  # characters of a script's command line in the table
@@ -120,6 +120,7 @@ class Row:
     checkpoint_mtime: Optional[float] = None
     straggler: Optional[dict[str, Any]] = None  # the last progress line, when it names a persistent straggler
     script: Optional[list[str]] = None  # script mode: what each rank runs (ddp_core.script), else None
+    trial_state: Optional[str] = None  # a trial of an adaptive sweep: its state in the study (COMPLETE, PRUNED, ...)
 
     @property
     def job_label(self) -> str:
@@ -127,6 +128,8 @@ class Row:
         return f"{recorded[-1]} +{len(recorded) - 1}" if len(recorded) > 1 else (recorded or ["-"])[0]
 
     def state(self, now: float) -> str:
+        if self.trial_state is not None:  # its worker's job says nothing about the trial: the study does
+            return self.trial_state
         last_event = self.events[-1]["event"] if self.events else ""
         if self.attempts:
             last = self.attempts[-1]
@@ -330,11 +333,22 @@ def runs_to_show(path: Optional[str], limit: int = 20) -> tuple[list[Path], bool
     return runs, runs != [target]
 
 
-def status_text(path: Optional[str], metric: str, limit: int = 20, runner: Optional[Runner] = None) -> tuple[str, bool]:
-    """One refresh: (the table, whether any row is still active)."""
+def status_text(
+    path: Optional[str], metric: Optional[str], limit: int = 20, runner: Optional[Runner] = None
+) -> tuple[str, bool]:
+    """One refresh: (the table, whether any row is still active). ``metric`` None: an adaptive sweep's own, else
+    eval/accuracy."""
+    from jobs import search
+
+    study = search.summary(Path(path)) if search.is_search(path) else None
+    if metric is None:
+        own = study["spec"] if study else None
+        metric = f"{'min:' if own['direction'] == 'minimize' else ''}{own['metric']}" if own else "eval/accuracy"
     metric_key, _ = _parse_metric(metric)
     paths, is_sweep = runs_to_show(path, limit)
     rows, now = collect(paths, metric_key, runner), time.time()
+    for row in rows if study else []:
+        row.trial_state = study["states"].get(row.run.name)
     best = None
     if is_sweep:
         rows, best = sort_by_metric(rows, metric)
@@ -343,6 +357,9 @@ def status_text(path: Optional[str], metric: str, limit: int = 20, runner: Optio
         text += f"\ncode: {_code_line(rows[0].run)}"
     if best is not None:
         text += f"\n* best by {metric}: {shown_path(best.run.path)} = {best.metric:.6g}"
+    if study is not None:
+        text = "\n".join([*search.status_lines(study), text])
+        return text, study["counts"]["running"] > 0 or len(study["trials"]) < study["spec"]["budget"]
     return text, any(r.active(now) for r in rows)
 
 
@@ -383,7 +400,8 @@ def add_parsers(sub: Any) -> None:
     )
     p.add_argument("--watch", nargs="?", type=float, const=10.0, metavar="SECONDS",
                    help="refresh every SECONDS (default 10) until all rows end; put it after PATH")  # fmt: skip
-    p.add_argument("--metric", default="eval/accuracy", help="sweeps: ranks trials; prefix min: to minimise")
+    p.add_argument("--metric", help="sweeps: ranks trials (default eval/accuracy, a search's own metric); prefix min: "
+                   "to minimise")  # fmt: skip
     p.add_argument("--limit", type=int, default=20, help="without PATH: how many of the newest runs")
 
     p = sub.add_parser("logs", help="a run's rank log across its attempts and jobs")

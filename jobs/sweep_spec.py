@@ -6,7 +6,8 @@ the base config and an ordered tuple of ``Trial``s, each a list of ``key=value``
 ``ddp_core.config.load_config`` accepts. Every trial is validated here, so one bad value fails the whole sweep
 before any run directory exists. Pure Python, no Slurm, no torch: ``ddpjob sweep`` submits the result.
 
-A file is a sweep YAML when it has a top-level ``grid:`` or ``random:`` key (no config section has those names).
+A file is a sweep YAML when it has a top-level ``grid:``, ``random:`` or ``search:`` key (``search:``: an adaptive
+sweep, ``jobs.search_spec``) (no config section has those names).
 ``randint`` draws from ``[low, high)``: high is exclusive, like ``range()`` and numpy.
 
 A sweep of a script (``script.path`` / ``script.module``, e.g. from ``ddpjob sweep --script train.py``) needs no base
@@ -42,7 +43,7 @@ from ddp_core.errors import DdpJobError
 from ddp_core.script import arg_value, swept_arg_name, with_swept_args
 
 T = TypeVar("T")
-SWEEP_FILE_KEYS = ("base", "name", "overrides", "grid", "random")
+SWEEP_FILE_KEYS = ("base", "name", "overrides", "grid", "random", "search")  # search: jobs.search_spec
 DISTRIBUTIONS = {
     "uniform": ("low", "high"),
     "loguniform": ("low", "high"),  # uniform in log space: for learning rates, weight decay
@@ -120,7 +121,7 @@ def load_sweep(
 @_one_line_errors
 def is_sweep_file(path: Path) -> bool:
     # A file that is not a YAML mapping is refused here, naming the file and line (not "nothing to sweep").
-    return bool({"grid", "random"} & set(read_yaml_mapping(Path(path))))
+    return bool({"grid", "random", "search"} & set(read_yaml_mapping(Path(path))))
 
 
 @_one_line_errors

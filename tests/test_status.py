@@ -326,7 +326,7 @@ def test_parsers():
     parser = argparse.ArgumentParser()
     status.add_parsers(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["status", "runs/x", "--watch"])
-    assert (args.path, args.watch, args.metric) == ("runs/x", 10.0, "eval/accuracy")
+    assert (args.path, args.watch, args.metric) == ("runs/x", 10.0, None)  # None: a search's own metric
     assert parser.parse_args(["status", "--watch", "3"]).watch == 3.0
     assert parser.parse_args(["status"]).watch is None
     args = parser.parse_args(["logs", "r", "-f", "--rank", "1", "--attempt", "2"])

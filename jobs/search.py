@@ -1,0 +1,257 @@
+"""Adaptive sweeps on the login node: create the study, submit one job array of workers, continue or extend it, and
+say where it stands (``ddpjob status``/``report`` on a search's sweep directory).
+
+``ddpjob sweep`` validates the spec (``jobs.search_spec``), then writes the sweep directory (``ddp_core.search_study``
+documents its layout), creates the Optuna study on its journal and submits ONE array of ``parallelism`` tasks, each
+running ``ddp_core.search_worker.run`` in its batch step (submitit ``use_srun=False``): the worker launches each trial
+as an srun step with the srun line rendered here from ``jobs.submit``'s request. Running the same sweep again, or
+``--more N``, continues the study: the RUNNING trials of workers that are gone (squeue, one call) are bound to the new
+generation's task indices before its array is submitted, so no trial is lost or run twice.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from ddp_core.config import Config, to_yaml
+from ddp_core.errors import DdpJobError
+from ddp_core.search_study import (
+    BASE_CONFIG,
+    FAIL_ATTR,
+    JOURNAL_FILE,
+    RUN_DIR_ATTR,
+    SEARCH_FILE,
+    STATES,
+    WORKER_ATTR,
+    ask_lock,
+    create_study,
+    open_study,
+    read_spec,
+    reassign,
+    state_name,
+    write_spec,  # fmt: skip
+)
+from ddp_core.slurm import GATEWAY
+from jobs import snapshot
+from jobs.search_spec import SearchSpec
+from jobs.submit import check_cluster, cpus_per_task, entry_module, reason, sbatch_parameters, withdraw
+
+
+def is_search(path: Optional[str | Path]) -> bool:
+    return path is not None and (Path(path) / SEARCH_FILE).is_file()
+
+
+def sweep_root(spec: SearchSpec) -> Path:
+    assert spec.base_config is not None, "build() validated the base config"
+    return (Path(spec.base_config.run.root) / spec.name).resolve()
+
+
+def check(spec: SearchSpec, local_check: bool = True) -> Config:
+    """What submit checks for one run, once (every trial shares the task and the workers' request)."""
+    from ddp_core.task import check_task
+
+    cfg = spec.base_config
+    assert cfg is not None
+    check_task(cfg.task)
+    if local_check:
+        check_cluster(cfg)
+    cfg.slurm.cpus_per_task = cpus_per_task(cfg)
+    return cfg
+
+
+def step(cfg: Config) -> dict[str, list[str]]:
+    """The srun line each trial runs, from the request ``jobs.submit`` renders for every job (never recomputed)."""
+    return {"srun": ["srun", *sbatch_parameters(cfg)["srun_args"]],
+            "command": [sys.executable, "-u", "-m", entry_module(cfg)]}  # fmt: skip
+
+
+def start(spec: SearchSpec, cfg: Config) -> tuple[Path, Optional[str]]:
+    """Create the search (or continue the same one) and submit its workers: (sweep dir, array id or None)."""
+    root = sweep_root(spec)
+    wanted = spec.study_spec()
+    if is_search(root):
+        known = read_spec(root)
+        differs = [k for k, v in wanted.items() if k not in ("budget", "parallelism") and known.get(k) != v]
+        if differs or wanted["budget"] > known["budget"]:  # --more may have raised it since: that is the same one
+            what = differs[0] if differs else "trials"
+            raise DdpJobError(
+                f"sweep '{spec.name}' exists in {root} with another search ({what} differs)",
+                f"rerun it as it was, extend it: `ddpjob sweep {root} --more N`, or pass --name",
+            )
+        return root, submit_workers(root, cfg)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / BASE_CONFIG).write_text(to_yaml(cfg))
+    snapshot.take_shared(snapshot.plan_sweep([cfg]), root)
+    base = str(spec.base.resolve())
+    write_spec(root, wanted | {"step": step(cfg), "generations": [], "base_config": base, "fixed": spec.fixed})
+    from ddp_core.pruning import open_storage
+
+    create_study(open_storage(str(root / JOURNAL_FILE)), wanted)
+    return root, submit_workers(root, cfg)
+
+
+def extend(root: Path, more: int, parallelism: Optional[int] = None) -> Optional[str]:
+    """``--more N``: raise the budget by N (a finished study goes on), then submit workers as a rerun would."""
+    if more < 1:
+        raise DdpJobError(f"--more {more} is invalid", "give the number of trials to add, e.g. --more 32")
+    with ask_lock(root):  # a live worker re-reads the budget under this lock
+        spec = read_spec(root)
+        wider = {"parallelism": parallelism} if parallelism else {}
+        write_spec(root, spec | {"budget": spec["budget"] + more} | wider)
+    from ddp_core.config import load_config
+
+    return submit_workers(root, load_config(root / BASE_CONFIG))
+
+
+def alive_workers(spec: dict[str, Any]) -> set[str]:
+    """Workers (``gen:index``) still queued or running: one squeue call over every generation's array."""
+    arrays = {str(g["job_id"]): g["generation"] for g in spec["generations"]}
+    pairs = GATEWAY.squeue_ids(sorted(arrays)) if arrays else []
+    out = set()
+    for job_id, _ in pairs:
+        base, _, index = job_id.partition("_")
+        if base in arrays and index.isdigit():
+            out.add(f"{arrays[base]}:{index}")
+    return out
+
+
+def submit_workers(root: Path, cfg: Config) -> Optional[str]:
+    """Re-bind orphaned RUNNING trials to a new generation and submit it: as many tasks as the study still needs,
+    at most ``parallelism`` minus the workers still alive. Returns the array id, or None when nothing was needed."""
+    import optuna
+    import submitit
+
+    from ddp_core import search_worker
+
+    with ask_lock(root):  # no worker asks (or binds) while trials change hands
+        spec = read_spec(root)
+        alive = alive_workers(spec)
+        storage, study = open_study(root)
+        trials = study.get_trials(deepcopy=False)
+        running = {t.number: str(t.user_attrs.get(WORKER_ATTR)) for t in trials
+                   if t.state in (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)}  # fmt: skip
+        orphans = sum(1 for worker in running.values() if worker not in alive)
+        unasked = max(0, spec["budget"] - len(trials))
+        tasks = min(max(0, spec["parallelism"] - len(alive)), orphans + unasked)
+        tasks = max(tasks, 1 if orphans else 0)
+        if tasks == 0:
+            return None
+        generation = len(spec["generations"]) + 1
+        moved = reassign(running, lambda w: w in alive, generation, tasks)
+        study_id = storage.get_study_id_from_name(study.study_name)
+        for number, worker in moved.items():
+            trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, number)
+            storage.set_trial_user_attr(trial_id, WORKER_ATTR, worker)
+        folder = root / "slurm"
+        folder.mkdir(parents=True, exist_ok=True)
+        params = sbatch_parameters(cfg) | {"job_name": cfg.slurm.job_name or spec["name"], "use_srun": False,
+                                           "array_parallelism": tasks}  # fmt: skip
+        params.pop("srun_args")  # each trial's srun line is search.json's step (the worker runs it)
+        executor = submitit.SlurmExecutor(folder=folder)
+        executor.update_parameters(**params)
+        before = set(GATEWAY.queued_from(folder))
+        try:
+            jobs = executor.map_array(search_worker.run, [str(root)] * tasks, [generation] * tasks)
+        except Exception as err:
+            withdraw(folder, before, err)
+            raise DdpJobError(f"search submission failed: {reason(err)}", "fix the cause and rerun the same command: "
+                              "the study continues") from err  # fmt: skip
+        array = str(jobs[0].job_id).split("_")[0]
+        entry = {"generation": generation, "job_id": array, "tasks": tasks, "rebound": sorted(moved),
+                 "submitted": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
+        write_spec(root, spec | {"generations": [*spec["generations"], entry]})
+    return array
+
+
+def summary(root: Path) -> dict[str, Any]:
+    """Counts by state, the best trial (value, params, run dir), and every trial's state by run directory name."""
+    spec = read_spec(root)
+    _, study = open_study(root)
+    trials = study.get_trials(deepcopy=False)
+    counts = dict.fromkeys(STATES, 0)
+    states = {}
+    for t in trials:
+        name = state_name(t.state)
+        counts[name] = counts.get(name, 0) + 1
+        if RUN_DIR_ATTR in t.user_attrs:
+            states[Path(t.user_attrs[RUN_DIR_ATTR]).name] = name.upper()
+    done = [t for t in trials if state_name(t.state) == "complete" and t.value is not None]
+    pick = min if spec["direction"] == "minimize" else max
+    best = pick(done, key=lambda t: t.value) if done else None
+    fails = [f"t{t.number:04d}: {t.user_attrs[FAIL_ATTR]}" for t in trials if FAIL_ATTR in t.user_attrs]
+    return {"spec": spec, "counts": counts, "best": best, "states": states, "trials": trials, "fails": fails}
+
+
+def status_lines(info: dict[str, Any]) -> list[str]:
+    spec, counts, best = info["spec"], info["counts"], info["best"]
+    how = "min" if spec["direction"] == "minimize" else "max"
+    lines = [f"search:  {spec['sampler']} on {how}:{spec['metric']}, pruner {spec['pruner']}, "
+             f"{len(info['trials'])}/{spec['budget']} trials asked",
+             "trials:  " + ", ".join(f"{counts.get(s, 0)} {s}" for s in STATES)]  # fmt: skip
+    if best is not None:
+        params = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in best.params.items())
+        lines.append(f"best:    trial {best.number} ({best.user_attrs.get(RUN_DIR_ATTR, '-')}) = {best.value:.6g}: "
+                     f"{params}")  # fmt: skip
+    lines += [f"failed:  {line}" for line in info["fails"][-3:]]
+    return lines
+
+
+def start_lines(root: Path, array: Optional[str]) -> list[str]:
+    info = summary(root)
+    lines = [f"sweep:   {info['spec']['name']}", f"dir:     {root}", *status_lines(info)]
+    gens = info["spec"]["generations"]
+    if array is None:
+        lines.append("arrays:  none submitted (enough workers are queued or running, or the budget is spent)")
+    else:
+        rebound = gens[-1]["rebound"]
+        lines.append(f"arrays:  {array}")
+        lines.append(f"workers: {gens[-1]['tasks']} (generation {gens[-1]['generation']}"
+                     + (f"; resumes trials {', '.join(map(str, rebound))})" if rebound else ")"))  # fmt: skip
+    return lines
+
+
+def report_section(root: Path, out: Path) -> str:
+    """The search's part of the report: optimisation history and parameter importances (Optuna's own), as
+    ``search.png`` and an HTML section that embeds it."""
+    import optuna
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    info = summary(root)
+    done = [t for t in info["trials"] if state_name(t.state) == "complete" and t.value is not None]
+    minimise = info["spec"]["direction"] == "minimize"
+    best_so_far, best = [], math.inf if minimise else -math.inf
+    for t in sorted(done, key=lambda t: t.number):
+        best = min(best, t.value) if minimise else max(best, t.value)
+        best_so_far.append((t.number, best))
+    try:
+        importances = optuna.importance.get_param_importances(open_study(root)[1]) if len(done) >= 2 else {}
+    except (ValueError, RuntimeError):  # too few distinct values to fit the evaluator
+        importances = {}
+    fig = Figure(figsize=(12, 4), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax, bars = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    ax.scatter([t.number for t in done], [t.value for t in done], s=12, label="trial")
+    ax.step([n for n, _ in best_so_far], [v for _, v in best_so_far], where="post", color="#d62728", label="best")
+    ax.set_title(f"optimisation history ({info['spec']['metric']})")
+    ax.set_xlabel("trial")
+    ax.legend(fontsize="small")
+    bars.barh(list(importances)[::-1], list(importances.values())[::-1])
+    bars.set_title("parameter importances")
+    fig.savefig(out / "search.png", dpi=100)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    image = base64.b64encode(buf.getvalue()).decode()
+    rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.3f}</td></tr>" for k, v in importances.items())
+    lines = "<br>".join(html.escape(line) for line in status_lines(info))
+    return (f'<h2>Search</h2><p>{lines}</p><img alt="optimisation history" src="data:image/png;base64,{image}">'
+            f"<table><thead><tr><th>param</th><th>importance</th></tr></thead><tbody>{rows}</tbody></table>"
+            f"<pre>{html.escape(json.dumps([[n, v] for n, v in best_so_far]))}</pre>")  # fmt: skip
