@@ -17,7 +17,8 @@ from tests.helpers import digests, events, final_digests, rank_logs, run_trainer
 pytestmark = pytest.mark.slurm
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 SMALL = ["slurm.tasks_per_node=1", "train.max_steps=40", "train.eval_every=10", "train.log_every=10",
-         "checkpoint.every_steps=20", "--no-snapshot"]  # fmt: skip
+         "checkpoint.every_steps=20", "wandb.mode=disabled", "--no-snapshot"]  # fmt: skip
+# W&B stays off: its offline start costs seconds of CPU per trial, and the trials of two searches share 2 cores.
 
 
 def study_trials(sweep: Path) -> list[optuna.trial.FrozenTrial]:
@@ -70,7 +71,7 @@ def test_pruning_and_a_requeued_worker_resuming_its_trial(slurm_cluster, tmp_pat
                         "train.stop_on_nan=false", *SMALL)  # fmt: skip
     slow = ["task.target=tests.tasks:SlowDigitsTask", "task.data.pause_s=0.03", "train.max_steps=200",
             "train.eval_every=50", "train.log_every=5", "checkpoint.every_steps=50", "slurm.tasks_per_node=1",
-            "--no-snapshot"]  # fmt: skip
+            "wandb.mode=disabled", "--no-snapshot"]  # fmt: skip
     requeue, array = submit(tmp_path, "--search", "random", "--name", "requeue", "--trials", "1", "--parallel", "1",
                             "optim.lr=choice(0.002,0.003)", *slow)  # fmt: skip
     trial = requeue / "t0000"
