@@ -17,7 +17,9 @@ import logging
 import math
 import os
 import shutil
+import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional
@@ -32,6 +34,10 @@ if TYPE_CHECKING:
     import optuna
 
 log = logging.getLogger("ddp_core")
+# Set when Slurm sends this batch step SIGTERM (scancel, the time limit, a preemption): the job is ending, so a step
+# that ended with it is told nothing and nothing new is asked; the trial stays RUNNING, bound to this worker, and a
+# rerun of the sweep hands it to the next generation, which resumes it from its checkpoint.
+ENDING = threading.Event()
 REQUEUE_WAIT_S = 300  # Slurm ends a requeued job's batch step within seconds; past this the requeue did not happen
 
 
@@ -124,6 +130,8 @@ def run_trial(sweep: Path, spec: Mapping[str, Any], study: optuna.Study, trial: 
     if ended(run) is None or ended(run)["event"] == "requeued":  # a trial that finished before its worker died: tell
         log.info("trial %d: %s", trial.number, " ".join(step_command(spec, run)))
         code = subprocess.call(step_command(spec, run))
+    if ENDING.is_set() and (ended(run) or {}).get("event") != "requeued":  # a requeue's SIGTERM: see run()
+        return "ending"
     outcome = settle(study, trial, run, spec["metric"].partition("/")[2], code)
     log.info("trial %d: %s", trial.number, outcome)
     return outcome
@@ -137,17 +145,22 @@ def run(sweep_dir: str, generation: int) -> dict[str, int]:
     worker = f"{generation}:{task}"
     spec = read_spec(sweep)
     storage, study = open_study(sweep, seed_offset=generation * 10_007 + task)
+    signal.signal(signal.SIGTERM, lambda *_: ENDING.set())  # replaces submitit's, which only logs it
     done: dict[str, int] = {}
-    while True:
+    while not ENDING.is_set():
         resumed = bound_running(study, worker)
         trial = bound_trial(storage, study, resumed[0]) if resumed else ask(sweep, study, worker)
         if trial is None:
+            log.info("worker %s: budget spent (%s)", worker, done)
             break
         outcome = run_trial(sweep, spec, study, trial)
         if outcome == "requeued":
             log.info("trial %d: the job is being requeued; its next attempt resumes the trial", trial.number)
             time.sleep(REQUEUE_WAIT_S)  # Slurm ends this step; the requeued task starts the worker again
             raise RuntimeError(f"trial {trial.number} requeued the job, but the job was not requeued")
+        if outcome == "ending":
+            log.info("trial %d: the job is ending (SIGTERM); the trial stays bound to worker %s: rerun the sweep "
+                     "to continue it", trial.number, worker)  # fmt: skip
+            break
         done[outcome] = done.get(outcome, 0) + 1
-    log.info("worker %s: budget spent (%s)", worker, done)
     return done

@@ -103,3 +103,35 @@ def test_pruning_and_a_requeued_worker_resuming_its_trial(slurm_cluster, tmp_pat
     status = run_cli("status", str(pruning), cwd=tmp_path)
     assert f"{len(pruned)} pruned" in status.stdout and "PRUNED" in status.stdout, status.stdout
     wait_gone(array, 120)
+
+
+def test_a_search_whose_workers_died_continues_and_extends(slurm_cluster, tmp_path):
+    # One worker; its array is cancelled while trial 0 runs (after a checkpoint). The rerun binds the orphaned trial
+    # to the new generation, which resumes it from that checkpoint; --more 1 adds one trial after the budget is spent.
+    args = ["--search", "random", "--name", "died", "--trials", "2", "--parallel", "1", "optim.lr=choice(0.002,0.003)",
+            "task.target=tests.tasks:SlowDigitsTask", "task.data.pause_s=0.03", "train.max_steps=60",
+            "train.eval_every=0", "train.log_every=10", "checkpoint.every_steps=10", "slurm.tasks_per_node=1",
+            "wandb.mode=disabled", "--no-snapshot"]  # fmt: skip
+    sweep, array = submit(tmp_path, *args)
+    first = sweep / "t0000"
+    wait_for(lambda: list((first / "checkpoints").glob("step_*.json")), 240, "trial 0's first checkpoint")
+    subprocess.run(["scancel", array], check=True)  # the worker and its trial's step: nobody tells the study
+    wait_gone(array, 120)
+    (orphan,) = study_trials(sweep)
+    assert orphan.state == optuna.trial.TrialState.RUNNING and orphan.user_attrs["worker"] == "1:0"
+
+    _, rerun = submit(tmp_path, *args)  # the same command again: the study continues
+    wait_for(lambda: finished(sweep, 2), 300, "the continued search", poll=1)
+    wait_gone(rerun, 120)
+    extended = run_cli("sweep", str(sweep), "--more", "1", cwd=tmp_path)
+    assert extended.returncode == 0, extended.stdout + extended.stderr
+    wait_for(lambda: finished(sweep, 3), 300, "the extended search", poll=1)
+
+    trials = study_trials(sweep)
+    assert [t.number for t in trials] == [0, 1, 2]  # nothing re-sampled, nothing lost
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials), [t.user_attrs for t in trials]
+    assert trials[0].user_attrs["worker"] == "2:0" and trials[2].user_attrs["worker"] == "3:0"
+    starts = events(first, "start")  # resumed in its own run directory, from the checkpoint
+    assert len(starts) == 2 and starts[1]["step"] > 0, starts
+    assert sorted(p.name for p in sweep.glob("t*")) == ["t0000", "t0001", "t0002"]
+    wait_gone(field(extended.stdout, "arrays"), 120)
