@@ -64,6 +64,7 @@ def test_tpe_search_beats_the_median_random_trial(slurm_cluster, tmp_path):
         wait_gone(array, 120)
 
 
+@pytest.mark.cluster_shared("b")  # 3 one-CPU workers: room beside lane a's 2-CPU jobs (tests/cluster_guard.py)
 def test_pruning_and_a_requeued_worker_resuming_its_trial(slurm_cluster, tmp_path, pytestconfig):
     # Half the learning rates diverge: the median pruner stops those trials at an early eval.
     pruning, _ = submit(tmp_path, "--search", "random", "--pruner", "median", "--name", "prune", "--trials", "6",
@@ -105,6 +106,7 @@ def test_pruning_and_a_requeued_worker_resuming_its_trial(slurm_cluster, tmp_pat
     wait_gone(array, 120)
 
 
+@pytest.mark.cluster_shared("b")  # one 1-CPU worker
 def test_a_search_whose_workers_died_continues_and_extends(slurm_cluster, tmp_path):
     # One worker; its array is cancelled while trial 0 runs (after a checkpoint). The rerun binds the orphaned trial
     # to the new generation, which resumes it from that checkpoint; --more 1 adds one trial after the budget is spent.
