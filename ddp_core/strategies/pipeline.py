@@ -89,7 +89,9 @@ class PipelineStrategy(Strategy):
         if self._schedule is None:
             # The schedule averages over micro-batches; accumulation steps divide once more.
             def loss_fn(output: Any, target: Any) -> torch.Tensor:
-                return task.score(output, target).loss / grad_accum
+                out = task.score(output, target)
+                self.on_train_output(out)
+                return out.loss / grad_accum
 
             self._schedule = _SCHEDULES[self.cfg.schedule](self.stage, self.cfg.microbatches, loss_fn=loss_fn)
         return self._schedule
@@ -115,7 +117,7 @@ class PipelineStrategy(Strategy):
             return torch.zeros((), device=self.device)
         return torch.stack(losses).detach().mean()
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> None:
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> Optional[torch.Tensor]:
         # The norm is over the whole model: add the stages' squared norms before scaling.
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         # On the training device on every stage, also one without gradients: all ranks of a collective must send
@@ -126,6 +128,7 @@ class PipelineStrategy(Strategy):
         scale = (max_norm / (local.sqrt() + 1e-6)).clamp(max=1.0)
         for g in grads:
             g.mul_(scale.to(g.dtype))
+        return local.sqrt()
 
     def eval_step(self, task: Task, model: nn.Module, batch: Any) -> Output:
         inputs, targets = task.split(batch)
