@@ -350,7 +350,8 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
             "lr": scheduler.get_last_lr()[0],
             "step_ms": 1000 * (now - logged_at) / max(1, pos.step - logged_step),
         }
-        metrics |= train_sums.read()  # the task's train-step sums and the grad norm, averaged over ranks
+        # The task's train-step sums and the grad norm, averaged over ranks; train/loss stays the step losses' mean.
+        metrics |= {k: v for k, v in train_sums.read().items() if k not in metrics}
         if device.type == "cuda":  # the largest and smallest peak over ranks: imbalance shows as a gap
             metrics |= {"peak_mem_gb": max(r[2] for r in ranks), "peak_mem_gb_min": min(r[2] for r in ranks)}
         logged_at, logged_step = now, pos.step

@@ -145,7 +145,8 @@ class TrainMetricsDigitsTask(DigitsTask):
     def score(self, logits: torch.Tensor, y: torch.Tensor) -> Output:
         loss = torch.nn.functional.cross_entropy(logits.float(), y)
         correct = (logits.argmax(-1) == y).sum().float()
-        return Output(loss=loss, count=len(y), sums={"loss": loss.detach() * len(y), "accuracy": correct})
+        sums = {"loss_sum_mean": loss.detach() * len(y), "accuracy": correct}
+        return Output(loss=loss, count=len(y), sums=sums)
 
 
 class FlatMetricDigitsTask(DigitsTask):
