@@ -1,8 +1,11 @@
 """The training loop, top to bottom: build, resume, train with periodic eval/log/checkpoint, finish.
 
 Every strategy runs through this one loop. Position in the data is (epoch, micro-batches consumed in the
-epoch), saved in each checkpoint with every rank's RNG states, so a resumed run continues the exact
-stream it stopped in.
+epoch), saved in each checkpoint with every rank's RNG states (and a streaming loader's state), so a resumed run
+continues the exact stream it stopped in. Optional parts are components the loop calls in one line each: the
+optimizer step (``optim.OptimizerStep``: fp16 scaling, clipping, grad norm), train metrics (``train_metrics``), the
+monitored metric (``monitor``: best checkpoint, early stopping) and what rides along in checkpoints
+(``train_state``).
 """
 
 from __future__ import annotations
