@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -188,6 +189,12 @@ def test_the_best_checkpoint_survives_keep_last_pruning_and_resume(tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*.json")) == kept
     info, state = export(RunDir(run), tmp_path / "best.pt", best=True)
     assert info.step == 5 and all(torch.equal(state[k], best_weights[k]) for k in best_weights)
+    cli = subprocess.run([sys.executable, "-m", "jobs", "export", str(run), str(tmp_path / "cli.pt"), "--best"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert cli.returncode == 0 and "(step 5, full)" in cli.stdout, cli.stdout + cli.stderr
+    refused = subprocess.run([sys.executable, "-m", "jobs", "export", str(run), str(tmp_path / "x.pt"), "--best",
+                              "--step", "30"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert refused.returncode != 0 and "export takes --step or --best, not both" in refused.stderr
 
 
 def test_early_stopping_ends_a_run_whose_metric_is_flat(tmp_path):
@@ -307,8 +314,6 @@ def test_a_task_module_that_parses_argv_at_import_is_refused_before_it_runs(tmp_
 
 
 def test_a_submit_dry_run_names_the_module_level_argparse(tmp_path):
-    import subprocess
-
     (tmp_path / "argv_task2.py").write_text(
         "import argparse\nfrom ddp_core.tasks.digits import DigitsTask\nargparse.ArgumentParser().parse_args()\n"
         "class MyTask(DigitsTask):\n    pass\n"
