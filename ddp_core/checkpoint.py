@@ -50,6 +50,8 @@ except ImportError:  # a bare GPU box with torch alone (bench/gpu_check.py): sha
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step_(\d{8})\.json$")
+# Names the step of the best checkpoint (checkpoint.monitor); prune keeps that one whatever keep_last says.
+BEST = "best.json"
 
 
 FULL, SHARDED = "full", "sharded"
@@ -171,7 +173,10 @@ def remove_data(path: Path) -> None:
 
 
 def prune(directory: Path, keep_last: int) -> None:
-    for _, manifest in _manifests(directory)[keep_last:]:
+    best = best_step(directory)
+    for step, manifest in _manifests(directory)[keep_last:]:
+        if step == best:
+            continue
         # Manifest first: a kill between the unlinks leaves orphan data, never a manifest pointing at nothing.
         manifest.unlink(missing_ok=True)
         remove_data(manifest.with_suffix(".pt"))
@@ -301,6 +306,27 @@ def find(directory: Path, step: int) -> Optional[CheckpointInfo]:
     """The checkpoint of ``step`` if it exists and verifies."""
     manifest = directory / f"step_{step:08d}.json"
     return verify(manifest) if manifest.is_file() else None
+
+
+def mark_best(directory: Path, step: int, metric: str, value: float) -> None:
+    """Rank 0: the checkpoint of ``step`` is the best so far (written after it, or as it is written in the
+    background: prune spares the step either way). The previous best is pruned by the next save, if old enough."""
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(directory / BEST, json.dumps({"step": step, "metric": metric, "value": value}) + "\n")
+
+
+def best_step(directory: Path) -> Optional[int]:
+    try:
+        step = json.loads((directory / BEST).read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def find_best(directory: Path) -> Optional[CheckpointInfo]:
+    """The best checkpoint (``mark_best``) if one is marked and it verifies."""
+    step = best_step(directory)
+    return find(directory, step) if step is not None else None
 
 
 def find_latest_agreed(directory: Path) -> Optional[CheckpointInfo]:

@@ -67,6 +67,7 @@ MIXED_PRECISION = ("bf16",)
 class Precision(str, Enum):
     fp32 = "fp32"
     bf16 = "bf16"
+    fp16 = "fp16"  # autocast to float16 with a GradScaler (its state is checkpointed): GPUs without bf16
 
 
 class OptimizerName(str, Enum):
@@ -120,6 +121,11 @@ class OptimConfig:
     schedule: Schedule = Schedule.cosine
     warmup_steps: int = 0
     grad_clip: float = 0.0  # max grad norm; 0 disables clipping
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw only
+    eps: float = 1e-8  # adamw only
+    # Parameters whose name contains one of these fragments get no weight decay, e.g. [bias, norm, ln_].
+    no_decay: List[str] = field(default_factory=list)
+    min_lr: float = 0.0  # the cosine / linear decay ends here instead of at 0
 
 
 @dataclass
@@ -141,6 +147,12 @@ class TrainConfig:
     # the measured step time. A signal stops the run within about twice this; 0: after every step (a collective
     # per step, ~0.7 ms with 2 ranks on 2 cores).
     stop_check_ms: float = 100.0
+    # Log the gradient norm (train/grad_norm) also without clipping (with optim.grad_clip > 0 it always is).
+    log_grad_norm: bool = False
+    # Evaluate on at most this many batches per rank (0: the whole eval set).
+    eval_batches: int = 0
+    # End the run when checkpoint.monitor has not improved for this many evaluations (0: never).
+    early_stop_patience: int = 0
 
 
 @dataclass
@@ -153,6 +165,9 @@ class CheckpointConfig:
     # the background and the manifest appears once they are durable. Full checkpoints then keep a host copy of
     # the state between saves. A signal's save and the last one are synchronous.
     async_save: bool = False
+    # "min:eval/loss" or "max:eval/accuracy": the checkpoint of the best evaluation so far is kept apart from
+    # keep_last (never pruned; ddpjob export --best). null: none.
+    monitor: Optional[str] = None
 
 
 @dataclass
@@ -416,6 +431,7 @@ def validate(cfg: Config) -> None:
     validate_trial(cfg.trial)
     _require(cfg.train.straggler_factor >= 1, "train.straggler_factor", cfg.train.straggler_factor, "must be >= 1")
     _require(cfg.train.stop_check_ms >= 0, "train.stop_check_ms", cfg.train.stop_check_ms, "must be >= 0")
+    _validate_trainer_extras(cfg)
     _validate_script_strings(cfg)
     validate_script(cfg.script, cfg.slurm)
     _validate_script_mode(cfg)
@@ -428,6 +444,22 @@ def validate(cfg: Config) -> None:
         "must look like 'package.module:ClassName'",
     )
     _require(bool(cfg.run.name.strip()) and "/" not in cfg.run.name, "run.name", cfg.run.name, "must be a plain name")
+
+
+def _validate_trainer_extras(cfg: Config) -> None:
+    """The optimizer's, the monitor's and the data pipeline's keys, each checked by the module that owns them
+    (imported here: they import this module's dataclasses)."""
+    from ddp_core import monitor, optim
+
+    optim.validate(cfg.optim, cfg.train.max_steps)
+    monitor.validate(cfg.checkpoint.monitor, cfg.train.early_stop_patience, cfg.train.eval_every)
+    _require(cfg.train.eval_batches >= 0, "train.eval_batches", cfg.train.eval_batches, "must be >= 0 (0: all)")
+    if cfg.train.precision is Precision.fp16:
+        # A skipped step (inf/NaN gradients) must be skipped on every rank: with gradients sharded (fsdp) or split
+        # into stages (pipeline), each rank's scaler would see only its own part and could decide differently.
+        _require(cfg.strategy.name in (StrategyName.ddp, StrategyName.dp, StrategyName.model_parallel),
+                 "train.precision", "fp16", f"is supported with strategy.name ddp, dp or model_parallel, not "
+                 f"{cfg.strategy.name.value!r}; use bf16 there")  # fmt: skip
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

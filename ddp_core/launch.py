@@ -167,7 +167,8 @@ def _finish(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, out
     elif env.is_main and outcome.pruned:  # an adaptive sweep's pruner ended it early: done, not requeued
         run_dir.log_event("pruned", job_id=env.job_id, step=outcome.step)
     elif env.is_main:
-        run_dir.log_event("completed", job_id=env.job_id, step=outcome.step, final=outcome.final)
+        early = {"early_stopped": True} if outcome.early_stopped else {}  # train.early_stop_patience ended it
+        run_dir.log_event("completed", job_id=env.job_id, step=outcome.step, final=outcome.final, **early)
     distributed.teardown()  # its barrier also keeps every rank alive until rank 0 has requeued
     return code
 

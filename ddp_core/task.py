@@ -8,20 +8,24 @@ fit ``model(inputs)``. See the README section "Plugging in your own model".
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import inspect
+import sys
 import types
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union, get_args, get_origin
+from pathlib import Path
+from typing import Any, Optional, Union, get_args, get_origin
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
-from ddp_core.config import TaskConfig
+from ddp_core.config import OptimConfig, TaskConfig
 from ddp_core.errors import DdpJobError
 
 
@@ -31,8 +35,9 @@ class Output:
 
     ``loss`` is the mean loss to backpropagate. ``sums`` are per-batch *sums* of metrics (e.g. summed
     loss, number correct); the trainer adds them over batches and ranks and divides by the summed
-    ``count``, so evaluation is exact whatever the batch and world size. Only evaluation (under
-    ``torch.no_grad()``) reads them: a training step (``torch.is_grad_enabled()``) may leave them out.
+    ``count``, so evaluation is exact whatever the batch and world size. A training step's sums
+    (``torch.is_grad_enabled()``; it may leave them out) are logged the same way as ``train/<name>``, averaged
+    over the steps since the last progress line.
     """
 
     loss: torch.Tensor
@@ -58,7 +63,27 @@ class Task(ABC):
 
     @abstractmethod
     def build_datasets(self) -> tuple[Dataset, Dataset]:
-        """(train, eval) map-style datasets. No downloads on compute nodes: read local files or package data."""
+        """(train, eval) datasets. No downloads on compute nodes: read local files or package data. The train set
+        may be an ``IterableDataset`` (a token stream): rank r then trains on every world-th sample of it, and a
+        resumed run continues mid-epoch (the loader's position is in the checkpoint; the stream must yield the same
+        samples in the same order each time it is iterated, or implement ``state_dict``/``load_state_dict``)."""
+
+    def collate_fn(self, samples: list[Any]) -> Any:
+        """One batch from a list of samples (padding, packing, dicts of tensors); runs in the loader's workers.
+        The default stacks them (``torch.utils.data.default_collate``)."""
+        return default_collate(samples)
+
+    def configure_optimizer(self, model: nn.Module, cfg: OptimConfig) -> Optional[torch.optim.Optimizer]:
+        """An optimizer over ``model``'s parameters (the wrapped model: build it from ``model.parameters()`` or
+        ``named_parameters()``), or None for the one ``optim.*`` configures (the default)."""
+        return None
+
+    def configure_scheduler(
+        self, optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int
+    ) -> Optional[torch.optim.lr_scheduler.LRScheduler]:
+        """A scheduler stepped once per optimizer step (its ``state_dict`` is checkpointed), or None for warmup and
+        ``optim.schedule`` (the default)."""
+        return None
 
     def split(self, batch: Any) -> tuple[Any, Any]:
         """(model inputs, targets) of a batch. The pipeline strategy feeds inputs to its first stage and
@@ -77,8 +102,52 @@ class Task(ABC):
         return self.score(model(inputs), targets)
 
 
+_MAIN_GUARD_HINT = 'move the script part under `if __name__ == "__main__":` (ddpjob imports the module for its Task)'
+_EXITS = {("sys", "exit"), ("", "exit"), ("", "quit")}
+
+
+def _module_level_side_effect(module_name: str) -> Optional[str]:
+    """Where the module's top-level code (outside functions, classes and ``if __name__ == "__main__"``) parses the
+    command line or exits: "file:line what", or None. Importing it would take over ddpjob's own argv (a training
+    script's ``argparse`` at module level) on the login node. Read from the source, before the import runs it."""
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        return None  # the import itself reports it
+    origin = spec.origin if spec is not None else None
+    if origin is None or not origin.endswith(".py"):
+        return None
+    try:
+        tree = ast.parse(Path(origin).read_text(), origin)
+    except (OSError, SyntaxError, ValueError):
+        return None  # the import reports a syntax error with its own message
+
+    def scan(node: ast.AST) -> Optional[str]:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            return None
+        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) and "__main__" in ast.unparse(node.test):
+            return None
+        found = None
+        if isinstance(node, ast.Attribute) and node.attr == "argv" and ast.unparse(node.value) == "sys":
+            found = "reads sys.argv"
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = (ast.unparse(func.value), func.attr) if isinstance(func, ast.Attribute) else ("", ast.unparse(func))
+            if name[1] in ("parse_args", "parse_known_args") or name in _EXITS:
+                found = f"calls {ast.unparse(func)}()"
+        if found is not None:
+            return f"{origin}:{getattr(node, 'lineno', '?')} {found}"
+        return next((hit for child in ast.iter_child_nodes(node) if (hit := scan(child))), None)
+
+    return next((hit for stmt in tree.body if (hit := scan(stmt))), None)
+
+
 def _resolve(target: str) -> type:
     module_name, _, attr = target.partition(":")
+    if module_name not in sys.modules:
+        side_effect = _module_level_side_effect(module_name)
+        if side_effect is not None:
+            raise DdpJobError(f"task.target '{target}': module-level code {side_effect}", _MAIN_GUARD_HINT)
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
@@ -86,6 +155,9 @@ def _resolve(target: str) -> type:
             f"task.target '{target}': cannot import module '{module_name}' ({err})",
             "check the module path and that it is importable on the compute nodes (installed or on PYTHONPATH)",
         ) from None
+    except SystemExit as err:  # what the source check cannot see (an exit inside a function called at import)
+        raise DdpJobError(f"task.target '{target}': importing '{module_name}' exited (code {err.code})",
+                          _MAIN_GUARD_HINT) from None  # fmt: skip
     obj = getattr(module, attr, None)
     if not (isinstance(obj, type) and issubclass(obj, Task)):
         raise DdpJobError(

@@ -1,14 +1,18 @@
 """The training loop, top to bottom: build, resume, train with periodic eval/log/checkpoint, finish.
 
 Every strategy runs through this one loop. Position in the data is (epoch, micro-batches consumed in the
-epoch), saved in each checkpoint with every rank's RNG states, so a resumed run continues the exact
-stream it stopped in.
+epoch), saved in each checkpoint with every rank's RNG states (and a streaming loader's state), so a resumed run
+continues the exact stream it stopped in. Optional parts are components the loop calls in one line each: the
+optimizer step (``optim.OptimizerStep``: fp16 scaling, clipping, grad norm), train metrics (``train_metrics``), the
+monitored metric (``monitor``: best checkpoint, early stopping) and what rides along in checkpoints
+(``train_state``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import logging
 import math
 import os
@@ -22,15 +26,18 @@ from torch import nn
 
 from ddp_core import checkpoint, distributed, full_checkpoint, pruning, straggler
 from ddp_core.config import Config, Precision, to_dict
-from ddp_core.data import ResumableShardSampler, eval_loader, train_loader
+from ddp_core.data import TrainData, eval_loader
 from ddp_core.dist_env import DistEnv
 from ddp_core.errors import DdpJobError
-from ddp_core.optim import build_optimizer, build_scheduler
+from ddp_core.monitor import Monitor
+from ddp_core.optim import OptimizerStep, build_optimizer, build_scheduler
 from ddp_core.preemption import StopFlag
 from ddp_core.reporting import MetricsLog, Progress
 from ddp_core.rundir import RunDir
 from ddp_core.strategies import Strategy, build_strategy
 from ddp_core.task import Task, load_task
+from ddp_core.train_metrics import TrainSums
+from ddp_core.train_state import Carried
 from ddp_core.wandb_run import WandbRun
 from ddp_core.watchdog import Watchdog
 
@@ -53,6 +60,7 @@ class Outcome:
     final: Optional[dict[str, float]]  # eval metrics when the run finished
     signum: int = 0  # the signal the ranks agreed to stop on; 0 when finished
     pruned: bool = False  # a trial of an adaptive sweep that its study's pruner stopped early (final is None)
+    early_stopped: bool = False  # finished before max_steps: checkpoint.monitor stopped improving
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -70,6 +78,8 @@ def to_device(batch: Any, device: torch.device) -> Any:
 def autocast(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager[Any]:
     if cfg.train.precision is Precision.bf16:
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if cfg.train.precision is Precision.fp16:
+        return torch.autocast(device_type=device.type, dtype=torch.float16)
     return contextlib.nullcontext()
 
 
@@ -78,7 +88,7 @@ def evaluate(task: Task, model: nn.Module, loader: Any, cfg: Config, strategy: S
     count = 0
     model.eval()
     with torch.no_grad(), autocast(cfg, strategy.device):
-        for batch in loader:
+        for batch in itertools.islice(loader, cfg.train.eval_batches or None):  # train.eval_batches: a cap per rank
             out = strategy.eval_step(task, model, to_device(batch, strategy.device))
             count += out.count
             for key, value in out.sums.items():
@@ -151,6 +161,7 @@ def save_checkpoint(
     sharded: Optional[ShardedWriter] = None,
     full: Optional[full_checkpoint.FullWriter] = None,
     sync: bool = False,
+    carried: Optional[Carried] = None,
 ) -> float:
     """Collective: every rank's RNG to rank 0, then rank 0 writes the whole state (full: through ``full``, rank 0's
     writer, in the background if it is async and not ``sync``), or every rank its shard (``sharded`` given).
@@ -164,7 +175,7 @@ def save_checkpoint(
         "rng": rngs,
         "world_size": env.world_size,
         "config": to_dict(cfg),
-    }
+    } | (carried.state(env) if carried is not None else {})
     if sharded is not None:
         # The whole model's parameter names, in order: rank 0 may hold only part of them (a pipeline stage).
         rest["model_keys"] = strategy.model_keys(model)
@@ -224,16 +235,23 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
     task = load_task(cfg.task)
     strategy = build_strategy(cfg.strategy, env, device)
     model = strategy.wrap(task.build_model(**cfg.task.model))
-    optimizer = build_optimizer(cfg.optim, model)
-    scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps)
+    optimizer = build_optimizer(cfg.optim, model, task)
+    scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps, task)
     train_set, eval_set = task.build_datasets()
-    sampler = ResumableShardSampler(
-        len(train_set), strategy.data_rank, strategy.data_world, cfg.data.shuffle, cfg.train.seed
-    )  # type: ignore[arg-type]
     pin = device.type == "cuda"  # page-locked host batches: the copy to the GPU runs without blocking the host
-    loader = train_loader(train_set, sampler, cfg.data, cfg.train.seed, pin_memory=pin)
-    evals = eval_loader(eval_set, strategy.data_rank, strategy.data_world, cfg.data, pin_memory=pin)
+    collate = task.collate_fn if type(task).collate_fn is not Task.collate_fn else None  # None: the loader's own
+    data = TrainData(train_set, strategy.data_rank, strategy.data_world, cfg.data, cfg.train.grad_accum,
+                     cfg.train.seed, pin, collate)  # fmt: skip
+    evals = eval_loader(eval_set, strategy.data_rank, strategy.data_world, cfg.data, pin, collate)
     distributed.seed_all(cfg.train.seed * 1000 + env.rank + 1)
+    train_sums = TrainSums()  # train/<name> from the task's Output.sums, train/grad_norm
+    strategy.on_train_output = train_sums.add
+    strategy.scaler = torch.amp.GradScaler(device.type) if cfg.train.precision is Precision.fp16 else None
+    step_optimizer = OptimizerStep(optimizer, scheduler, cfg.optim.grad_clip, cfg.train.log_grad_norm,
+                                   strategy.scaler, train_sums.add_grad_norm)  # fmt: skip
+    monitor = Monitor(cfg.checkpoint.monitor, cfg.train.early_stop_patience)
+    carried = Carried(shared={"monitor": monitor, "scaler": step_optimizer},
+                      per_rank={"data": data, "train_sums": train_sums})  # fmt: skip
 
     pos = Position()
     log_loss = RunningLoss()
@@ -243,6 +261,7 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
         scheduler.load_state_dict(state["scheduler"])
         pos = Position(**state["position"])
         log_loss.load(state["log_loss"])
+        carried.load(state, env)
         if state["world_size"] == env.world_size:
             distributed.set_rng_state(state["rng"][env.rank])
         else:
@@ -279,11 +298,6 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
             metrics_log.write(pos.step, split, metrics)
         wandb_run.log({f"{split}/{k}": v for k, v in metrics.items()}, step=pos.step)
 
-    micro_per_epoch = (len(sampler.shard()) // cfg.data.batch_size) // cfg.train.grad_accum * cfg.train.grad_accum
-    if micro_per_epoch == 0:
-        raise ValueError(
-            f"an epoch has fewer than grad_accum={cfg.train.grad_accum} batches of {cfg.data.batch_size} per rank"
-        )
     started = time.perf_counter()
     last_save_s, saved_step = 0.0, -1
     logged_at, logged_step = started, pos.step  # the last progress line: step time is measured between lines
@@ -305,9 +319,8 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
             if metrics_log is not None:
                 metrics_log.sync()
             with watchdog.allowance():  # a save of a large model may take longer than a step may stall
-                last_save_s = save_checkpoint(
-                    cfg, run_dir, env, strategy, model, optimizer, scheduler, pos, log_loss, sharded, full, sync
-                )
+                last_save_s = save_checkpoint(cfg, run_dir, env, strategy, model, optimizer, scheduler, pos,
+                                              log_loss, sharded, full, sync, carried)  # fmt: skip
             saved_step = pos.step
             if env.is_main:
                 log.info("training blocked %.3f s for the checkpoint of step %d", last_save_s, pos.step)
@@ -342,6 +355,8 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
             "lr": scheduler.get_last_lr()[0],
             "step_ms": 1000 * (now - logged_at) / max(1, pos.step - logged_step),
         }
+        # The task's train-step sums and the grad norm, averaged over ranks; train/loss stays the step losses' mean.
+        metrics |= {k: v for k, v in train_sums.read().items() if k not in metrics}
         if device.type == "cuda":  # the largest and smallest peak over ranks: imbalance shows as a gap
             metrics |= {"peak_mem_gb": max(r[2] for r in ranks), "peak_mem_gb_min": min(r[2] for r in ranks)}
         logged_at, logged_step = now, pos.step
@@ -367,15 +382,23 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
                 "(train.stop_on_nan=false trains on)",
             )
 
+    def evaluate_now() -> dict[str, float]:
+        """Evaluate, log, and keep this step's checkpoint as the best when checkpoint.monitor improved."""
+        with watchdog.allowance():
+            metrics = evaluate(task, model, evals, cfg, strategy)
+        record("eval", metrics)
+        if monitor.update(pos.step, metrics):
+            checkpoint_now(sync=pos.step == cfg.train.max_steps)
+            if env.is_main:
+                checkpoint.mark_best(run_dir.checkpoints, pos.step, str(cfg.checkpoint.monitor), monitor.best)
+        return metrics
+
     model.train()
     primed = False
-    pruned = False
-    while pos.step < cfg.train.max_steps and not pruned:
-        if pos.micro_in_epoch >= micro_per_epoch:
-            pos.epoch, pos.micro_in_epoch = pos.epoch + 1, 0
-        # The loader (and its workers) lives for the whole attempt; each pass reads the sampler's epoch anew.
-        sampler.set_epoch(pos.epoch, start=pos.micro_in_epoch * cfg.data.batch_size)
-        for group in strategy.work.timed(micro_batches(loader, cfg.train.grad_accum)):
+    pruned = False  # an adaptive sweep's pruner stopped this trial (ddp_core.pruning)
+    last_eval: Optional[dict[str, float]] = None  # an early stop's final metrics: the evaluation that decided it
+    while pos.step < cfg.train.max_steps and not monitor.should_stop and not pruned:
+        for group in strategy.work.timed(micro_batches(data.epoch(pos), cfg.train.grad_accum)):
             if not primed:  # this attempt's first step: every attempt's steps run alike (DDPStrategy.prime)
                 with autocast(cfg, device):
                     strategy.prime(task, model, to_device(group[0], device))
@@ -385,11 +408,7 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
                     sync = i == len(group) - 1  # gradients are communicated on the last micro-batch only
                     loss = strategy.forward_backward(task, model, to_device(batch, device), cfg.train.grad_accum, sync)
                 log_loss.add(loss, counts=strategy.reports_loss and i == 0)
-            if cfg.optim.grad_clip > 0:
-                strategy.clip_grad_norm(model, cfg.optim.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            step_optimizer(lambda max_norm: strategy.clip_grad_norm(model, max_norm))
             pos.step += 1
             pos.micro_in_epoch += len(group)
             watchdog.beat(pos.step)
@@ -397,10 +416,8 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
             if pos.step % cfg.train.log_every == 0 or pos.step == cfg.train.max_steps:
                 log_progress()
             if cfg.train.eval_every and pos.step % cfg.train.eval_every == 0 and pos.step < cfg.train.max_steps:
-                with watchdog.allowance():
-                    scores = evaluate(task, model, evals, cfg, strategy)
-                    record("eval", scores)
-                    pruned = cfg.trial.bound and pruning.decide(trial, pos.step, scores)
+                last_eval = evaluate_now()
+                pruned = cfg.trial.bound and pruning.decide(trial, pos.step, last_eval)
                 if pruned:
                     break
             if (
@@ -422,15 +439,17 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
                 progress.close()
                 wandb_run.finish()
                 return Outcome(step=pos.step, final=None, signum=signum)
-            if pos.step >= cfg.train.max_steps:
+            if pos.step >= cfg.train.max_steps or monitor.should_stop:
                 break
 
     stop_flag.settle()  # a signal in the last step is moot: the run is complete (or pruned)
-    final = None
-    if not pruned:
-        with watchdog.allowance():
-            final = evaluate(task, model, evals, cfg, strategy)
-        record("eval", final)
+    final: Optional[dict[str, float]] = None  # a pruned trial has none: its study already has its evals
+    if monitor.should_stop and last_eval is not None:
+        final = last_eval
+        log.info("early stop at step %d: %s has not improved on %.6g (step %d) for %d evaluations", pos.step,
+                 cfg.checkpoint.monitor, monitor.best, monitor.best_step, monitor.stale)  # fmt: skip
+    elif not pruned:
+        final = evaluate_now()
     checkpoint_now(sync=True)
     close_writers()
     progress.close()
@@ -443,4 +462,4 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
     # Every rank logs its own digest: replicas that drifted apart show up as different lines.
     log.info("final weights sha256 %s", weights_digest(strategy.full_model_state(model)))
     wandb_run.finish()
-    return Outcome(step=pos.step, final=final, pruned=pruned)
+    return Outcome(step=pos.step, final=final, pruned=pruned, early_stopped=monitor.should_stop)

@@ -4,7 +4,8 @@ Works for both checkpoint kinds: a full one (``step_X.pt``, written by rank 0) a
 (``step_X.dcp/``, written by every rank under fsdp), which is gathered here, in this one process, without a
 process group. The output has the plain model's keys (``task.build_model(**task.model).load_state_dict`` takes
 it, strictly) and whole tensors, and loads with ``torch.load(OUT, weights_only=True)``. The checkpoint is the
-newest one whose checksums verify, or the ``--step`` given (which must verify). torch is imported only when the
+newest one whose checksums verify, the ``--step`` given, or with ``--best`` the one ``checkpoint.monitor`` marked
+best (each must verify). torch is imported only when the
 command runs: ``ddpjob --help`` stays instant on a login node.
 """
 
@@ -30,12 +31,22 @@ def add_parser(sub: Any) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR|JOB_ID", help="the run directory, or one of its Slurm job ids")
     p.add_argument("out", metavar="OUT.pt", help="the file to write (replaced if it exists)")
     p.add_argument("--step", type=int, help="export this step's checkpoint (default: the newest that verifies)")
+    p.add_argument("--best", action="store_true", help="export the best checkpoint (checkpoint.monitor)")
     p.add_argument("--root", default="runs", help="where to look for the run of a JOB_ID (default: runs)")
 
 
-def find_checkpoint(run_dir: RunDir, step: Optional[int]) -> CheckpointInfo:
+def find_checkpoint(run_dir: RunDir, step: Optional[int], best: bool = False) -> CheckpointInfo:
     from ddp_core import checkpoint
 
+    if best:
+        if step is not None:
+            raise DdpJobError("export takes --step or --best, not both", "drop one of them")
+        step = checkpoint.best_step(run_dir.checkpoints)
+        if step is None:
+            raise DdpJobError(
+                f"run {run_dir.name} has no best checkpoint marked in {run_dir.checkpoints}",
+                "set checkpoint.monitor (e.g. min:eval/loss) for the run to keep one; export --step S names another",
+            )
     info = checkpoint.find_latest(run_dir.checkpoints) if step is None else checkpoint.find(run_dir.checkpoints, step)
     if info is not None:
         return info
@@ -63,11 +74,13 @@ def model_state(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     return checkpoint.load(info)["model"]
 
 
-def export(run_dir: RunDir, out: Path, step: Optional[int] = None) -> tuple[CheckpointInfo, dict[str, torch.Tensor]]:
+def export(
+    run_dir: RunDir, out: Path, step: Optional[int] = None, best: bool = False
+) -> tuple[CheckpointInfo, dict[str, torch.Tensor]]:
     """Write the checkpoint's model state to ``out`` (atomically); return which checkpoint and the state."""
     import torch
 
-    info = find_checkpoint(run_dir, step)
+    info = find_checkpoint(run_dir, step, best)
     state = model_state(info)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
@@ -84,7 +97,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     run_dir = find_run(args.run_dir, Path(args.root))
     out = Path(args.out)
-    info, state = export(run_dir, out, args.step)
+    info, state = export(run_dir, out, args.step, args.best)
     params = sum(t.numel() for t in state.values())
     print(f"checkpoint: {info.path} (step {info.step}, {info.kind})")
     print(f"exported:   {out} ({len(state)} tensors, {params / 1e6:.2f}M values, {out.stat().st_size / 1e6:.1f} MB)")

@@ -145,6 +145,12 @@ class Row:
             return "PENDING"  # sbatch answered, slurmdbd has not written the record yet
         return "UNKNOWN" if self.jobs else "NOT_SUBMITTED"
 
+    @property
+    def early_stopped(self) -> bool:
+        """The run completed through train.early_stop_patience (its monitored metric stopped improving)."""
+        done = [e for e in self.events if e["event"] == "completed"]
+        return bool(done and done[-1].get("early_stopped"))
+
     def active(self, now: float) -> bool:
         return self.state(now) in ACTIVE_STATES
 
@@ -278,7 +284,7 @@ def render(rows: Sequence[Row], metric_key: str, best: Optional[Row], now: float
     ]
     right = {3, 4, 5, 6}
     table = [head] + [
-        ["*" if r is best else "", r.job_label, r.history(now), str(r.restarts),
+        ["*" if r is best else "", r.job_label, r.history(now) + " (early stop)" * r.early_stopped, str(r.restarts),
          "-" if r.last_step is None else str(r.last_step), fmt(r.loss), fmt(r.metric),
          age(r.checkpoint_mtime, now), *([script_label(r.script)] * scripts), shown_path(r.run.path)]
         for r in rows

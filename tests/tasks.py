@@ -137,3 +137,54 @@ class HangingTask(DigitsTask):
                     dist.all_reduce(torch.zeros(1), group=self.side)  # never completes: hang_rank skips it
                 open(self.once_file, "w").close()
         return super().split(batch)
+
+
+class TrainMetricsDigitsTask(DigitsTask):
+    """Digits whose training steps report metric sums too (accuracy), as eval does: logged as train/accuracy."""
+
+    def score(self, logits: torch.Tensor, y: torch.Tensor) -> Output:
+        loss = torch.nn.functional.cross_entropy(logits.float(), y)
+        correct = (logits.argmax(-1) == y).sum().float()
+        sums = {"loss_sum_mean": loss.detach() * len(y), "accuracy": correct}
+        return Output(loss=loss, count=len(y), sums=sums)
+
+
+class FlatMetricDigitsTask(DigitsTask):
+    """Digits whose evaluation also reports ``flat``, the same value at every evaluation: a monitored metric that
+    never improves after its first value (early stopping)."""
+
+    def score(self, logits: torch.Tensor, y: torch.Tensor) -> Output:
+        out = super().score(logits, y)
+        if not torch.is_grad_enabled():
+            out.sums["flat"] = torch.tensor(float(len(y)))
+        return out
+
+
+class _DigitStream(torch.utils.data.IterableDataset):
+    """The digits training samples as a stream of dicts, in a seeded order that changes with the epoch."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y, self.epoch = x, y, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        order = torch.randperm(len(self.y), generator=torch.Generator().manual_seed(1000 + self.epoch))
+        for i in order.tolist():
+            yield {"pixels": self.x[i], "label": self.y[i]}
+
+
+class StreamDigitsTask(DigitsTask):
+    """Digits served as an ``IterableDataset`` of dicts: the task's ``collate_fn`` makes (inputs, targets) batches
+    (the default collate would give a dict, which ``split`` cannot unpack)."""
+
+    def build_datasets(self) -> tuple:
+        train, evals = super().build_datasets()
+        x, y = train.tensors
+        return _DigitStream(x, y), evals
+
+    def collate_fn(self, samples: list) -> tuple:
+        if isinstance(samples[0], dict):
+            return torch.stack([s["pixels"] for s in samples]), torch.stack([s["label"] for s in samples])
+        return super().collate_fn(samples)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, ContextManager
+from typing import Any, Callable, ClassVar, ContextManager, Optional
 
 import torch
 from torch import nn
@@ -25,6 +25,10 @@ class Strategy(ABC):
         self.env = env
         self.device = device
         self.work = WorkTimer(device)  # this rank's data wait and forward: the straggler report (ddp_core/straggler.py)
+        # Set by the trainer: where each training micro-batch's Output goes (train/<name> metrics), and the fp16
+        # loss scaler (train.precision=fp16) that scales each loss before its backward.
+        self.on_train_output: Callable[[Output], None] = lambda out: None
+        self.scaler: Optional[torch.amp.GradScaler] = None
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -48,9 +52,10 @@ class Strategy(ABC):
         with self.no_sync(model) if not sync else contextlib.nullcontext():
             with self.work.forward():
                 out = task.compute(model, batch)
+            self.on_train_output(out)
             # x / 1 is x, bit for bit, forward and backward: skip the kernel (and its backward) without accumulation.
             loss = out.loss / grad_accum if grad_accum > 1 else out.loss
-            loss.backward()
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return loss.detach()
 
     def prime(self, task: Task, model: nn.Module, batch: Any) -> None:
@@ -58,8 +63,10 @@ class Strategy(ABC):
         change the model, its gradients or the RNG streams, only how later steps run (see ``DDPStrategy.prime``)."""
         return None
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> Optional[torch.Tensor]:
+        """Clip the whole model's gradient norm to ``max_norm``; returns the norm before clipping (a device
+        tensor, not read back)."""
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
     def eval_step(self, task: Task, model: nn.Module, batch: Any) -> Output:
         """Loss and metric sums of one eval batch (under no_grad); ranks without outputs return count 0."""

@@ -68,6 +68,7 @@ class PipelineStrategy(Strategy):
                  self.stage_index, stages, owned.start, owned.stop - 1, self.replica, world // stages,
                  self.cfg.schedule, self.cfg.microbatches)  # fmt: skip
         self._schedule: Optional[Any] = None
+        self._scored: list[Output] = []  # what loss_fn scored during the current step (train/<name> metrics)
         return model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -89,7 +90,9 @@ class PipelineStrategy(Strategy):
         if self._schedule is None:
             # The schedule averages over micro-batches; accumulation steps divide once more.
             def loss_fn(output: Any, target: Any) -> torch.Tensor:
-                return task.score(output, target).loss / grad_accum
+                out = task.score(output, target)
+                self._scored.append(out)
+                return out.loss / grad_accum
 
             self._schedule = _SCHEDULES[self.cfg.schedule](self.stage, self.cfg.microbatches, loss_fn=loss_fn)
         return self._schedule
@@ -99,6 +102,7 @@ class PipelineStrategy(Strategy):
         with self.work.forward():  # a stage's forward runs inside the schedule, among its sends and receives
             inputs, targets = task.split(batch)
         losses: list[torch.Tensor] = []
+        self._scored = []
         if self.stage.is_first and self.stage.is_last:
             schedule.step(inputs, target=targets, losses=losses)
         elif self.stage.is_first:
@@ -111,11 +115,15 @@ class PipelineStrategy(Strategy):
             for p in model.parameters():  # average this stage's gradients over its data-parallel replicas
                 if p.grad is not None:
                     dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=self.dp_group)
+        # The micro-batches' outputs are the last ones scored: the schedule's first step also calls loss_fn to infer
+        # shapes, on the whole batch and uninitialised outputs.
+        for out in self._scored[len(self._scored) - len(losses) :]:
+            self.on_train_output(out)
         if not losses:  # only the last stage sees losses; the others report nothing (reports_loss is False)
             return torch.zeros((), device=self.device)
         return torch.stack(losses).detach().mean()
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> None:
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> Optional[torch.Tensor]:
         # The norm is over the whole model: add the stages' squared norms before scaling.
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         # On the training device on every stage, also one without gradients: all ranks of a collective must send
@@ -126,6 +134,7 @@ class PipelineStrategy(Strategy):
         scale = (max_norm / (local.sqrt() + 1e-6)).clamp(max=1.0)
         for g in grads:
             g.mul_(scale.to(g.dtype))
+        return local.sqrt()
 
     def eval_step(self, task: Task, model: nn.Module, batch: Any) -> Output:
         inputs, targets = task.split(batch)
