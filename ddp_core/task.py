@@ -15,7 +15,7 @@ import typing
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union, get_args, get_origin
+from typing import Any, Optional, Union, get_args, get_origin
 
 import torch
 from torch import nn
@@ -59,6 +59,16 @@ class Task(ABC):
     @abstractmethod
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """(train, eval) map-style datasets. No downloads on compute nodes: read local files or package data."""
+
+    def pipeline_blocks(self, model: nn.Module) -> Optional[list[nn.Module]]:
+        """The model's blocks in forward order, for strategy.name=pipeline and model_parallel, which cut the list
+        into consecutive stages: applying them one after the other to ``split(batch)``'s inputs must give what
+        ``score`` takes. Blocks may be small adapter modules around the model's own submodules (an embedding
+        block, one per transformer layer, a head), as long as together they hold every parameter. A parameter
+        held by blocks of two stages (tied embeddings) is kept on both and its gradients are summed between
+        them. Also called on the login node with the model on the ``meta`` device. None (the default): an
+        ``nn.Sequential``'s children."""
+        return None
 
     def split(self, batch: Any) -> tuple[Any, Any]:
         """(model inputs, targets) of a batch. The pipeline strategy feeds inputs to its first stage and

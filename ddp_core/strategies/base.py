@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, ContextManager
+from typing import Any, ClassVar, ContextManager, Optional
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ class Strategy(ABC):
         self.env = env
         self.device = device
         self.work = WorkTimer(device)  # this rank's data wait and forward: the straggler report (ddp_core/straggler.py)
+        self.task: Optional[Task] = None  # set by build_strategy: Task.pipeline_blocks for the strategies that split
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
