@@ -47,11 +47,17 @@ def shard_units(model: nn.Module, wrap_classes: Optional[Sequence[str]] = None) 
     """The modules that get their own ``fully_shard`` before the root, outermost first.
 
     The modules of the wrap classes (see ``wrap_class_names``; the outermost match, never the root itself), else
-    the top-level children with parameters. A unit that shares a parameter with another unit is left to the root:
-    a tied weight must live in one unit (e.g. GPT-2's ``wte``/``lm_head``)."""
+    the top-level children with parameters. A unit that shares a parameter with another unit or with a module
+    outside it is left to the root: a tied weight must live in one unit (e.g. GPT-2's ``wte``/``lm_head``)."""
     units = candidate_units(model, wrap_classes)
     shared = shared_parameters(units)
-    return [unit for i, unit in enumerate(units) if i not in shared]
+    return [unit for i, unit in enumerate(units) if i not in shared and not _used_outside(unit, model)]
+
+
+def _used_outside(unit: nn.Module, model: nn.Module) -> bool:
+    """Whether a module outside ``unit`` holds one of its parameters (GPT-2's lm_head holds the embedding's weight)."""
+    inside, own = {id(m) for m in unit.modules()}, {id(p) for p in unit.parameters()}
+    return any(id(p) in own for m in model.modules() if id(m) not in inside for p in m.parameters(recurse=False))
 
 
 def candidate_units(model: nn.Module, wrap_classes: Optional[Sequence[str]] = None) -> list[nn.Module]:

@@ -13,6 +13,7 @@ from torch import nn
 
 from ddp_core.task import Output
 from ddp_core.tasks.digits import DigitsTask
+from ddp_core.tasks.hf_gpt2 import HFGPT2Task
 
 
 class CrashingTask(DigitsTask):
@@ -137,3 +138,10 @@ class HangingTask(DigitsTask):
                     dist.all_reduce(torch.zeros(1), group=self.side)  # never completes: hang_rank skips it
                 open(self.once_file, "w").close()
         return super().split(batch)
+
+
+class HFGPT2NoBlocksTask(HFGPT2Task):
+    """The Hugging Face GPT-2 without its pipeline_blocks hook: a model pipeline cannot split."""
+
+    def pipeline_blocks(self, model: nn.Module) -> None:
+        return None
