@@ -4,7 +4,8 @@ process with and without ``train.compile`` (``nn.Module.compile``, as the traine
 
 Each configuration runs in fresh processes (``torch.multiprocessing.spawn``): build the model (same seed), wrap it
 with the strategy, take AdamW steps on random bytes, then report ``ru_maxrss`` (the peak, which includes building
-the whole model before it is sharded) and the RSS after the steps (what training holds).
+the whole model before it is sharded), the RSS after the steps once freed heap is returned to the OS
+(``malloc_trim``), and the bytes of this rank's parameters and optimizer state.
 
     .venv/bin/python bench/hf_model.py [--steps 5] [--n-layer 8] [--n-embd 512]
 """
@@ -12,6 +13,7 @@ the whole model before it is sharded) and the RSS after the steps (what training
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import resource
 import tempfile
@@ -33,6 +35,17 @@ SEQ = 64
 def _rss_mb() -> float:
     pages = int(Path("/proc/self/statm").read_text().split()[1])
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _tensor_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """This rank's parameters and optimizer state in MB (a sharded parameter counts its local shard only)."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    tensors = [local(p) for p in model.parameters()]
+    tensors += [local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**20
 
 
 def _train(rank: int, world: int, name: str, model_args: dict[str, int], steps: int, compile_: bool,
@@ -58,9 +71,13 @@ def _train(rank: int, world: int, name: str, model_args: dict[str, int], steps: 
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - started)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap goes back to the OS: RSS then shows what is held
+    held = _tensor_mb(model, optimizer)
     # the first step compiles (or warms up): the median of the rest
     later = sorted(times[1:]) or times
-    Path(f"{out}.{rank}").write_text(f"{params} {peak:.0f} {_rss_mb():.0f} {1000 * later[len(later) // 2]:.1f}")
+    Path(f"{out}.{rank}").write_text(
+        f"{params} {peak:.0f} {_rss_mb():.0f} {1000 * later[len(later) // 2]:.1f} {held:.0f}"
+    )
     dist.destroy_process_group()
 
 
@@ -76,6 +93,7 @@ def measure(name: str, world: int, model_args: dict[str, int], steps: int, compi
         "peak_rss_mb": max(float(r[1]) for r in ranks),
         "rss_after_mb": max(float(r[2]) for r in ranks),
         "ms_per_step": max(float(r[3]) for r in ranks),
+        "tensors_mb": max(float(r[4]) for r in ranks),
     }
 
 
@@ -99,7 +117,8 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for row in rows(args.steps, args.n_layer, args.n_embd):
         print(f"{row['run']:>26}: {row['params_m']:5.1f}M params  peak RSS/rank {row['peak_rss_mb']:7.0f} MB  "
-              f"RSS after steps {row['rss_after_mb']:7.0f} MB  {row['ms_per_step']:8.1f} ms/step")  # fmt: skip
+              f"RSS after steps {row['rss_after_mb']:7.0f} MB  params+optimizer {row['tensors_mb']:5.0f} MB  "
+              f"{row['ms_per_step']:8.1f} ms/step")  # fmt: skip
 
 
 if __name__ == "__main__":
