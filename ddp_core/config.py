@@ -62,6 +62,8 @@ SINGLE_PROCESS_STRATEGIES = (StrategyName.dp, StrategyName.model_parallel)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 # strategy.mixed_precision values: fsdp's parameter dtype during forward/backward (gradients reduce in fp32).
 MIXED_PRECISION = ("bf16",)
+SINGLE_UNIT = ("warn", "fail")  # strategy.single_unit
+MODEL_OPTION_STRATEGIES = (StrategyName.ddp, StrategyName.fsdp)  # activation_checkpointing, train.compile
 
 
 class Precision(str, Enum):
@@ -153,6 +155,9 @@ class TrainConfig:
     eval_batches: int = 0
     # End the run when checkpoint.monitor has not improved for this many evaluations (0: never).
     early_stop_patience: int = 0
+    # torch.compile the model's forward in place (nn.Module.compile): parameter names, hence checkpoints, stay the
+    # uncompiled model's. ddp and fsdp only; needs a C++ compiler on CPU nodes.
+    compile: bool = False
 
 
 @dataclass
@@ -196,6 +201,15 @@ class StrategyConfig:
     # fsdp only: free each block's gathered parameters after its forward (gathered again for backward): less memory
     # for one more all-gather per block.
     reshard_after_forward: bool = True
+    # fsdp: module class names, e.g. [GPT2Block], each module of which is sharded as its own unit (gathered alone).
+    # null: the model's _no_split_modules when it declares them (Hugging Face models do), else its top-level
+    # children. Also the modules that strategy.activation_checkpointing recomputes (ddp and fsdp).
+    wrap_classes: Optional[List[str]] = None
+    # fsdp: what a model of several parameterised modules that still ends up as one unit (no memory saving) does:
+    # "warn" (a log line) or "fail" (an error before the first step).
+    single_unit: str = "warn"
+    # ddp / fsdp: recompute each wrap-class module's activations in backward instead of keeping them.
+    activation_checkpointing: bool = False
 
 
 @dataclass
@@ -563,6 +577,27 @@ def _validate_strategy(cfg: Config) -> None:
         )
     if cfg.strategy.name is StrategyName.pipeline:
         _validate_pipeline(cfg)
+    _validate_model_options(cfg)
+
+
+def _validate_model_options(cfg: Config) -> None:
+    """strategy.wrap_classes / single_unit / activation_checkpointing and train.compile: which strategies take them
+    (whether the classes exist in the model is checked on a meta-device model, ``ddp_core.model_check``)."""
+    s, name = cfg.strategy, cfg.strategy.name.value
+    _require(s.single_unit in SINGLE_UNIT, "strategy.single_unit", s.single_unit, f"must be one of {SINGLE_UNIT}")
+    if s.wrap_classes is not None:
+        _require(all(c.isidentifier() for c in s.wrap_classes), "strategy.wrap_classes", s.wrap_classes,
+                 "must be a list of class names, e.g. [GPT2Block]")  # fmt: skip
+        why = f"applies to strategy.name=fsdp or strategy.activation_checkpointing=true (this is {name!r})"
+        _require(
+            s.name is StrategyName.fsdp or s.activation_checkpointing, "strategy.wrap_classes", s.wrap_classes, why
+        )
+    for key, on in (
+        ("strategy.activation_checkpointing", s.activation_checkpointing),
+        ("train.compile", cfg.train.compile),
+    ):
+        _require(not on or s.name in MODEL_OPTION_STRATEGIES, key, on,
+                 f"works with strategy.name=ddp or fsdp (this is {name!r})")  # fmt: skip
 
 
 def _validate_pipeline(cfg: Config) -> None:

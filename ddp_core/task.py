@@ -85,6 +85,16 @@ class Task(ABC):
         ``optim.schedule`` (the default)."""
         return None
 
+    def pipeline_blocks(self, model: nn.Module) -> Optional[list[nn.Module]]:
+        """The model's blocks in forward order, for strategy.name=pipeline and model_parallel, which cut the list
+        into consecutive stages: applying them one after the other to ``split(batch)``'s inputs must give what
+        ``score`` takes. Blocks may be small adapter modules around the model's own submodules (an embedding
+        block, one per transformer layer, a head), as long as together they hold every parameter. A parameter
+        held by blocks of two stages (tied embeddings) is kept on both and its gradients are summed between
+        them. Also called on the login node with the model on the ``meta`` device. None (the default): an
+        ``nn.Sequential``'s children."""
+        return None
+
     def split(self, batch: Any) -> tuple[Any, Any]:
         """(model inputs, targets) of a batch. The pipeline strategy feeds inputs to its first stage and
         targets to its last, so this is the only place a batch's layout is known."""

@@ -233,8 +233,11 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
     # Same seed on every rank for the model's initial weights; per-rank seeds for dropout etc. after.
     distributed.seed_all(cfg.train.seed)
     task = load_task(cfg.task)
-    strategy = build_strategy(cfg.strategy, env, device)
-    model = strategy.wrap(task.build_model(**cfg.task.model))
+    strategy = build_strategy(cfg.strategy, env, device, task)
+    model = task.build_model(**cfg.task.model)
+    if cfg.train.compile:  # in place, before wrapping: parameter names (checkpoint keys) stay the plain model's
+        model.compile()
+    model = strategy.wrap(model)
     optimizer = build_optimizer(cfg.optim, model, task)
     scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps, task)
     train_set, eval_set = task.build_datasets()

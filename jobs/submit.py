@@ -164,9 +164,11 @@ def validate_for_submit(cfg: Config, local: bool, cluster_check: bool = True) ->
 
         resolve_for_submit(cfg.script)
     else:
+        from ddp_core.model_check import check_model  # the strategy's cut of a meta-device model
         from ddp_core.task import check_task  # imports the user's task module (and torch): submit-time only
 
         check_task(cfg.task)
+        check_model(cfg)
     if local and cfg.slurm.nodes > 1:
         raise DdpJobError("config key 'slurm.nodes' > 1 cannot run with --local", "drop --local or set slurm.nodes=1")
     if not local and cluster_check:

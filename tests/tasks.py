@@ -13,6 +13,7 @@ from torch import nn
 
 from ddp_core.task import Output
 from ddp_core.tasks.digits import DigitsTask
+from ddp_core.tasks.hf_gpt2 import HFGPT2Task
 
 
 class CrashingTask(DigitsTask):
@@ -188,3 +189,10 @@ class StreamDigitsTask(DigitsTask):
         if isinstance(samples[0], dict):
             return torch.stack([s["pixels"] for s in samples]), torch.stack([s["label"] for s in samples])
         return super().collate_fn(samples)
+
+
+class HFGPT2NoBlocksTask(HFGPT2Task):
+    """The Hugging Face GPT-2 without its pipeline_blocks hook: a model pipeline cannot split."""
+
+    def pipeline_blocks(self, model: nn.Module) -> None:
+        return None

@@ -7,12 +7,14 @@ torch's pipelining (with dynamo), over a second of imports that a ddp run never 
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
 import torch
 
 from ddp_core.config import StrategyConfig, StrategyName
 from ddp_core.dist_env import DistEnv
 from ddp_core.strategies.base import Strategy
+from ddp_core.task import Task
 
 # strategy name -> (module, class)
 _STRATEGIES: dict[StrategyName, tuple[str, str]] = {
@@ -24,10 +26,13 @@ _STRATEGIES: dict[StrategyName, tuple[str, str]] = {
 }
 
 
-def build_strategy(cfg: StrategyConfig, env: DistEnv, device: torch.device) -> Strategy:
+def build_strategy(cfg: StrategyConfig, env: DistEnv, device: torch.device, task: Optional[Task] = None) -> Strategy:
+    """``task``: where pipeline and model_parallel find the model's blocks (``Task.pipeline_blocks``)."""
     module, name = _STRATEGIES[cfg.name]
     cls: type[Strategy] = getattr(importlib.import_module(module), name)
-    return cls(cfg, env, device)
+    strategy = cls(cfg, env, device)
+    strategy.task = task
+    return strategy
 
 
 __all__ = ["Strategy", "build_strategy"]

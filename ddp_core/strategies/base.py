@@ -29,6 +29,7 @@ class Strategy(ABC):
         # loss scaler (train.precision=fp16) that scales each loss before its backward.
         self.on_train_output: Callable[[Output], None] = lambda out: None
         self.scaler: Optional[torch.amp.GradScaler] = None
+        self.task: Optional[Task] = None  # set by build_strategy: Task.pipeline_blocks for the strategies that split
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:

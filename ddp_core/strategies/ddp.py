@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_core import distributed
+from ddp_core.model_units import candidate_units, checkpoint_activations
 from ddp_core.strategies.base import Strategy
 from ddp_core.task import Task
 
@@ -17,6 +18,8 @@ from ddp_core.task import Task
 class DDPStrategy(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
+        if self.cfg.activation_checkpointing:
+            checkpoint_activations(candidate_units(model, self.cfg.wrap_classes))
         if not dist.is_initialized():  # plain single process: nothing to synchronise
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None

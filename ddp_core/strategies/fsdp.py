@@ -2,11 +2,13 @@
 
 Each rank keeps 1/world of every parameter (a DTensor sharded on dim 0 over a 1-D mesh of all ranks); a
 block's full parameters are all-gathered just for its forward and backward, and gradients are
-reduce-scattered. Every rank is a data-parallel replica (its own batch). ``fully_shard`` goes on each
-top-level block of an ``nn.Sequential`` (so one block is gathered at a time), then on the root, which takes the
-remaining parameters. Checkpoints are sharded (``ddp_core.sharded_checkpoint``): no rank ever holds the whole
-state for them. On a single process without a process group (``python -m ddp_core`` alone), a one-rank group
-is created, so the same code (and mixed precision) runs.
+reduce-scattered. Every rank is a data-parallel replica (its own batch). ``fully_shard`` goes on each unit
+(``ddp_core.model_units.shard_units``: the modules of ``strategy.wrap_classes``, else of the model's
+``_no_split_modules``, else its top-level children), so one block is gathered at a time, then on the root,
+which takes the remaining parameters (tied ones among them). Checkpoints are sharded
+(``ddp_core.sharded_checkpoint``): no rank ever holds the whole state for them. On a single process without a
+process group (``python -m ddp_core`` alone), a one-rank group is created, so the same code (and mixed precision)
+runs.
 """
 
 from __future__ import annotations
@@ -29,23 +31,13 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ddp_core import distributed
 from ddp_core.errors import DdpJobError
+from ddp_core.model_units import candidate_units, checkpoint_activations, shard_units, wrap_class_names
 from ddp_core.strategies.base import Strategy
 
 log = logging.getLogger(__name__)
 
 # Gathered on every rank: the same full weights wherever they are read (cpu_offload=True would give rank 0 only).
 _FULL = StateDictOptions(full_state_dict=True)
-
-
-def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The blocks that get their own ``fully_shard`` before the root: an ``nn.Sequential``'s children that have
-    parameters, unless two of them share one (a tied weight must stay in one unit). Otherwise none: the
-    root alone, since other models may use a child's weights outside that child's forward."""
-    if not isinstance(model, nn.Sequential):
-        return []
-    units = [child for child in model if any(True for _ in child.parameters())]
-    ids = [id(p) for unit in units for p in unit.parameters()]
-    return units if len(ids) == len(set(ids)) else []
 
 
 class FSDPStrategy(Strategy):
@@ -63,14 +55,34 @@ class FSDPStrategy(Strategy):
         if self.cfg.mixed_precision == "bf16":
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = model.to(self.device)
-        units = shard_units(model)
+        _, source = wrap_class_names(model, self.cfg.wrap_classes)  # before fully_shard renames the classes
+        units = shard_units(model, self.cfg.wrap_classes)
+        if self.cfg.activation_checkpointing:
+            checkpoint_activations(candidate_units(model, self.cfg.wrap_classes))
+        if not units:
+            self._single_unit(model)
         for unit in units:
             fully_shard(unit, **options)
         fully_shard(model, **options)
         mixed, reshard = self.cfg.mixed_precision or "off", self.cfg.reshard_after_forward
-        log.info("fsdp: %d blocks + root sharded over %d ranks, mixed precision %s, reshard after forward %s",
-                 len(units), mesh.size(), mixed, reshard)  # fmt: skip
+        log.info("fsdp: %d blocks + root sharded over %d ranks (units from %s), mixed precision %s, reshard after "
+                 "forward %s", len(units), mesh.size(), source, mixed, reshard)  # fmt: skip
         return model
+
+    def _single_unit(self, model: nn.Module) -> None:
+        """A model of several parameterised modules sharded as one unit gathers all its weights at once: FSDP's
+        memory saving is gone. strategy.single_unit says whether that is an error."""
+        holders = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
+        if holders < 2:
+            return  # one layer: nothing to split
+        message = (
+            f"fsdp: {type(model).__name__} ({holders} modules with parameters) is sharded as one unit: every rank "
+            "gathers all of its weights at once"
+        )
+        hint = "name its block class in strategy.wrap_classes (e.g. [GPT2Block]); strategy.single_unit=warn allows it"
+        if self.cfg.single_unit == "fail":
+            raise DdpJobError(message, hint)
+        log.warning("%s; %s", message, hint)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model  # fully_shard changes the module in place; its state_dict keys stay the plain model's

@@ -15,27 +15,11 @@ import torch
 from torch import nn
 
 from ddp_core.errors import DdpJobError
+from ddp_core.model_units import model_blocks, ties_across_stages
 from ddp_core.strategies.base import SingleProcessStrategy
 from ddp_core.strategies.dp import local_devices, require_single_process
 
 log = logging.getLogger(__name__)
-
-
-def model_stages(model: nn.Module) -> list[nn.Module]:
-    """The model's top-level layers in order: an ``nn.Sequential``'s children, or its ``stages`` attribute."""
-    if isinstance(model, nn.Sequential) and len(model) > 0:
-        return list(model)
-    stages = getattr(model, "stages", None)
-    # A model with `stages` promises that applying them in order is its forward and that they hold every weight.
-    if isinstance(stages, (nn.Sequential, nn.ModuleList)):
-        inside = {id(p) for stage in stages for p in stage.parameters()}
-        if inside == {id(p) for p in model.parameters()}:
-            return list(stages)
-    raise DdpJobError(
-        f"strategy.name='model_parallel' needs an nn.Sequential model (or one whose 'stages' ModuleList holds "
-        f"all its weights and is applied in order); {type(model).__name__} is neither",
-        "build the model as nn.Sequential of its top-level blocks, or use strategy.name=ddp",
-    )
 
 
 def balanced_split(sizes: Sequence[int], parts: int) -> list[int]:
@@ -69,6 +53,19 @@ def _move(value: Any, device: torch.device) -> Any:
     return value
 
 
+def refuse_ties_across_devices(blocks: list[nn.Module], split: list[int], model: nn.Module, devices: int) -> None:
+    """One process holds each parameter once: a weight tied between stages on different GPUs would be used on a
+    device it is not on. Refused rather than copied (the copies would need keeping equal by hand)."""
+    ties = ties_across_stages(blocks, split, model) if devices > 1 else {}
+    if ties:
+        name, holders = next(iter(ties.items()))
+        raise DdpJobError(
+            f"strategy.name='model_parallel' would put stages {holders}, which share the tied parameter {name!r}, "
+            "on different GPUs",
+            "set strategy.split so the blocks that share it are in one stage, untie it, or use strategy.name=pipeline",
+        )
+
+
 class StagedModel(nn.Module):
     """Runs the stages in order, each on its device, and returns the output on the first stage's device
     (where the trainer put the targets), so any task's loss works unchanged."""
@@ -89,9 +86,10 @@ class StagedModel(nn.Module):
 class ModelParallelStrategy(SingleProcessStrategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         require_single_process("model_parallel", self.env.world_size)
-        layers = model_stages(model)
+        layers = model_blocks(model, self.task, "model_parallel")
         devices = local_devices(self.device)
         split = self._split(layers, devices, self.cfg.split)
+        refuse_ties_across_devices(layers, split, model, len(devices))
         # Layer by layer from the CPU: the whole model never has to fit on one GPU.
         stages: list[tuple[torch.device, list[nn.Module]]] = []
         start = 0

@@ -1,12 +1,14 @@
 """Pipeline parallelism (torch.distributed.pipelining): the model's top-level layers cut into stages across
 ranks, micro-batches flowing through them under a GPipe or 1F1B schedule, combined with data parallelism.
 
-Ranks form a 2-D mesh (dp x pp): rank = replica * stages + stage. Every rank builds the whole
-``nn.Sequential`` (same seed, so the same weights) and replaces the layers of other stages with
-``nn.Identity``: parameter names stay those of the plain model, so sharded checkpoints, export and the
-final digest line up with every other strategy. Gradients of one stage are averaged over its dp
-replicas after the schedule's backward. Eval runs forward only, stage to stage, with explicit shapes
-(eval batches need not divide into micro-batches).
+Ranks form a 2-D mesh (dp x pp): rank = replica * stages + stage. The blocks are an ``nn.Sequential``'s
+children or what ``Task.pipeline_blocks(model)`` returns (``ddp_core.model_units.model_blocks``). Every rank
+builds the whole model (same seed, so the same weights) and drops the weights of other stages' blocks in place:
+parameter names stay those of the plain model, so sharded checkpoints, export and the final digest line up
+with every other strategy. A parameter tied across stages (GPT-2's ``wte``/``lm_head``) is kept on each stage
+that uses it, its gradients summed between them: the copies take identical steps and stay equal. Gradients of
+one stage are averaged over its dp replicas after the schedule's backward. Eval runs forward only, stage to
+stage, with explicit shapes (eval batches need not divide into micro-batches).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from ddp_core.errors import DdpJobError
+from ddp_core.model_units import model_blocks, stage_ranges, ties_across_stages
 from ddp_core.strategies.base import Strategy
 from ddp_core.strategies.model_parallel import balanced_split
 from ddp_core.task import Output, Task
@@ -34,45 +37,54 @@ class PipelineStrategy(Strategy):
     checkpoint_kind = "sharded"
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        if not isinstance(model, nn.Sequential) or len(model) == 0:
-            raise DdpJobError(
-                f"strategy.name='pipeline' needs an nn.Sequential of top-level blocks; got {type(model).__name__}",
-                "build the model as nn.Sequential, or use strategy.name=ddp or fsdp",
-            )
+        blocks = model_blocks(model, self.task, "pipeline")
         stages, world = self.cfg.stages, self.env.world_size
-        if len(model) < stages:
+        if len(blocks) < stages:
             raise DdpJobError(
-                f"config key 'strategy.stages' = {stages} exceeds the model's {len(model)} top-level layers",
-                f"use strategy.stages<={len(model)}",
+                f"config key 'strategy.stages' = {stages} exceeds the model's {len(blocks)} top-level layers",
+                f"use strategy.stages<={len(blocks)}",
             )
         self.mesh = init_device_mesh(self.device.type, (world // stages, stages), mesh_dim_names=("dp", "pp"))
         self.pp_group, self.dp_group = self.mesh["pp"].get_group(), self.mesh["dp"].get_group()
         self.stage_index, self.replica = self.env.rank % stages, self.env.rank // stages
         self.key_order = list(model.state_dict())
-        counts = self.cfg.split or balanced_split(
-            [sum(p.numel() for p in layer.parameters()) for layer in model], stages
-        )
-        if sum(counts) != len(model) or len(counts) != stages:
+        counts = self.cfg.split or balanced_split([sum(p.numel() for p in b.parameters()) for b in blocks], stages)
+        if sum(counts) != len(blocks) or len(counts) != stages:
             raise DdpJobError(
-                f"config key 'strategy.split' = {counts} must have {stages} entries summing to {len(model)} layers",
+                f"config key 'strategy.split' = {counts} must have {stages} entries summing to {len(blocks)} layers",
                 "fix strategy.split or leave it null (balanced by parameter count)",
             )
-        first = sum(counts[: self.stage_index])
-        owned = range(first, first + counts[self.stage_index])
-        for i in range(len(model)):
-            if i not in owned:
-                model[i] = nn.Identity()  # keeps the other layers' indices, hence the plain parameter names
-        model = model.to(self.device)
-        self.stage = PipelineStage(model, self.stage_index, stages, self.device, group=self.pp_group)
+        owned = stage_ranges(counts)[self.stage_index]
+        self._tie_groups(blocks, counts, model)
+        keep_only(model, [blocks[i] for i in owned])  # the other stages' weights are dropped, names kept
+        stage_module = StageModule(model, [blocks[i] for i in owned]).to(self.device)
+        self.stage = PipelineStage(stage_module, self.stage_index, stages, self.device, group=self.pp_group)
         log.info("pipeline: stage %d/%d holds layers %d-%d; replica %d/%d; %s schedule, %d micro-batches",
                  self.stage_index, stages, owned.start, owned.stop - 1, self.replica, world // stages,
                  self.cfg.schedule, self.cfg.microbatches)  # fmt: skip
         self._schedule: Optional[Any] = None
         self._scored: list[Output] = []  # what loss_fn scored during the current step (train/<name> metrics)
-        return model
+        return stage_module
+
+    def _tie_groups(self, blocks: list[nn.Module], counts: list[int], model: nn.Module) -> None:
+        """Parameters held by blocks of several stages (tied embeddings) stay on each of them: a process group per
+        tie, within this replica, sums their gradients so every holder takes the same step (as one model would)."""
+        params = dict(model.named_parameters())
+        self.tied: list[tuple[nn.Parameter, Any]] = []
+        self.norm_skip: set[int] = set()  # tied parameters another stage counts in the gradient norm
+        for name, holders in sorted(ties_across_stages(blocks, counts, model).items()):
+            for replica in range(self.env.world_size // self.cfg.stages):
+                ranks = [replica * self.cfg.stages + s for s in holders]
+                group = dist.new_group(ranks)  # collective: every rank creates every group, in the same order
+                if self.env.rank in ranks:
+                    self.tied.append((params[name], group))
+                    if self.stage_index != holders[0]:
+                        self.norm_skip.add(id(params[name]))
+            if self.stage_index in holders:
+                log.info("pipeline: %s is tied across stages %s: its gradients are summed between them", name, holders)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        return model
+        return model.module if isinstance(model, StageModule) else model
 
     @property
     def data_rank(self) -> int:
@@ -111,6 +123,10 @@ class PipelineStrategy(Strategy):
             schedule.step(target=targets, losses=losses)
         else:
             schedule.step()
+        if sync:
+            for param, group in self.tied:  # before the replicas' average: every holder then averages the same sums
+                if param.grad is not None:
+                    dist.all_reduce(param.grad, group=group)
         if sync and self.mesh["dp"].size() > 1:
             for p in model.parameters():  # average this stage's gradients over its data-parallel replicas
                 if p.grad is not None:
@@ -126,10 +142,11 @@ class PipelineStrategy(Strategy):
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> Optional[torch.Tensor]:
         # The norm is over the whole model: add the stages' squared norms before scaling.
         grads = [p.grad for p in model.parameters() if p.grad is not None]
+        counted = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in self.norm_skip]
         # On the training device on every stage, also one without gradients: all ranks of a collective must send
         # tensors of one device (on a GPU node CPU tensors go through gloo, CUDA ones through NCCL).
         zero = torch.zeros((), device=self.device)
-        local = torch.stack([g.detach().float().norm() ** 2 for g in grads]).sum() if grads else zero
+        local = torch.stack([g.detach().float().norm() ** 2 for g in counted]).sum() if counted else zero
         dist.all_reduce(local, group=self.pp_group)
         scale = (max_norm / (local.sqrt() + 1e-6)).clamp(max=1.0)
         for g in grads:
@@ -150,21 +167,51 @@ class PipelineStrategy(Strategy):
         return list(self.key_order)
 
     def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        local = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        local = {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
         parts: list[Any] = [None] * self.cfg.stages
         dist.all_gather_object(parts, local, group=self.pp_group)
         merged = {k: v for part in parts for k, v in part.items()}
         return {k: merged[k] for k in self.key_order}
 
     def load_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        own = model.state_dict()
-        model.load_state_dict({k: v for k, v in state.items() if k in own})
+        own = self.unwrap(model).state_dict()
+        self.unwrap(model).load_state_dict({k: v for k, v in state.items() if k in own})
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         raise DdpJobError(
             "a pipeline run cannot resume from a full (single-file) checkpoint's optimizer state",
             "resume it under the strategy that wrote it, or export the weights and start a new run",
         )
+
+
+class StageModule(nn.Module):
+    """One stage: its blocks applied in order. The user's model is the registered child, so parameter names (and
+    checkpoints) are the plain model's; the blocks (maybe the task's adapters around its submodules) are a plain
+    list, not registered, their weights already counted under ``module``."""
+
+    def __init__(self, module: nn.Module, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.module = module
+        self.blocks = list(blocks)
+
+    def forward(self, x: Any) -> Any:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def keep_only(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """Drop, in place, the parameters and buffers of ``model`` that none of ``blocks`` holds: they belong to other
+    stages. The slots stay (set to None), so the names of what is kept do not change, and no other block runs."""
+    params = {id(p) for b in blocks for p in b.parameters()}
+    buffers = {id(t) for b in blocks for t in b.buffers()}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in params:
+                module.register_parameter(name, None)
+        for name, t in list(module.named_buffers(recurse=False)):
+            if id(t) not in buffers:
+                module.register_buffer(name, None)
 
 
 def _send(tensor: torch.Tensor, dst: int) -> None:
