@@ -33,6 +33,7 @@ BENCHES = [
     ("checkpoint_save", "checkpoints"),
     ("data_loading", "data loading"),
     ("sweep_submit", "sweep submission"),
+    ("search_overhead", "adaptive sweeps"),
     ("strategies", "strategies"),
 ]
 
