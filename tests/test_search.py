@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import time
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -82,11 +84,13 @@ def test_cli_and_file_specs(tmp_path):
         load_search_file(path)
 
 
-def _worker(folder: str, worker: str, out: multiprocessing.Queue) -> None:
+def _worker(folder: str, worker: str, out: multiprocessing.Queue, start: Any) -> None:
     _, study = open_study(Path(folder), seed_offset=hash(worker) % 1000)
+    start.wait(120)  # all ask from the same moment: a worker spawned late under load would find no trial left
     got = []
     while (trial := ask(Path(folder), study, worker)) is not None:
         got.append(trial.number)
+        time.sleep(0.05)  # a trial takes time: the others ask meanwhile
         study.tell(trial, 1.0)
     out.put(got)
 
@@ -94,8 +98,8 @@ def _worker(folder: str, worker: str, out: multiprocessing.Queue) -> None:
 def test_concurrent_workers_never_share_a_trial_nor_overshoot_the_budget(tmp_path):
     new_study(tmp_path, spec(24))
     ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(str(tmp_path), f"1:{i}", out)) for i in range(4)]
+    out, start = ctx.Queue(), ctx.Barrier(4)
+    procs = [ctx.Process(target=_worker, args=(str(tmp_path), f"1:{i}", out, start)) for i in range(4)]
     for p in procs:
         p.start()
     got = [out.get(timeout=120) for _ in procs]
