@@ -3,7 +3,8 @@
 each with AdamW state.
 
 - torch.save+fsync: the floor, ``torch.save`` into an open file, flushed and fsynced;
-- sync: ``FullWriter.save`` as the trainer calls it; training is blocked for all of it;
+- sync: ``FullWriter.save`` as the trainer calls it; training is blocked for all of it but the deletion of the oldest
+  checkpoint (a thread of its own);
 - async blocks: the same with ``async_save``, the time training is blocked (the copy of the state to host memory),
   and "async done", the time until its manifest is written (waited for at once here; in a run, training goes on).
 
@@ -78,11 +79,17 @@ def measure(name: str, model: nn.Module, tmp: Path, repeats: int) -> dict[str, A
         order = ["baseline", "sync", "async"]
         order = order[step % 3 :] + order[: step % 3]  # each goes first, second and last as often
         for which in order:
+            # Both write a fresh file and then delete the one before, untimed: the baseline as a loop saving
+            # ckpt_<step>.pt and removing the last would, ddpjob in its prune (a thread, while training goes on;
+            # waited for here so that its I/O does not land in the next case's time). The disk sees the same.
             if which == "baseline":
-                took = _seconds(lambda: save_fsync(state, tmp / f"{name}-plain.pt"))
+                path = tmp / f"{name}-plain{step}.pt"
+                took = _seconds(lambda: save_fsync(state, path))  # noqa: B023 (called at once)
+                (tmp / f"{name}-plain{step - 1}.pt").unlink(missing_ok=True)
                 times["baseline"].append(took)
             elif which == "sync":
-                times["sync"].append(sync.save(step, state))  # the seconds it blocked: all of it
+                times["sync"].append(sync.save(step, state))  # the seconds it blocked: all but the prune
+                sync.wait()
             else:
                 blocked, done = run_async(step)
                 times["blocked"].append(blocked)

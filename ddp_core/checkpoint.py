@@ -119,8 +119,11 @@ class _DurableWriter(io.RawIOBase):
         return self.hash.hexdigest()
 
 
-def save(directory: Path, step: int, state: dict[str, Any], keep_last: int, writer_rank: int = 0) -> CheckpointInfo:
-    """Atomically write ``state`` for ``step``, then its manifest, then prune to the newest ``keep_last``."""
+def save(
+    directory: Path, step: int, state: dict[str, Any], keep_last: int, writer_rank: int = 0, prune_old: bool = True
+) -> CheckpointInfo:
+    """Atomically write ``state`` for ``step``, then its manifest, then (``prune_old``) prune to the newest
+    ``keep_last``: a caller that prunes in the background passes False."""
     directory.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     final = directory / f"step_{step:08d}.pt"
@@ -153,7 +156,8 @@ def save(directory: Path, step: int, state: dict[str, Any], keep_last: int, writ
     atomic_write_text(manifest_path, json.dumps(manifest, indent=1) + "\n")  # durable when it returns (dir too)
     info = CheckpointInfo(step=step, path=final, digest=digest, size=size)
     log.info("checkpoint step %d saved (%.1f MB, %.2f s): %s", step, size / 1e6, time.perf_counter() - started, final)
-    prune(directory, keep_last)
+    if prune_old:
+        prune(directory, keep_last)
     return info
 
 

@@ -129,6 +129,38 @@ def test_a_signal_save_is_complete_when_it_returns(tmp_path):
     assert writer.last_write_s is not None and writer.last_write_s > 0
 
 
+def test_a_sync_save_returns_before_its_prune_which_never_removes_the_best(tmp_path, monkeypatch):
+    hold, release, held = threading.Event(), threading.Event(), threading.Event()
+    real_prune = checkpoint.prune
+
+    def held_prune(directory, keep_last):
+        if hold.is_set():
+            held.set()
+            assert release.wait(30)
+        real_prune(directory, keep_last)
+
+    monkeypatch.setattr(full_checkpoint.checkpoint, "prune", held_prune)
+    _, _, state = trained_state()
+    writer = FullWriter(tmp_path, keep_last=1, async_save=False)
+    writer.save(1, state)
+    checkpoint.mark_best(tmp_path, 1, "min:eval/loss", 0.5)
+    hold.set()
+    writer.save(2, state, sync=True)
+    assert held.wait(30)
+    second = threading.Thread(target=writer.save, args=(3, state))
+    second.start()
+    second.join(0.5)
+    # Step 2 returned complete while its prune was held; step 3 waits for that prune before it writes.
+    assert second.is_alive() and checkpoint.find(tmp_path, 2) and not checkpoint.find(tmp_path, 3)
+    assert checkpoint.find(tmp_path, 1)
+    release.set()
+    second.join(30)
+    writer.close()  # waits for step 3's prune
+    assert [p.name for p in sorted(tmp_path.glob("step_*"))] == [
+        "step_00000001.json", "step_00000001.pt", "step_00000003.json", "step_00000003.pt",
+    ]  # fmt: skip
+
+
 KILLED_CHILD = """
 import sys, time, torch
 from pathlib import Path
