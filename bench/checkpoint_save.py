@@ -80,8 +80,11 @@ def measure(name: str, model: nn.Module, tmp: Path, repeats: int) -> dict[str, A
         order = order[step % 3 :] + order[: step % 3]  # each goes first, second and last as often
         for which in order:
             # Both write a fresh file and then delete the one before, untimed: the baseline as a loop saving
-            # ckpt_<step>.pt and removing the last would, ddpjob in its prune (a thread, while training goes on;
-            # waited for here so that its I/O does not land in the next case's time). The disk sees the same.
+            # ckpt_<step>.pt and removing the last would, ddpjob in its prune (a thread, while training goes on).
+            # Then os.sync(), untimed: on a file system mounted with discard, freed blocks are trimmed at the next
+            # journal commit, which is the next fsync, i.e. inside the next case's time (the rotation below makes
+            # that always the same case: sync follows baseline). In a run the journal commits them within seconds
+            # (commit interval), long before the next save.
             if which == "baseline":
                 path = tmp / f"{name}-plain{step}.pt"
                 took = _seconds(lambda: save_fsync(state, path))  # noqa: B023 (called at once)
@@ -94,6 +97,7 @@ def measure(name: str, model: nn.Module, tmp: Path, repeats: int) -> dict[str, A
                 blocked, done = run_async(step)
                 times["blocked"].append(blocked)
                 times["done"].append(done)
+            os.sync()
         if step == 0:
             first_blocked = times["blocked"][0]
             for values in times.values():
