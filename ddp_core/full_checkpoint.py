@@ -123,17 +123,6 @@ class Staging:
             for to, source in pieces:
                 np.copyto(to, source)
 
-    def _wait_pruned(self) -> None:
-        """Wait for the prune after the last synchronous save. A failed one only leaves an old checkpoint behind
-        (the next prune retries it): logged, not raised."""
-        if self._pruning is None:
-            return
-        pruning, self._pruning = self._pruning, None
-        try:
-            pruning.result()
-        except Exception as err:
-            log.warning("pruning old checkpoints in %s failed: %s: %s", self.directory, type(err).__name__, err)
-
     def close(self) -> None:
         if self._copiers is not None:
             self._copiers.shutdown()
