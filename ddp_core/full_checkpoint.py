@@ -1,9 +1,10 @@
 """Full checkpoints from rank 0, synchronous or in the background (``checkpoint.async_save``).
 
-``FullWriter`` owns rank 0's saves of one run. A synchronous save is ``checkpoint.save`` in the training thread.
+``FullWriter`` owns rank 0's saves of one run. A synchronous save is ``checkpoint.save`` in the training thread;
+the prune of old checkpoints after it runs in a thread of its own, waited for by the next save, ``wait`` and ``close``.
 An async save blocks training only while the state is copied to host memory (``Staging``; page-locked on CUDA,
 so the copy runs at full speed and the GPU copies of later steps cannot change it); a background thread then
-writes, fsyncs, writes the manifest last and prunes, exactly as a synchronous save does, so a kill at any moment
+writes, fsyncs, writes the manifest last and prunes, as a synchronous save does, so a kill at any moment
 still leaves either a complete checkpoint or one ``find_latest`` skips.
 
 At most one save is in flight: the next save, ``wait`` and ``close`` wait for it, and a background failure is
@@ -198,10 +199,8 @@ class FullWriter:
         return info
 
     def wait(self) -> float:
-        """Block until the save in flight, if any, is complete (manifest written). Returns the seconds waited.
-        Raises ``CheckpointWriteError`` if it failed."""
-        if self._pending is None and self._pruning is None:
-            return 0.0
+        """Block until the save in flight, if any, is complete (manifest written), and the prune after the last
+        synchronous save too. Returns the seconds waited. Raises ``CheckpointWriteError`` if the save failed."""
         started = time.perf_counter()
         self._wait_pruned()
         if self._pending is None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import multiprocessing
 import time
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
-from typing import Any
 
 import optuna
 import pytest
@@ -84,7 +84,7 @@ def test_cli_and_file_specs(tmp_path):
         load_search_file(path)
 
 
-def _worker(folder: str, worker: str, out: multiprocessing.Queue, start: Any) -> None:
+def _worker(folder: str, worker: str, out: multiprocessing.Queue, start: Barrier) -> None:
     _, study = open_study(Path(folder), seed_offset=hash(worker) % 1000)
     start.wait(120)  # all ask from the same moment: a worker spawned late under load would find no trial left
     got = []
