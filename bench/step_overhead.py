@@ -4,14 +4,16 @@ step of both.
 Both train the same MLP (``DigitsTask``'s: 64 -> width -> width -> 10, dropout 0.1) on the same data (the digits
 training split), with AdamW and a shuffled sampler of the same order, on gloo, one thread per rank. The hand-written
 loop is the tutorial's: ``init_process_group``, ``DDP(model)``, ``DistributedSampler``, then ``zero_grad``, forward,
-``backward``, ``step``, nothing else. ddpjob's is ``python -m ddp_core configs/digits.yaml`` with W&B disabled and no
-eval or checkpoint before the end: its per-step stop-flag agreement, loss accounting, LR schedule, watchdog beat and
-progress lines (every ``train.log_every``) are what is measured. Each run is its own set of processes, started the way
-torchrun's workers are (RANK, WORLD_SIZE, MASTER_ADDR/PORT); runs alternate raw/ddpjob, so drift on a shared machine
-hits both. The timed window is steps ``--window-start``..N on rank 0 (after the step's optimizer update: for ddpjob,
-where it calls ``Watchdog.beat``). Launch -> first step is from starting the processes to the last rank's first step.
+``backward``, ``step``, nothing else. ddpjob's is ``python -m ddp_core configs/digits.yaml`` with W&B disabled and
+no eval or checkpoint before the end: its per-step stop-flag agreement, loss accounting, LR schedule, watchdog beat
+and progress lines (every ``train.log_every``) are what is measured. Each run is its own set of processes, started
+the way torchrun's workers are (RANK, WORLD_SIZE, MASTER_ADDR/PORT), each rank bound to a CPU of its own as Slurm
+binds tasks (``--no-bind``: not). Runs come in pairs, raw/ddpjob then ddpjob/raw (ABBA), and each ratio is the
+median of the pairs' ratios: drift on a shared machine hits both kinds of a pair alike. The timed window is steps
+``--window-start``..N on rank 0 (after the step's optimizer update: for ddpjob, where it calls ``Watchdog.beat``).
+Launch -> first step is from starting the processes to the last rank's first step.
 
-    .venv/bin/python bench/step_overhead.py [--repeats 5] [--widths 64 1024] [--ranks 1 2]
+    .venv/bin/python bench/step_overhead.py [--repeats 5] [--widths 64 1024] [--ranks 1 2] [--override K=V ...]
 
 ``rows()`` returns the table's rows as dicts (for an aggregator); ``main()`` prints them as markdown.
 """
@@ -19,6 +21,7 @@ where it calls ``Watchdog.beat``). Launch -> first step is from starting the pro
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -27,8 +30,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "configs" / "digits.yaml"
@@ -36,6 +40,12 @@ BATCH_SIZE = 32  # per rank, as configs/digits.yaml
 # Steps per run, by width: about a second or more of timed window at 2 ranks on a 2-core machine.
 STEPS = {64: 600, 1024: 250}
 WINDOW_START = 50  # steps before the timed window: warm-up (allocator, DDP's bucket rebuild, first epochs)
+
+
+@dataclass(frozen=True)
+class Options:
+    bind: bool = True  # each rank on a CPU of its own (bind)
+    overrides: tuple[str, ...] = ()  # extra config overrides for ddpjob's runs: A/B a setting against the raw loop
 
 
 def free_port() -> int:
@@ -59,15 +69,27 @@ def worker_env(rank: int, ranks: int, port: int) -> dict[str, str]:
     }
 
 
-def launch(kind: str, ranks: int, width: int, steps: int, window_start: int, tmp: Path) -> dict[str, float]:
+def bind(rank: int) -> Optional[Callable[[], None]]:
+    """Rank ``rank`` on a CPU of its own (round robin over this process's CPUs), as Slurm binds tasks
+    (--cpu-bind=cores): a rank and its gloo threads share one core instead of migrating across both ranks'."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return (lambda: os.sched_setaffinity(0, {cpus[rank % len(cpus)]})) if len(cpus) > 1 else None
+
+
+def launch(
+    kind: str, ranks: int, width: int, steps: int, window_start: int, tmp: Path, opts: Optional[Options] = None
+) -> dict[str, float]:
     """One run of ``kind`` (raw or ddpjob): rank 0's ms/step over the window, and launch -> first step (s)."""
+    opts = opts or Options()
     out = Path(tempfile.mkdtemp(dir=tmp))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--out", str(out), "--width", str(width),
-           "--steps", str(steps), "--window-start", str(window_start)]  # fmt: skip
+           "--steps", str(steps), "--window-start", str(window_start),
+           *(f"--override={o}" for o in opts.overrides)]  # fmt: skip
     port = free_port()
     started = time.time()
     procs = [subprocess.Popen(cmd, env=worker_env(r, ranks, port), cwd=out, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(ranks)]  # fmt: skip
+                              stderr=subprocess.STDOUT, text=True, preexec_fn=bind(r) if opts.bind else None)
+             for r in range(ranks)]  # fmt: skip
     logs = [p.communicate(timeout=600)[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"{kind} run failed:\n" + "\n".join(log[-3000:] for log in logs))
@@ -83,9 +105,16 @@ def launch(kind: str, ranks: int, width: int, steps: int, window_start: int, tmp
 
 
 def measure(
-    widths: Sequence[int], ranks_list: Sequence[int], repeats: int, steps: Optional[int] = None
+    widths: Sequence[int],
+    ranks_list: Sequence[int],
+    repeats: int,
+    steps: Optional[int] = None,
+    opts: Optional[Options] = None,
 ) -> list[dict[str, Any]]:
-    """Alternated raw/ddpjob runs for every (width, ranks); medians of ``repeats`` each."""
+    """``repeats`` pairs of runs (raw, ddpjob) for every (width, ranks), in ABBA order: raw first in even pairs,
+    ddpjob first in odd ones, so neither always runs in the other's wake. The ratio is the median of the pairs'
+    ratios: a pair's runs are seconds apart, so the machine's slow drift (a shared VM's speed moves by +-20% over
+    minutes here) cancels within a pair instead of landing in one kind's median."""
     rows = []
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
@@ -94,17 +123,20 @@ def measure(
             n = steps or STEPS.get(width, 300)
             for ranks in ranks_list:
                 runs: dict[str, list[dict[str, float]]] = {"raw": [], "ddpjob": []}
-                for _ in range(repeats):
-                    for kind in runs:
-                        runs[kind].append(launch(kind, ranks, width, n, WINDOW_START, tmp))
+                for i in range(repeats):
+                    for kind in ("raw", "ddpjob") if i % 2 == 0 else ("ddpjob", "raw"):
+                        runs[kind].append(launch(kind, ranks, width, n, WINDOW_START, tmp, opts))
                 med = {kind: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for kind, rs in runs.items()}
+                paired = functools.partial(paired_ratio, runs)
+
                 rows.append({
                     "bench": "step_overhead", "width": width, "ranks": ranks, "steps": n, "repeats": repeats,
                     "raw_ms": med["raw"]["ms_per_step"], "ddpjob_ms": med["ddpjob"]["ms_per_step"],
-                    "ratio": med["ddpjob"]["ms_per_step"] / med["raw"]["ms_per_step"],
+                    "ratio": paired("ms_per_step"),
                     "raw_median_ms": med["raw"]["median_ms"], "ddpjob_median_ms": med["ddpjob"]["median_ms"],
-                    "median_ratio": med["ddpjob"]["median_ms"] / med["raw"]["median_ms"],
+                    "median_ratio": paired("median_ms"),
                     "raw_cpu_ms": med["raw"]["cpu_ms"], "ddpjob_cpu_ms": med["ddpjob"]["cpu_ms"],
+                    "cpu_ratio": paired("cpu_ms"),
                     "raw_first_step_s": med["raw"]["first_step_s"],
                     "ddpjob_first_step_s": med["ddpjob"]["first_step_s"],
                     "first_step_delta_s": med["ddpjob"]["first_step_s"] - med["raw"]["first_step_s"],
@@ -112,6 +144,11 @@ def measure(
                     "ddpjob_runs_ms": [r["ms_per_step"] for r in runs["ddpjob"]],
                 })  # fmt: skip
     return rows
+
+
+def paired_ratio(runs: dict[str, list[dict[str, float]]], key: str) -> float:
+    """The median over pairs of ddpjob's ``key`` / raw's."""
+    return statistics.median(d[key] / r[key] for r, d in zip(runs["raw"], runs["ddpjob"], strict=True))
 
 
 def rows(repeats: int = 5) -> list[dict[str, Any]]:
@@ -158,6 +195,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, help="steps per run (default: by width)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--no-bind", action="store_true", help="leave the ranks unbound (default: a CPU each)")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for ddpjob's runs (repeatable), e.g. train.log_every=1000")  # fmt: skip
     # A worker process of one run (started by launch()).
     parser.add_argument("--worker", choices=["raw", "ddpjob"], help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -168,11 +208,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raw_worker(args.out, args.width, args.steps, args.window_start)
         return
     if args.worker == "ddpjob":
-        ddpjob_worker(args.out, args.width, args.steps, args.window_start)
+        ddpjob_worker(args.out, args.width, args.steps, args.window_start, args.override)
         return
-    results = measure(args.widths, args.ranks, args.repeats, args.steps)
-    print(f"step time, median of {args.repeats} alternated runs (gloo, 1 thread per rank; window: steps "
-          f"{WINDOW_START}..N on rank 0); launch -> first step: last rank's")  # fmt: skip
+    opts = Options(bind=not args.no_bind, overrides=tuple(args.override))
+    results = measure(args.widths, args.ranks, args.repeats, args.steps, opts)
+    print(f"step time: medians of {args.repeats} pairs of runs in ABBA order, ratios the median of the pairs' (gloo, "
+          f"1 thread per rank{', a CPU each' if opts.bind else ''}; window: steps {WINDOW_START}..N on rank 0); "
+          "launch -> first step: last rank's")  # fmt: skip
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
@@ -186,7 +228,10 @@ class _Stamps:
         self.first_step = 0.0
         self.last = 0
         self.ends: list[float] = []  # perf_counter at the end of steps window_start..steps
-        self.cpu: list[float] = []  # this process's CPU time (all its threads) there
+        # This process's CPU time (all its threads) at the window's first and last step. Read there only: a read is
+        # a system call that sums every thread's time (tens of us here, more with more threads), which read at
+        # every step would charge each kind for its own thread count.
+        self.cpu: list[float] = []
 
     def step(self, step: int) -> None:
         if step <= self.last:  # the trainer's eval batches beat too, with the step they follow
@@ -196,7 +241,8 @@ class _Stamps:
             self.first_step = time.time()
         if step >= self.window_start:
             self.ends.append(time.perf_counter())
-            self.cpu.append(time.process_time())
+            if step in (self.window_start, self.steps):
+                self.cpu.append(time.process_time())
 
     def write(self, rank: int) -> None:
         durations = [b - a for a, b in zip(self.ends[:-1], self.ends[1:], strict=True)]
@@ -248,7 +294,7 @@ def raw_worker(out: Path, width: int, steps: int, window_start: int) -> None:
     dist.destroy_process_group()
 
 
-def ddpjob_worker(out: Path, width: int, steps: int, window_start: int) -> None:
+def ddpjob_worker(out: Path, width: int, steps: int, window_start: int, extra: Sequence[str] = ()) -> None:
     """``python -m ddp_core configs/digits.yaml ...`` in this process, its watchdog stamping each step: ``beat`` is
     the trainer's one per-step call out of its loop, after the optimizer update."""
     from ddp_core import launch
@@ -268,7 +314,8 @@ def ddpjob_worker(out: Path, width: int, steps: int, window_start: int) -> None:
 
     launch.Watchdog = StampingWatchdog  # type: ignore[misc]
     overrides = [f"task.model.hidden={width}", f"data.batch_size={BATCH_SIZE}", f"train.max_steps={steps}",
-                 "train.eval_every=0", "checkpoint.every_steps=0", "wandb.mode=disabled"]  # fmt: skip
+                 "train.eval_every=0", "checkpoint.every_steps=0", "wandb.mode=disabled",
+                 *extra]  # fmt: skip
     launch.main([str(DIGITS), "--run-dir", str(out / "run"), *overrides])
 
 
