@@ -4,14 +4,15 @@ step of both.
 Both train the same MLP (``DigitsTask``'s: 64 -> width -> width -> 10, dropout 0.1) on the same data (the digits
 training split), with AdamW and a shuffled sampler of the same order, on gloo, one thread per rank. The hand-written
 loop is the tutorial's: ``init_process_group``, ``DDP(model)``, ``DistributedSampler``, then ``zero_grad``, forward,
-``backward``, ``step``, nothing else. ddpjob's is ``python -m ddp_core configs/digits.yaml`` with W&B disabled and
-no eval or checkpoint before the end: its per-step stop-flag agreement, loss accounting, LR schedule, watchdog beat
-and progress lines (every ``train.log_every``) are what is measured. Each run is its own set of processes, started
-the way torchrun's workers are (RANK, WORLD_SIZE, MASTER_ADDR/PORT), each rank bound to a CPU of its own as Slurm
-binds tasks (``--no-bind``: not). Runs come in pairs, raw/ddpjob then ddpjob/raw (ABBA), and each ratio is the
-median of the pairs' ratios: drift on a shared machine hits both kinds of a pair alike. The timed window is steps
-``--window-start``..N on rank 0 (after the step's optimizer update: for ddpjob, where it calls ``Watchdog.beat``).
-Launch -> first step is from starting the processes to the last rank's first step.
+``backward``, ``step``, nothing else. ddpjob's is ``python -m ddp_core RUN_DIR``, what each rank of a Slurm job runs,
+on a run directory prepared beforehand (as ``ddpjob submit`` does on the login node) from configs/digits.yaml with W&B
+disabled and no eval or checkpoint before the end: its per-step stop-flag agreement, loss accounting, LR schedule,
+watchdog beat and progress lines (every ``train.log_every``) are what is measured. Each run is its own set of
+processes, started the way torchrun's workers are (RANK, WORLD_SIZE, MASTER_ADDR/PORT), each rank bound to a CPU of
+its own as Slurm binds tasks (``--no-bind``: not). Runs come in pairs, raw/ddpjob then ddpjob/raw (ABBA), and each
+ratio is the median of the pairs' ratios: drift on a shared machine hits both kinds of a pair alike. The timed window
+is steps ``--window-start``..N on rank 0 (after the step's optimizer update: for ddpjob, where it calls
+``Watchdog.beat``). Launch -> first step is from starting the processes to the last rank's first step.
 
     .venv/bin/python bench/step_overhead.py [--repeats 5] [--widths 64 1024] [--ranks 1 2] [--override K=V ...]
 
@@ -82,9 +83,10 @@ def launch(
     """One run of ``kind`` (raw or ddpjob): rank 0's ms/step over the window, and launch -> first step (s)."""
     opts = opts or Options()
     out = Path(tempfile.mkdtemp(dir=tmp))
+    if kind == "ddpjob":  # what `ddpjob submit` does on the login node, before the job (and this timer) starts
+        prepare(out / "run", width, steps, opts.overrides)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--out", str(out), "--width", str(width),
-           "--steps", str(steps), "--window-start", str(window_start),
-           *(f"--override={o}" for o in opts.overrides)]  # fmt: skip
+           "--steps", str(steps), "--window-start", str(window_start)]  # fmt: skip
     port = free_port()
     started = time.time()
     procs = [subprocess.Popen(cmd, env=worker_env(r, ranks, port), cwd=out, stdout=subprocess.PIPE,
@@ -208,7 +210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raw_worker(args.out, args.width, args.steps, args.window_start)
         return
     if args.worker == "ddpjob":
-        ddpjob_worker(args.out, args.width, args.steps, args.window_start, args.override)
+        ddpjob_worker(args.out, args.steps, args.window_start)
         return
     opts = Options(bind=not args.no_bind, overrides=tuple(args.override))
     results = measure(args.widths, args.ranks, args.repeats, args.steps, opts)
@@ -294,9 +296,20 @@ def raw_worker(out: Path, width: int, steps: int, window_start: int) -> None:
     dist.destroy_process_group()
 
 
-def ddpjob_worker(out: Path, width: int, steps: int, window_start: int, extra: Sequence[str] = ()) -> None:
-    """``python -m ddp_core configs/digits.yaml ...`` in this process, its watchdog stamping each step: ``beat`` is
-    the trainer's one per-step call out of its loop, after the optimizer update."""
+def prepare(run_dir: Path, width: int, steps: int, extra: Sequence[str] = ()) -> None:
+    """The run directory of ddpjob's run: configs/digits.yaml at this width and length, W&B off, no eval or
+    checkpoint before the end, and ``extra`` overrides."""
+    from ddp_core.config import load_config
+    from ddp_core.rundir import RunDir
+
+    overrides = [f"task.model.hidden={width}", f"data.batch_size={BATCH_SIZE}", f"train.max_steps={steps}",
+                 "train.eval_every=0", "checkpoint.every_steps=0", "wandb.mode=disabled", *extra]  # fmt: skip
+    RunDir(run_dir).initialize(load_config(DIGITS, overrides))
+
+
+def ddpjob_worker(out: Path, steps: int, window_start: int) -> None:
+    """``python -m ddp_core RUN_DIR`` in this process (what each rank of a Slurm job runs), its watchdog stamping
+    each step: ``beat`` is the trainer's one per-step call out of its loop, after the optimizer update."""
     from ddp_core import launch
     from ddp_core.watchdog import Watchdog
 
@@ -313,10 +326,7 @@ def ddpjob_worker(out: Path, width: int, steps: int, window_start: int, extra: S
             stamps.write(rank)
 
     launch.Watchdog = StampingWatchdog  # type: ignore[misc]
-    overrides = [f"task.model.hidden={width}", f"data.batch_size={BATCH_SIZE}", f"train.max_steps={steps}",
-                 "train.eval_every=0", "checkpoint.every_steps=0", "wandb.mode=disabled",
-                 *extra]  # fmt: skip
-    launch.main([str(DIGITS), "--run-dir", str(out / "run"), *overrides])
+    launch.main([str(out / "run")])
 
 
 if __name__ == "__main__":

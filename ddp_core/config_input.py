@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from enum import Enum
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union, get_args, get_origin, get_type_hints
@@ -252,6 +253,50 @@ def check_value(value: Any, hint: Any, key: str) -> None:
             raise _bad_value(key, value, "use true or false")
     elif isinstance(value, (dict, list)) or not isinstance(value, (str, int, float, bool)):
         raise _bad_value(key, value, f"give a single value of type {_type_name(hint)}")
+
+
+class NotPlain(Exception):
+    """``from_plain`` met a value that is not already of its key's type: OmegaConf must read it."""
+
+
+def from_plain(hint: Any, value: Any) -> Any:
+    """``value`` (as ``CheckLoader`` reads a file that ``Dumper`` wrote) built into ``hint``, the schema's type:
+    dataclasses from mappings, enums from their values, an int where a float is due, and nothing else. Raises
+    ``NotPlain`` at the first value OmegaConf would have to convert or resolve (a number for a string key, an
+    unknown key, any ``${``), so that the caller reads the file through OmegaConf instead: this is a fast path for
+    files this package wrote, never a second reading of the config language."""
+    if get_origin(hint) is Union:  # Optional[X]
+        if value is None:
+            return None
+        hint = next(arg for arg in get_args(hint) if arg is not type(None))
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict) or not value.keys() <= _fields(hint).keys():
+            raise NotPlain
+        return hint(**{name: from_plain(_fields(hint)[name], item) for name, item in value.items()})
+    origin = get_origin(hint)
+    if origin is list and isinstance(value, list):
+        return [from_plain(get_args(hint)[0], item) for item in value]
+    if origin is dict and isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: from_plain(get_args(hint)[1], item) for k, item in value.items()}
+    if hint is Any and isinstance(value, (dict, list)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        if isinstance(value, dict) and not all(isinstance(k, str) for k in value):
+            raise NotPlain
+        built = {k: from_plain(Any, v) for k, v in items}
+        return built if isinstance(value, dict) else list(built.values())
+    if isinstance(value, str) and "${" in value:
+        raise NotPlain  # an interpolation, or an escaped literal one: OmegaConf's syntax either way
+    if isinstance(hint, type) and issubclass(hint, Enum) and isinstance(value, str):
+        try:
+            return hint(value)
+        except ValueError:
+            raise NotPlain from None
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    kinds = (str, int, float, bool) if hint is Any else (hint,)
+    if isinstance(value, kinds) and not (hint is int and isinstance(value, bool)):
+        return value
+    raise NotPlain
 
 
 # Aliases make a tiny YAML file expand to gigabytes ("billion laughs") once the tree is copied; real configs

@@ -163,9 +163,9 @@ class RunDir:
     def load_config(self) -> Config:
         if not self.exists():
             raise DdpJobError(f"'{self.path}' is not a run directory (no {CONFIG_FILE})", "pass a run directory")
-        from ddp_core.config import load_config  # omegaconf: only for readers of the config, not of the records
+        from ddp_core.config import load_saved  # only for readers of the config, not of the records
 
-        return load_config(self.config_file)
+        return load_saved(self.config_file)
 
     def read_meta(self) -> dict[str, Any]:
         try:

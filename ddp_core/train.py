@@ -216,19 +216,23 @@ def weights_digest(state: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def check_determinism(cfg: Config, device: torch.device) -> None:
+def apply_determinism(cfg: Config, device: torch.device) -> None:
+    """``train.deterministic`` for this process's kernels."""
     if cfg.train.deterministic and device.type == "cuda" and not os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
         # use_deterministic_algorithms raises at the first cuBLAS call otherwise, after the queue wait.
         raise DdpJobError(
             "train.deterministic=true on a GPU needs CUBLAS_WORKSPACE_CONFIG in the environment",
             "submit through ddpjob (it exports it), or export CUBLAS_WORKSPACE_CONFIG=:4096:8",
         )
+    if torch.are_deterministic_algorithms_enabled() != cfg.train.deterministic:
+        # Only on a change: the call imports torch._inductor.config, i.e. all of dynamo (1.5-2 s here), which a run
+        # without DDP, FSDP or compile never needs.
+        torch.use_deterministic_algorithms(cfg.train.deterministic)
 
 
 def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watchdog: Watchdog) -> Outcome:
     device = distributed.setup(env, cfg.dist)
-    check_determinism(cfg, device)
-    torch.use_deterministic_algorithms(cfg.train.deterministic)
+    apply_determinism(cfg, device)
 
     # Same seed on every rank for the model's initial weights; per-rank seeds for dropout etc. after.
     distributed.seed_all(cfg.train.seed)

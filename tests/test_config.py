@@ -1,12 +1,15 @@
 """Config loading and validation: every user mistake is one DdpJobError naming the key."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from ddp_core.config import Config, Precision, load_config, to_yaml
+from ddp_core.config import Config, Precision, load_config, load_saved, to_yaml
 from ddp_core.errors import DdpJobError
+from ddp_core.rundir import RunDir
 from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +33,25 @@ def test_round_trip_through_yaml(tmp_path):
     cfg = load_config(DIGITS, ["train.max_steps=70"])
     saved = tmp_path / "config.yaml"
     saved.write_text(to_yaml(cfg))
-    assert load_config(saved) == cfg
+    assert load_config(saved) == cfg == load_saved(saved)
+
+
+def test_a_run_directory_config_is_read_without_omegaconf_unless_hand_edited(tmp_path):
+    cfg = load_config(DIGITS, ["train.max_steps=70", "wandb.tags=[a,'1e3']", "optim.min_lr=1e-6"])
+    run = RunDir(tmp_path / "run")
+    run.initialize(cfg)
+    code = (f"import sys; from pathlib import Path; from ddp_core.rundir import RunDir; "
+            f"cfg = RunDir(Path({str(run.path)!r})).load_config(); "
+            "print(cfg.train.max_steps, cfg.wandb.tags, cfg.optim.min_lr, 'omegaconf' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split() == ["70", "['a',", "'1e3']", "1e-06", "False"], out
+    # A hand edit in OmegaConf's language is still OmegaConf's to read: an interpolation resolves, a typo is named.
+    text = run.config_file.read_text()
+    run.config_file.write_text(text.replace("max_steps: 70", "max_steps: ${train.eval_every}"))
+    assert run.load_config().train.max_steps == cfg.train.eval_every
+    run.config_file.write_text(text.replace("max_steps: 70", "max_stepz: 70"))
+    with pytest.raises(DdpJobError, match=r"train\.max_stepz"):
+        run.load_config()
 
 
 @pytest.mark.parametrize(

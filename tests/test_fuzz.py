@@ -26,7 +26,8 @@ import yaml
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from ddp_core.config import Config, load_config, to_yaml, validate
+from ddp_core.config import Config, load_config, load_saved, to_yaml, validate
+from ddp_core.config_input import CheckLoader, from_plain, read_yaml
 from ddp_core.dist_env import expand_nodelist
 from ddp_core.errors import DdpJobError
 from ddp_core.task import check_task
@@ -75,7 +76,9 @@ def refused_or_valid(path: Path | None, overrides: list[str], scratch: Path) -> 
     event("accepted")
     saved = scratch / "roundtrip.yaml"
     saved.write_text(to_yaml(cfg))
-    assert load_config(saved) == cfg, saved.read_text()
+    assert load_config(saved) == cfg == load_saved(saved), saved.read_text()
+    if "${" not in saved.read_text():  # what to_yaml writes is read without OmegaConf (load_saved's fast path)
+        assert from_plain(Config, read_yaml(saved, CheckLoader)) == cfg, saved.read_text()
     return cfg
 
 

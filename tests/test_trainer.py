@@ -267,3 +267,25 @@ def test_the_trainer_imports_only_what_its_run_uses():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["[]", "True"], proc.stdout
+
+
+def test_train_deterministic_reaches_torch_and_torch_is_called_only_on_a_change(monkeypatch):
+    """Left at torch's default, torch.use_deterministic_algorithms is not called: it imports all of dynamo."""
+    import torch
+
+    from ddp_core.config import load_config
+    from ddp_core.train import apply_determinism
+
+    real, calls = torch.use_deterministic_algorithms, []
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda mode: (calls.append(mode), real(mode)))
+    cpu, on, off = torch.device("cpu"), load_config(DIGITS, ["train.deterministic=true"]), load_config(DIGITS)
+    try:
+        apply_determinism(off, cpu)
+        assert calls == [] and not torch.are_deterministic_algorithms_enabled()
+        apply_determinism(on, cpu)
+        apply_determinism(on, cpu)
+        assert calls == [True] and torch.are_deterministic_algorithms_enabled()
+        apply_determinism(off, cpu)
+        assert calls == [True, False] and not torch.are_deterministic_algorithms_enabled()
+    finally:
+        real(False)
