@@ -33,7 +33,6 @@ import logging
 import os
 import random
 import socket
-import time
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -160,9 +159,10 @@ def _rendezvous_store(env: DistEnv, cfg: DistConfig) -> dist.TCPStore:
 
 
 def _await_ranks(store: dist.Store, keys: list[str], timeout_s: float, where: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not store.check(keys):
-        if time.monotonic() > deadline:
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))  # returns as the last rank signs in (no polling interval)
+    except dist.DistStoreError:
+        if not store.check(keys):
             missing = [r for r, key in enumerate(keys) if not store.check([key])]
             arrived = [f"{r} on {store.get(key).decode()}" for r, key in enumerate(keys) if r not in missing]
             shown = ", ".join(map(str, missing[:20])) + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
@@ -170,8 +170,7 @@ def _await_ranks(store: dist.Store, keys: list[str], timeout_s: float, where: st
                 f"rank{'s' if len(missing) > 1 else ''} {shown} never arrived at the rendezvous at {where} within "
                 f"dist.init_timeout_s ({timeout_s:g} s); arrived: {', '.join(arrived[:20])}",
                 "read the missing ranks' logs: a rank that cannot reach this host and port says so there",
-            )
-        time.sleep(0.05)
+            ) from None
 
 
 def describe_binding(env: DistEnv, cuda: bool) -> str:
