@@ -26,6 +26,7 @@ from ddp_core.config_input import (
     CheckLoader,
     Dumper,
     NotPlain,
+    SavedLoader,
     check_value,
     explain,
     from_plain,
@@ -329,9 +330,9 @@ def load_saved(path: Path) -> Config:
     import and merge cost 0.2 s of that here. What ``to_yaml`` does not write (a hand edit: an interpolation, a
     number for a string key, an unknown key) goes through ``load_config``, which resolves it or names the problem."""
     try:
-        cfg = from_plain(Config, read_yaml(path, CheckLoader))
-    except NotPlain:
-        return load_config(path)
+        cfg = from_plain(Config, read_yaml(path, SavedLoader))
+    except (NotPlain, DdpJobError):
+        return load_config(path)  # OmegaConf's reading; a file it cannot read is named as for any config file
     validate(cfg)
     return cfg
 

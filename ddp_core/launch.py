@@ -213,13 +213,15 @@ def _run_dir_for(cfg: Config, env: DistEnv, explicit: Optional[str]) -> RunDir:
     return RunDir((Path(cfg.run.root) / f"{cfg.run.name}-{key}").resolve())
 
 
-def _has_script(target: str) -> bool:
+def _saved_config(target: str) -> Optional[Config]:
+    """The config of the run directory ``target``; None for a YAML file, or where it cannot be read (``main``
+    reports that, with the rank's logging)."""
     if not Path(target).is_dir():
-        return False
+        return None
     try:
-        return RunDir(Path(target).resolve()).load_config().script.enabled
+        return RunDir(Path(target).resolve()).load_config()
     except DdpJobError:
-        return False  # main reports it, with the rank's logging
+        return None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -231,7 +233,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides (only with a YAML config)")
     parser.add_argument("--run-dir", help="where to create the run directory for a YAML config")
     args = parser.parse_intermixed_args(argv)
-    if _has_script(args.target):
+    saved = _saved_config(args.target)  # read once: every rank of every attempt reads it before its first step
+    if saved is not None and saved.script.enabled:
         # A run with a script section trains with that script (a hand-edited template may still say ddp_core).
         from ddp_core import script
 
@@ -248,7 +251,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "overrides apply to a YAML config, not a run directory", "use `ddpjob resume RUN k=v`"
                 )
             run_dir = RunDir(target.resolve())
-            cfg = run_dir.load_config()
+            cfg = saved or run_dir.load_config()
         else:
             cfg = load_config(target, args.overrides)
             if cfg.script.enabled:

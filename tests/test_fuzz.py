@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from ddp_core.config import Config, load_config, load_saved, to_yaml, validate
-from ddp_core.config_input import CheckLoader, from_plain, read_yaml
+from ddp_core.config_input import SavedLoader, from_plain, read_yaml
 from ddp_core.dist_env import expand_nodelist
 from ddp_core.errors import DdpJobError
 from ddp_core.task import check_task
@@ -78,7 +78,7 @@ def refused_or_valid(path: Path | None, overrides: list[str], scratch: Path) -> 
     saved.write_text(to_yaml(cfg))
     assert load_config(saved) == cfg == load_saved(saved), saved.read_text()
     if "${" not in saved.read_text():  # what to_yaml writes is read without OmegaConf (load_saved's fast path)
-        assert from_plain(Config, read_yaml(saved, CheckLoader)) == cfg, saved.read_text()
+        assert from_plain(Config, read_yaml(saved, SavedLoader)) == cfg, saved.read_text()
     return cfg
 
 
