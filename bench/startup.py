@@ -1,7 +1,8 @@
 """Start-up cost of ddpjob's trainer against its floor, measured in this script: ``import ddp_core.train`` against
 ``import torch`` (each in a fresh interpreter), and launch -> first step of ``python -m ddp_core`` against the
-hand-written DDP loop of ``bench/step_overhead.py`` (same model and data, 2 ranks). Runs alternate, so drift on a
-shared machine hits both; the figures are medians.
+hand-written DDP loop of ``bench/step_overhead.py`` (same model and data, 2 ranks, a CPU each; the run directory is
+prepared before the clock starts, as on the login node). Runs come in ABBA pairs; the delta is the median of the pairs'
+differences.
 
     .venv/bin/python bench/startup.py [--repeats 7] [--ranks 2]
 
@@ -37,23 +38,29 @@ def import_s(module: str) -> float:
 
 
 def rows(repeats: int = 7, ranks: int = 2) -> list[dict[str, Any]]:
+    """Medians of each kind, and the median of the pairs' differences as the delta: each pair runs back to back, in
+    ABBA order (the baseline first in even pairs), so the machine's drift cancels within a pair."""
     imports: dict[str, list[float]] = {"torch": [], "ddp_core.train": []}
     launches: dict[str, list[float]] = {"raw": [], "ddpjob": []}
     import_s("torch")  # warm the page cache
     with tempfile.TemporaryDirectory() as name:
-        for _ in range(repeats):
-            for module in imports:
+        for i in range(repeats):
+            for module in list(imports)[:: 1 if i % 2 == 0 else -1]:
                 imports[module].append(import_s(module))
-            for kind in launches:
+            for kind in list(launches)[:: 1 if i % 2 == 0 else -1]:
                 run = step_overhead.launch(kind, ranks, 64, 30, 10, Path(name))
                 launches[kind].append(run["first_step_s"])
-    torch_s, train_s = (statistics.median(imports[m]) for m in imports)
-    raw_s, ddpjob_s = (statistics.median(launches[k]) for k in launches)
+
+    def row(what: str, base: list[float], ours: list[float]) -> dict[str, Any]:
+        delta = statistics.median(b - a for a, b in zip(base, ours, strict=True))
+        base_s, ours_s = statistics.median(base), statistics.median(ours)
+        return {"bench": "startup", "what": what, "baseline_s": base_s, "ddpjob_s": ours_s, "delta_s": delta,
+                "ratio": statistics.median(b / a for a, b in zip(base, ours, strict=True))}  # fmt: skip
+
     return [
-        {"bench": "startup", "what": "import ddp_core.train vs import torch (fresh interpreter)",
-         "baseline_s": torch_s, "ddpjob_s": train_s, "delta_s": train_s - torch_s, "ratio": train_s / torch_s},
-        {"bench": "startup", "what": f"launch -> first step, {ranks} ranks: python -m ddp_core vs hand-written loop",
-         "baseline_s": raw_s, "ddpjob_s": ddpjob_s, "delta_s": ddpjob_s - raw_s, "ratio": ddpjob_s / raw_s},
+        row("import ddp_core.train vs import torch (fresh interpreter)", imports["torch"], imports["ddp_core.train"]),
+        row(f"launch -> first step, {ranks} ranks: python -m ddp_core RUN_DIR vs hand-written loop", launches["raw"],
+            launches["ddpjob"]),
     ]  # fmt: skip
 
 
