@@ -287,6 +287,8 @@ def from_plain(hint: Any, value: Any) -> Any:
         return [from_plain(get_args(hint)[0], item) for item in value]
     if origin is dict and isinstance(value, dict) and all(isinstance(k, str) for k in value):
         return {k: from_plain(get_args(hint)[1], item) for k, item in value.items()}
+    if origin is not None:
+        raise NotPlain  # a list or mapping key holding something else: OmegaConf names it
     if hint is Any and isinstance(value, (dict, list)):
         items = value.items() if isinstance(value, dict) else enumerate(value)
         if isinstance(value, dict) and not all(isinstance(k, str) for k in value):
