@@ -330,8 +330,10 @@ def load_saved(path: Path) -> Config:
     import and merge cost 0.2 s of that here. What ``to_yaml`` does not write (a hand edit: an interpolation, a
     number for a string key, an unknown key) goes through ``load_config``, which resolves it or names the problem."""
     try:
+        if any(mark in path.read_text(encoding="utf-8", errors="replace") for mark in "&*"):
+            raise NotPlain  # YAML anchors and aliases (or a string with & or *): OmegaConf's expansion limits apply
         cfg = from_plain(Config, read_yaml(path, SavedLoader))
-    except (NotPlain, DdpJobError):
+    except (NotPlain, DdpJobError, OSError):
         return load_config(path)  # OmegaConf's reading; a file it cannot read is named as for any config file
     validate(cfg)
     return cfg

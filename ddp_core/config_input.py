@@ -264,6 +264,15 @@ def check_value(value: Any, hint: Any, key: str) -> None:
         raise _bad_value(key, value, f"give a single value of type {_type_name(hint)}")
 
 
+_MISSING = "???"  # omegaconf.MISSING: a required value not given
+
+
+def _missing(value: Any) -> bool:
+    if dataclasses.is_dataclass(value):
+        return any(_missing(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return isinstance(value, str) and value == _MISSING
+
+
 class NotPlain(Exception):
     """``from_plain`` met a value that is not already of its key's type: OmegaConf must read it."""
 
@@ -281,7 +290,10 @@ def from_plain(hint: Any, value: Any) -> Any:
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict) or not value.keys() <= _fields(hint).keys():
             raise NotPlain
-        return hint(**{name: from_plain(_fields(hint)[name], item) for name, item in value.items()})
+        built = hint(**{name: from_plain(_fields(hint)[name], item) for name, item in value.items()})
+        if _missing(built):
+            raise NotPlain  # a required key left out (here or in a section's defaults): OmegaConf names it
+        return built
     origin = get_origin(hint)
     if origin is list and isinstance(value, list):
         return [from_plain(get_args(hint)[0], item) for item in value]
@@ -295,8 +307,8 @@ def from_plain(hint: Any, value: Any) -> Any:
             raise NotPlain
         built = {k: from_plain(Any, v) for k, v in items}
         return built if isinstance(value, dict) else list(built.values())
-    if isinstance(value, str) and "${" in value:
-        raise NotPlain  # an interpolation, or an escaped literal one: OmegaConf's syntax either way
+    if isinstance(value, str) and ("${" in value or value == _MISSING):
+        raise NotPlain  # an interpolation (or an escaped literal one), or OmegaConf's mark of a missing value
     if isinstance(hint, type) and issubclass(hint, Enum) and isinstance(value, str):
         try:
             return hint(value)

@@ -257,6 +257,19 @@ def overrides(draw: st.DrawFn) -> list[str]:
     return items
 
 
+def read_as_a_run_directory_config(path: Path) -> None:
+    """The file as a hand-edited run directory's config.yaml: ``load_saved`` (a fast path for what ``to_yaml``
+    writes) loads what ``load_config`` loads, or refuses it with the same line."""
+
+    def outcome(load: Any) -> Any:
+        try:
+            return load(path)
+        except DdpJobError as err:
+            return str(err)
+
+    assert outcome(load_saved) == outcome(load_config), path.read_text()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # (a) config files
 
@@ -274,6 +287,7 @@ def test_structured_config_files(tmp_path, tree):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(tree, allow_unicode=True))
     refused_or_valid(path, [], tmp_path)
+    read_as_a_run_directory_config(path)
 
 
 @fuzz(80)
@@ -286,6 +300,7 @@ def test_yamlish_config_text(tmp_path, text):
     path = tmp_path / "c.yaml"
     path.write_text(text)
     refused_or_valid(path, [], tmp_path)
+    read_as_a_run_directory_config(path)
 
 
 @fuzz(30)
