@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 from ddp_core.config_input import (
+    MISSING,
     OVERRIDE_HINT,
     CheckLoader,
     Dumper,
@@ -46,10 +47,6 @@ from ddp_core.snapshot import SnapshotConfig
 from ddp_core.snapshot import validate_config as validate_snapshot
 from ddp_core.watchdog import WatchdogConfig
 from ddp_core.watchdog import validate as validate_watchdog
-
-# omegaconf.MISSING, the value OmegaConf reads as "required, not given". OmegaConf itself is imported by load_config
-# only: the trainer, which is handed a Config, does not pay its ~0.15 s of imports.
-MISSING = "???"
 
 
 class StrategyName(str, Enum):

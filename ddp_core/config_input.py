@@ -26,6 +26,10 @@ from ddp_core.errors import DdpJobError
 if TYPE_CHECKING:  # imported where a config is loaded: the trainer, handed one, never imports OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+# omegaconf.MISSING, the value OmegaConf reads as "required, not given" (the schema's default for required keys).
+# OmegaConf itself is imported by load_config only: the trainer, which is handed a Config, does not pay its imports.
+MISSING = "???"
+
 _ENV_INTERPOLATION = re.compile(r"\$\{\s*oc\.env\s*:\s*([A-Za-z_][A-Za-z0-9_]*)")
 _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 
@@ -264,13 +268,10 @@ def check_value(value: Any, hint: Any, key: str) -> None:
         raise _bad_value(key, value, f"give a single value of type {_type_name(hint)}")
 
 
-_MISSING = "???"  # omegaconf.MISSING: a required value not given
-
-
 def _missing(value: Any) -> bool:
     if dataclasses.is_dataclass(value):
         return any(_missing(getattr(value, f.name)) for f in dataclasses.fields(value))
-    return isinstance(value, str) and value == _MISSING
+    return isinstance(value, str) and value == MISSING
 
 
 class NotPlain(Exception):
@@ -295,19 +296,17 @@ def from_plain(hint: Any, value: Any) -> Any:
             raise NotPlain  # a required key left out (here or in a section's defaults): OmegaConf names it
         return built
     origin = get_origin(hint)
-    if origin is list and isinstance(value, list):
-        return [from_plain(get_args(hint)[0], item) for item in value]
-    if origin is dict and isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return {k: from_plain(get_args(hint)[1], item) for k, item in value.items()}
+    if isinstance(value, dict) and (origin is dict or hint is Any):
+        if not all(isinstance(k, str) for k in value):
+            raise NotPlain
+        item = get_args(hint)[1] if origin is dict else Any
+        return {k: from_plain(item, v) for k, v in value.items()}
+    if isinstance(value, list) and (origin is list or hint is Any):
+        item = get_args(hint)[0] if origin is list else Any
+        return [from_plain(item, v) for v in value]
     if origin is not None:
         raise NotPlain  # a list or mapping key holding something else: OmegaConf names it
-    if hint is Any and isinstance(value, (dict, list)):
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        if isinstance(value, dict) and not all(isinstance(k, str) for k in value):
-            raise NotPlain
-        built = {k: from_plain(Any, v) for k, v in items}
-        return built if isinstance(value, dict) else list(built.values())
-    if isinstance(value, str) and ("${" in value or value == _MISSING):
+    if isinstance(value, str) and ("${" in value or value == MISSING):
         raise NotPlain  # an interpolation (or an escaped literal one), or OmegaConf's mark of a missing value
     if isinstance(hint, type) and issubclass(hint, Enum) and isinstance(value, str):
         try:

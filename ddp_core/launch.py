@@ -251,7 +251,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "overrides apply to a YAML config, not a run directory", "use `ddpjob resume RUN k=v`"
                 )
             run_dir = RunDir(target.resolve())
-            cfg = saved or run_dir.load_config()
+            cfg = saved if saved is not None else run_dir.load_config()
         else:
             cfg = load_config(target, args.overrides)
             if cfg.script.enabled:
