@@ -12,7 +12,7 @@ The three run alternated, ``--repeats`` rounds after one untimed warm-up round (
 allocates its staging buffers: reported as "first"); every figure is a median. ``rows()`` returns the table as
 dicts for an aggregator.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/checkpoint_save.py [--params 100e6] [--repeats 5]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/checkpoint_save.py [--params 100e6] [--repeats 5] [--device cuda]
 """
 
 from __future__ import annotations
@@ -60,10 +60,12 @@ def _seconds(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - started
 
 
-def measure(name: str, model: nn.Module, tmp: Path, repeats: int) -> dict[str, Any]:
-    """One row: medians of ``repeats`` alternated rounds of the three saves, and verify/load of the result."""
+def measure(name: str, model: nn.Module, tmp: Path, repeats: int, device: str = "cpu") -> dict[str, Any]:
+    """One row: medians of ``repeats`` alternated rounds of the three saves, and verify/load of the result. On
+    ``device`` cuda the state lives on the GPU, as in training: every save copies it to host memory first (the async
+    one into pinned buffers)."""
     n = sum(p.numel() for p in model.parameters())
-    state = model_with_state(model)
+    state = model_with_state(model.to(device))
     sync = FullWriter(tmp / f"{name}-sync", keep_last=1, async_save=False)
     background = FullWriter(tmp / f"{name}-async", keep_last=1, async_save=True)
     times: dict[str, list[float]] = {"baseline": [], "sync": [], "blocked": [], "done": []}
@@ -123,13 +125,15 @@ def measure(name: str, model: nn.Module, tmp: Path, repeats: int) -> dict[str, A
     }
 
 
-def rows(params: float = 100e6, repeats: int = 5, directory: Optional[Path] = None) -> list[dict[str, Any]]:
+def rows(
+    params: float = 100e6, repeats: int = 5, directory: Optional[Path] = None, device: str = "cpu"
+) -> list[dict[str, Any]]:
     """The digits MLP and a ``params``-parameter model, each a dict of medians (seconds and ratios)."""
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(dir=directory or "/var/tmp") as tmp:
         return [
-            measure("digits MLP", DigitsTask().build_model(), Path(tmp), max(repeats, 20)),
-            measure(f"{params / 1e6:.0f}M params", big_model(params), Path(tmp), repeats),
+            measure("digits MLP", DigitsTask().build_model(), Path(tmp), max(repeats, 20), device),
+            measure(f"{params / 1e6:.0f}M params", big_model(params), Path(tmp), repeats, device),
         ]
 
 
@@ -168,8 +172,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=float, default=100e6)
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per model (the digits MLP: at least 20)")
+    parser.add_argument("--device", default="cpu", help="where the state lives: cpu (default) or cuda")
+    parser.add_argument("--dir", type=Path, help="where the checkpoints are written (default: /var/tmp)")
     args = parser.parse_args(argv)
-    table = rows(args.params, args.repeats)
+    table = rows(args.params, args.repeats, args.dir, args.device)
     print_table(table)
     return table
 

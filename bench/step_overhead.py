@@ -2,8 +2,9 @@
 step of both.
 
 Both train the same MLP (``DigitsTask``'s: 64 -> width -> width -> 10, dropout 0.1) on the same data (the digits
-training split), with AdamW and a shuffled sampler of the same order, on gloo, one thread per rank. The hand-written
-loop is the tutorial's: ``init_process_group``, ``DDP(model)``, ``DistributedSampler``, then ``zero_grad``, forward,
+training split), with AdamW and a shuffled sampler of the same order, on gloo, one thread per rank (where CUDA exists:
+each rank on its GPU over NCCL, batches pinned and copied with non_blocking, as ddpjob does). The hand-written loop is
+the tutorial's: ``init_process_group``, ``DDP(model)``, ``DistributedSampler``, then ``zero_grad``, forward,
 ``backward``, ``step``, nothing else. ddpjob's is ``python -m ddp_core RUN_DIR``, what each rank of a Slurm job runs,
 on a run directory prepared beforehand (as ``ddpjob submit`` does on the login node) from configs/digits.yaml with W&B
 disabled and no eval or checkpoint before the end: its per-step stop-flag agreement, loss accounting, LR schedule,
@@ -214,12 +215,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
     opts = Options(bind=not args.no_bind, overrides=tuple(args.override))
     results = measure(args.widths, args.ranks, args.repeats, args.steps, opts)
-    print(f"step time: medians of {args.repeats} pairs of runs in ABBA order, ratios the median of the pairs' (gloo, "
-          f"1 thread per rank{', a CPU each' if opts.bind else ''}; window: steps {WINDOW_START}..N on rank 0); "
-          "launch -> first step: last rank's")  # fmt: skip
+    backend = "nccl, a GPU" if _has_cuda() else "gloo"
+    print(f"step time: medians of {args.repeats} pairs of runs in ABBA order, ratios the median of the pairs' "
+          f"({backend}, 1 thread per rank{', a CPU each' if opts.bind else ''}; window: steps {WINDOW_START}..N on "
+          "rank 0); launch -> first step: last rank's")  # fmt: skip
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 class _Stamps:
@@ -242,9 +250,14 @@ class _Stamps:
         if step == 1:
             self.first_step = time.time()
         if step >= self.window_start:
-            self.ends.append(time.perf_counter())
             if step in (self.window_start, self.steps):
+                # On a GPU the host runs ahead of the kernels it queued: the window's two ends wait for them, so
+                # its length is the GPU's as well as the host's (steps in between are the host's enqueue times).
+                cuda = sys.modules.get("torch.cuda")
+                if cuda is not None and cuda.is_initialized():
+                    cuda.synchronize()
                 self.cpu.append(time.process_time())
+            self.ends.append(time.perf_counter())
 
     def write(self, rank: int) -> None:
         durations = [b - a for a, b in zip(self.ends[:-1], self.ends[1:], strict=True)]
@@ -263,12 +276,18 @@ def raw_worker(out: Path, width: int, steps: int, window_start: int) -> None:
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     stamps = _Stamps(out, steps, window_start)
-    dist.init_process_group("gloo")
+    # The device ddpjob's trainer picks: this rank's GPU where CUDA exists (NCCL, pinned batches copied with
+    # non_blocking, as the tutorial's GPU loop), else the CPU (gloo).
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Dropout(0.1), nn.Linear(width, width), nn.ReLU(),
                           nn.Dropout(0.1), nn.Linear(width, 10))  # fmt: skip
-    ddp_model = DDP(model)
+    ddp_model = DDP(model.to(device), device_ids=[device.index] if cuda else None)
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     y = torch.tensor(digits.target, dtype=torch.long)
@@ -276,12 +295,13 @@ def raw_worker(out: Path, width: int, steps: int, window_start: int) -> None:
     train_idx = order[int(len(y) * 0.2) :]
     dataset = TensorDataset(x[train_idx], y[train_idx])
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
-    loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler, drop_last=True)
+    loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler, drop_last=True, pin_memory=cuda)
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=0.003, weight_decay=0.01)
     step, epoch = 0, 0
     while step < steps:
         sampler.set_epoch(epoch)
         for inputs, targets in loader:
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(ddp_model(inputs), targets)
             loss.backward()
@@ -292,7 +312,7 @@ def raw_worker(out: Path, width: int, steps: int, window_start: int) -> None:
                 break
         epoch += 1
     stamps.write(rank)
-    dist.barrier()
+    dist.barrier(device_ids=[device.index] if cuda else None)
     dist.destroy_process_group()
 
 
