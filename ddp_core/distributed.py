@@ -33,6 +33,7 @@ import logging
 import os
 import random
 import socket
+import time
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -129,6 +130,19 @@ def _rendezvous_store(env: DistEnv, cfg: DistConfig) -> dist.TCPStore:
     node that cannot reach the master) ends the attempt within ``dist.init_timeout_s`` naming who is missing."""
     hosting = env.rank == 0 and not env.agent_store
     where = f"{env.master_addr}:{env.master_port}"
+
+    def unreachable(err: str) -> DdpJobError:
+        return DdpJobError(
+            f"rank {env.rank} on {socket.gethostname()} could not reach the rendezvous at {where} within "
+            f"dist.init_timeout_s ({cfg.init_timeout_s:g} s): {err}",
+            "check that every rank gets the same MASTER_ADDR/MASTER_PORT and that this node can reach that host "
+            "and port (firewall, the interface the name resolves to)",
+        )
+
+    if not hosting:
+        failed = _await_listener(env.master_addr, env.master_port, cfg.init_timeout_s)
+        if failed is not None:
+            raise unreachable(failed)
     try:
         store = dist.TCPStore(
             env.master_addr,
@@ -145,17 +159,31 @@ def _rendezvous_store(env: DistEnv, cfg: DistConfig) -> dist.TCPStore:
                 "another process on this node holds it (a job sharing the node, a stray torchrun): export a free "
                 "MASTER_PORT in slurm.setup, or resubmit",
             ) from None
-        raise DdpJobError(
-            f"rank {env.rank} on {socket.gethostname()} could not reach the rendezvous at {where} within "
-            f"dist.init_timeout_s ({cfg.init_timeout_s:g} s): {str(err).splitlines()[0]}",
-            "check that every rank gets the same MASTER_ADDR/MASTER_PORT and that this node can reach that host "
-            "and port (firewall, the interface the name resolves to)",
-        ) from None
+        raise unreachable(str(err).splitlines()[0]) from None
     prefix = f"ddpjob/{env.restart_count}/arrived/"  # torchrun's store outlives a restart of its workers
     store.set(f"{prefix}{env.rank}", socket.gethostname())
     if env.rank == 0:
         _await_ranks(store, [f"{prefix}{r}" for r in range(env.world_size)], cfg.init_timeout_s, where)
     return store
+
+
+def _await_listener(host: str, port: int, timeout_s: float) -> Optional[str]:
+    """Wait until rank 0's store accepts connections; None then, else the last connection error at the deadline.
+
+    All ranks of an srun step start together, and rank 0 often opens its store last. A TCPStore client that finds
+    no listener retries with a growing back-off: it joined 0.1 to 1.7 s after the store came up here. Probing with
+    plain connections (a few ms apart, at most 50 ms) lets this rank's client connect as soon as the store is up."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.005
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
+            return None
+        except OSError as err:
+            if time.monotonic() + pause >= deadline:
+                return str(err) or type(err).__name__
+        time.sleep(pause)
+        pause = min(0.05, pause * 1.5)
 
 
 def _await_ranks(store: dist.Store, keys: list[str], timeout_s: float, where: str) -> None:

@@ -211,6 +211,38 @@ def test_a_taken_rendezvous_port_is_a_clear_error(tmp_path):
     assert f"cannot listen on the rendezvous port {port}: in use (hint: another process" in proc.stderr
 
 
+def test_a_rank_that_starts_before_rank_0_joins_its_store_once_it_listens():
+    """Under srun every rank starts at once and rank 0 often opens its store last: the other ranks wait for the
+    port to listen (``_await_listener``), then join rank 0's store and sign in; no listener by the deadline is the
+    one-line rendezvous error's cause."""
+    import socket
+    import threading
+
+    from ddp_core import distributed
+    from ddp_core.config import DistConfig
+    from ddp_core.dist_env import DistEnv
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert distributed._await_listener("127.0.0.1", port, 0.3) is not None  # nothing listens: the error, in time
+
+    hosted: dict[str, object] = {}
+
+    def rank_0() -> None:
+        time.sleep(0.5)  # rank 1 is already waiting
+        env0 = DistEnv(rank=0, world_size=2, master_port=port)
+        hosted["store"] = distributed._rendezvous_store(env0, DistConfig(init_timeout_s=30))
+
+    host = threading.Thread(target=rank_0)
+    host.start()
+    env1 = DistEnv(rank=1, world_size=2, master_port=port)
+    store = distributed._rendezvous_store(env1, DistConfig(init_timeout_s=30))
+    host.join(30)
+    assert "store" in hosted  # rank 0 saw rank 1 sign in
+    assert store.get("ddpjob/0/arrived/1").decode() == socket.gethostname()
+
+
 def test_a_second_trainer_in_the_same_run_directory_is_refused(tmp_path):
     """Rank 0 holds an advisory lock on the run directory for its attempt; a second trainer there (a rerun while
     the first still runs, ranks left alive by a killed torchrun) stops at once, naming the holder."""
