@@ -47,9 +47,14 @@ def test_cuda_branch_builds_gloo_and_nccl(monkeypatch):
 
     monkeypatch.setattr(dist, "TCPStore", Store)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
+    def listening(*args):  # a rank other than 0 first waits for the store's port: the fake store listens at once
+        calls["awaited"] = args
+
+    monkeypatch.setattr(distributed, "_await_listener", listening)
     env = DistEnv(rank=3, local_rank=1, world_size=4, local_world_size=2, master_addr="n1", master_port=23456,
                   source="slurm")  # fmt: skip
     device = distributed.setup(env, DistConfig(timeout_s=90, init_timeout_s=900))
+    assert calls["awaited"] == ("n1", 23456, 900)
     assert device == torch.device("cuda", 1) and calls["set_device"] == device
     assert calls["backend"] == distributed.GPU_BACKEND == "cpu:gloo,cuda:nccl"
     assert calls["device_id"] == device and calls["rank"] == 3 and calls["world_size"] == 4
