@@ -47,6 +47,7 @@ def test_cuda_branch_builds_gloo_and_nccl(monkeypatch):
 
     monkeypatch.setattr(dist, "TCPStore", Store)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
+
     def listening(*args):  # a rank other than 0 first waits for the store's port: the fake store listens at once
         calls["awaited"] = args
 
