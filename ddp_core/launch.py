@@ -141,9 +141,10 @@ def _requeue_within(
     # Recorded before asking: once Slurm accepts, it may end this step before a line written after scontrol returns
     # (seen in CI under load: a requeued attempt without its event). A refusal is recorded after this one.
     run_dir.log_event("requeued", kind=kind, job_id=env.job_id, step=step, count=spent)
-    if not preemption.requeue(env):
-        run_dir.log_event("requeue_failed", kind=kind, job_id=env.job_id, step=step)
-        log.error("the job could not requeue itself after %s; continue with: ddpjob resume %s", after, run_dir.path)
+    if (refused := preemption.requeue(env)) is not None:
+        run_dir.log_event("requeue_failed", kind=kind, job_id=env.job_id, step=step, error=refused)
+        log.error("the job could not requeue itself after %s (%s); continue with: ddpjob resume %s", after, refused,
+                  run_dir.path)  # fmt: skip
         return EXIT_REQUEUE_FAILED
     return EXIT_REQUEUED
 

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+_REQUEUED = ("REQUEUED", "REQUEUE_HOLD", "PENDING")  # back in the queue: this attempt is over
 
 # Timed signals arrived up to ~1 min earlier than asked on the test cluster; allow for it when classifying.
 _TIMEOUT_SLACK_S = 90
@@ -165,7 +166,7 @@ def decide(
     if signum != warning:
         if job is None:
             return Decision(Interruption.terminated, False, "SIGTERM (scontrol unreachable: Slurm's choice stands)")
-        if job.restarts > own_restarts or job.state in ("REQUEUED", "REQUEUE_HOLD", "PENDING"):
+        if job.restarts > own_restarts or job.state in _REQUEUED:
             return Decision(Interruption.terminated, False, "SIGTERM: Slurm requeues the job")
         # At the limit the job still reads RUNNING; scancel moves it to COMPLETING (and its EndTime to now too).
         if job.state == "TIMEOUT" or (job.state == "RUNNING" and time_left_s is not None and time_left_s <= 5):
@@ -186,14 +187,35 @@ def time_left(job: Optional[JobInfo], since: float) -> Optional[float]:
         return None
 
 
-def requeue(env: DistEnv, gateway: SlurmGateway = NODE_GATEWAY) -> bool:
-    """Put this job back in the queue (same job id). Rank 0 only; True if Slurm accepted."""
+# Refusals no retry changes (``_job_requeue_op``): requeue disabled for the job or cluster, not the job's owner, not a
+# batch job; and a missing scontrol (the runner's code 127). Anything else (a controller that did not answer, a
+# reply lost under load) is tried again, briefly: the grace time is running.
+_PERMANENT = ("presently disabled", "access", "permission", "only batch", "invalid job id", "command not found")
+
+
+def requeue(env: DistEnv, gateway: SlurmGateway = NODE_GATEWAY, tries: int = 3, pause_s: float = 1.0) -> Optional[str]:
+    """Put this job back in the queue (same job id). Rank 0 only. None once Slurm accepted, else why not (scontrol's
+    own words). A failed call is retried ``tries`` times in all, ``pause_s`` apart, unless Slurm refused for good;
+    before each retry the job's state is read back: a requeue whose reply was lost has already made it PENDING."""
     if not env.slurm_job_id:
         log.warning("not running in a Slurm job: nothing to requeue; continue later with `ddpjob resume`")
-        return False
-    proc = gateway.requeue(env.slurm_job_id)
-    if proc.returncode != 0:
-        log.error("scontrol requeue %s failed: %s", env.slurm_job_id, proc.stderr.strip())
-        return False
-    log.info("requeued job %s", env.slurm_job_id)
-    return True
+        return "not running in a Slurm job"
+    why = ""
+    for attempt in range(1, tries + 1):
+        if attempt > 1:
+            time.sleep(pause_s)
+            job = gateway.show_job(env.slurm_job_id)
+            if job is not None and (job.state in _REQUEUED or job.restarts > env.restart_count):
+                log.info("job %s was requeued although scontrol said: %s", env.slurm_job_id, why)
+                return None
+        proc = gateway.requeue(env.slurm_job_id)
+        if proc.returncode == 0:
+            log.info("requeued job %s", env.slurm_job_id)
+            return None
+        why = proc.stderr.strip() or f"scontrol requeue exited {proc.returncode}"
+        final = attempt == tries or any(word in why.lower() for word in _PERMANENT)
+        log.log(logging.ERROR if final else logging.WARNING, "scontrol requeue %s failed (try %d of %d): %s",
+                env.slurm_job_id, attempt, tries, why)  # fmt: skip
+        if final:
+            break
+    return why

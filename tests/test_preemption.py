@@ -227,6 +227,7 @@ def test_refused_requeue_fails_the_job_and_says_how_to_resume(slurm_cluster, tmp
     assert wait_gone(job) == "FAILED"
     failed = events(run_dir, "requeue_failed")
     assert len(failed) == 1 and failed[0]["step"] == events(run_dir, "interrupted")[0]["step"]
+    assert "presently disabled" in failed[0]["error"]  # scontrol's own words, asked once: a refusal for good
     assert (run_dir / "checkpoints" / f"step_{failed[0]['step']:08d}.json").exists()
     assert f"continue with: ddpjob resume {run_dir}" in rank_logs(run_dir, job)[0]
     assert "COMPLETED" not in sacct_state(job)

@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 
-from ddp_core.preemption import Interruption, decide
+from ddp_core.dist_env import DistEnv
+from ddp_core.preemption import Interruption, decide, requeue
 from ddp_core.slurm import SlurmGateway
 
 TERM, USR2 = signal.SIGTERM, signal.SIGUSR2
@@ -47,3 +48,33 @@ def test_each_row_of_the_table(signum, record, mode, left, kind, requeue):
     decision = decide(signum, USR2, job(record) if record else None, mode, 0, left, lead_s=120)
     assert (decision.kind, decision.requeue) == (kind, requeue)
     assert decision.ends_preempted == (mode == "CANCEL")
+
+
+@pytest.mark.parametrize(
+    ("answers", "state", "refused", "calls"),
+    [
+        ([(1, "Unable to contact slurm controller (connect failure)"), (0, "")], "RUNNING", None,
+         ["requeue", "show", "requeue"]),
+        ([(1, "Socket timed out on send/recv operation")], "PENDING", None, ["requeue", "show"]),  # reply lost
+        ([(1, "Requested operation is presently disabled for job 5")], "RUNNING",
+         "Requested operation is presently disabled for job 5", ["requeue"]),  # for good: no retry
+        ([(1, "Socket timed out on send/recv operation")] * 3, "RUNNING", "Socket timed out on send/recv operation",
+         ["requeue", "show", "requeue", "show", "requeue"]),
+    ],
+)  # fmt: skip
+def test_requeue_retries_what_can_pass_and_says_why_it_did_not(answers, state, refused, calls):
+    """Rank 0's ``scontrol requeue``: a controller that did not answer is asked again (CI saw one refusal between a
+    checkpoint and the exit); a reply lost after Slurm requeued reads back PENDING; a refusal for good is final."""
+    made: list[str] = []
+    left = list(answers)
+
+    def runner(cmd):
+        made.append(cmd[1])
+        if cmd[1] == "show":
+            return subprocess.CompletedProcess(cmd, 0, f"JobId=5 JobState={state} Requeue=1 Restarts=0", "")
+        code, err = left.pop(0)
+        return subprocess.CompletedProcess(cmd, code, "", err)
+
+    env = DistEnv(job_id="5", slurm_job_id="5", source="slurm")
+    assert requeue(env, SlurmGateway(runner), tries=3, pause_s=0) == refused
+    assert made == calls
