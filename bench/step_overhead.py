@@ -78,10 +78,18 @@ def bind(rank: int) -> Optional[Callable[[], None]]:
     return (lambda: os.sched_setaffinity(0, {cpus[rank % len(cpus)]})) if len(cpus) > 1 else None
 
 
-def launch(
+@dataclass
+class Started:
+    kind: str
+    out: Path
+    procs: list[subprocess.Popen[str]]
+    at: float  # time.time() when the processes were started
+
+
+def start(
     kind: str, ranks: int, width: int, steps: int, window_start: int, tmp: Path, opts: Optional[Options] = None
-) -> dict[str, float]:
-    """One run of ``kind`` (raw or ddpjob): rank 0's ms/step over the window, and launch -> first step (s)."""
+) -> Started:
+    """Start one run of ``kind`` (raw or ddpjob): its ranks, each bound to a CPU unless ``opts.bind`` is off."""
     opts = opts or Options()
     out = Path(tempfile.mkdtemp(dir=tmp))
     if kind == "ddpjob":  # what `ddpjob submit` does on the login node, before the job (and this timer) starts
@@ -93,18 +101,31 @@ def launch(
     procs = [subprocess.Popen(cmd, env=worker_env(r, ranks, port), cwd=out, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, preexec_fn=bind(r) if opts.bind else None)
              for r in range(ranks)]  # fmt: skip
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"{kind} run failed:\n" + "\n".join(log[-3000:] for log in logs))
-    stamps = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return Started(kind, out, procs, started)
+
+
+def finish(run: Started, steps: int, window_start: int) -> dict[str, Any]:
+    """Wait for a started run; rank 0's ms/step over the window, launch -> first step (s), and its step ends."""
+    logs = [p.communicate(timeout=600)[0] for p in run.procs]
+    if any(p.returncode for p in run.procs):
+        raise RuntimeError(f"{run.kind} run failed:\n" + "\n".join(log[-3000:] for log in logs))
+    stamps = [json.loads((run.out / f"rank{r}.json").read_text()) for r in range(len(run.procs))]
     durations = stamps[0]["durations"]
     assert len(durations) == steps - window_start, len(durations)
     return {
         "ms_per_step": 1000 * sum(durations) / len(durations),
         "median_ms": 1000 * statistics.median(durations),
         "cpu_ms": 1000 * statistics.mean(s["cpu_s"] for s in stamps) / len(durations),
-        "first_step_s": max(s["first_step"] for s in stamps) - started,
+        "first_step_s": max(s["first_step"] for s in stamps) - run.at,
+        "ends": stamps[0]["ends"],
     }
+
+
+def launch(
+    kind: str, ranks: int, width: int, steps: int, window_start: int, tmp: Path, opts: Optional[Options] = None
+) -> dict[str, Any]:
+    """One run of ``kind`` (raw or ddpjob), alone on the machine (see ``finish``)."""
+    return finish(start(kind, ranks, width, steps, window_start, tmp, opts), steps, window_start)
 
 
 def measure(
@@ -125,11 +146,12 @@ def measure(
         for width in widths:
             n = steps or STEPS.get(width, 300)
             for ranks in ranks_list:
-                runs: dict[str, list[dict[str, float]]] = {"raw": [], "ddpjob": []}
+                runs: dict[str, list[dict[str, Any]]] = {"raw": [], "ddpjob": []}
                 for i in range(repeats):
                     for kind in ("raw", "ddpjob") if i % 2 == 0 else ("ddpjob", "raw"):
                         runs[kind].append(launch(kind, ranks, width, n, WINDOW_START, tmp, opts))
-                med = {kind: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for kind, rs in runs.items()}
+                med = {kind: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "ends"}
+                       for kind, rs in runs.items()}  # fmt: skip
                 paired = functools.partial(paired_ratio, runs)
 
                 rows.append({
@@ -149,7 +171,7 @@ def measure(
     return rows
 
 
-def paired_ratio(runs: dict[str, list[dict[str, float]]], key: str) -> float:
+def paired_ratio(runs: dict[str, list[dict[str, Any]]], key: str) -> float:
     """The median over pairs of ddpjob's ``key`` / raw's."""
     return statistics.median(d[key] / r[key] for r, d in zip(runs["raw"], runs["ddpjob"], strict=True))
 
@@ -261,7 +283,8 @@ class _Stamps:
 
     def write(self, rank: int) -> None:
         durations = [b - a for a, b in zip(self.ends[:-1], self.ends[1:], strict=True)]
-        record = {"first_step": self.first_step, "durations": durations, "cpu_s": self.cpu[-1] - self.cpu[0]}
+        record = {"first_step": self.first_step, "durations": durations, "cpu_s": self.cpu[-1] - self.cpu[0],
+                  "ends": self.ends}  # fmt: skip
         (self.out / f"rank{rank}.json").write_text(json.dumps(record))
 
 
