@@ -59,6 +59,11 @@ def measure(
     return rows
 
 
+def rows(repeats: int = 4) -> list[dict[str, Any]]:
+    """The default comparison (width 64, 2 ranks, raw against ddpjob) as dicts, for an aggregator."""
+    return measure(("raw", "ddpjob"), 64, 2, repeats, 2000, so.Options())
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=4)
