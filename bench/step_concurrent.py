@@ -80,11 +80,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print("| A | B | started first | A ms/step | B ms/step | B/A |")
     print("|---|---|---|---|---|---|")
     for kinds in pairs:
-        rows = measure(kinds, args.width, args.ranks, args.repeats, args.steps, opts)
-        for r in rows:
+        results = measure(kinds, args.width, args.ranks, args.repeats, args.steps, opts)
+        for r in results:
             print(f"| {kinds[0]} | {kinds[1]} | {r['first']} | {r['a_ms']:.3f} | {r['b_ms']:.3f} | {r['ratio']:.3f} |")
-        ratios = [r["ratio"] for r in rows]
-        print(f"| {kinds[0]} | {kinds[1]} | median of {len(rows)} | | | **{statistics.median(ratios):.3f}** "
+        ratios = [r["ratio"] for r in results]
+        print(f"| {kinds[0]} | {kinds[1]} | median of {len(results)} | | | **{statistics.median(ratios):.3f}** "
               f"(min {min(ratios):.3f}, max {max(ratios):.3f}) |")  # fmt: skip
 
 

@@ -31,14 +31,13 @@ from types import FrameType
 from typing import TYPE_CHECKING, Optional
 
 from ddp_core.dist_env import DistEnv
-from ddp_core.slurm import NODE_GATEWAY, JobInfo, SlurmGateway
+from ddp_core.slurm import MISSING, NODE_GATEWAY, TIMED_OUT, JobInfo, SlurmGateway
 
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
 log = logging.getLogger(__name__)
-_REQUEUED = ("REQUEUED", "REQUEUE_HOLD", "PENDING")  # back in the queue: this attempt is over
 
 # Timed signals arrived up to ~1 min earlier than asked on the test cluster; allow for it when classifying.
 _TIMEOUT_SLACK_S = 90
@@ -166,7 +165,7 @@ def decide(
     if signum != warning:
         if job is None:
             return Decision(Interruption.terminated, False, "SIGTERM (scontrol unreachable: Slurm's choice stands)")
-        if job.restarts > own_restarts or job.state in _REQUEUED:
+        if back_in_queue(job, own_restarts):
             return Decision(Interruption.terminated, False, "SIGTERM: Slurm requeues the job")
         # At the limit the job still reads RUNNING; scancel moves it to COMPLETING (and its EndTime to now too).
         if job.state == "TIMEOUT" or (job.state == "RUNNING" and time_left_s is not None and time_left_s <= 5):
@@ -175,6 +174,11 @@ def decide(
     if time_left_s is None or time_left_s <= lead_s + _TIMEOUT_SLACK_S:
         return Decision(Interruption.timeout, True, "the time limit is near")
     return Decision(Interruption.preemption, True, "warning signal well before the time limit")
+
+
+def back_in_queue(job: JobInfo, own_restarts: int) -> bool:
+    """Slurm has requeued the job: this attempt is over (a later one counts more restarts, or it waits queued)."""
+    return job.restarts > own_restarts or job.state in ("REQUEUED", "REQUEUE_HOLD", "PENDING")
 
 
 def time_left(job: Optional[JobInfo], since: float) -> Optional[float]:
@@ -188,9 +192,9 @@ def time_left(job: Optional[JobInfo], since: float) -> Optional[float]:
 
 
 # Refusals no retry changes (``_job_requeue_op``): requeue disabled for the job or cluster, not the job's owner, not a
-# batch job; and a missing scontrol (the runner's code 127). Anything else (a controller that did not answer, a
-# reply lost under load) is tried again, briefly: the grace time is running.
-_PERMANENT = ("presently disabled", "access", "permission", "only batch", "invalid job id", "command not found")
+# batch job. A missing scontrol, or one that did not answer within NODE_TIMEOUT_S, is final too: a retry would spend
+# the grace time. Anything else (a connection refused or a reply lost under load) is tried again, briefly.
+_PERMANENT = ("presently disabled", "access", "permission", "only batch", "invalid job id")
 
 
 def requeue(env: DistEnv, gateway: SlurmGateway = NODE_GATEWAY, tries: int = 3, pause_s: float = 1.0) -> Optional[str]:
@@ -205,7 +209,7 @@ def requeue(env: DistEnv, gateway: SlurmGateway = NODE_GATEWAY, tries: int = 3, 
         if attempt > 1:
             time.sleep(pause_s)
             job = gateway.show_job(env.slurm_job_id)
-            if job is not None and (job.state in _REQUEUED or job.restarts > env.restart_count):
+            if job is not None and back_in_queue(job, env.restart_count):
                 log.info("job %s was requeued although scontrol said: %s", env.slurm_job_id, why)
                 return None
         proc = gateway.requeue(env.slurm_job_id)
@@ -213,7 +217,8 @@ def requeue(env: DistEnv, gateway: SlurmGateway = NODE_GATEWAY, tries: int = 3, 
             log.info("requeued job %s", env.slurm_job_id)
             return None
         why = proc.stderr.strip() or f"scontrol requeue exited {proc.returncode}"
-        final = attempt == tries or any(word in why.lower() for word in _PERMANENT)
+        final = (attempt == tries or proc.returncode in (MISSING, TIMED_OUT)
+                 or any(word in why.lower() for word in _PERMANENT))  # fmt: skip
         log.log(logging.ERROR if final else logging.WARNING, "scontrol requeue %s failed (try %d of %d): %s",
                 env.slurm_job_id, attempt, tries, why)  # fmt: skip
         if final:

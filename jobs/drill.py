@@ -88,7 +88,7 @@ class Drill:
         stop = _wait(f"the job to save after {how}", lambda: self.events("interrupted")[n:])[0]
         if failed := self.events("requeue_failed")[-1:]:
             raise DrillFailed(f"rank 0 could not requeue the job after {how} (at step {failed[0]['step']}: "
-                              f"{failed[0].get('error', 'scontrol failed')})")  # fmt: skip
+                              f"{failed[0]['error']})")  # fmt: skip
         if stop["kind"] != expect_kind:
             raise DrillFailed(f"{how} was taken for a {stop['kind']}, not a {expect_kind}")
         start = _wait(f"the job to come back after {how}", lambda: self.events("start")[starts:])[0]

@@ -58,6 +58,8 @@ def test_each_row_of_the_table(signum, record, mode, left, kind, requeue):
         ([(1, "Socket timed out on send/recv operation")], "PENDING", None, ["requeue", "show"]),  # reply lost
         ([(1, "Requested operation is presently disabled for job 5")], "RUNNING",
          "Requested operation is presently disabled for job 5", ["requeue"]),  # for good: no retry
+        ([(124, "scontrol did not answer within 15 s")], "RUNNING", "scontrol did not answer within 15 s",
+         ["requeue"]),  # the runner's timeout: a retry would spend the grace time
         ([(1, "Socket timed out on send/recv operation")] * 3, "RUNNING", "Socket timed out on send/recv operation",
          ["requeue", "show", "requeue", "show", "requeue"]),
     ],
