@@ -2,19 +2,21 @@
 
 The optimizer comes from the task's ``configure_optimizer`` hook when it returns one, else from ``optim.*``:
 AdamW (betas, eps) or SGD, with parameters whose names contain an ``optim.no_decay`` pattern in a second group
-without weight decay. The schedule likewise comes from ``Task.configure_scheduler`` or ``build_scheduler``.
+without weight decay, updated the way ``optim.implementation`` says (foreach by default). The schedule likewise
+comes from ``Task.configure_scheduler`` or ``build_scheduler``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
-from ddp_core.config import OptimConfig, OptimizerName, Schedule
+from ddp_core.config import OptimConfig, OptimizerImpl, OptimizerName, Schedule
 from ddp_core.errors import DdpJobError
 
 if TYPE_CHECKING:
@@ -54,15 +56,34 @@ def parameter_groups(cfg: OptimConfig, model: nn.Module) -> list[dict[str, Any]]
     return [g for g in groups if g["params"]]
 
 
+def implementation(cfg: OptimConfig) -> dict[str, bool]:
+    """torch.optim's ``foreach``/``fused`` arguments for ``optim.implementation`` (also keys of every param group)."""
+    if cfg.implementation is OptimizerImpl.fused:
+        return {"foreach": False, "fused": True}
+    return {"foreach": cfg.implementation is OptimizerImpl.foreach, "fused": False}
+
+
 def build_optimizer(cfg: OptimConfig, model: nn.Module, task: Task | None = None) -> torch.optim.Optimizer:
     custom = task.configure_optimizer(model, cfg) if task is not None else None
     if custom is not None:
         return custom
     groups = parameter_groups(cfg, model)
+    how = implementation(cfg)
     if cfg.name is OptimizerName.sgd:
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **how)
     betas = (float(cfg.betas[0]), float(cfg.betas[1]))
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay, **how)
+
+
+@contextlib.contextmanager
+def keeps_implementation(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Around loading a checkpoint's optimizer state: ``load_state_dict`` restores every param group's ``foreach``
+    and ``fused`` flags as they were saved (a checkpoint from before ``optim.implementation``, or written under
+    another value). How this attempt steps is how its optimizer was built."""
+    built = [{k: group[k] for k in ("foreach", "fused") if k in group} for group in optimizer.param_groups]
+    yield
+    for group, flags in zip(optimizer.param_groups, built, strict=True):
+        group.update(flags)
 
 
 def build_scheduler(

@@ -30,7 +30,7 @@ from ddp_core.data import TrainData, eval_loader
 from ddp_core.dist_env import DistEnv
 from ddp_core.errors import DdpJobError
 from ddp_core.monitor import Monitor
-from ddp_core.optim import OptimizerStep, build_optimizer, build_scheduler
+from ddp_core.optim import OptimizerStep, build_optimizer, build_scheduler, keeps_implementation
 from ddp_core.preemption import StopFlag
 from ddp_core.reporting import MetricsLog, Progress
 from ddp_core.rundir import RunDir
@@ -264,7 +264,8 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
     log_loss = RunningLoss()
     latest = checkpoint.find_latest_agreed(run_dir.checkpoints)
     if latest is not None:
-        state = load_checkpoint(latest, strategy, model, optimizer)
+        with keeps_implementation(optimizer):  # optim.implementation is this attempt's, not the checkpoint's
+            state = load_checkpoint(latest, strategy, model, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         pos = Position(**state["position"])
         log_loss.load(state["log_loss"])

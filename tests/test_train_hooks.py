@@ -4,6 +4,7 @@ streaming datasets with mid-epoch resume, and the login-node guard against task 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -15,9 +16,9 @@ import torch
 from torch import nn
 
 from ddp_core import checkpoint
-from ddp_core.config import OptimConfig, Schedule, load_config
+from ddp_core.config import OptimConfig, OptimizerImpl, OptimizerName, Schedule, load_config
 from ddp_core.errors import DdpJobError
-from ddp_core.optim import build_optimizer, build_scheduler, parameter_groups
+from ddp_core.optim import build_optimizer, build_scheduler, keeps_implementation, parameter_groups
 from ddp_core.rundir import RunDir
 from ddp_core.task import Output, TaskConfig, check_task
 from ddp_core.train_metrics import TrainSums
@@ -64,6 +65,44 @@ def test_no_decay_patterns_split_the_parameters_into_two_groups():
     opt = build_optimizer(OptimConfig(no_decay=["bias", "norm"], weight_decay=0.1, betas=[0.8, 0.95], eps=1e-6), model)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert opt.param_groups[0]["betas"] == (0.8, 0.95) and opt.param_groups[0]["eps"] == 1e-6
+
+
+def _trained(name: OptimizerName, impl: OptimizerImpl, steps: int = 30) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    optimizer = build_optimizer(OptimConfig(name=name, lr=1e-2, weight_decay=0.01, implementation=impl), model)
+    data = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(16, 8, generator=data), torch.randint(0, 3, (16,), generator=data)
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("name", list(OptimizerName))
+def test_optimizer_implementation_foreach_is_the_for_loop_bit_for_bit_and_outlives_a_resume(name):
+    """optim.implementation picks torch.optim's foreach/fused path; the default (foreach) trains bitwise like the
+    for-loop torch would take on a CPU, and a checkpoint's saved flags do not override the config's."""
+    loop, loop_opt = _trained(name, OptimizerImpl.for_loop)
+    for impl in OptimizerImpl:
+        model, optimizer = _trained(name, impl)
+        assert optimizer.param_groups[0]["foreach"] is (impl is OptimizerImpl.foreach)
+        assert optimizer.param_groups[0]["fused"] is (impl is OptimizerImpl.fused)
+        pairs = list(zip(loop.parameters(), model.parameters(), strict=True))
+        if impl is OptimizerImpl.fused:  # one kernel, its own rounding: close, not equal
+            assert all(torch.allclose(a, b, atol=1e-5) for a, b in pairs)
+        else:
+            assert all(torch.equal(a, b) for a, b in pairs), impl
+    # A checkpoint written by the for-loop optimizer, loaded into a foreach one: load_state_dict alone would bring
+    # back foreach=False; keeps_implementation keeps the optimizer's own.
+    for keep in (False, True):
+        _, optimizer = _trained(name, OptimizerImpl.foreach, steps=1)
+        with keeps_implementation(optimizer) if keep else contextlib.nullcontext():
+            optimizer.load_state_dict(loop_opt.state_dict())
+        assert optimizer.param_groups[0]["foreach"] is keep
+        loaded, saved = optimizer.state_dict()["state"][0], loop_opt.state_dict()["state"][0]
+        assert saved and all(torch.equal(loaded[k], v) for k, v in saved.items())  # the state itself did load
 
 
 def test_the_schedule_decays_to_min_lr_and_the_default_is_unchanged():
