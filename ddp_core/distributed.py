@@ -35,7 +35,7 @@ import random
 import socket
 import time
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -237,12 +237,23 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
 
 def all_gather_floats(values: list[float]) -> list[list[float]]:
     """Every rank's ``values`` (the same length everywhere), on every rank, through the CPU backend."""
+    return all_gather_floats_async(values)()
+
+
+def all_gather_floats_async(values: list[float]) -> Callable[[], list[list[float]]]:
+    """``all_gather_floats`` started now, in the CPU backend's own thread; the function returned waits for it and
+    gives its result. Every rank must start it at the same point of its sequence of collectives."""
     mine = torch.tensor(values, dtype=torch.float64)
     if not dist.is_initialized():
-        return [mine.tolist()]
+        return lambda: [mine.tolist()]
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
-    return [t.tolist() for t in out]
+    work = dist.all_gather(out, mine, async_op=True)
+
+    def result() -> list[list[float]]:
+        work.wait()
+        return [t.tolist() for t in out]
+
+    return result
 
 
 def hosts() -> list[str]:

@@ -126,16 +126,18 @@ class OptimizerStep:
         log_grad_norm: bool,
         scaler: Optional[torch.amp.GradScaler],
         on_norm: Callable[[torch.Tensor], None],
+        clip_grad_norm: Callable[[float], Optional[torch.Tensor]],
     ) -> None:
         self.optimizer, self.scheduler, self.scaler, self.on_norm = optimizer, scheduler, scaler, on_norm
+        self.clip_grad_norm = clip_grad_norm  # the strategy's, over the whole model: (max norm) -> norm before
         # Without clipping, the norm is measured through a clip at infinity: scale 1.0, the gradients unchanged.
         self.clip = grad_clip if grad_clip > 0 else (math.inf if log_grad_norm else 0.0)
 
-    def __call__(self, clip_grad_norm: Callable[[float], Optional[torch.Tensor]]) -> None:
+    def __call__(self) -> None:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # the norm and the clip see the true gradients
         if self.clip > 0:
-            norm = clip_grad_norm(self.clip)
+            norm = self.clip_grad_norm(self.clip)
             if norm is not None:
                 self.on_norm(norm)
         if self.scaler is not None:

@@ -13,7 +13,6 @@ shows it.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence
@@ -31,6 +30,8 @@ class WorkTimer:
         self.cuda = device.type == "cuda"
         self.host_s = 0.0
         self.events: list[tuple[Any, Any]] = []
+        self._started = 0.0  # the forward in progress: its start (host time, or a CUDA event)
+        self._start: Any = None
 
     def timed(self, items: Iterable[Any]) -> Iterator[Any]:
         """``items`` with the time spent waiting for each next one counted (the data loader)."""
@@ -44,20 +45,29 @@ class WorkTimer:
             self.host_s += time.perf_counter() - started
             yield item
 
-    @contextlib.contextmanager
-    def forward(self) -> Iterator[None]:
+    def forward(self) -> WorkTimer:
+        """``with timer.forward():`` around a forward (one at a time: never nested)."""
+        return self
+
+    # A plain class's enter and exit, not a generator's: this runs every micro-batch.
+    def __enter__(self) -> None:
         if not self.cuda:
-            started = time.perf_counter()
-            yield
-            self.host_s += time.perf_counter() - started
+            self._started = time.perf_counter()
             return
         import torch
 
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        yield
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.cuda:
+            self.host_s += time.perf_counter() - self._started
+            return
+        import torch
+
+        end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self.events.append((start, end))
+        self.events.append((self._start, end))
 
     def take_ms(self) -> float:
         """Milliseconds of work since the last call; call it where the host has synchronised with the GPU anyway."""

@@ -1,9 +1,9 @@
 """Training-step metrics beside the loss: the task's ``Output.sums`` of each micro-batch, and the gradient norm.
 
 Like ``train.RunningLoss``, nothing is computed per step: the tensors the step produced are kept (on the device)
-and read back once, when a progress line is due; then the ranks' sums and counts are added (float64, one
-collective) and divided, exactly as evaluation averages. Logged as ``train/<name>`` and ``train/grad_norm``
-(the mean over the steps since the last line) beside ``train/loss``.
+and read back once, when a progress line is due; then the ranks' sums and counts travel with the line's own
+gather (no collective of their own) and are added (float64) and divided, exactly as evaluation averages. Logged
+as ``train/<name>`` and ``train/grad_norm`` (the mean over the steps since the last line) beside ``train/loss``.
 """
 
 from __future__ import annotations
@@ -47,23 +47,29 @@ class TrainSums:
             self.norm_steps += len(norms)
             self.norms.clear()
 
-    def read(self) -> dict[str, float]:
-        """Collective, at a progress line: the sums' averages over every rank's samples since the last line, and
-        the mean gradient norm; then start anew."""
+    def take(self) -> list[float]:
+        """This rank's part of a progress line: ``[samples, *sums in key order, norm sum, norm max, norm steps]``
+        since the last line; then start anew. Every rank's list has the same length (the trainer gathers them with
+        the line's other values); collective at the first call, where the ranks agree on the names (a pipeline's
+        first stages have no sums and learn them from the others)."""
         self._fold()
-        if self.keys is None:  # ranks without sums (a pipeline's first stages) learn the names from the others
+        if self.keys is None:
             self.keys = distributed.union_keys(sorted(self.totals))
-        metrics: dict[str, float] = {}
-        if self.keys:
-            local = torch.tensor(
-                [float(self.count)] + [self.totals.get(k, 0.0) for k in self.keys], dtype=torch.float64
-            )
-            totals = distributed.all_reduce_sum(local)
-            metrics = {k: (totals[i + 1] / max(1.0, float(totals[0]))).item() for i, k in enumerate(self.keys)}
-        if self.norm_steps:
-            metrics |= {"grad_norm": self.norm_sum / self.norm_steps, "grad_norm_max": self.norm_max}
+        taken = [float(self.count), *(self.totals.get(k, 0.0) for k in self.keys)]
+        taken += [self.norm_sum, self.norm_max, float(self.norm_steps)]
         self.totals, self.count = {}, 0
         self.norm_sum, self.norm_max, self.norm_steps = 0.0, 0.0, 0
+        return taken
+
+    def combine(self, rows: list[list[float]]) -> dict[str, float]:
+        """The line's metrics from every rank's ``take()``: each sum over all ranks' samples, and the mean and
+        largest gradient norm (the same on every rank: the first row's)."""
+        assert self.keys is not None, "take() agrees on the names first"
+        count = max(1.0, sum(row[0] for row in rows))
+        metrics = {k: sum(row[i + 1] for row in rows) / count for i, k in enumerate(self.keys)}
+        norm_sum, norm_max, norm_steps = rows[0][-3:]
+        if norm_steps:
+            metrics |= {"grad_norm": norm_sum / norm_steps, "grad_norm_max": norm_max}
         return metrics
 
     def state_dict(self) -> dict[str, Any]:

@@ -50,13 +50,18 @@ class Strategy(ABC):
         """Forward and backward of one micro-batch of ``grad_accum``; ``sync`` on the last one, where gradient
         communication happens. Returns the micro-batch's loss / grad_accum for logging: a detached tensor on the
         device, never read back here (a read-back would make the host wait for the GPU every micro-batch)."""
-        with self.no_sync(model) if not sync else contextlib.nullcontext():
-            with self.work.forward():
-                out = task.compute(model, batch)
-            self.on_train_output(out)
-            # x / 1 is x, bit for bit, forward and backward: skip the kernel (and its backward) without accumulation.
-            loss = out.loss / grad_accum if grad_accum > 1 else out.loss
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        if not sync:
+            with self.no_sync(model):
+                return self._forward_backward(task, model, batch, grad_accum)
+        return self._forward_backward(task, model, batch, grad_accum)
+
+    def _forward_backward(self, task: Task, model: nn.Module, batch: Any, grad_accum: int) -> torch.Tensor:
+        with self.work.forward():
+            out = task.compute(model, batch)
+        self.on_train_output(out)
+        # x / 1 is x, bit for bit, forward and backward: skip the kernel (and its backward) without accumulation.
+        loss = out.loss / grad_accum if grad_accum > 1 else out.loss
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return loss.detach()
 
     def prime(self, task: Task, model: nn.Module, batch: Any) -> None:
