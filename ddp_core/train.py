@@ -361,7 +361,7 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
         with the next step, and ``finish_line`` writes the line after it (a blocking gather here cost 1.2-1.8 ms
         per line on 2 CPU ranks, 1.5% of the tiny model's steps at log_every 25)."""
         nonlocal line, logged_at, logged_step
-        finish_line()
+        assert line is None, "the loop finishes the last line before it starts the next"
         # The loss read-back synchronises with the device first: the forward timings' events have completed.
         state = log_loss.state().tolist()  # the interval's only host-device sync
         work_ms = strategy.work.take_ms() / max(1, pos.step - logged_step)
