@@ -2,7 +2,8 @@
 trainer's own ``save_checkpoint``:
 
 - full: ddp's path, every rank a replica; rank 0 writes one file (atomic, fsync, checksummed manifest), all wait;
-- async full: the same with ``checkpoint.async_save``; training blocks while rank 0 copies the state to host memory;
+- async full: the same with ``checkpoint.async_save``; training blocks while rank 0 copies the state to host memory
+  (the whole copy: with no training step here, the trainer's overlap of it is ``bench/checkpoint_save.py``'s);
 - sharded: fsdp's path, every rank writes its half with DCP; rank 0 checksums the files and writes the manifest;
 - async sharded: the same through ``dcp.async_save``; training blocks only while the state is copied (reported),
   the rest completes in the background (reported as "complete").

@@ -322,7 +322,9 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
             run_dir.checkpoints, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, env.rank, env.world_size
         )
     elif env.is_main:
-        full = full_checkpoint.FullWriter(run_dir.checkpoints, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
+        full = full_checkpoint.FullWriter(
+            run_dir.checkpoints, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, optimizer=optimizer
+        )
 
     def checkpoint_now(sync: bool = False) -> None:
         """``sync``: a full checkpoint is complete when this returns (a signal's, the last one)."""

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddp_core import checkpoint, full_checkpoint
+from ddp_core import checkpoint, full_checkpoint, staging
 from ddp_core.errors import DdpJobError
 from ddp_core.full_checkpoint import CheckpointWriteError, FullWriter
 from tests.conftest import ROOT
@@ -62,18 +62,49 @@ def test_async_save_writes_the_bytes_a_sync_save_writes_while_training_goes_on(t
 
 def test_staging_buffers_are_reused_and_copies_stay_independent(tmp_path):
     model, optimizer, state = trained_state()
-    staging = full_checkpoint.Staging()
-    first = staging.copy(state)
+    stage = staging.Staging()
+    first = stage.copy(state)
     weight = first["model"]["0.weight"].clone()
     train_on(model, optimizer)
-    second = staging.copy(state)
+    second = stage.copy(state)
     assert second["model"]["0.weight"].data_ptr() == first["model"]["0.weight"].data_ptr()  # the same buffer
     assert torch.equal(second["model"]["0.weight"], model.state_dict()["0.weight"])
     assert not torch.equal(second["model"]["0.weight"], weight)
     base = torch.arange(6.0)
-    views = staging.copy({"a": base[1:4], "b": base, "c": base[::2]})
+    views = stage.copy({"a": base[1:4], "b": base, "c": base[::2]})
     assert views["a"].untyped_storage().data_ptr() == views["b"].untyped_storage().data_ptr()  # shared, as saved
     assert views["c"].stride() == (2,) and torch.equal(views["c"], base[::2])
+
+
+def test_an_async_save_copies_the_optimizers_tensors_while_the_next_forward_and_backward_run(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    train_on(model, optimizer)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
+    release = threading.Event()
+    real_copy_all = staging._copy_all
+
+    def held_copy_all(pieces):  # the copies left for later, held until the forward and backward are done
+        if threading.current_thread() is not threading.main_thread():
+            assert release.wait(30)
+        real_copy_all(pieces)
+
+    monkeypatch.setattr(staging, "_copy_all", held_copy_all)
+    writer = FullWriter(tmp_path, keep_last=3, async_save=True, optimizer=optimizer)
+    writer.save(1, state)
+    model(torch.randn(4, 32)).sum().backward()  # changes the batch-norm statistics: copied before save returned
+    threading.Timer(0.2, release.set).start()
+    optimizer.step()  # waits for the copy, then changes parameters and moments
+    assert writer.fence_s > 0.1  # the step waited for the held copy
+    writer.close()
+    loaded = checkpoint.load(checkpoint.find_latest(tmp_path))
+    assert all(torch.equal(loaded["model"][k], expected[k]) for k in expected)
+    assert not torch.equal(model[1].running_mean, expected["1.running_mean"])
+    saved = [loaded["optimizer"]["state"][i]["exp_avg"] for i in range(len(moments))]
+    assert all(torch.equal(a, b) for a, b in zip(saved, moments, strict=True))
 
 
 def test_a_second_save_waits_for_the_first(tmp_path, monkeypatch):
