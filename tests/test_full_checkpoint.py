@@ -107,6 +107,32 @@ def test_an_async_save_copies_the_optimizers_tensors_while_the_next_forward_and_
     assert all(torch.equal(a, b) for a, b in zip(saved, moments, strict=True))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (a GPU node: the side-stream copy)")
+def test_an_async_save_of_gpu_tensors_holds_the_state_at_the_save_while_training_goes_on(tmp_path):
+    """On a GPU: buffers copied on the training stream, parameters and moments on a side stream during the next
+    forward and backward, the optimizer's step queued after them; no host sync in the save."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.BatchNorm1d(1024), nn.Linear(1024, 256)).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    batch = torch.randn(64, 256, device="cuda")
+    model(batch).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    expected = {k: v.cpu() for k, v in model.state_dict().items()}
+    moments = [optimizer.state[p]["exp_avg"].cpu() for p in model.parameters()]
+    writer = FullWriter(tmp_path, keep_last=3, async_save=True, optimizer=optimizer)
+    writer.save(1, state)
+    for _ in range(3):
+        model(batch).sum().backward()
+        optimizer.step()
+    writer.close()
+    loaded = checkpoint.load(checkpoint.find_latest(tmp_path))
+    assert all(torch.equal(loaded["model"][k], expected[k]) for k in expected)
+    saved = [loaded["optimizer"]["state"][i]["exp_avg"] for i in range(len(moments))]
+    assert all(torch.equal(a, b) for a, b in zip(saved, moments, strict=True))
+    assert not torch.equal(model[0].weight.cpu(), expected["0.weight"])
+
+
 def test_a_second_save_waits_for_the_first(tmp_path, monkeypatch):
     release, order = threading.Event(), []
     real_save = checkpoint.save
