@@ -4,9 +4,9 @@ in-memory dataset (the baseline, measured in this script). With ``data.num_worke
 batches while the step computes, so the step time returns to the baseline's. The workers persist across epochs
 (``persistent_workers``): the runs span several epochs, and the table counts the worker processes that served
 training batches (2 for the whole run, not 2 per epoch). One process, runs alternated, medians of each run's
-logged ``step_ms`` (its first interval, start-up, left out).
+logged ``step_ms`` (its first interval, start-up, left out); each ratio is the median of per-round ratios.
 
-    .venv/bin/python bench/data_loading.py [--repeats 3] [--delay-ms 1]
+    .venv/bin/python bench/data_loading.py [--repeats 4] [--delay-ms 1]
 
 ``rows()`` returns the table's rows as dicts (for an aggregator); ``main()`` prints them as markdown.
 """
@@ -88,18 +88,23 @@ def run(delay_ms: float, workers: int, tmp: Path) -> dict[str, float]:
     return {"step_ms": statistics.median(step_ms), "processes": len(served)}
 
 
-def rows(repeats: int = 3, delay_ms: float = 1.0) -> list[dict[str, Any]]:
+def rows(repeats: int = 4, delay_ms: float = 1.0) -> list[dict[str, Any]]:
+    """Each round runs the three settings, in an order rotated from round to round; a setting's ratio is the median
+    of its rounds' ratios to the baseline of the same round: the VM's drift (single runs of the same step move by
+    20% within minutes here) cancels inside a round, as in ``bench/step_overhead.py``'s pairs."""
+    names = list(SETTINGS)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in SETTINGS}
     with tempfile.TemporaryDirectory() as name:
-        for _ in range(repeats):
-            for setting, (delay, workers) in SETTINGS.items():
+        for i in range(repeats):
+            for setting in names[i % len(names) :] + names[: i % len(names)]:
+                delay, workers = SETTINGS[setting]
                 results[setting].append(run(delay_ms if delay is None else delay, workers, Path(name)))
-    base = statistics.median(r["step_ms"] for r in results["in-memory dataset (baseline)"])
+    base = [r["step_ms"] for r in results[names[0]]]
     out = []
     for setting, runs in results.items():
-        step_ms = statistics.median(r["step_ms"] for r in runs)
         out.append({"bench": "data_loading", "setting": setting, "delay_ms": delay_ms, "batch_size": BATCH_SIZE,
-                    "step_ms": step_ms, "ratio": step_ms / base,
+                    "step_ms": statistics.median(r["step_ms"] for r in runs),
+                    "ratio": statistics.median(r["step_ms"] / b for r, b in zip(runs, base, strict=True)),
                     "processes": max(r["processes"] for r in runs)})  # fmt: skip
     return out
 
@@ -113,7 +118,7 @@ def table(results: Sequence[dict[str, Any]]) -> str:
 
 def summary(quick: bool = False) -> list[dict[str, Any]]:
     """The ratio lines of ``bench/run``: the slow dataset's step time against the in-memory one's."""
-    results = rows(repeats=2 if quick else 3)
+    results = rows(repeats=2 if quick else 4)
     base = results[0]
     return [{
         "case": f"{r['setting'].removeprefix('slow dataset, ')}, {r['delay_ms']:g} ms per item vs in-memory data",
@@ -125,13 +130,13 @@ def summary(quick: bool = False) -> list[dict[str, Any]]:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--delay-ms", type=float, default=1.0, help="per item")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
     results = rows(args.repeats, args.delay_ms)
     print(f"trainer step time, 1 process, batch {BATCH_SIZE}, MLP width {WIDTH}, {STEPS} steps (2.5 epochs), "
-          f"{args.delay_ms:g} ms per item; median of {args.repeats} alternated runs")  # fmt: skip
+          f"{args.delay_ms:g} ms per item; medians of {args.repeats} rounds, ratios within a round")  # fmt: skip
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
