@@ -80,7 +80,7 @@ class FullWriter:
     def save(self, step: int, state: dict[str, Any], sync: bool = False) -> float:
         """Write ``state`` as the checkpoint of ``step``; in the background for an async writer unless ``sync``.
         Returns the seconds the caller was blocked (for a background save: waiting for the previous one, copying
-        the state)."""
+        what the optimizer does not hold; the optimizer's next step waits for the rest: ``fence_s``)."""
         started = time.perf_counter()
         self.wait()  # at most one save in flight: bounded memory, and manifests appear in step order
         if self._background is None or sync:
