@@ -55,6 +55,11 @@ def _copy_all(pieces: list[HostCopy]) -> None:
         np.copyto(to, source)
 
 
+def _copy_threads() -> int:
+    """Copy threads: one per CPU this process may run on (its affinity: Slurm's share of the node), at most 8."""
+    return min(8, max(torch.get_num_threads(), len(os.sched_getaffinity(0))))
+
+
 class Copying:
     """The copies of a ``Staging.start`` still running: host copies in threads, GPU copies on streams."""
 
@@ -118,8 +123,7 @@ class Staging:
             if tensor.layout != torch.strided:  # sparse and the like have no one storage: a plain copy
                 memo[id(tensor)] = tensor.detach().to("cpu", copy=True)
                 continue
-            source = tensor.untyped_storage()
-            key = (source.device, source.data_ptr())
+            source, key = tensor.untyped_storage(), storage_key(tensor)
             buffer = staged.get(key) if key[1] else None  # storages of no bytes all have address 0: never shared
             if buffer is None:
                 buffer = self._buffer(len(staged), source.nbytes(), pin=source.device.type == "cuda")
@@ -164,10 +168,10 @@ class Staging:
         return event
 
     def _pool(self) -> ThreadPoolExecutor:
-        """The copy threads: one per CPU this process may run on (its affinity: Slurm's share of the node), not per
-        thread torch computes with: training is blocked for the copy, so those CPUs are otherwise idle (1.2 GB:
-        0.145 s on 1 thread, 0.109 s on 2 here). Memory bandwidth is spent well before 8."""
-        threads = min(8, max(torch.get_num_threads(), len(os.sched_getaffinity(0))))
+        """The copy threads (``_copy_threads``): per CPU, not per thread torch computes with: training is blocked for
+        the copies made at once, so those CPUs are otherwise idle (1.2 GB: 0.145 s on 1 thread, 0.109 s on 2 here).
+        Memory bandwidth is spent well before 8."""
+        threads = _copy_threads()
         if self._copier_threads != threads:
             if self._copiers is not None:
                 self._copiers.shutdown()
@@ -180,9 +184,8 @@ class Staging:
         """numpy's copy is a plain memcpy, 1.7x the bandwidth of torch's CPU copy kernel here (1.2 GB: 0.19 vs
         0.33 s), but one thread: storages go to the pool's threads (numpy releases the GIL). Each is copied whole:
         memcpy streams a large copy past the cache (64 MB at once: 4.1 GB/s, in 32 MB slices: 2.8 GB/s here)."""
-        pool = self._pool()
-        if len(pieces) > 1 and self._copier_threads > 1:
-            for _ in pool.map(lambda piece: np.copyto(*piece), pieces):
+        if len(pieces) > 1 and _copy_threads() > 1:
+            for _ in self._pool().map(lambda piece: np.copyto(*piece), pieces):
                 pass
         else:
             _copy_all(pieces)
