@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from ddp_core import distributed, preemption, snapshot
+from ddp_core import distributed, preemption, signals, snapshot
 from ddp_core.config import Config, load_config
 from ddp_core.dist_env import DistEnv
 from ddp_core.errors import DdpJobError
@@ -183,6 +183,7 @@ def run(run_dir: str) -> dict[str, float]:
     setup_logging(env)
     outcome = _train(cfg, rd, env, stop_flag)
     code = _finish(cfg, rd, env, stop_flag, outcome)
+    signals.ignore_from_now(cfg.slurm.signal)  # submitit returns through the interpreter's teardown
     if outcome.final is None:
         # SystemExit, not an exception: submitit writes no result for an attempt that did not finish, so
         # `ddpjob submit --wait` keeps following the requeued job.

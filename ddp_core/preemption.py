@@ -30,6 +30,7 @@ from enum import Enum
 from types import FrameType
 from typing import TYPE_CHECKING, Optional
 
+from ddp_core import signals
 from ddp_core.dist_env import DistEnv
 from ddp_core.slurm import MISSING, NODE_GATEWAY, TIMED_OUT, JobInfo, SlurmGateway
 
@@ -59,7 +60,7 @@ class StopFlag:
     ``interval_s``: the time to aim for between two exchanges of the flag in ``agree`` (0: every call)."""
 
     def __init__(self, warning_signal: str, interval_s: float = 0.0) -> None:
-        self.warning = signal.Signals[f"SIG{warning_signal.upper().removeprefix('SIG')}"]
+        self.warning = signals.warning_signal(warning_signal)
         self.received = 0  # signal number; SIGTERM wins over the warning signal
         self.received_at = 0.0
         self.interval_s = interval_s
@@ -70,6 +71,8 @@ class StopFlag:
         for sig in (self.warning, signal.SIGTERM):
             # Replaces submitit's handlers: its USR2 handler checkpoints rank 0 alone, inside the handler.
             signal.signal(sig, self._handle)
+        # Held since the task's first instruction (ddp_core.signals): one that came meanwhile is recorded now.
+        signals.release(self.warning, signal.SIGTERM)
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.received != signal.SIGTERM:

@@ -19,9 +19,12 @@ launcher, so building the script's environment is its job, as torchrun's agent d
 runs in this process, so ``os.environ`` *is* its environment (``init_process_group``'s env:// rendezvous, libraries
 that look for ``LOCAL_RANK``, the DataLoader workers it forks).
 
-**Signals.** Before the script runs, the warning signal is ignored: a plain script (one that never imports
-``ddp_core.runtime``) runs on to the time limit instead of being killed by an early warning, and SIGTERM keeps its
-default (the process ends). Importing ``ddp_core.runtime`` replaces both with handlers that record them.
+**Signals.** The task started with the warning signal and SIGTERM held (``ddp_core.signals``). While the script
+runs, the warning signal stays held until the script or its framework installs a handler for it: a plain script (one
+that never imports ``ddp_core.runtime``) runs on to the time limit instead of being killed by an early warning, and a
+framework that handles Slurm's signal itself (Lightning's requeue on USR1) gets it, also one that came before its
+handler was up. SIGTERM keeps its default (the process ends), released just before the script runs. Importing
+``ddp_core.runtime`` replaces both with handlers that record them.
 
 **Exits.** The script returns (or ``sys.exit(0)``): rank 0 records ``completed``, exit 0. ``SystemExit`` with another
 code: that code. An exception: ``rank R/W on HOST failed: ...`` is logged and the process exits 1 at once (``srun
@@ -56,15 +59,18 @@ import shlex
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, List, Mapping, Optional, Sequence
 
-from ddp_core import snapshot
+from ddp_core import signals, snapshot
 from ddp_core.dist_env import DistEnv
 from ddp_core.errors import DdpJobError
 from ddp_core.log import setup_logging
+from ddp_core.preemption import back_in_queue
 from ddp_core.rundir import RunDir
+from ddp_core.slurm import NODE_GATEWAY
 
 if TYPE_CHECKING:
     from ddp_core.config import Config, SlurmConfig  # ddp_core.config imports this module
@@ -367,8 +373,29 @@ def _completed(run_dir: RunDir, env: DistEnv) -> None:
     if runtime is not None:
         runtime.finish()
         step = runtime._state.last_step
-    if env.is_main:
-        run_dir.log_event("completed", job_id=env.job_id, step=step, final=None)
+    if not env.is_main:
+        return
+    if _requeued_meanwhile(env):
+        # The script's framework requeued the job itself (Lightning on its SLURMEnvironment's signal) and then
+        # returned: this attempt was interrupted, not the run completed.
+        run_dir.log_event("requeued", kind="script", job_id=env.job_id, step=step)
+        log.info("the script returned after job %s was requeued: its next attempt continues", env.slurm_job_id)
+        return
+    run_dir.log_event("completed", job_id=env.job_id, step=step, final=None)
+
+
+def _requeued_meanwhile(env: DistEnv, tries: int = 3, pause_s: float = 0.3) -> bool:
+    """Whether Slurm requeued this job during the attempt. When it does, it signals every process of the step, and a
+    ``scontrol`` started in that moment dies with them (SIGTERM): asked again, briefly."""
+    if not env.slurm_job_id:
+        return False
+    for attempt in range(tries):
+        job = NODE_GATEWAY.show_job(env.slurm_job_id)
+        if job is not None:
+            return back_in_queue(job, env.restart_count)
+        if attempt + 1 < tries:
+            time.sleep(pause_s)
+    return False
 
 
 def _failed(env: DistEnv, err: BaseException) -> None:
@@ -431,8 +458,7 @@ def _run(run_dir_arg: str) -> int:
     os.environ.update(script_environment(env, run_dir, cfg.slurm.signal))
     # One thread per core the rank was given, as the trainer does, unless the job says otherwise.
     os.environ.setdefault("OMP_NUM_THREADS", str(env.cpus_per_rank))
-    warning = signal.Signals[f"SIG{cfg.slurm.signal.upper().removeprefix('SIG')}"]
-    signal.signal(warning, signal.SIG_IGN)  # until ddp_core.runtime takes it over (see the module docstring)
+    signals.release_when_handled(signals.warning_signal(cfg.slurm.signal))  # see the module docstring
 
     lock: Optional[IO[str]] = None
     try:
@@ -443,6 +469,7 @@ def _run(run_dir_arg: str) -> int:
             run_dir.log_event("start", job_id=env.job_id, restart_count=env.restart_count, step=None,
                               world_size=env.world_size, script=spec.describe())  # fmt: skip
             log.info("running %s", shlex.join([spec.describe(), *spec.args]))
+        signals.release(signal.SIGTERM)  # a plain script's default: it ends the process
         run_script(spec)
         code = 0
     except SystemExit as exit_:
@@ -467,6 +494,7 @@ def _run(run_dir_arg: str) -> int:
     finally:
         if lock is not None:
             lock.close()
+    signals.ignore_from_now(cfg.slurm.signal)  # the process leaves through the interpreter's teardown
     return code
 
 

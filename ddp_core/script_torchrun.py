@@ -30,9 +30,11 @@ torch's agent runs in a helper thread (so it installs no handlers) and the main 
   running (still in the rendezvous, or all gone), the agent leaves at once with 128 + the signal, as a plain process
   would.
 - The warning signal (``slurm.signal``): passed on to each worker once it handles that signal (``ddp_core.runtime``
-  installed its handler, read from ``/proc/PID/status``), also to workers that reach that point after the signal
-  arrived; never to one that would die of it (still starting, default disposition) or ignores it (a plain script:
-  ``ddp_core.script`` ignores the warning until ``ddp_core.runtime`` takes it over). torch starts every worker in a
+  or the script's framework installed a handler, read from ``/proc/PID/status``), also to workers that reach that
+  point after the signal arrived; never to one that has no handler (still starting, or a plain script:
+  ``ddp_core.script`` holds the warning until a handler takes it, ``ddp_core.signals``). Workers start with the
+  warning signal and SIGTERM held, as srun-mode ranks do: the agent thread that starts them holds both (see
+  ``run_agent``). torch starts every worker in a
   session of its own (``start_new_session``), so a signal to the agent's process group would not reach them:
   each worker process is signalled by pid, its own children (DataLoader workers) are not.
 
@@ -57,6 +59,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Optional
 
+from ddp_core import signals
 from ddp_core.dist_env import DistEnv
 from ddp_core.errors import DdpJobError
 
@@ -264,7 +267,7 @@ def run_agent(run_dir: Path, cfg: Config, env: DistEnv) -> int:
     argv = torchrun_argv(rdzv, nproc, run_dir)
     log.info("torchrun %s", " ".join(argv))
     args = torchrun.parse_args(argv)
-    forwarder = Forwarder(signal.Signals[f"SIG{cfg.slurm.signal.upper().removeprefix('SIG')}"])
+    forwarder = Forwarder(signals.warning_signal(cfg.slurm.signal))
     outcome: list[BaseException] = []
 
     def agent() -> None:
@@ -278,6 +281,9 @@ def run_agent(run_dir: Path, cfg: Config, env: DistEnv) -> int:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoThreadWarning())
     thread = threading.Thread(target=agent, name="torchrun-agent", daemon=True)
     thread.start()
+    # Started while this task still held the warning signal and SIGTERM (ddp_core.signals): the agent thread keeps
+    # them held, and so do the workers it starts, from their first instruction. This thread handles them from now.
+    signals.release(forwarder.warning, signal.SIGTERM)
     while thread.is_alive():
         thread.join(POLL_S)  # signal handlers run here, between waits
         forwarder.deliver_warning()

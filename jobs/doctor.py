@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from ddp_core import signals
 from ddp_core.errors import DdpJobError
 from ddp_core.rundir import RunDir
 from ddp_core.slurm import DEFAULT_MAX_ARRAY_SIZE, GATEWAY, SlurmGateway, duration_s, effective_preempt_mode
@@ -321,6 +322,16 @@ def _limits_and_access(c: Cluster, qos: str) -> list[Finding]:
     ]
 
 
+def _held_signals() -> Finding:
+    """How tasks hold the warning signal and SIGTERM until their handlers are up (ddp_core.signals), from this
+    machine's ``env``: compute nodes run the same image on the clusters we know of."""
+    if signals.env_blocks_signals():
+        held = "tasks start with the warning signal and SIGTERM blocked (env --block-signal): one in the first second "
+        return Finding("held_signals", "ok", held + "waits for the handlers", value="env")
+    held = "env lacks --block-signal (coreutils before 8.31): tasks block the warning signal and SIGTERM from a "
+    return Finding("held_signals", "info", held + "`python -I -S` bootstrap, ~20 ms after they start", value="python")
+
+
 def diagnose(
     gateway: SlurmGateway = GATEWAY, partition: Optional[str] = None, run: Optional[Path] = None
 ) -> list[Finding]:
@@ -335,6 +346,7 @@ def diagnose(
         *_actions(e, info, user_signal),
         *_saves(c, e, info, user_signal),
         *_limits_and_access(c, _job_qos(c, info.qos)),
+        _held_signals(),
     ]
 
 

@@ -7,6 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from ddp_core import signals
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from ddp_core.rundir import RunDir
@@ -44,6 +45,7 @@ def render(cfg: Config, run_dir: RunDir, python: str = sys.executable, template:
     text = _replace_block(text, "sbatch", sbatch_lines(cfg, run_dir))
     setup = [
         f"PYTHON=${{DDPJOB_PYTHON:-{shlex.quote(python)}}}",
+        f"HOLD=({shlex.join(signals.task_prefix(cfg.slurm.signal, python))})",  # see the srun line
         f"SRUN_ARGS=({' '.join(shlex.quote(a) for a in params['srun_args'])})",
         f"ENTRY={entry_module(cfg)}",  # the srun line runs `python -m $ENTRY RUN_DIR`
         *params["setup"],  # the request's environment, then the config's slurm.setup lines

@@ -16,7 +16,6 @@ import html
 import io
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -42,7 +41,7 @@ from ddp_core.search_study import (
 from ddp_core.slurm import GATEWAY
 from jobs import snapshot
 from jobs.search_spec import SearchSpec
-from jobs.submit import check_cluster, cpus_per_task, entry_module, reason, sbatch_parameters, withdraw
+from jobs.submit import check_cluster, cpus_per_task, entry_module, reason, sbatch_parameters, task_python, withdraw
 
 
 def is_search(path: Optional[str | Path]) -> bool:
@@ -70,7 +69,7 @@ def check(spec: SearchSpec, local_check: bool = True) -> Config:
 def step(cfg: Config) -> dict[str, list[str]]:
     """The srun line each trial runs, from the request ``jobs.submit`` renders for every job (never recomputed)."""
     return {"srun": ["srun", *sbatch_parameters(cfg)["srun_args"]],
-            "command": [sys.executable, "-u", "-m", entry_module(cfg)]}  # fmt: skip
+            "command": [*task_python(cfg), "-u", "-m", entry_module(cfg)]}  # fmt: skip
 
 
 def start(spec: SearchSpec, cfg: Config) -> tuple[Path, Optional[str]]:

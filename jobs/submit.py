@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ddp_core import signals
 from ddp_core.config import DEFAULT_CPUS_PER_GPU, Config, ranks_per_node
 from ddp_core.errors import DdpJobError
 from ddp_core.rundir import RunDir, atomic_write_text
@@ -122,6 +123,17 @@ def sbatch_parameters(cfg: Config) -> dict[str, Any]:
     return params
 
 
+def task_python(cfg: Config, python: str = sys.executable) -> list[str]:
+    """The interpreter every task starts, ``python`` behind the prefix that makes it hold the warning signal and
+    SIGTERM from its first instruction (``ddp_core.signals``). Every renderer's task command starts with it."""
+    return [*signals.task_prefix(cfg.slurm.signal, python), python]
+
+
+def submitit_python(cfg: Config, python: str = sys.executable) -> str:
+    """``task_python`` as submitit's ``python`` parameter: the start of its task command, a shell word list."""
+    return shlex.join(task_python(cfg, python))
+
+
 def entry_module(cfg: Config) -> str:
     """What every task runs, ``python -m MODULE RUN_DIR``: the one place that picks the trainer or the user's script.
     The template's srun line runs it; the submitit path calls the same module's ``run(RUN_DIR)`` (task_function)."""
@@ -143,7 +155,7 @@ def render_submitit_script(cfg: Config, run_dir: RunDir, python: str = sys.execu
     """The exact sbatch script ``submit`` would hand to sbatch (submitit's own renderer)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    command = f"{shlex.quote(python)} -u -m submitit.core._submit {shlex.quote(str(run_dir.slurm))}"
+    command = f"{submitit_python(cfg, python)} -u -m submitit.core._submit {shlex.quote(str(run_dir.slurm))}"
     return _make_sbatch_string(command=command, folder=run_dir.slurm, **sbatch_parameters(cfg))
 
 
@@ -199,7 +211,7 @@ def make_executor(cfg: Config, run_dir: RunDir, local: bool) -> Any:
             tasks_per_node=task_layout(cfg).tasks_per_node, timeout_min=cfg.slurm.time_min, setup=environment(cfg)
         )
         return executor
-    executor = submitit.SlurmExecutor(folder=run_dir.slurm)
+    executor = submitit.SlurmExecutor(folder=run_dir.slurm, python=submitit_python(cfg))
     executor.update_parameters(**sbatch_parameters(cfg))
     return executor
 

@@ -24,7 +24,17 @@ from ddp_core.errors import DdpJobError
 from ddp_core.rundir import CODE_RECORD, RunDir, atomic_write_text
 from ddp_core.slurm import GATEWAY
 from jobs import snapshot
-from jobs.submit import check_cluster, cpus_per_task, entry_module, reason, sbatch_parameters, task_function, withdraw
+from jobs.submit import (
+    check_cluster,
+    cpus_per_task,
+    entry_module,
+    reason,
+    sbatch_parameters,
+    submitit_python,
+    task_function,
+    task_python,
+    withdraw,
+)
 from jobs.sweep_spec import Sweep, Trial
 
 SWEEP_FILE = "sweep.json"
@@ -147,7 +157,7 @@ def render_array_script(sweep: Sweep, count: int, parallelism: int, python: str 
 
     folder = sweep_dir(sweep) / "slurm"
     params = array_parameters(sweep, parallelism)
-    command = shlex.join([python, "-u", "-m", "submitit.core._submit", str(folder)])
+    command = shlex.join([*task_python(sweep.configs[0], python), "-u", "-m", "submitit.core._submit", str(folder)])
     return _make_sbatch_string(command=command, folder=folder, map_count=count, **params)
 
 
@@ -169,7 +179,7 @@ def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int) -> list
         p.run_dir.initialize(p.cfg)
         if shared is not None and p.action == "submit" and p.cfg.snapshot.enabled:
             snapshot.write_record(p.run_dir.path, shared)
-    executor = submitit.SlurmExecutor(folder=folder)
+    executor = submitit.SlurmExecutor(folder=folder, python=submitit_python(sweep.configs[0]))
     executor.update_parameters(**array_parameters(sweep, parallelism))
     arrays = []
     for chunk in chunks(todo, max_array_size()):

@@ -135,6 +135,12 @@ def metric_steps(run_dir: Path, split: str = "train") -> list[int]:
 
 def rank_pid(job_id: str, rank: int) -> int | None:
     """The pid of a job's rank process (the local cluster's nodes share this machine's pid space)."""
+    return next(iter(task_pids(job_id, rank)), None)
+
+
+def task_pids(job_id: str, rank: int | None = None) -> list[int]:
+    """The pids of a job step's task processes (of one rank, or all): python, or ``env`` about to exec it."""
+    found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -147,11 +153,11 @@ def rank_pid(job_id: str, rank: int) -> int | None:
             continue
         if (
             f"SLURM_JOB_ID={job_id}".encode() in environ
-            and f"SLURM_PROCID={rank}".encode() in environ
+            and (rank is None or f"SLURM_PROCID={rank}".encode() in environ)
             and any(e.startswith(b"SLURM_STEP_ID=") for e in environ)
         ):
-            return int(proc.name)
-    return None
+            found.append(int(proc.name))
+    return found
 
 
 def wandb_records(path: Path) -> list[Any]:

@@ -407,3 +407,15 @@ def test_drill_interrupts_three_ways_and_cleans_up(slurm_cluster, tmp_path):
         "the warning signal (SIGUSR2)", "scontrol requeue (SIGTERM)", "preemption from high"
     ]  # fmt: skip
     assert list(tmp_path.iterdir()) == []  # its run directories are gone
+
+
+def test_how_tasks_hold_the_warning_signal(monkeypatch):
+    """This machine's env (coreutils 9) blocks signals itself; without it tasks use the python bootstrap."""
+    assert diagnose(FakeSlurm(), "low")["held_signals"].value == "env"
+    monkeypatch.setattr(doctor.signals.shutil, "which", lambda name: None)
+    doctor.signals.env_blocks_signals.cache_clear()
+    try:
+        finding = diagnose(FakeSlurm(), "low")["held_signals"]
+    finally:
+        doctor.signals.env_blocks_signals.cache_clear()
+    assert (finding.level, finding.value) == ("info", "python") and "bootstrap" in finding.message

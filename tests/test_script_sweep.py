@@ -181,8 +181,8 @@ class FakeExecutor:
 
     given: list[tuple[Any, list[str]]] = []
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
+    def __init__(self, folder: Path, python: str | None = None) -> None:
+        self.folder, self.python = folder, python
 
     def update_parameters(self, **params: Any) -> None:
         self.params = params

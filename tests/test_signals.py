@@ -1,0 +1,98 @@
+"""A task holds the warning signal and SIGTERM from its first instruction until a handler takes them (ddp_core.signals).
+
+Each case runs a real process, started the way a Slurm task is (``task_prefix``), signalled with ``os.kill`` while it
+holds the signal: it must survive, and the handler installed later must receive the signal that was held.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from ddp_core import signals
+
+# Sends itself the warning signal while it is held, then shows what happens once ``SETUP`` has run.
+CHILD = """
+import os, signal, sys, time
+from ddp_core import signals
+blocked = lambda sig: int(open("/proc/self/status").read().split("SigBlk:")[1].split()[0], 16) >> (sig - 1) & 1
+print("held at start:", blocked(signal.SIGUSR2), blocked(signal.SIGTERM), flush=True)
+os.kill(os.getpid(), signal.SIGUSR2)
+time.sleep(0.2)
+print("alive while held", flush=True)
+{setup}
+time.sleep(0.2)
+print("done", flush=True)
+"""
+
+
+def run_held(setup: str) -> str:
+    """``CHILD`` started as a Slurm task is (``task_prefix``); returns its output."""
+    command = [*signals.task_prefix("USR2", sys.executable), sys.executable, "-c", CHILD.format(setup=setup)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "held at start: 1 1\nalive while held\n" in proc.stdout, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_a_held_warning_reaches_the_stop_flag_once_it_is_installed():
+    out = run_held(
+        "from ddp_core.preemption import StopFlag\n"
+        "flag = StopFlag('USR2')\n"
+        "time.sleep(0.05)\n"
+        "print('received', flag.received, flush=True)"
+    )
+    assert f"received {int(signal.SIGUSR2)}\n" in out
+
+
+def test_the_python_bootstrap_holds_where_env_cannot(monkeypatch):
+    monkeypatch.setattr(signals.shutil, "which", lambda name: None)  # no env at all: the bootstrap is used
+    signals.env_blocks_signals.cache_clear()
+    try:
+        prefix = signals.task_prefix("USR2", sys.executable)
+    finally:
+        signals.env_blocks_signals.cache_clear()
+    assert prefix[:3] == [sys.executable, "-I", "-S"]
+    proc = subprocess.run([*prefix, sys.executable, "-c", CHILD.format(setup="")], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 0 and "held at start: 1 1\nalive while held\ndone\n" in proc.stdout, proc.stderr
+
+
+def test_script_mode_gives_a_held_warning_to_the_handler_a_framework_installs():
+    """As Lightning does: it installs its handler only where none is set, and getsignal says none is."""
+    out = run_held(
+        "signals.release_when_handled(signal.SIGUSR2)\n"
+        "print('disposition', signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL, flush=True)\n"
+        "got = []\n"
+        "signal.signal(signal.SIGUSR2, lambda s, f: got.append(s))\n"
+        "time.sleep(0.05)\n"
+        "print('handled', got, flush=True)\n"
+        "signal.signal(signal.SIGUSR2, signal.SIG_DFL)  # the framework restores the default: held again\n"
+        "os.kill(os.getpid(), signal.SIGUSR2)\n"
+        "time.sleep(0.1)\n"
+        "print('held again', blocked(signal.SIGUSR2), got, flush=True)"
+    )
+    assert f"disposition True\nhandled [{int(signal.SIGUSR2)}]\nheld again 1 [{int(signal.SIGUSR2)}]\ndone\n" in out
+
+
+def test_a_plain_script_keeps_the_warning_held():
+    out = run_held("signals.release_when_handled(signal.SIGUSR2)\nos.kill(os.getpid(), signal.SIGUSR2)")
+    assert out.endswith("done\n")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGTERM])
+def test_after_the_outcome_a_signal_is_ignored_to_the_end(sig):
+    """Python's teardown puts handled signals back to their default: a finished attempt must not die of one there."""
+    proc = subprocess.run([sys.executable, "-c", (
+        "import os, signal\n"
+        "from ddp_core.preemption import StopFlag\n"
+        "from ddp_core import signals\n"
+        "flag = StopFlag('USR2')\n"
+        "signals.ignore_from_now('USR2')\n"
+        f"os.kill(os.getpid(), {int(sig)})\n"
+        "print('survived', flag.received)\n"
+    )], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout == "survived 0\n", proc.stderr
