@@ -55,8 +55,9 @@ def held(warning: str) -> tuple[signal.Signals, signal.Signals]:
 
 @functools.cache
 def env_blocks_signals() -> bool:
-    """Whether this machine's ``env`` has ``--block-signal`` (GNU coreutils 8.31+). Asked on the login node: compute
-    nodes run the same OS image on every cluster we know of (``ddpjob doctor`` checks a compute node)."""
+    """Whether this machine's ``env`` has ``--block-signal`` (GNU coreutils 8.31+). Asked on the login node, where
+    the task command is rendered: compute nodes run the same OS image on the clusters we know of (``ddpjob doctor``
+    reports which prefix jobs get, ``held_signals``)."""
     env = shutil.which("env")
     if env is None:
         return False
