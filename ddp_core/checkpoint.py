@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Optional
+from typing import IO, Any, BinaryIO, Callable, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ from ddp_core.rundir import atomic_write_text, fsync_dir
 try:
     import xxhash
 except ImportError:  # a bare GPU box with torch alone (bench/gpu_check.py): sha256, slower, still correct
-    xxhash = None
+    xxhash = None  # type: ignore[assignment]  # the module or None: CHECKSUM below chooses
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,8 @@ def save(
     try:
         with open(tmp, "wb") as f:
             writer = _DurableWriter(f, CHECKSUM)
-            torch.save(state, writer)  # streamed: no second in-memory copy of a multi-GB state
+            # Streamed: no second in-memory copy of a multi-GB state. torch.save needs only write() of a file object.
+            torch.save(state, cast(IO[bytes], writer))
             digest = writer.finish()
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk leaves no half file (a kill leaves one for prune)

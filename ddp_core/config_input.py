@@ -17,7 +17,7 @@ import re
 from enum import Enum
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, TypeGuard, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -170,12 +170,17 @@ def _fields(cls: type) -> dict[str, Any]:
     return get_type_hints(cls)
 
 
+def _is_section(hint: Any) -> TypeGuard[type]:
+    """Whether a schema type is a config section (a dataclass); the schema holds classes, never instances."""
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
 def hint_at(root: type, key: str) -> Any:
     """The schema's type at a dotted override key under ``root`` (the config's dataclass), or None where OmegaConf
     will name the key as unknown."""
     hint: Any = root
     for part in key.split("."):
-        if dataclasses.is_dataclass(hint):
+        if _is_section(hint):
             if part not in _fields(hint):
                 return None
             hint = _fields(hint)[part]
@@ -196,7 +201,7 @@ def list_prefix(root: type, key: str) -> str | None:
             hint = next(arg for arg in get_args(hint) if arg is not type(None))
         if hint is list or get_origin(hint) is list:
             return ".".join(parts[:i])
-        if dataclasses.is_dataclass(hint) and part in _fields(hint):
+        if _is_section(hint) and part in _fields(hint):
             hint = _fields(hint)[part]
         elif get_origin(hint) is dict:
             hint = get_args(hint)[1]
@@ -216,7 +221,7 @@ def _bad_value(key: str, value: Any, hint: str) -> DdpJobError:
 
 def _type_name(hint: Any) -> str:
     if isinstance(hint, type):
-        return "a mapping of its keys" if dataclasses.is_dataclass(hint) else hint.__name__
+        return "a mapping of its keys" if _is_section(hint) else hint.__name__
     return str(hint).replace("typing.", "")
 
 
@@ -236,7 +241,7 @@ def check_value(value: Any, hint: Any, key: str) -> None:
                     f"config key {_short(name)} under '{where}' is not a string",
                     f"keys are names: quote it, e.g. '{name}': ...",
                 )
-    if dataclasses.is_dataclass(hint):
+    if _is_section(hint):
         if not isinstance(value, dict):
             raise _bad_value(where, value, f"'{where}' is a section: a mapping of its keys, e.g. {{key: value}}")
         for name, item in value.items():
@@ -288,7 +293,7 @@ def from_plain(hint: Any, value: Any) -> Any:
         if value is None:
             return None
         hint = next(arg for arg in get_args(hint) if arg is not type(None))
-    if dataclasses.is_dataclass(hint):
+    if _is_section(hint):
         if not isinstance(value, dict) or not value.keys() <= _fields(hint).keys():
             raise NotPlain
         built = hint(**{name: from_plain(_fields(hint)[name], item) for name, item in value.items()})

@@ -35,7 +35,7 @@ import random
 import socket
 import time
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import numpy as np
 import torch
@@ -306,7 +306,9 @@ def seed_all(seed: int) -> None:
 
 def rng_state() -> dict[str, Any]:
     """This rank's RNG states in a form ``torch.load(weights_only=True)`` accepts."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    # The legacy tuple form (get_state's default): numpy's stubs type it as a union with the dict form.
+    legacy = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
+    name, keys, pos, has_gauss, cached = legacy
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],

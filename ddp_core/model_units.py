@@ -92,7 +92,7 @@ def checkpoint_activations(units: Sequence[nn.Module]) -> None:
         def recomputed(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
             return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
-        unit.forward = recomputed  # type: ignore[method-assign]
+        unit.forward = recomputed
 
 
 def shared_parameters(groups: Sequence[nn.Module]) -> dict[int, set[int]]:

@@ -52,7 +52,7 @@ def parameter_groups(cfg: OptimConfig, model: nn.Module) -> list[dict[str, Any]]
     exempt = [p for name, p in named if any(f in name for f in cfg.no_decay)]
     if not exempt:
         log.warning("optim.no_decay %s matches no parameter name: every parameter decays", cfg.no_decay)
-    groups = [{"params": plain}, {"params": exempt, "weight_decay": 0.0}]
+    groups: list[dict[str, Any]] = [{"params": plain}, {"params": exempt, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
 
@@ -80,7 +80,8 @@ def keeps_implementation(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Around loading a checkpoint's optimizer state: ``load_state_dict`` restores every param group's ``foreach``
     and ``fused`` flags as they were saved (a checkpoint from before ``optim.implementation``, or written under
     another value). How this attempt steps is how its optimizer was built."""
-    built = [{k: group[k] for k in ("foreach", "fused") if k in group} for group in optimizer.param_groups]
+    built: list[dict[str, Any]] = [{k: group[k] for k in ("foreach", "fused") if k in group}
+                                   for group in optimizer.param_groups]  # fmt: skip
     yield
     for group, flags in zip(optimizer.param_groups, built, strict=True):
         group.update(flags)

@@ -450,8 +450,8 @@ def _run(run_dir_arg: str) -> int:
         return _run_agent(run_dir, cfg, env)  # this process starts the node's ranks; each runs _run again
     _start_logging(env)
     try:
-        code = snapshot.activate(run_dir)  # first on sys.path: the script's siblings / package as submitted
-        spec = spec_from_config(cfg.script, str(run_dir.config_file), code)
+        record = snapshot.activate(run_dir)  # first on sys.path: the script's siblings / package as submitted
+        spec = spec_from_config(cfg.script, str(run_dir.config_file), record)
     except DdpJobError as err:
         log.error("%s", err)
         return 2

@@ -127,7 +127,8 @@ def run_trial(sweep: Path, spec: Mapping[str, Any], study: optuna.Study, trial: 
     if job and job not in {str(j["job_id"]) for j in run.jobs()}:
         run.record_job(job, "search", log_dir=str(run.slurm), worker=trial.user_attrs.get("worker"))
     code = 0
-    if ended(run) is None or ended(run)["event"] == "requeued":  # a trial that finished before its worker died: tell
+    last = ended(run)
+    if last is None or last["event"] == "requeued":  # a trial that finished before its worker died: tell
         log.info("trial %d: %s", trial.number, " ".join(step_command(spec, run)))
         code = subprocess.call(step_command(spec, run))
     if ENDING.is_set() and (ended(run) or {}).get("event") != "requeued":  # a requeue's SIGTERM: see run()

@@ -29,7 +29,7 @@ import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -113,9 +113,10 @@ class _CheckedReader(dcp.FileSystemReader):
         self._checked = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if getattr(self._checked, "storage_meta", None) is None:
-            self._checked.storage_meta = StorageMeta()
-        self._checked.storage_meta.load_id = getattr(self, "load_id", None)
+        meta = getattr(self._checked, "storage_meta", None)
+        if meta is None:
+            meta = self._checked.storage_meta = StorageMeta()
+        meta.load_id = getattr(self, "load_id", None)
         return self._checked
 
 
@@ -291,7 +292,7 @@ def read_model_state(folder: Path) -> dict[str, torch.Tensor]:
     specs = metadata.state_dict_metadata
     state: dict[str, torch.Tensor] = {}
     for key in extra["model_keys"]:  # the model's own state_dict order
-        spec = specs[f"model.{key}"]  # a tensor: read_metadata refused anything else
+        spec = cast(TensorStorageMetadata, specs[f"model.{key}"])  # a tensor: read_metadata refused anything else
         state[key] = torch.empty(spec.size, dtype=spec.properties.dtype)
     with warnings.catch_warnings():  # DCP warns that it assumes a single process: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -99,10 +99,10 @@ def release_when_handled(sig: int) -> None:
 
     @functools.wraps(install)
     def signal_(signalnum: int, handler: Handler) -> Handler:
-        previous = install(signalnum, handler)  # type: ignore[arg-type]
+        previous = install(signalnum, handler)
         if signalnum == sig:
             how = signal.SIG_UNBLOCK if callable(handler) else signal.SIG_BLOCK
             signal.pthread_sigmask(how, {sig})
         return previous
 
-    signal.signal = signal_  # type: ignore[assignment]
+    signal.signal = signal_

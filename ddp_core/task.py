@@ -58,8 +58,10 @@ class Task(ABC):
         return None
 
     @abstractmethod
-    def build_model(self, **model_args: Any) -> nn.Module:
-        """The model, on the CPU; called after the trainer seeds torch so every rank builds the same one."""
+    def build_model(self, *args: Any, **model_args: Any) -> nn.Module:
+        """The model, on the CPU; called after the trainer seeds torch so every rank builds the same one. It gets
+        ``task.model``'s keys as keyword arguments: name them in your override (``*args`` is here only so that type
+        checkers accept an override with its own parameters; nothing is passed positionally)."""
 
     @abstractmethod
     def build_datasets(self) -> tuple[Dataset, Dataset]:
@@ -152,7 +154,7 @@ def _module_level_side_effect(module_name: str) -> Optional[str]:
     return next((hit for stmt in tree.body if (hit := scan(stmt))), None)
 
 
-def _resolve(target: str) -> type:
+def _resolve(target: str) -> type[Task]:
     module_name, _, attr = target.partition(":")
     if module_name not in sys.modules:
         side_effect = _module_level_side_effect(module_name)
@@ -213,7 +215,7 @@ def _check_kwargs(cls: type, method: str, given: dict[str, Any], key: str) -> di
     for name, value in given.items():
         fn = owner.get(name)
         hint = _hints(fn).get(name, Any) if fn is not None else Any
-        if not _fits(value, hint):
+        if fn is not None and not _fits(value, hint):  # without fn the hint is Any: anything fits
             shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
             raise DdpJobError(
                 f"config key '{key}.{name}' = {shown} is invalid: {fn.__qualname__} expects {_type_name(hint)}",

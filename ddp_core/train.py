@@ -419,6 +419,7 @@ def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watch
         record("eval", metrics)
         if monitor.update(pos.step, metrics):
             checkpoint_now(sync=pos.step == cfg.train.max_steps)
+            assert monitor.best is not None  # update() just set it
             if env.is_main:
                 checkpoint.mark_best(run_dir.checkpoints, pos.step, str(cfg.checkpoint.monitor), monitor.best)
         return metrics

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, NoReturn, Optional, Sequence
 
 from ddp_core.errors import DdpJobError
 from jobs import doctor as doctor_cmd
@@ -83,7 +83,7 @@ def _load(args: argparse.Namespace) -> Config:
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line like every other user error (subcommands inherit the class)."""
 
-    def error(self, message: str):  # type: ignore[override]  # argparse's own signature: never returns
+    def error(self, message: str) -> NoReturn:  # argparse's own signature: never returns
         self.exit(2, f"ddpjob: error: {message} (see: {self.prog} --help)\n")
 
 

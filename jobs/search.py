@@ -18,7 +18,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from ddp_core.config import Config, to_yaml
 from ddp_core.errors import DdpJobError
@@ -184,7 +184,7 @@ def summary(root: Path) -> dict[str, Any]:
             states[Path(t.user_attrs[RUN_DIR_ATTR]).name] = name.upper()
     done = [t for t in trials if state_name(t.state) == "complete" and t.value is not None]
     pick = min if spec["direction"] == "minimize" else max
-    best = pick(done, key=lambda t: t.value) if done else None
+    best = pick(done, key=lambda t: cast(float, t.value)) if done else None  # done: trials with a value
     fails = [f"t{t.number:04d}: {t.user_attrs[FAIL_ATTR]}" for t in trials if FAIL_ATTR in t.user_attrs]
     return {"spec": spec, "counts": counts, "best": best, "states": states, "trials": trials, "fails": fails}
 

@@ -15,7 +15,7 @@ import importlib.util
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, cast
 
 from omegaconf import OmegaConf
 
@@ -117,7 +117,8 @@ def parse_cli_param(key: str, text: str) -> Optional[dict[str, Any]]:
 
 
 def _value(text: str) -> Any:
-    return OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]))["v"]
+    # from_dotlist makes a DictConfig, which converts to a dict
+    return cast(dict[str, Any], OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"])))["v"]
 
 
 @_one_line_errors

@@ -211,9 +211,9 @@ def collect(run_paths: Sequence[Path], metric_key: str, runner: Optional[Runner]
     for row in rows:
         for job in row.jobs:
             owner.setdefault(job.job_id, row)
-            base, _, index = job.job_id.partition("_")
-            if index.isdigit():
-                tasks.setdefault(base, []).append((int(index), row))
+            base, _, task = job.job_id.partition("_")
+            if task.isdigit():
+                tasks.setdefault(base, []).append((int(task), row))
     for attempt in sacct(query_ids([j for row in rows for j in row.jobs]), runner):
         base, _, spec = attempt.job_id.partition("_")
         # Array tasks not started yet share one line: 5301_[4-9%2], or a bare 5301 just after the submit.
@@ -221,8 +221,8 @@ def collect(run_paths: Sequence[Path], metric_key: str, runner: Optional[Runner]
             for index, row in tasks.get(base, []):
                 if not spec or _in_array_range(spec, index):
                     row.attempts.append(Attempt(f"{base}_{index}", attempt.raw_id, attempt.state))
-        elif (row := owner.get(attempt.job_id) or owner.get(attempt.raw_id)) is not None:
-            row.attempts.append(attempt)
+        elif (owned := owner.get(attempt.job_id) or owner.get(attempt.raw_id)) is not None:
+            owned.attempts.append(attempt)
     return rows
 
 
@@ -230,7 +230,12 @@ def sort_by_metric(rows: list[Row], metric: str) -> tuple[list[Row], Optional[Ro
     """Best first; rows without a finite value last, by name. Returns (rows, best row or None)."""
     _, minimise = _parse_metric(metric)
     scored = [r for r in rows if r.metric is not None and math.isfinite(r.metric)]
-    scored.sort(key=lambda r: r.metric if minimise else -r.metric)  # type: ignore[operator]
+
+    def score(row: Row) -> float:
+        assert row.metric is not None  # scored holds only rows with a finite metric
+        return row.metric if minimise else -row.metric
+
+    scored.sort(key=score)
     rest = sorted((r for r in rows if r not in scored), key=lambda r: r.run.name)
     return scored + rest, (scored[0] if scored else None)
 
@@ -259,7 +264,8 @@ def script_label(command: Optional[list[str]], limit: int = SCRIPT_WIDTH) -> str
     name, args = shlex.join(head), [shlex.quote(a) for a in command[len(head) :]]
     if len(name) + sum(1 + len(a) for a in args) <= limit:
         return " ".join([name, *args])
-    room, kept = limit - len(name) - 2, []  # 2: " …"
+    room = limit - len(name) - 2  # 2: " …"
+    kept: list[str] = []
     while args and len(args[-1]) + sum(1 + len(a) for a in kept) <= room:
         kept.insert(0, args.pop())
     return f"{name} … {' '.join(kept)}" if kept else f"{name} …{args[-1][-max(8, room) :]}"
@@ -346,15 +352,17 @@ def status_text(
     eval/accuracy."""
     from jobs import search
 
-    study = search.summary(Path(path)) if search.is_search(path) else None
+    # is_search is False for None; the check is spelled out for the type checker (Path(None) is an error)
+    study = search.summary(Path(path)) if path is not None and search.is_search(path) else None
     if metric is None:
         own = study["spec"] if study else None
         metric = f"{'min:' if own['direction'] == 'minimize' else ''}{own['metric']}" if own else "eval/accuracy"
     metric_key, _ = _parse_metric(metric)
     paths, is_sweep = runs_to_show(path, limit)
     rows, now = collect(paths, metric_key, runner), time.time()
-    for row in rows if study else []:
-        row.trial_state = study["states"].get(row.run.name)
+    if study:
+        for row in rows:
+            row.trial_state = study["states"].get(row.run.name)
     best = None
     if is_sweep:
         rows, best = sort_by_metric(rows, metric)

@@ -206,7 +206,7 @@ def make_executor(cfg: Config, run_dir: RunDir, local: bool) -> Any:
     import submitit
 
     if local:
-        executor = submitit.LocalExecutor(folder=run_dir.slurm)
+        executor: submitit.Executor = submitit.LocalExecutor(folder=run_dir.slurm)
         executor.update_parameters(
             tasks_per_node=task_layout(cfg).tasks_per_node, timeout_min=cfg.slurm.time_min, setup=environment(cfg)
         )

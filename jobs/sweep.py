@@ -181,7 +181,7 @@ def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int) -> list
             snapshot.write_record(p.run_dir.path, shared)
     executor = submitit.SlurmExecutor(folder=folder, python=submitit_python(sweep.configs[0]))
     executor.update_parameters(**array_parameters(sweep, parallelism))
-    arrays = []
+    arrays: list[str] = []
     for chunk in chunks(todo, max_array_size()):
         before = set(GATEWAY.queued_from(folder))  # earlier arrays of this sweep may still be queued
         try:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import yaml
 from omegaconf import OmegaConf
@@ -310,9 +310,10 @@ def _finite_float(value: int | float) -> bool:
 
 
 def _draw(rng: random.Random, spec: dict[str, Any]) -> Any:
-    dist, low, high = spec["dist"], spec.get("low"), spec.get("high")
+    dist = spec["dist"]
     if dist == "choice":
         return rng.choice(spec["values"])
+    low, high = spec["low"], spec["high"]  # _check_dist: every other distribution has exactly these bounds
     if dist == "randint":
         return rng.randrange(low, high)
     if dist == "uniform":
@@ -495,10 +496,11 @@ def _fast_configs(
     try:
         loaded = [OmegaConf.load(base)] if base is not None else []
         node = OmegaConf.merge(OmegaConf.structured(Config), *loaded, OmegaConf.from_dotlist(items))
-        cfg0 = OmegaConf.to_object(node)
+        cfg0 = cast(Config, OmegaConf.to_object(node))  # a structured Config node converts to a Config instance
     except Exception:  # the exact path reports it
         return [], 0
-    scratch, parsed, converted, configs = node.copy(), dict(natives), {}, []
+    scratch, parsed, converted = node.copy(), dict(natives), {}
+    configs: list[Config] = []
     for i, combo in enumerate(combos):
         try:
             cfg, swept = copy.deepcopy(cfg0), dict(fixed_args)
@@ -524,7 +526,8 @@ def _convert(node: Any, scratch: Any, key: str, text: str, parsed: dict[str, Any
         raise ValueError("interpolations resolve against the whole trial: exact path only")
     check_override(f"{key}={text}")  # what load_config refuses before OmegaConf would coerce it (data.shuffle=2)
     if text not in parsed:
-        parsed[text] = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]))["v"]
+        # from_dotlist makes a DictConfig, which converts to a dict
+        parsed[text] = cast(dict[str, Any], OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"])))["v"]
     if isinstance(parsed[text], dict):  # dicts merge into what is there: start from the base, not the scratch
         result = OmegaConf.select(OmegaConf.merge(node, OmegaConf.from_dotlist([f"{key}={text}"])), key)
     else:  # scalars and lists replace: assigning into the typed scratch node converts and checks them
@@ -536,8 +539,10 @@ def _convert(node: Any, scratch: Any, key: str, text: str, parsed: dict[str, Any
 def _get(obj: Any, key: str) -> Any:
     """The value at a dotted key of a loaded ``Config``: dataclass fields, dict keys, list indexes."""
     for part in key.split("."):
-        if isinstance(obj, (dict, list)):
-            obj = obj[int(part) if isinstance(obj, list) else part]
+        if isinstance(obj, list):
+            obj = obj[int(part)]
+        elif isinstance(obj, dict):
+            obj = obj[part]
         elif part in {f.name for f in dataclasses.fields(obj)}:
             obj = getattr(obj, part)
         else:
@@ -548,8 +553,10 @@ def _get(obj: Any, key: str) -> Any:
 def _set(cfg: Config, key: str, value: Any) -> None:
     parent, _, last = key.rpartition(".")
     obj = _get(cfg, parent) if parent else cfg
-    if isinstance(obj, (dict, list)):
-        obj[int(last) if isinstance(obj, list) else last] = value
+    if isinstance(obj, list):
+        obj[int(last)] = value
+    elif isinstance(obj, dict):
+        obj[last] = value
     else:
         _get(obj, last)  # an unknown field raises instead of being added
         setattr(obj, last, value)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import torch
 import torch.distributed as dist
@@ -94,7 +94,7 @@ class FSDPStrategy(Strategy):
         return self.full_model_state(model)
 
     def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return get_model_state_dict(model, options=_FULL)
+        return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=_FULL))  # full: plain tensors
 
     def load_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         # A full checkpoint (e.g. written under ddp): each rank keeps its slice of the full tensors.

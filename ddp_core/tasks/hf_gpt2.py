@@ -25,7 +25,7 @@ from ddp_core.tasks.charlm import VOCAB, Windows, stdlib_text
 class Embeddings(nn.Module):
     """Token + position embeddings and dropout, as ``GPT2Model.forward`` applies them: input ids -> hidden states."""
 
-    def __init__(self, transformer: nn.Module) -> None:
+    def __init__(self, transformer: Any) -> None:  # GPT2Model (transformers is optional: not imported here)
         super().__init__()
         self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
 
@@ -49,7 +49,7 @@ class Layer(nn.Module):
 class LMHead(nn.Module):
     """Final layer norm and the (tied) output projection: hidden states -> logits."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: Any) -> None:  # GPT2LMHeadModel
         super().__init__()
         self.ln_f, self.lm_head = model.transformer.ln_f, model.lm_head
 
@@ -100,12 +100,13 @@ class HFGPT2Task(Task):
             eos_token_id=0,
             tie_word_embeddings=tie_embeddings,
             # SDPA attention is causal without a mask: the pipeline's blocks run GPT2Block on hidden states alone.
-            attn_implementation="sdpa",
+            attn_implementation="sdpa",  # type: ignore[call-arg]  # PretrainedConfig's **kwargs take it
         )
         return GPT2LMHeadModel(config)
 
     def pipeline_blocks(self, model: nn.Module) -> Optional[list[nn.Module]]:
-        return [Embeddings(model.transformer), *(Layer(b) for b in model.transformer.h), LMHead(model)]
+        gpt2: Any = model  # build_model's GPT2LMHeadModel: its submodules by name
+        return [Embeddings(gpt2.transformer), *(Layer(b) for b in gpt2.transformer.h), LMHead(gpt2)]
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         data = torch.frombuffer(bytearray(stdlib_text(self.max_chars)), dtype=torch.uint8)
