@@ -240,7 +240,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # A run with a script section trains with that script (a hand-edited template may still say ddp_core).
         from ddp_core import script
 
-        return script.main([args.target])
+        script.leave(script.main([args.target]))
 
     env = DistEnv.from_env()
     setup_logging(env)
