@@ -134,6 +134,12 @@ def submitit_python(cfg: Config, python: str = sys.executable) -> str:
     return shlex.join(task_python(cfg, python))
 
 
+def submitit_command(cfg: Config, folder: Path, python: str = sys.executable) -> str:
+    """The task command submitit puts on its srun line (its executor builds the same from ``submitit_python``):
+    what ``--dry-run`` shows for a run and for a sweep's array."""
+    return f"{submitit_python(cfg, python)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+
+
 def entry_module(cfg: Config) -> str:
     """What every task runs, ``python -m MODULE RUN_DIR``: the one place that picks the trainer or the user's script.
     The template's srun line runs it; the submitit path calls the same module's ``run(RUN_DIR)`` (task_function)."""
@@ -155,7 +161,7 @@ def render_submitit_script(cfg: Config, run_dir: RunDir, python: str = sys.execu
     """The exact sbatch script ``submit`` would hand to sbatch (submitit's own renderer)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    command = f"{submitit_python(cfg, python)} -u -m submitit.core._submit {shlex.quote(str(run_dir.slurm))}"
+    command = submitit_command(cfg, run_dir.slurm, python)
     return _make_sbatch_string(command=command, folder=run_dir.slurm, **sbatch_parameters(cfg))
 
 

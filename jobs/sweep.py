@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -30,9 +29,9 @@ from jobs.submit import (
     entry_module,
     reason,
     sbatch_parameters,
+    submitit_command,
     submitit_python,
     task_function,
-    task_python,
     withdraw,
 )
 from jobs.sweep_spec import Sweep, Trial
@@ -157,7 +156,7 @@ def render_array_script(sweep: Sweep, count: int, parallelism: int, python: str 
 
     folder = sweep_dir(sweep) / "slurm"
     params = array_parameters(sweep, parallelism)
-    command = shlex.join([*task_python(sweep.configs[0], python), "-u", "-m", "submitit.core._submit", str(folder)])
+    command = submitit_command(sweep.configs[0], folder, python)
     return _make_sbatch_string(command=command, folder=folder, map_count=count, **params)
 
 
