@@ -13,7 +13,6 @@ import logging
 import os
 import re
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -22,6 +21,7 @@ from ddp_core import distributed, preemption, signals, snapshot
 from ddp_core.config import Config, load_config
 from ddp_core.dist_env import DistEnv
 from ddp_core.errors import DdpJobError
+from ddp_core.exits import ExitCode, after_submitit, leave, without_result
 from ddp_core.log import setup_logging
 from ddp_core.preemption import Interruption, StopFlag
 from ddp_core.rundir import RunDir
@@ -32,15 +32,6 @@ if TYPE_CHECKING:
     from ddp_core.train import Outcome
 
 log = logging.getLogger("ddp_core")
-
-
-# Exit codes of an attempt that stopped early (no submitit result is written for them).
-EXIT_REQUEUED = 0  # Slurm ends and restarts the job; the code is never seen by anyone
-EXIT_BUDGET_SPENT = 3
-EXIT_STOPPED = 4  # a signal outside Slurm: checkpointed, nobody requeues; continue by starting it on the run dir
-EXIT_REQUEUE_FAILED = 5  # inside Slurm, but `scontrol requeue` was refused: the job must not look COMPLETED
-EXIT_TERMINATED = 143  # 128 + SIGTERM, the shell convention
-EXIT_HUNG = 6  # the watchdog ended a stalled attempt outside Slurm (stacks in RUN/hangs/): nobody requeues
 
 
 def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Outcome:
@@ -104,8 +95,8 @@ def after_stop(
         if env.is_main:
             run_dir.log_event("interrupted", kind=Interruption.stopped.value, job_id=env.job_id, step=step)
             log.warning("stopped at step %s by a signal outside Slurm; continue with: %s", step, rerun)
-        return EXIT_STOPPED
-    code = EXIT_TERMINATED if signum != stop_flag.warning else EXIT_REQUEUED
+        return ExitCode.STOPPED
+    code = ExitCode.TERMINATED if signum != stop_flag.warning else ExitCode.REQUEUED
     if not env.is_main:
         return code  # rank 0 decides; the teardown barrier keeps this rank until it has requeued
     job = NODE_GATEWAY.show_job(env.slurm_job_id)
@@ -119,7 +110,7 @@ def after_stop(
         run_dir.log_event("preempted", job_id=env.job_id, step=step)
         log.warning("preempted at step %s and not requeued by this partition; continue with: ddpjob resume %s",
                     step, run_dir.path)  # fmt: skip
-        return EXIT_TERMINATED
+        return ExitCode.TERMINATED
     if not decision.requeue:
         return code
     limit = cfg.slurm.max_timeouts if kind is Interruption.timeout else cfg.slurm.max_preemptions
@@ -137,7 +128,7 @@ def _requeue_within(
         reason = f"requeue budget exhausted after {spent} {kind}{'' if spent == 1 else 's'} (slurm.max_{kind}s={limit})"
         run_dir.log_event("budget_exhausted", reason=reason, job_id=env.job_id, step=step)
         log.error("%s; %scontinue with: ddpjob resume %s", reason, read, run_dir.path)
-        return EXIT_BUDGET_SPENT
+        return ExitCode.BUDGET_SPENT
     # Recorded before asking: once Slurm accepts, it may end this step before a line written after scontrol returns
     # (seen in CI under load: a requeued attempt without its event). A refusal is recorded after this one.
     run_dir.log_event("requeued", kind=kind, job_id=env.job_id, step=step, count=spent)
@@ -145,8 +136,8 @@ def _requeue_within(
         run_dir.log_event("requeue_failed", kind=kind, job_id=env.job_id, step=step, error=refused)
         log.error("the job could not requeue itself after %s (%s); continue with: ddpjob resume %s", after, refused,
                   run_dir.path)  # fmt: skip
-        return EXIT_REQUEUE_FAILED
-    return EXIT_REQUEUED
+        return ExitCode.REQUEUE_FAILED
+    return ExitCode.REQUEUED
 
 
 def _after_hang(cfg: Config, run_dir: RunDir, env: DistEnv, folder: Path, summary: str, step: Optional[int]) -> int:
@@ -155,7 +146,7 @@ def _after_hang(cfg: Config, run_dir: RunDir, env: DistEnv, folder: Path, summar
     run_dir.log_event("hang", job_id=env.job_id, step=step, rank=env.rank, stacks=str(folder), summary=summary)
     if not env.slurm_job_id:
         log.error("attempt ended by the hang watchdog; continue with: python -m ddp_core %s", run_dir.path)
-        return EXIT_HUNG
+        return ExitCode.HUNG
     spent = sum(1 for e in run_dir.events() if e["event"] == "hang" and e.get("job_id") == env.job_id)
     read = f"read {folder / 'summary.txt'}, then "
     return _requeue_within(run_dir, env, "hang", spent, cfg.slurm.max_hangs, step, "a hang", read)
@@ -174,6 +165,7 @@ def _finish(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, out
     return code
 
 
+@after_submitit
 def run(run_dir: str) -> dict[str, float]:
     """Train the run in ``run_dir`` (created on the login node). Called by submitit on every task."""
     rd = RunDir(Path(run_dir))
@@ -183,11 +175,9 @@ def run(run_dir: str) -> dict[str, float]:
     setup_logging(env)
     outcome = _train(cfg, rd, env, stop_flag)
     code = _finish(cfg, rd, env, stop_flag, outcome)
-    signals.ignore_from_now(cfg.slurm.signal)  # submitit returns through the interpreter's teardown
+    signals.ignore_from_now(cfg.slurm.signal)  # submitit still writes its result before the process leaves
     if outcome.final is None:
-        # SystemExit, not an exception: submitit writes no result for an attempt that did not finish, so
-        # `ddpjob submit --wait` keeps following the requeued job.
-        sys.exit(code)
+        without_result(code)
     return outcome.final
 
 
@@ -240,7 +230,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # A run with a script section trains with that script (a hand-edited template may still say ddp_core).
         from ddp_core import script
 
-        script.leave(script.main([args.target]))
+        leave(script.main([args.target]), exit_handlers=True)
 
     env = DistEnv.from_env()
     setup_logging(env)
@@ -267,20 +257,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         stop_flag = StopFlag(cfg.slurm.signal, cfg.train.stop_check_ms / 1000)
     except DdpJobError as err:
         log.error("%s", err)
-        return 2
+        return ExitCode.USAGE
     try:
         outcome = _train(cfg, run_dir, env, stop_flag)  # logs its own failure, naming the rank and host
     except BaseException:
-        logging.shutdown()
-        os._exit(1)  # skip interpreter teardown: a half-open gloo group can abort (rc 134) or hang there
+        leave(ExitCode.FAILED)  # skip interpreter teardown: a half-open gloo group can abort (rc 134) or hang there
     try:
         code = _finish(cfg, run_dir, env, stop_flag, outcome)
     except BaseException as err:
         log.error("rank %d/%d on %s failed after training, at step %d: %s: %s", env.rank, env.world_size,
                   socket.gethostname(), outcome.step, type(err).__name__, err, exc_info=True)  # fmt: skip
-        logging.shutdown()
-        os._exit(1)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        leave(ExitCode.FAILED)
+    leave(code)

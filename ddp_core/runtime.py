@@ -24,7 +24,7 @@ API (importing this module never loads torch, nor do its calls except ``requeue`
   asks Slurm to requeue the job: the trainer's own decision (``ddp_core.launch.after_stop``): the same requeue budgets
   (``slurm.max_timeouts``, ``slurm.max_preemptions``), events and exit codes. Every rank then meets at a barrier (no
   rank leaves before rank 0 has requeued: ``srun --kill-on-bad-exit`` would end it) and exits. Outside Slurm it exits
-  with 4 (``EXIT_STOPPED``), logging how to continue. ``step``: the step your checkpoint holds, for the records;
+  with 4 (``ExitCode.STOPPED``), logging how to continue. ``step``: the step your checkpoint holds, for the records;
   default the last step given to ``log``. Called without a signal (the script's own choice), it counts as the
   warning signal.
 - ``checkpoint_dir() -> Path`` (``RUN/checkpoints``, ``DDPJOB_CHECKPOINT_DIR``), ``run_dir() -> Path``
@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, NoReturn, Optional
 
 from ddp_core.dist_env import DistEnv
 from ddp_core.errors import DdpJobError
+from ddp_core.exits import ExitCode, leave
 from ddp_core.preemption import StopFlag
 from ddp_core.rundir import RunDir
 
@@ -256,7 +257,7 @@ def requeue(step: Optional[int] = None) -> NoReturn:
             rerun = f"python -m ddp_core.script {rd.path}"
             code = launch.after_stop(_config(), rd, env, flag, signum, step, rerun)
         else:
-            code = launch.EXIT_STOPPED
+            code = ExitCode.STOPPED
             if env.is_main:
                 _log.warning("stopped at step %s outside ddpjob (%s is not set): nothing requeues this script; run "
                              "it again to continue from its checkpoint", step, RUN_DIR_VAR)  # fmt: skip
@@ -264,11 +265,8 @@ def requeue(step: Optional[int] = None) -> NoReturn:
     except BaseException as err:
         _log.error("rank %d/%d on %s failed in runtime.requeue(): %s: %s", env.rank, env.world_size,
                    socket.gethostname(), type(err).__name__, err, exc_info=True)  # fmt: skip
-        code = 1
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # no interpreter teardown: the script's own code after this must not run, nor exit 0
+        code = ExitCode.FAILED
+    leave(code)  # no interpreter teardown: the script's own code after this must not run, nor exit 0
 
 
 def _teardown() -> None:

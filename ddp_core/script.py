@@ -50,7 +50,6 @@ is one argument of each trial's script, not a config key: ``with_swept_args`` tu
 from __future__ import annotations
 
 import argparse
-import atexit
 import hashlib
 import logging
 import os
@@ -63,11 +62,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, List, Mapping, NoReturn, Optional, Sequence
+from typing import IO, TYPE_CHECKING, Any, List, Mapping, Optional, Sequence
 
 from ddp_core import signals, snapshot
 from ddp_core.dist_env import DistEnv
 from ddp_core.errors import DdpJobError
+from ddp_core.exits import ExitCode, after_submitit, leave, without_result
 from ddp_core.log import setup_logging
 from ddp_core.preemption import back_in_queue
 from ddp_core.rundir import RunDir
@@ -409,6 +409,7 @@ def _failed(env: DistEnv, err: BaseException) -> None:
               type(err).__name__, err, hint, exc_info=True)  # fmt: skip
 
 
+@after_submitit
 def run(run_dir: str) -> None:
     """Run the script of ``run_dir`` (created on the login node) as this task's rank: what submitit calls on every
     task, as ``ddp_core.launch.run`` for the trainer. Leaves with ``SystemExit`` for a non-zero code, so submitit
@@ -417,7 +418,7 @@ def run(run_dir: str) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     code = _run(run_dir)
     if code:
-        sys.exit(code)
+        without_result(code)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -446,7 +447,7 @@ def _run(run_dir_arg: str) -> int:
     except DdpJobError as err:
         _start_logging(env)
         log.error("%s", err)
-        return 2
+        return ExitCode.USAGE
     if cfg.script.launcher == "torchrun" and "TORCHELASTIC_RUN_ID" not in os.environ:
         return _run_agent(run_dir, cfg, env)  # this process starts the node's ranks; each runs _run again
     _start_logging(env)
@@ -455,7 +456,7 @@ def _run(run_dir_arg: str) -> int:
         spec = spec_from_config(cfg.script, str(run_dir.config_file), record)
     except DdpJobError as err:
         log.error("%s", err)
-        return 2
+        return ExitCode.USAGE
     os.environ.update(script_environment(env, run_dir, cfg.slurm.signal))
     # One thread per core the rank was given, as the trainer does, unless the job says otherwise.
     os.environ.setdefault("OMP_NUM_THREADS", str(env.cpus_per_rank))
@@ -481,8 +482,7 @@ def _run(run_dir_arg: str) -> int:
             code = 1
     except BaseException as err:
         _failed(env, err)
-        logging.shutdown()
-        os._exit(1)  # skip interpreter teardown: a half-open gloo group can abort (rc 134) or hang there
+        leave(ExitCode.FAILED)  # skip interpreter teardown: a half-open gloo group can abort (rc 134) or hang there
     try:
         if code == 0:
             _completed(run_dir, env)
@@ -490,12 +490,11 @@ def _run(run_dir_arg: str) -> int:
             log.warning("the script exited with code %d", code)
     except BaseException as err:
         _failed(env, err)
-        logging.shutdown()
-        os._exit(1)
+        leave(ExitCode.FAILED)
     finally:
         if lock is not None:
             lock.close()
-    signals.ignore_from_now(cfg.slurm.signal)  # the process leaves through the interpreter's teardown
+    signals.ignore_from_now(cfg.slurm.signal)  # the script's exit handlers still run before the process leaves
     return code
 
 
@@ -513,23 +512,11 @@ def _run_agent(run_dir: RunDir, cfg: Config, env: DistEnv) -> int:
         spec_from_config(cfg.script, str(run_dir.config_file), snapshot.read_record(run_dir))
     except DdpJobError as err:
         log.error("%s", err)
-        return 2
+        return ExitCode.USAGE
     from ddp_core.script_torchrun import run_agent
 
     return run_agent(run_dir.path, cfg, env)
 
 
-def leave(code: int) -> NoReturn:
-    """End a ``python -m ddp_core.script`` process (a template's task, a torchrun worker) after its script: the
-    script's exit handlers run (``atexit``: W&B's finish, its own), then the process ends without the interpreter's
-    teardown. There, gloo's worker threads can still hold tensors whose release needs the GIL, and the process
-    aborts (``terminate called without an active exception``, exit 134) after a successful run: 3 of 12 runs of the
-    plain DDP tutorial under plain torchrun on a loaded 2-core machine, ``destroy_process_group()`` called."""
-    atexit._run_exitfuncs()  # what teardown would run first; the rest of it is what aborts
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    leave(main())
+    leave(main(), exit_handlers=True)  # the script's exit handlers (W&B's finish, its own), then no teardown

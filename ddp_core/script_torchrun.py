@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Optional
 from ddp_core import signals
 from ddp_core.dist_env import DistEnv
 from ddp_core.errors import DdpJobError
+from ddp_core.exits import leave
 
 if TYPE_CHECKING:
     from ddp_core.config import Config
@@ -195,8 +196,7 @@ class Forwarder:
         workers = worker_pids()
         if not workers:
             log.warning("%s with no worker running: the agent leaves", signal.Signals(signum).name)
-            logging.shutdown()
-            os._exit(128 + signum)  # torch's agent thread holds no state worth a teardown; a daemon thread
+            leave(128 + signum)  # torch's agent thread holds no state worth a teardown; a daemon thread
         for pid in workers:
             _kill(pid, signum)
 

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Optional
 
 from ddp_core.errors import DdpJobError
+from ddp_core.exits import ExitCode, leave
 from ddp_core.rundir import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -219,7 +220,7 @@ class Watchdog:
         if not self._claim():
             # Another rank coordinates (it requeues or ends the job); leave if that does not end this process.
             time.sleep(COLLECT_S + 120)
-            os._exit(1)
+            leave(ExitCode.FAILED)
         time.sleep(COLLECT_S)
         summary = self._summarise()
         (self.folder / SUMMARY).write_text(summary)
@@ -229,8 +230,7 @@ class Watchdog:
         try:
             code = self.on_hang(self.folder, summary.splitlines()[0], self.step)
         finally:
-            logging.shutdown()
-            os._exit(code)
+            leave(code)
 
     def _claim(self) -> bool:
         try:
