@@ -32,8 +32,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ddp_core import checkpoint
-from ddp_core.full_checkpoint import FullWriter
+from ddp_core.checkpoint import store as checkpoint
+from ddp_core.checkpoint.full import FullWriter
 from ddp_core.tasks.digits import DigitsTask
 
 

@@ -23,13 +23,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_core import full_checkpoint, sharded_checkpoint
+from ddp_core.checkpoint import full as full_checkpoint
+from ddp_core.checkpoint import sharded as sharded_checkpoint
+from ddp_core.checkpoint.train_state import Position
+from ddp_core.cluster.env import DistEnv
 from ddp_core.config import StrategyConfig, StrategyName, load_config
-from ddp_core.dist_env import DistEnv
-from ddp_core.optim import build_optimizer, build_scheduler
-from ddp_core.rundir import RunDir
+from ddp_core.run.rundir import RunDir
 from ddp_core.strategies import build_strategy
-from ddp_core.train import Position, RunningLoss, save_checkpoint
+from ddp_core.trainer.loop import RunningLoss, save_checkpoint
+from ddp_core.trainer.optim import build_optimizer, build_scheduler
 
 WIDTH = 4096
 

@@ -57,7 +57,7 @@ DIGEST = re.compile(r"final weights sha256 ([0-9a-f]{64})")
 SAVED = re.compile(r"saved checkpoint step (\d+) in ([\d.]+) s")
 SAVED_NOW = re.compile(r"checkpoint step (\d+) saved \((?:[^()]*?, )?([\d.]+) s(?:, training blocked ([\d.]+) s)?\)")
 STOPPED = re.compile(r"stopping at step (\d+)")
-STOPPED_EXIT = 4  # ddp_core.launch.EXIT_STOPPED: a run stopped by a signal outside Slurm
+STOPPED_EXIT = 4  # ddp_core.cluster.exits.ExitCode.STOPPED: a run stopped by a signal outside Slurm
 SIGNAL_AT = "DDPJOB_GPU_CHECK_SIGNAL_AT"  # read by bench/signalled_task.py, the resume check's task
 
 
@@ -336,7 +336,7 @@ def strategy_plan(name: str, sizes: Sizes, gpus: int, rehearsal: bool) -> tuple[
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    from ddp_core.rundir import RunDir  # after main() has put the repository on sys.path
+    from ddp_core.run.rundir import RunDir  # after main() has put the repository on sys.path
 
     return RunDir(run_dir).metrics()
 

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddp_core.cluster.env import DistEnv
 from ddp_core.config import StrategyConfig, StrategyName
-from ddp_core.dist_env import DistEnv
 from ddp_core.strategies import build_strategy
 from ddp_core.tasks.hf_gpt2 import HFGPT2Task
 

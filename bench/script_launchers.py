@@ -36,7 +36,7 @@ dist.destroy_process_group()
 
 def make_run(tmp: Path, script: Path, ranks: int, launcher: str) -> Path:
     from ddp_core.config import load_config
-    from ddp_core.rundir import RunDir
+    from ddp_core.run.rundir import RunDir
 
     cfg = load_config(None, [f"script.path={script}", f"script.launcher={launcher}", f"slurm.tasks_per_node={ranks}",
                              "run.name=bench", f"run.root={tmp}", "wandb.mode=disabled"])  # fmt: skip

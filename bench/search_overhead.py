@@ -1,5 +1,5 @@
 """What an adaptive sweep's study costs per trial: the worker's ask (under the ask-lock, the budget re-read from
-search.json) plus the trainer's reports plus the tell, on the journal file (``ddp_core.search_study``), for N trials
+search.json) plus the trainer's reports plus the tell, on the journal file (``ddp_core.search.study``), for N trials
 in one process, and the same without the journal (Optuna's in-memory storage) as the floor.
 
     .venv/bin/python bench/search_overhead.py [--trials 1000] [--sampler tpe] [--evals 3]
@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ddp_core.pruning import open_storage
-from ddp_core.search_study import JOURNAL_FILE, ask, create_study, distributions, write_spec
+from ddp_core.search.study import JOURNAL_FILE, ask, create_study, distributions, open_storage, write_spec
 
 PARAMS = {"optim.lr": {"dist": "loguniform", "low": 1e-5, "high": 1e-1},
           "task.model.hidden": {"dist": "randint", "low": 16, "high": 513, "step": 16}}  # fmt: skip

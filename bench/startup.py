@@ -1,4 +1,4 @@
-"""Start-up cost of ddpjob's trainer against its floor, measured in this script: ``import ddp_core.train`` against
+"""Start-up cost of ddpjob's trainer against its floor, measured here: ``import ddp_core.trainer.loop`` against
 ``import torch`` (each in a fresh interpreter), and launch -> first step of ``python -m ddp_core`` against the
 hand-written DDP loop of ``bench/step_overhead.py`` (same model and data, 2 ranks, a CPU each; the run directory is
 prepared before the clock starts, as on the login node). Runs come in ABBA pairs; the delta is the median of the pairs'
@@ -40,7 +40,7 @@ def import_s(module: str) -> float:
 def rows(repeats: int = 7, ranks: int = 2) -> list[dict[str, Any]]:
     """Medians of each kind, and the median of the pairs' differences as the delta: each pair runs back to back, in
     ABBA order (the baseline first in even pairs), so the machine's drift cancels within a pair."""
-    imports: dict[str, list[float]] = {"torch": [], "ddp_core.train": []}
+    imports: dict[str, list[float]] = {"torch": [], "ddp_core.trainer.loop": []}
     launches: dict[str, list[float]] = {"raw": [], "ddpjob": []}
     import_s("torch")  # warm the page cache
     with tempfile.TemporaryDirectory() as name:
@@ -58,7 +58,8 @@ def rows(repeats: int = 7, ranks: int = 2) -> list[dict[str, Any]]:
                 "ratio": statistics.median(b / a for a, b in zip(base, ours, strict=True))}  # fmt: skip
 
     return [
-        row("import ddp_core.train vs import torch (fresh interpreter)", imports["torch"], imports["ddp_core.train"]),
+        row("import ddp_core.trainer.loop vs import torch (fresh interpreter)", imports["torch"],
+            imports["ddp_core.trainer.loop"]),
         row(f"launch -> first step, {ranks} ranks: python -m ddp_core RUN_DIR vs hand-written loop", launches["raw"],
             launches["ddpjob"]),
     ]  # fmt: skip

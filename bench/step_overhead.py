@@ -358,7 +358,7 @@ def prepare(run_dir: Path, width: int, steps: int, extra: Sequence[str] = ()) ->
     """The run directory of ddpjob's run: configs/digits.yaml at this width and length, W&B off, no eval or
     checkpoint before the end, and ``extra`` overrides."""
     from ddp_core.config import load_config
-    from ddp_core.rundir import RunDir
+    from ddp_core.run.rundir import RunDir
 
     overrides = [f"task.model.hidden={width}", f"data.batch_size={BATCH_SIZE}", f"train.max_steps={steps}",
                  "train.eval_every=0", "checkpoint.every_steps=0", "wandb.mode=disabled", *extra]  # fmt: skip
@@ -369,7 +369,7 @@ def ddpjob_worker(out: Path, steps: int, window_start: int) -> None:
     """``python -m ddp_core RUN_DIR`` in this process (what each rank of a Slurm job runs), its watchdog stamping
     each step: ``beat`` is the trainer's one per-step call out of its loop, after the optimizer update."""
     from ddp_core import launch
-    from ddp_core.watchdog import Watchdog
+    from ddp_core.trainer.watchdog import Watchdog
 
     stamps = _Stamps(out, steps, window_start)
     rank = int(os.environ["RANK"])

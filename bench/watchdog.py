@@ -44,7 +44,8 @@ def run(steps: int, setting: str, tmp: Path) -> float:
 
 def beat_ns(calls: int = 1_000_000) -> float:
     sys.path.insert(0, str(ROOT))
-    from ddp_core.watchdog import Watchdog, WatchdogConfig
+    from ddp_core.config import WatchdogConfig
+    from ddp_core.trainer.watchdog import Watchdog
 
     dog = Watchdog(WatchdogConfig(stall_s=300), Path(tempfile.gettempdir()), 0, 1, lambda *a: 0)
     dog.beat(0)  # past the first-step switch, as in training

@@ -17,25 +17,27 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from ddp_core import distributed, preemption, signals, snapshot
+from ddp_core.cluster import exits, signals
+from ddp_core.cluster.env import DistEnv
+from ddp_core.cluster.exits import ExitCode, after_submitit, leave, without_result
+from ddp_core.cluster.log import setup_logging
+from ddp_core.cluster.preemption import StopFlag
 from ddp_core.config import Config, load_config
-from ddp_core.dist_env import DistEnv
+from ddp_core.dist import groups as distributed
+from ddp_core.dist.groups import failure_hint
 from ddp_core.errors import DdpJobError
-from ddp_core.exits import ExitCode, after_submitit, leave, without_result
-from ddp_core.log import setup_logging
-from ddp_core.preemption import Interruption, StopFlag
-from ddp_core.rundir import RunDir
-from ddp_core.slurm import NODE_GATEWAY
-from ddp_core.watchdog import Watchdog, attempt_folder
+from ddp_core.run import snapshot
+from ddp_core.run.rundir import RunDir
+from ddp_core.trainer.watchdog import Watchdog, attempt_folder
 
 if TYPE_CHECKING:
-    from ddp_core.train import Outcome
+    from ddp_core.trainer.loop import Outcome
 
 log = logging.getLogger("ddp_core")
 
 
 def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Outcome:
-    from ddp_core.train import train  # torch is imported here, after logging and signal handlers are up
+    from ddp_core.trainer.loop import train  # torch is imported here, after logging and signal handlers are up
 
     try:
         snapshot.activate(run_dir)  # before the task's module is imported: the code that was submitted
@@ -46,10 +48,10 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
             lock = run_dir.hold_trainer_lock(holder, wait_s=60.0 if env.restart_count else 0.0)
         # From before the rendezvous to the last step: a rank stuck anywhere in between is a hang.
         folder = attempt_folder(run_dir.hangs, env.job_id, env.restart_count)
-        on_hang = functools.partial(_after_hang, cfg, run_dir, env)
+        on_hang = functools.partial(exits.after_hang, cfg, run_dir, env)
         watchdog = Watchdog(cfg.watchdog, folder, env.rank, env.world_size, on_hang).start()
         if env.slurm_job_id:
-            from ddp_core import suspend  # torch, as train: imported by now
+            from ddp_core.dist import suspend  # torch, as train: imported by now
 
             suspend.on_change(watchdog.suspended)  # a suspended job makes no progress and is not hung
         try:
@@ -60,96 +62,13 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
                 lock.close()
     except BaseException as err:
         log.error("rank %d/%d on %s failed: %s: %s%s", env.rank, env.world_size, socket.gethostname(),
-                  type(err).__name__, err, _hint(err), exc_info=True)  # fmt: skip
+                  type(err).__name__, err, failure_hint(err), exc_info=True)  # fmt: skip
         raise
-
-
-def _hint(err: BaseException) -> str:
-    """What to try next for a communication failure (NCCL, gloo, the rendezvous store)."""
-    import torch.distributed as dist
-
-    if isinstance(err, dist.DistError) or "NCCL" in str(err) or "Gloo" in str(err):
-        return (
-            " (hint: a peer rank may have died first: read every rank's log; for NCCL's own diagnosis resubmit "
-            "with slurm.setup='[\"export NCCL_DEBUG=INFO\"]'; on multi-NIC nodes pick the interface with "
-            "NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME; a collective slower than dist.timeout_s is reported as a "
-            "timeout)"
-        )
-    return ""
 
 
 def _after_stop(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, outcome: Outcome) -> int:
     rerun = f"python -m ddp_core {run_dir.path}"
-    return after_stop(cfg, run_dir, env, stop_flag, outcome.signum, outcome.step, rerun)
-
-
-def after_stop(
-    cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, signum: int, step: Optional[int], rerun: str
-) -> int:
-    """Rank 0 decides what an attempt interrupted by ``signum`` after ``step`` (its checkpoint) leads to
-    (``preemption.decide``): requeue, or leave. Returns the exit code. Every rank returns the same code for a signal;
-    rank 0's tells Slurm whether its requeue failed. ``rerun``: the command that continues it outside Slurm. Shared
-    by the trainer and ``ddp_core.runtime.requeue`` (script mode): one set of budgets and events."""
-    if not env.slurm_job_id:
-        # Outside Slurm nothing requeues: not a timeout or a preemption, and not a success either.
-        if env.is_main:
-            run_dir.log_event("interrupted", kind=Interruption.stopped.value, job_id=env.job_id, step=step)
-            log.warning("stopped at step %s by a signal outside Slurm; continue with: %s", step, rerun)
-        return ExitCode.STOPPED
-    code = ExitCode.TERMINATED if signum != stop_flag.warning else ExitCode.REQUEUED
-    if not env.is_main:
-        return code  # rank 0 decides; the teardown barrier keeps this rank until it has requeued
-    job = NODE_GATEWAY.show_job(env.slurm_job_id)
-    mode = NODE_GATEWAY.preempt_mode(job) if job is not None and job.preempt_time else None
-    left = preemption.time_left(job, stop_flag.received_at or time.time())
-    decision = preemption.decide(signum, stop_flag.warning, job, mode, env.restart_count, left, cfg.slurm.signal_lead_s)
-    kind = decision.kind
-    run_dir.log_event("interrupted", kind=kind.value, job_id=env.job_id, step=step)
-    log.info("stopped at step %s: %s", step, decision.why)
-    if decision.ends_preempted:
-        run_dir.log_event("preempted", job_id=env.job_id, step=step)
-        log.warning("preempted at step %s and not requeued by this partition; continue with: ddpjob resume %s",
-                    step, run_dir.path)  # fmt: skip
-        return ExitCode.TERMINATED
-    if not decision.requeue:
-        return code
-    limit = cfg.slurm.max_timeouts if kind is Interruption.timeout else cfg.slurm.max_preemptions
-    spent = sum(1 for e in run_dir.events() if e["event"] == "interrupted" and e.get("kind") == kind.value
-                and e.get("job_id") == env.job_id)  # fmt: skip
-    return _requeue_within(run_dir, env, kind.value, spent, limit, step, f"its checkpoint at step {step}")
-
-
-def _requeue_within(
-    run_dir: RunDir, env: DistEnv, kind: str, spent: int, limit: int, step: Optional[int], after: str, read: str = ""
-) -> int:
-    """Rank 0 (or a hang's coordinator) requeues the job unless this submission spent its ``slurm.max_<kind>s``
-    budget; records what happened and returns the exit code."""
-    if spent > limit:
-        reason = f"requeue budget exhausted after {spent} {kind}{'' if spent == 1 else 's'} (slurm.max_{kind}s={limit})"
-        run_dir.log_event("budget_exhausted", reason=reason, job_id=env.job_id, step=step)
-        log.error("%s; %scontinue with: ddpjob resume %s", reason, read, run_dir.path)
-        return ExitCode.BUDGET_SPENT
-    # Recorded before asking: once Slurm accepts, it may end this step before a line written after scontrol returns
-    # (seen in CI under load: a requeued attempt without its event). A refusal is recorded after this one.
-    run_dir.log_event("requeued", kind=kind, job_id=env.job_id, step=step, count=spent)
-    if (refused := preemption.requeue(env)) is not None:
-        run_dir.log_event("requeue_failed", kind=kind, job_id=env.job_id, step=step, error=refused)
-        log.error("the job could not requeue itself after %s (%s); continue with: ddpjob resume %s", after, refused,
-                  run_dir.path)  # fmt: skip
-        return ExitCode.REQUEUE_FAILED
-    return ExitCode.REQUEUED
-
-
-def _after_hang(cfg: Config, run_dir: RunDir, env: DistEnv, folder: Path, summary: str, step: Optional[int]) -> int:
-    """The rank that coordinates a hang (any rank: rank 0 may be the one stuck) records it and requeues the job
-    within ``slurm.max_hangs``. Returns its exit code; the other ranks end with the job."""
-    run_dir.log_event("hang", job_id=env.job_id, step=step, rank=env.rank, stacks=str(folder), summary=summary)
-    if not env.slurm_job_id:
-        log.error("attempt ended by the hang watchdog; continue with: python -m ddp_core %s", run_dir.path)
-        return ExitCode.HUNG
-    spent = sum(1 for e in run_dir.events() if e["event"] == "hang" and e.get("job_id") == env.job_id)
-    read = f"read {folder / 'summary.txt'}, then "
-    return _requeue_within(run_dir, env, "hang", spent, cfg.slurm.max_hangs, step, "a hang", read)
+    return exits.after_stop(cfg, run_dir, env, stop_flag, outcome.signum, outcome.step, rerun)
 
 
 def _finish(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, outcome: Outcome) -> int:
@@ -228,7 +147,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     saved = _saved_config(args.target)  # read once: every rank of every attempt reads it before its first step
     if saved is not None and saved.script.enabled:
         # A run with a script section trains with that script (a hand-edited template may still say ddp_core).
-        from ddp_core import script
+        from ddp_core.script import mode as script
 
         leave(script.main([args.target]), exit_handlers=True)
 

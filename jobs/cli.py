@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, NoReturn, Optional, Sequence
 from ddp_core.errors import DdpJobError
 from jobs import doctor as doctor_cmd
 from jobs import export as export_cmd
+from jobs import logs as logs_cmds
 from jobs import snapshot
 from jobs import status as status_cmds
 
@@ -144,7 +145,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output directory (default: the path itself)")
     p.add_argument("--metric", default="eval/accuracy", help="ranks runs; prefix min: to minimise (min:eval/loss)")
 
-    status_cmds.add_parsers(sub)
+    status_cmds.add_parser(sub)
+    logs_cmds.add_parsers(sub)
     export_cmd.add_parser(sub)
     doctor_cmd.add_parser(sub)
 
@@ -175,7 +177,7 @@ def _follow(sub: object) -> int:
         print(f"error: {state}")
         print(f"logs:  {sub.run_dir.slurm}")
         return 1
-    from ddp_core import checkpoint
+    from ddp_core.checkpoint import store as checkpoint
 
     if result:
         print("final eval: " + " ".join(f"{k} {v:.4f}" for k, v in sorted(result.items())))
@@ -189,7 +191,7 @@ def _follow(sub: object) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from ddp_core.config import to_yaml
-    from ddp_core.rundir import new_run_dir
+    from ddp_core.run.rundir import new_run_dir
     from jobs.submit import entry_module, render_submitit_script, submit, task_layout, validate_for_submit
 
     cfg = _load(args)
@@ -216,7 +218,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from ddp_core.rundir import RunDir, new_run_dir
+    from ddp_core.run.rundir import RunDir, new_run_dir
     from jobs.submit import validate_for_submit
 
     cfg = _load(args)
@@ -276,7 +278,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
-    from ddp_core.rundir import RunDir
+    from ddp_core.run.rundir import RunDir
 
     run_dir = RunDir(Path(args.run_dir).resolve())
     if not run_dir.exists():
@@ -340,7 +342,7 @@ def _is_search(config: Optional[str]) -> bool:
 
 
 def _has_search(path: Path) -> bool:
-    from ddp_core.config_input import read_yaml_mapping
+    from ddp_core.config.input import read_yaml_mapping
 
     return "search" in read_yaml_mapping(path)
 
@@ -357,7 +359,7 @@ def _cmd_search(args: argparse.Namespace, started: float) -> int:
         array = search.extend(root, args.more, args.parallel) if args.more is not None else None
         if args.more is None:
             from ddp_core.config import load_config
-            from ddp_core.search_study import BASE_CONFIG
+            from ddp_core.search.study import BASE_CONFIG
 
             array = search.submit_workers(root, load_config(root / BASE_CONFIG))
     else:
@@ -405,7 +407,7 @@ _COMMANDS = {
 }
 
 
-_COMMANDS |= status_cmds.COMMANDS | export_cmd.COMMANDS | doctor_cmd.COMMANDS
+_COMMANDS |= status_cmds.COMMANDS | logs_cmds.COMMANDS | export_cmd.COMMANDS | doctor_cmd.COMMANDS
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -7,9 +7,9 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from ddp_core.cluster.slurm import GATEWAY, MISSING, SlurmGateway
 from ddp_core.config import SlurmConfig
 from ddp_core.errors import DdpJobError
-from ddp_core.slurm import GATEWAY, MISSING, SlurmGateway
 
 
 @dataclass(frozen=True)

@@ -15,16 +15,17 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
-from ddp_core import signals
+from ddp_core.cluster import signals
+from ddp_core.cluster.slurm import DEFAULT_MAX_ARRAY_SIZE, GATEWAY, SlurmGateway, duration_s, effective_preempt_mode
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import RunDir
-from ddp_core.slurm import DEFAULT_MAX_ARRAY_SIZE, GATEWAY, SlurmGateway, duration_s, effective_preempt_mode
+from ddp_core.run.rundir import RunDir
+from jobs.drill import render_timings, run_drill
+from jobs.findings import Finding, render
 from jobs.report import find_runs
-from jobs.status import shown_path
+from jobs.runs import shown_path
 
-Level = Literal["ok", "info", "warn", "problem", "unknown"]
 # A save measured at S seconds is given 1.5 S + 5 s: the step in flight ends first, and a busy file system
 # (many jobs checkpointing at once when a big job preempts them) is slower than when it was measured.
 MARGIN_FACTOR, MARGIN_S = 1.5, 5.0
@@ -32,15 +33,6 @@ RECENT_SAVES = 5  # the newest saves say how long one takes now (the optimizer s
 QOS_FIELDS = ("Name", "Preempt", "PreemptMode", "GraceTime", "MaxSubmitPU")
 ASSOC_FIELDS = ("Partition", "DefaultQOS", "MaxSubmit", "GrpSubmit")
 PREEMPTIBLE = ("REQUEUE", "CANCEL")  # the modes that end an attempt (SUSPEND and GANG only pause it)
-
-
-@dataclass(frozen=True)
-class Finding:
-    key: str  # stable snake_case identifier: scripts and tests match on it, never on the message
-    level: Level
-    message: str
-    fix: str = ""
-    value: Any = None  # what was checked (a mode, seconds, a count), for --json
 
 
 @dataclass(frozen=True)
@@ -212,7 +204,7 @@ def _job_requeue(c: Cluster) -> Finding:
 
 
 def _actions(e: Exposure, run: RunInfo, user_signal: bool) -> list[Finding]:
-    """What the trainer does then (ddp_core.preemption.decide), one line per case."""
+    """What the trainer does then (ddp_core.cluster.preemption.decide), one line per case."""
     signal = f"{run.signal} (preempt_send_user_signal)" if user_signal else "SIGTERM"
     what = {
         "REQUEUE": f"preempted: {signal} -> every rank checkpoints at the next step, rank 0 runs `scontrol requeue` "
@@ -323,7 +315,7 @@ def _limits_and_access(c: Cluster, qos: str) -> list[Finding]:
 
 
 def _held_signals() -> Finding:
-    """How tasks hold the warning signal and SIGTERM until their handlers are up (ddp_core.signals), from this
+    """How tasks hold the warning signal and SIGTERM until their handlers are up (ddp_core.cluster.signals), from this
     machine's ``env``: compute nodes run the same image on the clusters we know of."""
     if signals.env_blocks_signals():
         held = "tasks start with the warning signal and SIGTERM blocked (env --block-signal): one in the first second "
@@ -350,17 +342,10 @@ def diagnose(
     ]
 
 
-def render(findings: list[Finding]) -> str:
-    lines = (f"{f.level.upper():<8} {f.key:<18} {f.message}" + (f"  fix: {f.fix}" if f.fix else "") for f in findings)
-    return "\n".join(lines)
-
-
 def cmd_doctor(args: argparse.Namespace) -> int:
     findings = diagnose(partition=args.partition, run=Path(args.run) if args.run else None)
     timings = ""
     if args.drill:
-        from jobs.drill import render_timings, run_drill
-
         drilled, measured = run_drill(args.partition, args.preempt_from, args.overrides)
         # The drill answers what the configuration cannot: its findings replace the static guesses.
         findings = [f for f in findings if f.key not in {d.key for d in drilled}] + drilled

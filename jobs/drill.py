@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from ddp_core.cluster.slurm import GATEWAY, SlurmGateway
 from ddp_core.config import Config, load_config
-from ddp_core.rundir import RunDir, new_run_dir
-from ddp_core.slurm import GATEWAY, SlurmGateway
-from jobs.doctor import Finding
+from ddp_core.run.rundir import RunDir, new_run_dir
+from jobs.findings import Finding
 
 DIGEST = re.compile(r"final weights sha256 ([0-9a-f]{64})")
 # Long enough that the job is still training after three interruptions, short enough for a drill.

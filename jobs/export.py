@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import RunDir
+from ddp_core.run.rundir import RunDir
 
 if TYPE_CHECKING:
     import torch
 
-    from ddp_core.checkpoint import CheckpointInfo
+    from ddp_core.checkpoint.store import CheckpointInfo
 
 
 def add_parser(sub: Any) -> None:
@@ -36,7 +36,7 @@ def add_parser(sub: Any) -> None:
 
 
 def find_checkpoint(run_dir: RunDir, step: Optional[int], best: bool = False) -> CheckpointInfo:
-    from ddp_core import checkpoint
+    from ddp_core.checkpoint import store as checkpoint
 
     if best:
         if step is not None:
@@ -67,7 +67,8 @@ def find_checkpoint(run_dir: RunDir, step: Optional[int], best: bool = False) ->
 
 def model_state(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     """The whole model's weights of a checkpoint of either kind, under the plain model's keys."""
-    from ddp_core import checkpoint, sharded_checkpoint
+    from ddp_core.checkpoint import sharded as sharded_checkpoint
+    from ddp_core.checkpoint import store as checkpoint
 
     if info.kind == checkpoint.SHARDED:
         return sharded_checkpoint.read_model_state(info.path)

@@ -16,20 +16,21 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence, TextIO
+from typing import Any, Callable, Optional, Sequence, TextIO
 
+from ddp_core.cluster.slurm import Runner, gateway_for
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import RunDir
-from ddp_core.slurm import Runner, gateway_for
-from ddp_core.watchdog import cause
-from jobs.status import Job, query_ids, run_jobs, runs_to_show, shown_path
+from ddp_core.run.rundir import RunDir
+from ddp_core.trainer.watchdog import cause
+from jobs.runs import Job, query_ids, run_jobs, runs_to_show, shown_path
 
 # The first line of an attempt: the trainer's or script mode's rank banner (stderr), submitit's start line (stdout),
 # or the sbatch template's echo (batch log). Output before the first one (Slurm's own notes) belongs to attempt 1.
 # With script.launcher=torchrun a task's log is its node's: the agent's banner starts the attempt, and the banners
-# of the workers it started (source "torchrun") follow within it.
+# of the workers it started (source "torchrun") follow within it. Logs from before ddp_core's packages name the
+# trainer's banner ddp_core.distributed.
 ATTEMPT_START = re.compile(
-    r"ddp_core\.distributed: \S+ on \S+: rank \d+/\d+ "
+    r"ddp_core\.(?:dist\.groups|distributed): \S+ on \S+: rank \d+/\d+ "
     r"|ddp_core\.script: (?!torchrun )\S+ on \S+: (?:rank \d+/\d+ |torchrun agent )"
     r"|submitit INFO \(.*\) - Starting with JobEnvironment|^ddpjob: job \S+ run directory "
 )
@@ -190,3 +191,20 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     if not cancelled:
         print("nothing to cancel: no job of these runs is queued or running")
     return 0
+
+
+def add_parsers(sub: Any) -> None:
+    """Register ``logs`` and ``cancel`` on ``ddpjob``'s subparsers."""
+    p = sub.add_parser("logs", help="a run's rank log across its attempts and jobs")
+    p.add_argument("run_dir", help="the run directory")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new output until the job ends")
+    p.add_argument("--rank", type=int, default=0, help="which rank's log (default 0)")
+    p.add_argument("--attempt", default="all", help="N (1 = first, across requeues and resumes), last or all")
+    p.add_argument("--stream", choices=("err", "out", "batch"), default="err",
+                   help="err: the trainer's log; out: stdout; batch: the sbatch script's own log")  # fmt: skip
+
+    p = sub.add_parser("cancel", help="scancel every queued or running job of runs or sweeps")
+    p.add_argument("paths", nargs="+", metavar="RUN|SWEEP", help="run directories or sweep folders")
+
+
+COMMANDS = {"logs": cmd_logs, "cancel": cmd_cancel}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import RunDir
+from ddp_core.run.rundir import RunDir
 
 
 def _job_ids(run: RunDir) -> set[str]:

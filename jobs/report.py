@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import CONFIG_FILE, RunDir
+from ddp_core.run.rundir import CONFIG_FILE, RunDir
 
 # tab10, shared by the PNG and the HTML so a run has the same colour in both.
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
@@ -91,7 +91,7 @@ def _read_config(run_dir: Path) -> dict[str, Any]:
     return flatten(data, "") if isinstance(data, dict) else {}
 
 
-def _parse_metric(metric: str) -> tuple[str, bool]:
+def parse_metric(metric: str) -> tuple[str, bool]:
     """``"min:eval/loss"`` -> ``("eval/loss", True)``. Without a prefix, names ending in loss/error are
     minimised and everything else (accuracy-like) maximised; ``max:`` forces maximisation."""
     direction, _, key = metric.rpartition(":")
@@ -230,7 +230,7 @@ tr.best{background:#fff4c2;font-weight:600}.note{color:#666}"""
 
 def _html(runs: list[_Run], keys: list[str], title: str, metric: str) -> str:
     esc = html.escape
-    key, minimise = _parse_metric(metric)
+    key, minimise = parse_metric(metric)
     best = _best(runs, key, minimise)
     # Config keys whose values differ between runs: the hyperparameters a sweep varied.
     config_keys = sorted({k for run in runs for k in run.config} - _IDENTITY_KEYS)
@@ -276,7 +276,7 @@ def write_report(path: Path, out_dir: Optional[Path] = None, metric: str = "eval
     """Write ``report.png`` and ``report.html`` for the run or sweep at ``path`` into ``out_dir`` (default
     ``path``) and return their paths. ``metric`` picks the best run: ``eval/accuracy``, ``min:eval/loss``, ..."""
     path = Path(path)
-    _parse_metric(metric)  # a typo fails before anything is written
+    parse_metric(metric)  # a typo fails before anything is written
     run_dirs = find_runs(path)
     if not run_dirs:
         raise DdpJobError(f"no run directories in '{path}' (no {CONFIG_FILE} in it or below it)", "pass a run or sweep")

@@ -7,10 +7,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from ddp_core import signals
+from ddp_core.cluster import signals
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import RunDir
+from ddp_core.run.rundir import RunDir
 from jobs.submit import entry_module, sbatch_parameters
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "slurm_templates" / "ddp.sbatch"

@@ -1,9 +1,9 @@
 """Adaptive sweeps on the login node: create the study, submit one job array of workers, continue or extend it, and
 say where it stands (``ddpjob status``/``report`` on a search's sweep directory).
 
-``ddpjob sweep`` validates the spec (``jobs.search_spec``), then writes the sweep directory (``ddp_core.search_study``
+``ddpjob sweep`` validates the spec (``jobs.search_spec``), then writes the sweep directory (``ddp_core.search.study``
 documents its layout), creates the Optuna study on its journal and submits ONE array of ``parallelism`` tasks, each
-running ``ddp_core.search_worker.run`` in its batch step (submitit ``use_srun=False``): the worker launches each trial
+running ``ddp_core.search.worker.run`` in its batch step (submitit ``use_srun=False``): the worker launches each trial
 as an srun step with the srun line rendered here from ``jobs.submit``'s request. Running the same sweep again, or
 ``--more N``, continues the study: the RUNNING trials of workers that are gone (squeue, one call) are bound to the new
 generation's task indices before its array is submitted, so no trial is lost or run twice.
@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional, cast
 
+from ddp_core.cluster.slurm import GATEWAY
 from ddp_core.config import Config, to_yaml
 from ddp_core.errors import DdpJobError
-from ddp_core.search_study import (
+from ddp_core.search.study import (
     BASE_CONFIG,
     FAIL_ATTR,
     JOURNAL_FILE,
@@ -38,7 +39,6 @@ from ddp_core.search_study import (
     state_name,
     write_spec,  # fmt: skip
 )
-from ddp_core.slurm import GATEWAY
 from jobs import snapshot
 from jobs.search_spec import SearchSpec
 from jobs.submit import check_cluster, cpus_per_task, entry_module, reason, sbatch_parameters, task_python, withdraw
@@ -55,7 +55,7 @@ def sweep_root(spec: SearchSpec) -> Path:
 
 def check(spec: SearchSpec, local_check: bool = True) -> Config:
     """What submit checks for one run, once (every trial shares the task and the workers' request)."""
-    from ddp_core.task import check_task
+    from ddp_core.tasks.base import check_task
 
     cfg = spec.base_config
     assert cfg is not None
@@ -91,7 +91,7 @@ def start(spec: SearchSpec, cfg: Config) -> tuple[Path, Optional[str]]:
     snapshot.take_shared(snapshot.plan_sweep([cfg]), root)
     base = str(spec.base.resolve())
     write_spec(root, wanted | {"step": step(cfg), "generations": [], "base_config": base, "fixed": spec.fixed})
-    from ddp_core.pruning import open_storage
+    from ddp_core.search.study import open_storage
 
     create_study(open_storage(str(root / JOURNAL_FILE)), wanted)
     return root, submit_workers(root, cfg)
@@ -128,7 +128,7 @@ def submit_workers(root: Path, cfg: Config) -> Optional[str]:
     import optuna
     import submitit
 
-    from ddp_core import search_worker
+    from ddp_core.search import worker as search_worker
 
     with ask_lock(root):  # no worker asks (or binds) while trials change hands
         spec = read_spec(root)

@@ -21,9 +21,9 @@ from omegaconf import OmegaConf
 
 from ddp_core.config import Config, load_config
 from ddp_core.errors import DdpJobError
-from ddp_core.search_study import PRUNERS, SAMPLERS, grid_space
-from ddp_core.search_worker import override
-from jobs.sweep_spec import _NAME, _RANGE, _bad, _check_dist, _fmt, _mapping, _one_line_errors, split_values
+from ddp_core.search.study import PRUNERS, SAMPLERS, grid_space
+from ddp_core.search.worker import override
+from jobs.sweep_values import NAME, RANGE, as_mapping, bad, check_dist, fmt_value, one_line_errors, split_values
 
 SEARCH_KEYS = ("sampler", "metric", "direction", "trials", "parallelism", "pruner", "seed", "params")
 _CALL = re.compile(r"(uniform|loguniform|randint|choice)\((.*)\)")
@@ -59,14 +59,14 @@ def parse_metric(text: str, direction: Optional[str] = None) -> tuple[str, str]:
     metric = rest if sep else prefix
     implied = {"min": "minimize", "max": "maximize"}.get(prefix) if sep else None
     if sep and implied is None:
-        raise _bad("search.metric", f"= {text!r} has an unknown prefix", "write min:eval/loss or max:eval/accuracy")
+        raise bad("search.metric", f"= {text!r} has an unknown prefix", "write min:eval/loss or max:eval/accuracy")
     if direction is not None and direction not in ("minimize", "maximize"):
-        raise _bad("search.direction", f"= {direction!r} is invalid", "use minimize or maximize")
+        raise bad("search.direction", f"= {direction!r} is invalid", "use minimize or maximize")
     if implied and direction and implied != direction:
-        raise _bad("search.direction", f"= {direction} contradicts metric {text!r}", "drop one of them")
+        raise bad("search.direction", f"= {direction} contradicts metric {text!r}", "drop one of them")
     split, _, name = metric.partition("/")
     if split != "eval" or not name:
-        raise _bad("search.metric", f"= {text!r} is not an eval metric", "e.g. min:eval/loss or max:eval/accuracy")
+        raise bad("search.metric", f"= {text!r} is not an eval metric", "e.g. min:eval/loss or max:eval/accuracy")
     return metric, implied or direction or "maximize"
 
 
@@ -74,43 +74,43 @@ def check_param(key: str, spec: Any) -> dict[str, Any]:
     """``random:``'s distribution check, plus ``log`` (uniform, randint) and ``step`` (uniform, randint)."""
     where = f"search.params.{key}"
     if not isinstance(spec, dict):
-        raise _bad(where, f"must be a mapping, got {spec!r}", "e.g. {dist: loguniform, low: 1e-5, high: 1e-2}")
+        raise bad(where, f"must be a mapping, got {spec!r}", "e.g. {dist: loguniform, low: 1e-5, high: 1e-2}")
     extra = {k: spec[k] for k in ("log", "step") if k in spec}
     try:
-        _check_dist(key, {k: v for k, v in spec.items() if k not in extra})
+        check_dist(key, {k: v for k, v in spec.items() if k not in extra})
     except DdpJobError as err:  # random:'s check names its own section
         raise DdpJobError(err.message.replace("'random.params.", "'search.params.", 1), err.hint) from None
     dist = spec["dist"]
     if extra and dist in ("choice", "loguniform"):
-        raise _bad(where, f"({dist}) takes no {'/'.join(extra)}", "log and step apply to uniform and randint")
+        raise bad(where, f"({dist}) takes no {'/'.join(extra)}", "log and step apply to uniform and randint")
     if "log" in extra and not isinstance(extra["log"], bool):
-        raise _bad(where, f"has log={extra['log']!r}", "log must be true or false")
+        raise bad(where, f"has log={extra['log']!r}", "log must be true or false")
     if extra.get("log") and spec["low"] <= 0:
-        raise _bad(where, f"(log) has low={spec['low']!r} <= 0", "a log scale needs 0 < low")
+        raise bad(where, f"(log) has low={spec['low']!r} <= 0", "a log scale needs 0 < low")
     if "step" in extra:
         step = extra["step"]
         ok = isinstance(step, int) if dist == "randint" else isinstance(step, (int, float))
         if isinstance(step, bool) or not ok or step <= 0 or extra.get("log"):
             kind = "int" if dist == "randint" else "number"
-            raise _bad(where, f"has step={step!r}", f"step must be a positive {kind} and cannot combine with log")
+            raise bad(where, f"has step={step!r}", f"step must be a positive {kind} and cannot combine with log")
     return dict(spec)
 
 
 def parse_cli_param(key: str, text: str) -> Optional[dict[str, Any]]:
     """``loguniform(1e-5,1e-2)``, ``choice(a,b)``, ``v1,v2``, ``range(a,b[,s])`` -> a distribution; a plain value ->
     None (a fixed override)."""
-    match, ranged = _CALL.fullmatch(text), _RANGE.fullmatch(text)
+    match, ranged = _CALL.fullmatch(text), RANGE.fullmatch(text)
     if match:
         dist, args = match[1], [_value(v) for v in split_values(match[2])]
         if dist == "choice":
             return {"dist": dist, "values": args}
         if len(args) != 2:
-            raise _bad(key, f"= {text} needs two bounds", f"{dist}(low,high)")
+            raise bad(key, f"= {text} needs two bounds", f"{dist}(low,high)")
         return {"dist": dist, "low": args[0], "high": args[1]}
     if ranged:
         bounds = [_value(v) for v in split_values(ranged[1])]
         if len(bounds) not in (2, 3):
-            raise _bad(key, f"= {text} is not range(low,high[,step])", "e.g. range(32,257,32): 256 is excluded")
+            raise bad(key, f"= {text} is not range(low,high[,step])", "e.g. range(32,257,32): 256 is excluded")
         return {"dist": "randint", "low": bounds[0], "high": bounds[1], **({"step": bounds[2]} if bounds[2:] else {})}
     values = split_values(text)
     return {"dist": "choice", "values": [_value(v) for v in values]} if len(values) > 1 else None
@@ -121,7 +121,7 @@ def _value(text: str) -> Any:
     return cast(dict[str, Any], OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"])))["v"]
 
 
-@_one_line_errors
+@one_line_errors
 def load_search_file(path: Path, extra: Sequence[str] = (), name: Optional[str] = None, **cli: Any) -> SearchSpec:
     """A sweep YAML with ``search:``; ``extra`` (key=value / key=DIST(...)) and ``cli`` (trials, parallelism, sampler,
     pruner, seed, metric given as flags) win over the file."""
@@ -129,21 +129,21 @@ def load_search_file(path: Path, extra: Sequence[str] = (), name: Optional[str] 
     assert isinstance(data, dict), "is_sweep_file read it as a mapping"
     for key in ("grid", "random"):
         if key in data:
-            raise _bad(key, "cannot sit beside search:", "an adaptive search samples every key itself: use params")
-    section = _mapping(data["search"], "search")
+            raise bad(key, "cannot sit beside search:", "an adaptive search samples every key itself: use params")
+    section = as_mapping(data["search"], "search")
     for key in sorted(set(section) - set(SEARCH_KEYS)):
-        raise _bad(f"search.{key}", "is not a search: key", f"use {', '.join(SEARCH_KEYS)}")
+        raise bad(f"search.{key}", "is not a search: key", f"use {', '.join(SEARCH_KEYS)}")
     if "base" not in data:
-        raise _bad("base", "is missing", "add base: ../digits.yaml (relative to the sweep file)")
+        raise bad("base", "is missing", "add base: ../digits.yaml (relative to the sweep file)")
     base = Path(path).parent / str(data["base"])
-    fixed = {k: _fmt(v) for k, v in _mapping(data.get("overrides", {}), "overrides").items()}
-    params = {k: check_param(k, v) for k, v in _mapping(section.get("params") or {}, "search.params").items()}
+    fixed = {k: fmt_value(v) for k, v in as_mapping(data.get("overrides", {}), "overrides").items()}
+    params = {k: check_param(k, v) for k, v in as_mapping(section.get("params") or {}, "search.params").items()}
     options = {k: section[k] for k in SEARCH_KEYS if k in section and k != "params"}
     options |= {k: v for k, v in cli.items() if v is not None}
     return build(name or str(data.get("name", Path(path).stem)), base, fixed, params, extra, options)
 
 
-@_one_line_errors
+@one_line_errors
 def parse_cli_search(config: Path, args: Sequence[str], name: Optional[str] = None, **cli: Any) -> SearchSpec:
     """``ddpjob sweep CONFIG --search SAMPLER ...``: CONFIG is a base config."""
     return build(name or f"{Path(config).stem}-search", Path(config), {}, {}, args, {k: v for k, v in cli.items()
@@ -164,28 +164,28 @@ def build(name: str, base: Path, fixed: dict[str, str], params: dict[str, dict[s
             fixed[key] = text
         else:
             params[key] = check_param(key, dist)
-    if not _NAME.fullmatch(name):
-        raise _bad("name", f"= {name!r} is not a plain name", "letters, digits, '.', '_', '-': it names a directory")
+    if not NAME.fullmatch(name):
+        raise bad("name", f"= {name!r} is not a plain name", "letters, digits, '.', '_', '-': it names a directory")
     if not params:
-        raise _bad("search.params", "is empty", "e.g. optim.lr=loguniform(1e-5,1e-2) or params: in search:")
+        raise bad("search.params", "is empty", "e.g. optim.lr=loguniform(1e-5,1e-2) or params: in search:")
     for key in params:
         if key.startswith(_SHARED):
-            raise _bad(key, "cannot be searched", "the trials share the workers' Slurm request, run root and binding")
+            raise bad(key, "cannot be searched", "the trials share the workers' Slurm request, run root and binding")
     sampler, pruner = options.get("sampler", "tpe"), options.get("pruner", "none")
     if sampler not in SAMPLERS:
-        raise _bad("search.sampler", f"= {sampler!r} is unknown", f"use one of {', '.join(SAMPLERS)}")
+        raise bad("search.sampler", f"= {sampler!r} is unknown", f"use one of {', '.join(SAMPLERS)}")
     if pruner not in PRUNERS:
-        raise _bad("search.pruner", f"= {pruner!r} is unknown", f"use one of {', '.join(PRUNERS)}")
+        raise bad("search.pruner", f"= {pruner!r} is unknown", f"use one of {', '.join(PRUNERS)}")
     if sampler == "cmaes" and importlib.util.find_spec("cmaes") is None:
-        raise _bad("search.sampler", "= cmaes needs the cmaes package", "pip install cmaes, or use tpe")
+        raise bad("search.sampler", "= cmaes needs the cmaes package", "pip install cmaes, or use tpe")
     if sampler == "grid":
         coarse = [k for k, p in params.items() if p["dist"] in ("uniform", "loguniform") and "step" not in p]
         if coarse:
-            raise _bad(f"search.params.{coarse[0]}", "has no grid", "a grid needs choice, randint or uniform with step")
+            raise bad(f"search.params.{coarse[0]}", "has no grid", "a grid needs choice, randint or uniform with step")
     ints = {k: options.get(k, d) for k, d in (("trials", 32), ("parallelism", 4), ("seed", 0))}
     for key, value in ints.items():
         if isinstance(value, bool) or not isinstance(value, int) or (key != "seed" and value < 1):
-            raise _bad(f"search.{key}", f"= {value!r} is invalid", f"{key} must be an int{' >= 1' * (key != 'seed')}")
+            raise bad(f"search.{key}", f"= {value!r} is invalid", f"{key} must be an int{' >= 1' * (key != 'seed')}")
     metric, direction = parse_metric(options.get("metric", "min:eval/loss"), options.get("direction"))
     cfg = _check_keys(base, fixed, params)
     if cfg.script.enabled:
@@ -196,7 +196,7 @@ def build(name: str, base: Path, fixed: dict[str, str], params: dict[str, dict[s
         for values in grid_space(params).values():
             size *= len(values)
         if ints["trials"] > size:
-            raise _bad("search.trials", f"= {ints['trials']} is more than the grid's {size} points", f"trials: {size}")
+            raise bad("search.trials", f"= {ints['trials']} is more than the grid's {size} points", f"trials: {size}")
     return SearchSpec(name, base, fixed, params, sampler, metric, direction, ints["trials"], ints["parallelism"],
                       pruner, ints["seed"], cfg)  # fmt: skip
 

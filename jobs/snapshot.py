@@ -1,4 +1,4 @@
-"""Code snapshots, login-node side: at submit, copy the user's code into the run directory (see ddp_core.snapshot).
+"""Code snapshots, login-node side: at submit, copy the user's code into the run directory (see ddp_core.run.snapshot).
 
 What is copied: a script's directory (``script.path``), else the top-level package, or module file, of the script
 module or of ``task.target``. In a git work tree, the files git would commit there (tracked, plus untracked ones it
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 if TYPE_CHECKING:
     from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import CODE_DIFF, CODE_DIR, CODE_RECORD, RunDir, atomic_write_text
-from ddp_core.snapshot import LIBRARY_PACKAGES
+from ddp_core.run.rundir import CODE_DIFF, CODE_DIR, CODE_RECORD, RunDir, atomic_write_text
+from ddp_core.run.snapshot import LIBRARY_PACKAGES
 
 SKIP_DIRS = frozenset({"__pycache__"})
 

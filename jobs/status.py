@@ -3,8 +3,8 @@
 A row per run joins what the run directory says (run.json's job ids, attempts.jsonl, metrics.jsonl, checkpoint
 manifests, and for script mode the script from config.yaml) with Slurm's accounting. A refresh asks ``sacct`` once
 for every job of every row (``-D`` lists each requeued attempt of a job as its own line), never once per job: a
-sweep of a thousand trials is one call. ``ddpjob logs`` and ``ddpjob cancel`` live in ``jobs/logs.py``;
-``add_parsers`` registers all three.
+sweep of a thousand trials is one call. Which runs a command is about, and their jobs, is ``jobs.runs``, shared with
+``ddpjob logs`` and ``ddpjob cancel`` (``jobs.logs``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import argparse
 import itertools
 import logging
 import math
-import os
 import shlex
 import sys
 import time
@@ -21,13 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from ddp_core.cluster.slurm import Runner, gateway_for
 from ddp_core.errors import DdpJobError
-from ddp_core.slurm import Runner, gateway_for
-from ddp_core.watchdog import cause
-from jobs.report import _parse_metric, find_runs
+from ddp_core.trainer.watchdog import cause
+from jobs.report import parse_metric
+from jobs.runs import DEFAULT_ROOT, Job, query_ids, run_jobs, runs_to_show, shown_path
 
 if TYPE_CHECKING:
-    from ddp_core.rundir import RunDir
+    from ddp_core.run.rundir import RunDir
 
 log = logging.getLogger(__name__)
 SACCT_FIELDS = "JobID,JobIDRaw,State,ExitCode,Start,End"
@@ -40,41 +40,9 @@ EVENT_STATES = {"start": "STARTED", "interrupted": "INTERRUPTED", "requeued": "I
                 "completed": "COMPLETED", "budget_exhausted": "BUDGET_EXHAUSTED", "preempted": "PREEMPTED",
                 "hang": "HUNG", "pruned": "PRUNED"}  # fmt: skip
 ACCOUNTING_LAG_S = 120  # a job this young with no sacct record yet is queued, not lost
-DEFAULT_ROOT = Path("runs")
 SCRIPT_WIDTH = 48  # characters of a script's command line in the table
-# Every Slurm command goes through the gateway (ddp_core.slurm); ``runner=`` hands it fabricated output in tests.
+# Every Slurm command goes through the gateway (cluster.slurm); ``runner=`` hands it fabricated output in tests.
 # No Slurm client on this machine: sacct lists nothing, and states come from attempts.jsonl alone.
-
-
-@dataclass(frozen=True)
-class Job:
-    job_id: str  # as submitted: "5301", or "5301_3" for an array task
-    log_dir: Path
-    submitted: str = ""
-    on_slurm: bool = True  # submitit-local jobs have pids for ids; Slurm never heard of them
-
-
-def run_jobs(run: RunDir) -> list[Job]:
-    """The run's jobs in submission order: run.json's, then the ones only attempts.jsonl or a
-    ``<job>_batch.out`` names (plain ``sbatch`` submissions record no job in run.json)."""
-    jobs = [Job(str(j["job_id"]), Path(str(j.get("log_dir") or run.slurm)), str(j.get("submitted", "")),
-                j.get("via") != "local") for j in run.jobs()]  # fmt: skip
-    if any("_" in j.job_id for j in jobs):
-        return jobs  # an array task logs its raw SLURM_JOB_ID in attempts.jsonl: the same job, not another one
-    seen = [str(e.get("job_id") or "") for e in run.events()]
-    seen += sorted(p.name.split("_")[0] for p in run.slurm.glob("*_batch.out")) if run.slurm.is_dir() else []
-    known = {j.job_id for j in jobs}
-    extra = [i for i in dict.fromkeys(seen) if i and i not in known]
-    # torchrun's run ids land in attempts.jsonl too: only numbers are Slurm's (one bad id fails a whole sacct -j)
-    extra.sort(key=lambda i: int(i) if i.isdigit() else math.inf)
-    return jobs + [Job(i, run.slurm, on_slurm=i.isdigit()) for i in extra]
-
-
-def query_ids(jobs: Sequence[Job]) -> list[str]:
-    """Ids for ``-j``: an array task's base id, because sacct lists not-yet-started tasks only under the
-    array (``5301_[4-9%2]``), never under ``5301_4``; the base also brings the started ones."""
-    ids = {base for j in jobs if j.on_slurm and (base := j.job_id.split("_")[0]).isdigit()}
-    return sorted(ids, key=lambda i: (len(i), i))
 
 
 @dataclass(frozen=True)
@@ -196,7 +164,7 @@ def _read_row(run: RunDir, metric_key: str) -> Row:
 
 def collect(run_paths: Sequence[Path], metric_key: str, runner: Optional[Runner] = None) -> list[Row]:
     """Read every run and attach its sacct attempts: one sacct call for all of them."""
-    from ddp_core.rundir import RunDir  # imports omegaconf: not at module level, `ddpjob --help` builds our parsers
+    from ddp_core.run.rundir import RunDir  # imports omegaconf: not at module level, `ddpjob --help` builds our parsers
 
     rows = []
     for path in run_paths:
@@ -228,7 +196,7 @@ def collect(run_paths: Sequence[Path], metric_key: str, runner: Optional[Runner]
 
 def sort_by_metric(rows: list[Row], metric: str) -> tuple[list[Row], Optional[Row]]:
     """Best first; rows without a finite value last, by name. Returns (rows, best row or None)."""
-    _, minimise = _parse_metric(metric)
+    _, minimise = parse_metric(metric)
     scored = [r for r in rows if r.metric is not None and math.isfinite(r.metric)]
 
     def score(row: Row) -> float:
@@ -248,11 +216,6 @@ def age(mtime: Optional[float], now: float) -> str:
         if seconds >= size:
             return f"{seconds // size}{unit} ago"
     return f"{seconds}s ago"
-
-
-def shown_path(path: Path) -> str:
-    rel = os.path.relpath(path)
-    return path.as_posix() if rel.startswith("..") else rel
 
 
 def script_label(command: Optional[list[str]], limit: int = SCRIPT_WIDTH) -> str:
@@ -300,7 +263,7 @@ def render(rows: Sequence[Row], metric_key: str, best: Optional[Row], now: float
         "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
         for line in table
     ]
-    # The newest hang of each run, with the rank suspected and where its stacks are (ddp_core/watchdog.py).
+    # The newest hang of each run, with the rank suspected and where its stacks are (ddp_core/trainer/watchdog.py).
     hangs = [(r, [e for e in r.events if e["event"] == "hang"]) for r in rows]
     notes = [f"hang in {r.run.name} after step {found[-1].get('step')}: {cause(str(found[-1].get('summary', '')))}"
              for r, found in hangs if found]  # fmt: skip
@@ -309,8 +272,8 @@ def render(rows: Sequence[Row], metric_key: str, best: Optional[Row], now: float
 
 
 def _code_line(run: RunDir) -> str:
-    """What the run's attempts import: its code snapshot (ddp_core.snapshot), or the working tree."""
-    from ddp_core import snapshot
+    """What the run's attempts import: its code snapshot (ddp_core.run.snapshot), or the working tree."""
+    from ddp_core.run import snapshot
 
     try:
         return snapshot.describe(snapshot.read_record(run))
@@ -327,24 +290,6 @@ def _straggler_note(row: Row) -> str:
             f"{median:.1f}{ratio} (step {s.get('step')})")  # fmt: skip
 
 
-def runs_to_show(path: Optional[str], limit: int = 20) -> tuple[list[Path], bool]:
-    """(run directories, whether to rank them as a sweep)."""
-    if path is None:
-        runs = find_runs(DEFAULT_ROOT) if DEFAULT_ROOT.is_dir() else []
-        if not runs:
-            raise DdpJobError(f"no runs found under ./{DEFAULT_ROOT}", "pass a run directory or a sweep folder")
-        from ddp_core.rundir import META_FILE
-
-        # run.json is rewritten at each submission: newest activity first
-        runs.sort(key=lambda p: (p / META_FILE).stat().st_mtime if (p / META_FILE).is_file() else 0, reverse=True)
-        return runs[:limit], False
-    target = Path(path)
-    runs = find_runs(target) if target.is_dir() else []
-    if not runs:
-        raise DdpJobError(f"'{path}' is not a run directory or a sweep folder", "pass a folder `ddpjob submit` printed")
-    return runs, runs != [target]
-
-
 def status_text(
     path: Optional[str], metric: Optional[str], limit: int = 20, runner: Optional[Runner] = None
 ) -> tuple[str, bool]:
@@ -357,7 +302,7 @@ def status_text(
     if metric is None:
         own = study["spec"] if study else None
         metric = f"{'min:' if own['direction'] == 'minimize' else ''}{own['metric']}" if own else "eval/accuracy"
-    metric_key, _ = _parse_metric(metric)
+    metric_key, _ = parse_metric(metric)
     paths, is_sweep = runs_to_show(path, limit)
     rows, now = collect(paths, metric_key, runner), time.time()
     if study:
@@ -394,20 +339,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
 
 
-def cmd_logs(args: argparse.Namespace) -> int:
-    from jobs import logs  # imported on use: jobs.logs imports this module
-
-    return logs.cmd_logs(args)
-
-
-def cmd_cancel(args: argparse.Namespace) -> int:
-    from jobs import logs
-
-    return logs.cmd_cancel(args)
-
-
-def add_parsers(sub: Any) -> None:
-    """Register ``status``, ``logs`` and ``cancel`` on ``ddpjob``'s subparsers."""
+def add_parser(sub: Any) -> None:
+    """Register ``status`` on ``ddpjob``'s subparsers."""
     p = sub.add_parser("status", help="job state, restarts, step, loss/metric and checkpoint age per run or trial")
     p.add_argument(
         "path", nargs="?", help=f"a run directory or a sweep folder (default: newest runs in ./{DEFAULT_ROOT})"
@@ -418,16 +351,5 @@ def add_parsers(sub: Any) -> None:
                    "to minimise")  # fmt: skip
     p.add_argument("--limit", type=int, default=20, help="without PATH: how many of the newest runs")
 
-    p = sub.add_parser("logs", help="a run's rank log across its attempts and jobs")
-    p.add_argument("run_dir", help="the run directory")
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing new output until the job ends")
-    p.add_argument("--rank", type=int, default=0, help="which rank's log (default 0)")
-    p.add_argument("--attempt", default="all", help="N (1 = first, across requeues and resumes), last or all")
-    p.add_argument("--stream", choices=("err", "out", "batch"), default="err",
-                   help="err: the trainer's log; out: stdout; batch: the sbatch script's own log")  # fmt: skip
 
-    p = sub.add_parser("cancel", help="scancel every queued or running job of runs or sweeps")
-    p.add_argument("paths", nargs="+", metavar="RUN|SWEEP", help="run directories or sweep folders")
-
-
-COMMANDS = {"status": cmd_status, "logs": cmd_logs, "cancel": cmd_cancel}
+COMMANDS = {"status": cmd_status}

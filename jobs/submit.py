@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ddp_core import signals
+from ddp_core.cluster import signals
+from ddp_core.cluster.slurm import GATEWAY
 from ddp_core.config import DEFAULT_CPUS_PER_GPU, Config, ranks_per_node
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import RunDir, atomic_write_text
-from ddp_core.slurm import GATEWAY
+from ddp_core.run.rundir import RunDir, atomic_write_text
 from jobs import cluster, snapshot
 
 # Each rank gets the CPUs Slurm gave its task: oversubscribed OpenMP threads cost 3x on small nodes.
@@ -125,7 +125,7 @@ def sbatch_parameters(cfg: Config) -> dict[str, Any]:
 
 def task_python(cfg: Config, python: str = sys.executable) -> list[str]:
     """The interpreter every task starts, ``python`` behind the prefix that makes it hold the warning signal and
-    SIGTERM from its first instruction (``ddp_core.signals``). Every renderer's task command starts with it."""
+    SIGTERM from its first instruction (``ddp_core.cluster.signals``). Every renderer's task command starts with it."""
     return [*signals.task_prefix(cfg.slurm.signal, python), python]
 
 
@@ -149,7 +149,7 @@ def entry_module(cfg: Config) -> str:
 def task_function(cfg: Config) -> Callable[[str], Any]:
     """``entry_module``'s ``run(run_dir)``, which submitit pickles and calls on every task."""
     if entry_module(cfg) == "ddp_core.script":
-        from ddp_core.script import run as run_script
+        from ddp_core.script.mode import run as run_script
 
         return run_script
     from ddp_core.launch import run  # torch: imported at submit only, as before
@@ -178,12 +178,12 @@ def validate_for_submit(cfg: Config, local: bool, cluster_check: bool = True) ->
     """Everything that can be checked before a run directory exists. Resolves ``slurm.cpus_per_task``."""
     if cfg.script.enabled:
         # The user's script is the job: it must be there and readable now; its absolute path and hash are recorded.
-        from ddp_core.script import resolve_for_submit
+        from ddp_core.script.mode import resolve_for_submit
 
         resolve_for_submit(cfg.script)
     else:
-        from ddp_core.model_check import check_model  # the strategy's cut of a meta-device model
-        from ddp_core.task import check_task  # imports the user's task module (and torch): submit-time only
+        from ddp_core.strategies.check import check_model  # the strategy's cut of a meta-device model
+        from ddp_core.tasks.base import check_task  # imports the user's task module (and torch): submit-time only
 
         check_task(cfg.task)
         check_model(cfg)

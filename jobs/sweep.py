@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from ddp_core.cluster.slurm import GATEWAY
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import CODE_RECORD, RunDir, atomic_write_text
-from ddp_core.slurm import GATEWAY
+from ddp_core.run.rundir import CODE_RECORD, RunDir, atomic_write_text
 from jobs import snapshot
 from jobs.submit import (
     check_cluster,
@@ -62,7 +62,7 @@ def sweep_dir(sweep: Sweep) -> Path:
 
 def check_sweep(sweep: Sweep, local_check: bool = True) -> None:
     """What submit checks for one run, for every distinct task setting (or script) and the shared Slurm request."""
-    from ddp_core.task import check_task
+    from ddp_core.tasks.base import check_task
 
     varying = {key for trial in sweep.trials for key in trial.params}
     # script.launcher too: it decides the request's tasks per node.
@@ -94,7 +94,7 @@ def check_sweep(sweep: Sweep, local_check: bool = True) -> None:
 def _resolve_scripts(configs: Sequence[Config]) -> None:
     """What submit checks for a script, once per distinct script: it exists and is readable here; every trial records
     its absolute path and sha256."""
-    from ddp_core.script import resolve_for_submit
+    from ddp_core.script.mode import resolve_for_submit
 
     resolved: dict[tuple[Optional[str], Optional[str]], tuple[Optional[str], Optional[str]]] = {}
     for cfg in configs:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import hashlib
 import itertools
 import json
@@ -27,7 +26,7 @@ import math
 import os
 import random
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -38,24 +37,23 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ddp_core.config import Config, check_override, escape_interpolations, load_config, validate
-from ddp_core.config_input import is_file, one_line, read_yaml_mapping
+from ddp_core.config.input import is_file, read_yaml_mapping
 from ddp_core.errors import DdpJobError
-from ddp_core.script import arg_value, swept_arg_name, with_swept_args
+from ddp_core.script.mode import arg_value, swept_arg_name, with_swept_args
+from jobs.sweep_values import (
+    NAME,
+    RANGE,
+    as_mapping,
+    bad,
+    check_dist,
+    fmt_value,
+    one_line_errors,
+    split_values,
+)
 
 T = TypeVar("T")
 SWEEP_FILE_KEYS = ("base", "name", "overrides", "grid", "random", "search")  # search: jobs.search_spec
-DISTRIBUTIONS = {
-    "uniform": ("low", "high"),
-    "loguniform": ("low", "high"),  # uniform in log space: for learning rates, weight decay
-    "randint": ("low", "high"),  # low <= n < high, like range()
-    "choice": ("values",),
-}
-_RANGE = re.compile(r"range\((.*)\)")
 _KEY = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*")
-_NAME = re.compile(r"[A-Za-z0-9][\w.-]*")
-# Strings written bare into an override must read back as the same string; these would become bool/null.
-_PLAIN = re.compile(r"[A-Za-z_][\w./-]*")
-_YAML_WORDS = {"true", "false", "yes", "no", "on", "off", "y", "n", "null", "nan", "inf"}
 # More trials than any cluster queues at once (Slurm's MaxArraySize defaults to 1001): a typo such as
 # range(0,10**9) or a grid of 20 keys is refused before it is expanded.
 MAX_TRIALS = 10_000
@@ -81,21 +79,7 @@ class Sweep:
         return Path(self.name) / trial.trial_id
 
 
-def _one_line_errors(fn: Callable[..., T]) -> Callable[..., T]:
-    """Keys, values and paths of a sweep come from the user verbatim: a newline in one would split the CLI's one
-    error line. Every error leaving this module's entry points is made one line here, whatever built it."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> T:
-        try:
-            return fn(*args, **kwargs)
-        except DdpJobError as err:
-            raise DdpJobError(one_line(err.message), one_line(err.hint)) from None
-
-    return wrapper
-
-
-@_one_line_errors
+@one_line_errors
 def load_sweep(
     config: Path | None,
     args: Sequence[str] = (),
@@ -108,8 +92,8 @@ def load_sweep(
     """What ``ddpjob sweep [--script S] [CONFIG] [key=value ...] [-- ARGS]`` calls: CONFIG is a sweep YAML or a base
     config (optional with a script); ``script`` and ``script_args`` become fixed ``script.path`` / ``script.args``
     keys, written so that they load back exactly as given (never read as YAML, nor ``${...}`` resolved)."""
-    given = [f"script.path={_fmt(escape_interpolations(script))}"] if script is not None else []
-    given += [f"script.args={_fmt(escape_interpolations(list(script_args)))}"] if script_args is not None else []
+    given = [f"script.path={fmt_value(escape_interpolations(script))}"] if script is not None else []
+    given += [f"script.args={fmt_value(escape_interpolations(list(script_args)))}"] if script_args is not None else []
     args = [*given, *args]
     if config is not None and is_sweep_file(Path(config)):
         return load_sweep_file(Path(config), trials=trials, seed=seed, extra=args, name=name)
@@ -118,13 +102,13 @@ def load_sweep(
     return parse_cli_sweep(None if config is None else Path(config), args, name=name)
 
 
-@_one_line_errors
+@one_line_errors
 def is_sweep_file(path: Path) -> bool:
     # A file that is not a YAML mapping is refused here, naming the file and line (not "nothing to sweep").
     return bool({"grid", "random", "search"} & set(read_yaml_mapping(Path(path))))
 
 
-@_one_line_errors
+@one_line_errors
 def parse_cli_sweep(config: Path | None, args: Sequence[str], name: str | None = None) -> Sweep:
     """Base config (None: a script's, from the defaults) + ``key=v1,v2`` / ``key=range(a,b)`` grid arguments + plain
     ``key=value`` fixed ones."""
@@ -144,7 +128,7 @@ def _scripted(*tables: Mapping[str, Any]) -> bool:
     return any(key in table for table in tables for key in ("script.path", "script.module"))
 
 
-@_one_line_errors
+@one_line_errors
 def load_sweep_file(
     path: Path,
     trials: int | None = None,
@@ -166,25 +150,25 @@ def load_sweep_file(
     if not isinstance(data, dict):
         raise DdpJobError(f"sweep file '{path}' is not a mapping", f"use the keys {', '.join(SWEEP_FILE_KEYS)}")
     for key in sorted(set(data) - set(SWEEP_FILE_KEYS)):
-        raise _bad(key, "is not a sweep file key", f"use {', '.join(SWEEP_FILE_KEYS)}; config keys go in overrides:")
+        raise bad(key, "is not a sweep file key", f"use {', '.join(SWEEP_FILE_KEYS)}; config keys go in overrides:")
     if base is None and "base" in data:
         base = Path(os.path.normpath(path.parent / str(data["base"])))
-    fixed = {k: _fmt(v) for k, v in _mapping(data.get("overrides", {}), "overrides").items()}
-    grid = {k: _grid_values(k, v) for k, v in _mapping(data.get("grid", {}), "grid").items()}
+    fixed = {k: fmt_value(v) for k, v in as_mapping(data.get("overrides", {}), "overrides").items()}
+    grid = {k: _grid_values(k, v) for k, v in as_mapping(data.get("grid", {}), "grid").items()}
     if "grid" in data and not grid:
-        raise _bad("grid", "is empty", "map keys to value lists, or drop it")
+        raise bad("grid", "is empty", "map keys to value lists, or drop it")
     params: dict[str, dict[str, Any]] = {}
     if "random" in data:
-        section = _mapping(data["random"], "random")
+        section = as_mapping(data["random"], "random")
         for key in sorted(set(section) - {"trials", "seed", "params"}):
-            raise _bad(f"random.{key}", "is not a random: key", "use trials, seed and params")
+            raise bad(f"random.{key}", "is not a random: key", "use trials, seed and params")
         if not section.get("params"):
-            raise _bad("random.params", "is missing or empty", "e.g. {optim.lr: {dist: uniform, low: 0, high: 1}}")
-        params = {k: _check_dist(k, v) for k, v in _mapping(section["params"], "random.params").items()}
+            raise bad("random.params", "is missing or empty", "e.g. {optim.lr: {dist: uniform, low: 0, high: 1}}")
+        params = {k: check_dist(k, v) for k, v in as_mapping(section["params"], "random.params").items()}
         trials = section.get("trials") if trials is None else trials
         seed = section.get("seed", 0) if seed is None else seed
         if trials is None:
-            raise _bad("random.trials", "is missing", "add trials: N to the file or pass --trials N")
+            raise bad("random.trials", "is missing", "add trials: N to the file or pass --trials N")
     elif trials is not None or seed is not None:
         raise DdpJobError(f"--trials/--seed need a random: section; sweep file '{path}' has none", "add random:")
     _disjoint(fixed, grid, params)  # within the file; the command line may replace any of them below
@@ -195,45 +179,17 @@ def load_sweep_file(
     fixed.update(cli_fixed)
     grid.update(cli_grid)
     if base is None and not _scripted(fixed, grid, params):
-        raise _bad("base", "is missing", "add base: ../digits.yaml (relative to the sweep file) or pass a config; "
+        raise bad("base", "is missing", "add base: ../digits.yaml (relative to the sweep file) or pass a config; "
                    "a script's sweep needs none (script.path in overrides:, or --script train.py)")  # fmt: skip
     return _build(name or str(data.get("name", path.stem)), base, fixed, grid, params, trials, seed)
-
-
-def split_values(text: str) -> list[str]:
-    """Split on top-level commas only: ``1,[a,b],{x: 1, y: 2},'c,d'`` is four values."""
-    items, depth, quote, start = [], 0, "", 0
-    for i, ch in enumerate(text):
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            items.append(text[start:i].strip())
-            start = i + 1
-    return [*items, text[start:].strip()]
-
-
-def _bad(key: str, why: str, hint: str) -> DdpJobError:
-    return DdpJobError(f"sweep key '{key}' {why}", hint)
-
-
-def _mapping(value: Any, key: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _bad(key, f"must be a mapping of config keys, got {value!r}", f"e.g. {key}: {{optim.lr: ...}}")
-    return dict(value)
 
 
 def _expand(key: str, text: str) -> list[str]:
     values: list[str] = []
     for item in split_values(text):
         if not item:
-            raise _bad(key, f"has an empty value in '{key}={text}'", f"give values: {key}=1,2,3 or {key}=range(1,4)")
-        match = _RANGE.fullmatch(item)
+            raise bad(key, f"has an empty value in '{key}={text}'", f"give values: {key}=1,2,3 or {key}=range(1,4)")
+        match = RANGE.fullmatch(item)
         values += _range(key, match.group(1)) if match else [item]
     return values
 
@@ -244,11 +200,9 @@ def _range(key: str, args: str) -> list[str]:
     except ValueError:
         bounds = []
     if not 1 <= len(bounds) <= 3 or (len(bounds) == 3 and bounds[2] == 0) or not range(*bounds):
-        raise _bad(
-            key, f"has range({args}): not a non-empty range of ints", "range(start, stop[, step]); stop excluded"
-        )
+        raise bad(key, f"has range({args}): not a non-empty range of ints", "range(start, stop[, step]); stop excluded")
     if range(*bounds)[MAX_TRIALS:]:  # len() of a range past sys.maxsize raises OverflowError; a slice does not
-        raise _bad(key, f"has range({args}) of more than {MAX_TRIALS} values", "a sweep has at most that many trials")
+        raise bad(key, f"has range({args}) of more than {MAX_TRIALS} values", "a sweep has at most that many trials")
     return [str(v) for v in range(*bounds)]
 
 
@@ -261,9 +215,9 @@ def _parse_args(args: Sequence[str]) -> tuple[dict[str, str], dict[str, list[str
         if not eq or not key:
             raise DdpJobError(f"sweep argument '{arg}' is not key=value or key=v1,v2,...", "e.g. optim.lr=1e-4,3e-4")
         if key in fixed or key in grid:
-            raise _bad(key, "is given twice", "give each key once; list its values with commas")
+            raise bad(key, "is given twice", "give each key once; list its values with commas")
         values = _expand(key, text)
-        if len(values) == 1 and not _RANGE.fullmatch(text):
+        if len(values) == 1 and not RANGE.fullmatch(text):
             fixed[key] = values[0]
         else:
             grid[key] = values
@@ -274,76 +228,20 @@ def _grid_values(key: str, values: Any) -> list[str]:
     if isinstance(values, str):
         return _expand(key, values)  # "range(1,4)" or "1e-4,3e-4" as on the command line
     if not isinstance(values, list) or not values:
-        raise _bad(f"grid.{key}", f"must be a non-empty list of values, got {values!r}", f"e.g. {key}: [1, 2]")
-    return [_fmt(v) for v in values]
-
-
-def _check_dist(key: str, spec: Any) -> dict[str, Any]:
-    where = f"random.params.{key}"
-    dist = spec.get("dist") if isinstance(spec, dict) else None
-    if dist not in DISTRIBUTIONS:
-        raise _bad(where, f"has unknown distribution {dist!r}", f"use dist: one of {', '.join(DISTRIBUTIONS)}")
-    if set(spec) != {"dist", *DISTRIBUTIONS[dist]}:
-        raise _bad(where, f"({dist}) has keys {sorted(spec)}", f"{dist} takes exactly {', '.join(DISTRIBUTIONS[dist])}")
-    if dist == "choice":
-        if not isinstance(spec["values"], list) or not spec["values"]:
-            raise _bad(where, "(choice) needs a non-empty values list", "e.g. {dist: choice, values: [adamw, sgd]}")
-        return spec
-    low, high = spec["low"], spec["high"]
-    kinds = (int,) if dist == "randint" else (int, float)
-    if any(isinstance(b, bool) or not isinstance(b, kinds) for b in (low, high)):
-        raise _bad(where, f"({dist}) has low={low!r} high={high!r}", f"{dist} bounds must be {kinds[-1].__name__}s")
-    if dist != "randint" and not all(_finite_float(b) for b in (low, high)):  # randint draws ints of any size
-        raise _bad(where, f"({dist}) has low={low!r} high={high!r}", "bounds must be finite numbers")
-    if low > high or (dist == "randint" and low == high):
-        raise _bad(where, f"({dist}) has low={low!r} > high={high!r}", "need low <= high (randint: low < high)")
-    if dist == "loguniform" and low <= 0:
-        raise _bad(where, f"(loguniform) has low={low!r} <= 0", "loguniform needs 0 < low <= high")
-    return spec
-
-
-def _finite_float(value: int | float) -> bool:
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:  # an int past float's range
-        return False
+        raise bad(f"grid.{key}", f"must be a non-empty list of values, got {values!r}", f"e.g. {key}: [1, 2]")
+    return [fmt_value(v) for v in values]
 
 
 def _draw(rng: random.Random, spec: dict[str, Any]) -> Any:
     dist = spec["dist"]
     if dist == "choice":
         return rng.choice(spec["values"])
-    low, high = spec["low"], spec["high"]  # _check_dist: every other distribution has exactly these bounds
+    low, high = spec["low"], spec["high"]  # check_dist: every other distribution has exactly these bounds
     if dist == "randint":
         return rng.randrange(low, high)
     if dist == "uniform":
         return rng.uniform(low, high)
     return min(max(math.exp(rng.uniform(math.log(low), math.log(high))), low), high)  # exp/log may round past
-
-
-def _fmt(value: Any, nested: bool = False) -> str:
-    """A YAML value as override text that loads back to the same value (floats by repr: they round-trip)."""
-    if isinstance(value, bool) or value is None:
-        return {True: "true", False: "false", None: "null"}[value]
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_fmt(v, True) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{_fmt(k, True)}: {_fmt(v, True)}" for k, v in value.items()) + "}"
-    text = str(value)
-    plain = not nested and _PLAIN.fullmatch(text) and text.lower() not in _YAML_WORDS
-    return text if plain else _SURROGATE_PAIR.sub(_astral, json.dumps(text))
-
-
-# JSON escapes a character past U+FFFF as a UTF-16 surrogate pair, which YAML (libyaml) refuses: \U escapes it.
-# The pair's backslash must not itself be escaped (an even run of backslashes before it).
-_SURROGATE_PAIR = re.compile(r"(?<!\\)((?:\\\\)*)\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})")
-
-
-def _astral(match: re.Match[str]) -> str:
-    high, low = int(match[2], 16), int(match[3], 16)
-    return f"{match[1]}\\U{0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00):08x}"
 
 
 def _disjoint(fixed: Mapping[str, Any], grid: Mapping[str, Any], params: Mapping[str, Any]) -> None:
@@ -352,7 +250,7 @@ def _disjoint(fixed: Mapping[str, Any], grid: Mapping[str, Any], params: Mapping
         # script.args (the fixed list) and script.args.NAME (one more argument each) add up, they do not overlap.
         appended = a == "script.args" and swept_arg_name(b) is not None
         if a == b or (b.startswith(a + ".") and not appended):
-            raise _bad(b, f"is given twice (also as '{a}') across overrides, grid and random", "give each key once")
+            raise bad(b, f"is given twice (also as '{a}') across overrides, grid and random", "give each key once")
 
 
 def _build(
@@ -364,13 +262,13 @@ def _build(
     trials: Any,
     seed: Any,
 ) -> Sweep:
-    if not _NAME.fullmatch(name):
-        raise _bad("name", f"= {name!r} is not a plain name", "letters, digits, '.', '_', '-': it names a directory")
+    if not NAME.fullmatch(name):
+        raise bad("name", f"= {name!r} is not a plain name", "letters, digits, '.', '_', '-': it names a directory")
     for key in [*fixed, *grid, *params]:
         if not _KEY.fullmatch(key) and swept_arg_name(key) is not None:
-            raise _bad(key, "is not script.args.NAME with NAME an option name", "e.g. script.args.lr=1e-4,3e-4")
+            raise bad(key, "is not script.args.NAME with NAME an option name", "e.g. script.args.lr=1e-4,3e-4")
         if not _KEY.fullmatch(key):
-            raise _bad(key, "is not a dotted config key", "write keys like optim.lr or task.model.hidden")
+            raise bad(key, "is not a dotted config key", "write keys like optim.lr or task.model.hidden")
     _disjoint(fixed, grid, params)
     if not grid and not params:
         raise DdpJobError("nothing to sweep: no key has more than one value", "e.g. optim.lr=1e-4,3e-4")
@@ -378,13 +276,13 @@ def _build(
         if not _scripted(fixed, grid, params):
             raise DdpJobError("no config given", "ddpjob sweep CONFIG.yaml key=v1,v2 ..., or --script train.py")
         if "run.name" not in fixed:  # required by every config; each trial is named after the sweep anyway
-            fixed = {"run.name": _fmt(name), **fixed}
+            fixed = {"run.name": fmt_value(name), **fixed}
     elif not is_file(base):
         raise DdpJobError(f"config file {str(base)!r} not found", "pass a YAML file, e.g. configs/digits.yaml")
     if params:
         for key, value in (("random.trials", trials), ("random.seed", seed)):
             if isinstance(value, bool) or not isinstance(value, int) or (key == "random.trials" and value < 1):
-                raise _bad(key, f"= {value!r} is invalid", "trials must be an int >= 1 and seed an int")
+                raise bad(key, f"= {value!r} is invalid", "trials must be an int >= 1 and seed an int")
     count = math.prod(len(values) for values in grid.values()) * (trials if params else 1)
     if count > MAX_TRIALS:
         raise DdpJobError(
@@ -397,8 +295,8 @@ def _build(
         draws = []
         for _ in range(trials):
             draw = {key: _draw(rng, spec) for key, spec in params.items()}
-            natives.update({_fmt(v): v for k, v in draw.items() if params[k]["dist"] != "choice"})
-            draws.append({k: _fmt(v) for k, v in draw.items()})
+            natives.update({fmt_value(v): v for k, v in draw.items() if params[k]["dist"] != "choice"})
+            draws.append({k: fmt_value(v) for k, v in draw.items()})
     # Every grid point gets the same random draws: grid values are then compared on equal terms.
     points = [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
     combos = [{**point, **draw} for point in points for draw in draws]

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from ddp_core.config import load_config
 from ddp_core.errors import DdpJobError
-from ddp_core.task import Task
+from ddp_core.tasks.base import Task
 from jobs.submit import validate_for_submit
 from jobs.sweep import check_sweep
 from jobs.sweep_spec import load_sweep

@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from ddp_core import checkpoint
+from ddp_core.checkpoint import store as checkpoint
 
 
 def state(step):
@@ -75,7 +75,7 @@ def test_loading_refuses_code(tmp_path):
 
 
 def test_atomic_write_leaves_the_old_file_and_no_temp_on_error(tmp_path):
-    from ddp_core.rundir import atomic_write_text
+    from ddp_core.run.rundir import atomic_write_text
 
     path = tmp_path / "run.json"
     atomic_write_text(path, "old\n")
@@ -110,7 +110,7 @@ def test_a_malformed_newest_manifest_is_skipped_with_a_warning(tmp_path, caplog,
 @pytest.mark.parametrize("content", ['{"run_id": "ab', "[1, 2]"], ids=["truncated", "list"])
 def test_a_corrupt_run_json_is_one_clear_error(tmp_path, content):
     from ddp_core.errors import DdpJobError
-    from ddp_core.rundir import RunDir
+    from ddp_core.run.rundir import RunDir
 
     run = RunDir(tmp_path)
     run.meta_file.write_text(content)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_core.checkpoint import files_digest, sha256_file
+from ddp_core.checkpoint.store import files_digest, sha256_file
 from tests.conftest import ROOT, run_cli
 from tests.helpers import run_trainer
 

@@ -9,7 +9,7 @@ import pytest
 
 from ddp_core.config import Config, Precision, load_config, load_saved, to_yaml
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import RunDir
+from ddp_core.run.rundir import RunDir
 from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +40,7 @@ def test_a_run_directory_config_is_read_without_omegaconf_unless_hand_edited(tmp
     cfg = load_config(DIGITS, ["train.max_steps=70", "wandb.tags=[a,'1e3']", "optim.min_lr=1e-6"])
     run = RunDir(tmp_path / "run")
     run.initialize(cfg)
-    code = (f"import sys; from pathlib import Path; from ddp_core.rundir import RunDir; "
+    code = (f"import sys; from pathlib import Path; from ddp_core.run.rundir import RunDir; "
             f"cfg = RunDir(Path({str(run.path)!r})).load_config(); "
             "print(cfg.train.max_steps, cfg.wandb.tags, cfg.optim.min_lr, 'omegaconf' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

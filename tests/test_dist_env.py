@@ -2,7 +2,7 @@
 
 import pytest
 
-from ddp_core.dist_env import DistEnv, derive_master_port, expand_nodelist, expand_tasks_per_node
+from ddp_core.cluster.env import DistEnv, derive_master_port, expand_nodelist, expand_tasks_per_node
 from ddp_core.errors import DdpJobError
 
 

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import pytest
 
-from ddp_core import slurm
+from ddp_core.cluster import slurm
 from ddp_core.errors import DdpJobError
 from jobs import cluster, doctor, status
 from jobs.cli import main

@@ -21,16 +21,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from ddp_core import checkpoint, sharded_checkpoint
+from ddp_core.checkpoint import sharded as sharded_checkpoint
+from ddp_core.checkpoint import store as checkpoint
+from ddp_core.cluster.env import DistEnv
 from ddp_core.config import OptimConfig, OptimizerName, StrategyConfig, StrategyName, load_config
-from ddp_core.dist_env import DistEnv
 from ddp_core.errors import DdpJobError
-from ddp_core.optim import build_optimizer
-from ddp_core.rundir import RunDir
+from ddp_core.run.rundir import RunDir
 from ddp_core.strategies import Strategy, build_strategy
 from ddp_core.strategies.fsdp import shard_units
 from ddp_core.tasks.charlm import CharLMTask
-from ddp_core.train import load_checkpoint, weights_digest
+from ddp_core.trainer.loop import load_checkpoint, weights_digest
+from ddp_core.trainer.optim import build_optimizer
 from jobs.export import export
 from tests.conftest import ROOT
 from tests.helpers import final_digests, run_trainer

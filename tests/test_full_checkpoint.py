@@ -16,9 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from ddp_core import checkpoint, full_checkpoint, staging
+from ddp_core.checkpoint import full as full_checkpoint
+from ddp_core.checkpoint import staging
+from ddp_core.checkpoint import store as checkpoint
+from ddp_core.checkpoint.full import CheckpointWriteError, FullWriter
 from ddp_core.errors import DdpJobError
-from ddp_core.full_checkpoint import CheckpointWriteError, FullWriter
 from tests.conftest import ROOT
 
 
@@ -221,7 +223,7 @@ def test_a_sync_save_returns_before_its_prune_which_never_removes_the_best(tmp_p
 KILLED_CHILD = """
 import sys, time, torch
 from pathlib import Path
-from ddp_core.full_checkpoint import FullWriter
+from ddp_core.checkpoint.full import FullWriter
 writer = FullWriter(Path(sys.argv[1]), keep_last=5, async_save=True)
 writer.save(1, {"w": torch.zeros(4)})
 writer.wait()

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddp_core import distributed
+from ddp_core.cluster.env import DistEnv
 from ddp_core.config import DistConfig, load_config
-from ddp_core.dist_env import DistEnv
+from ddp_core.dist import groups as distributed
 from ddp_core.errors import DdpJobError
 from tests.conftest import ROOT
 from tests.helpers import final_digests, run_trainer
@@ -135,7 +135,7 @@ def test_guard_catches_a_cpu_collective_on_nccl(tmp_path):
 
 
 def _stop_flag_rank(rank: int, port: int, results: dict) -> None:
-    from ddp_core.preemption import StopFlag
+    from ddp_core.cluster.preemption import StopFlag
 
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
@@ -161,7 +161,7 @@ def test_stop_flag_agrees_one_step_later_on_every_rank():
 
 
 def _paced_flag_rank(rank: int, port: int, results: dict) -> None:
-    from ddp_core.preemption import StopFlag
+    from ddp_core.cluster.preemption import StopFlag
 
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
@@ -228,7 +228,7 @@ def test_gpu_binding_line_reads_slurm_visibility(monkeypatch):
 
 
 def test_dataloader_workers_persist_across_epochs():
-    from ddp_core.data import ResumableShardSampler, train_loader
+    from ddp_core.trainer.data import ResumableShardSampler, train_loader
 
     cfg = load_config(DIGITS, ["run.name=x", "data.num_workers=1", "data.batch_size=8"])
     sampler = ResumableShardSampler(64, 0, 1, True, 0)

@@ -1,5 +1,5 @@
 """A Hugging Face model (``ddp_core.tasks.hf_gpt2``, a tiny random GPT2LMHeadModel) under fsdp, pipeline and
-compiled ddp, and the login-node checks of how a strategy cuts a model (``ddp_core.model_check``), no Slurm.
+compiled ddp, and the login-node checks of how a strategy cuts a model (``ddp_core.strategies.check``), no Slurm.
 
 Multi-rank runs are the trainer end to end under torchrun on gloo (``tests.helpers.run_trainer``).
 """
@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_core import checkpoint
+from ddp_core.checkpoint import store as checkpoint
 from ddp_core.config import load_config
 from ddp_core.errors import DdpJobError
-from ddp_core.model_check import check_model
-from ddp_core.model_units import candidate_units, checkpoint_activations, shard_units
-from ddp_core.rundir import RunDir
+from ddp_core.run.rundir import RunDir
+from ddp_core.strategies.check import check_model
+from ddp_core.strategies.units import candidate_units, checkpoint_activations, shard_units
 from ddp_core.tasks.hf_gpt2 import HFGPT2Task
-from ddp_core.train import weights_digest
+from ddp_core.trainer.loop import weights_digest
 from jobs.export import export
 from tests.conftest import ROOT, run_cli
 from tests.helpers import final_digests, run_trainer
@@ -101,8 +101,8 @@ def test_activation_checkpointing_under_fsdp_changes_no_bit(tmp_path):
 
 
 def test_model_parallel_runs_the_task_blocks():
+    from ddp_core.cluster.env import DistEnv
     from ddp_core.config import StrategyConfig, StrategyName
-    from ddp_core.dist_env import DistEnv
     from ddp_core.strategies import build_strategy
 
     torch.manual_seed(0)

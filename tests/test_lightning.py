@@ -1,7 +1,7 @@
 """A plain Lightning script keeps Lightning's own Slurm requeue under ddpjob (script mode).
 
 Lightning registers its auto-requeue handler for USR1 only where no handler is set. ddpjob's script launcher holds the
-warning signal without installing one (``ddp_core.signals``), so Lightning's ``SLURMEnvironment`` takes it: on the
+warning signal without installing one (``cluster.signals``), so Lightning's ``SLURMEnvironment`` takes it: on the
 warning it saves its hpc checkpoint and runs ``scontrol requeue``, and the requeued attempt resumes from that
 checkpoint. The warning comes at a chosen step, asked for by the script's rank 0 (tests/lightning_script.py).
 """

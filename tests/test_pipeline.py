@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+from ddp_core.cluster.env import DistEnv
 from ddp_core.config import load_config
-from ddp_core.dist_env import DistEnv
 from ddp_core.errors import DdpJobError
 from ddp_core.strategies.pipeline import PipelineStrategy
 from tests.conftest import ROOT

@@ -1,4 +1,4 @@
-"""The preemption decision table (ddp_core.preemption.decide) row by row, from ``scontrol show job`` records in
+"""The preemption decision table (ddp_core.cluster.preemption.decide) row by row, from ``scontrol show job`` records in
 the form Slurm 22.05 prints them at each kind of interruption (captured on the local cluster)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import subprocess
 
 import pytest
 
-from ddp_core.dist_env import DistEnv
-from ddp_core.preemption import Interruption, decide, requeue
-from ddp_core.slurm import SlurmGateway
+from ddp_core.cluster.env import DistEnv
+from ddp_core.cluster.preemption import Interruption, decide, requeue
+from ddp_core.cluster.slurm import SlurmGateway
 
 TERM, USR2 = signal.SIGTERM, signal.SIGUSR2
 # The fields that differ, as captured during each interruption; the rest of a record is the same.

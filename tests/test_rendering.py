@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ddp_core.config import load_config
-from ddp_core.rundir import RunDir
+from ddp_core.run.rundir import RunDir
 from jobs.sbatch_template import render
 from jobs.submit import render_submitit_script
 from tests.conftest import ROOT

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import RunDir
+from ddp_core.run.rundir import RunDir
 from jobs.report import PNG_SIZE, find_runs, write_report
 
 ROOT = Path(__file__).resolve().parent.parent

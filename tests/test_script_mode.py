@@ -17,18 +17,19 @@ from typing import Optional, Sequence
 import pytest
 import yaml
 
+from ddp_core.cluster.env import DistEnv, derive_master_port
+from ddp_core.cluster.exits import ExitCode
 from ddp_core.config import load_config, to_yaml
-from ddp_core.dist_env import DistEnv, derive_master_port
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import RunDir
-from ddp_core.script import read_script_spec, script_environment
+from ddp_core.run.rundir import RunDir
+from ddp_core.script.mode import read_script_spec, script_environment
 from tests.helpers import FINAL_DIGEST, events, metric_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = socket.gethostname()
 TUTORIAL = ROOT / "examples" / "ddp_tutorial.py"
 CHARLM = ROOT / "examples" / "charlm_script.py"
-EXIT_STOPPED = 4  # ddp_core.launch.EXIT_STOPPED (not imported: launch imports torch)
+EXIT_STOPPED = ExitCode.STOPPED
 # What a launcher around the test run may have set; each rank here gets only what the test gives it.
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -305,7 +306,7 @@ def test_runtime_log_records_and_continuity_across_attempts(tmp_path):
     run = make_run(tmp_path, TUTORIAL)
     code = textwrap.dedent("""\
         import sys
-        import ddp_core.wandb_run
+        import ddp_core.trainer.wandb_run
         sent = []
         class FakeWandb:
             def __init__(self, cfg, run_dir, run_id, config, enabled, skip_through=-1):
@@ -316,7 +317,7 @@ def test_runtime_log_records_and_continuity_across_attempts(tmp_path):
                     print("sent", step, sorted(metrics))
             def finish(self):
                 pass
-        ddp_core.wandb_run.WandbRun = FakeWandb
+        ddp_core.trainer.wandb_run.WandbRun = FakeWandb
         from ddp_core import runtime
         for step in map(int, sys.argv[1:]):
             runtime.log({"loss": 1.0 / step, "lr": 0.1}, step=step)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from ddp_core.config import load_config
-from ddp_core.rundir import RunDir
+from ddp_core.run.rundir import RunDir
 from jobs.submit import render_submitit_script, sbatch_parameters
 from tests.conftest import ROOT, run_cli
 

@@ -18,9 +18,10 @@ from typing import Any, Sequence
 
 import pytest
 
+from ddp_core.config import ScriptConfig
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import RunDir
-from ddp_core.script import ScriptConfig, arg_value, with_swept_args
+from ddp_core.run.rundir import RunDir
+from ddp_core.script.mode import arg_value, with_swept_args
 from jobs import drill, logs, status
 from jobs import sweep as sw
 from jobs.cli import main
@@ -228,7 +229,7 @@ def ran_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
         arrays = sw.submit_sweep(spec, sw.plan(spec), parallelism=2)
         assert arrays == ["900"]
         ((fn, items),) = FakeExecutor.given
-        from ddp_core.script import run as script_run
+        from ddp_core.script.mode import run as script_run
 
         assert fn is script_run  # jobs.submit.task_function's choice for a script, as for one submitted run
         folder = sw.sweep_dir(spec) / "slurm"

@@ -17,11 +17,12 @@ from typing import Optional, Sequence
 
 import pytest
 
+from ddp_core.cluster.env import DistEnv, derive_master_port
+from ddp_core.cluster.exits import ExitCode
 from ddp_core.config import load_config
-from ddp_core.dist_env import DistEnv, derive_master_port
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import RunDir
-from ddp_core.script_torchrun import Rendezvous, exit_code, rendezvous, torchrun_argv, worker_pids
+from ddp_core.run.rundir import RunDir
+from ddp_core.script.torchrun import Rendezvous, exit_code, rendezvous, torchrun_argv, worker_pids
 from jobs import cluster, logs
 from jobs.sbatch_template import render
 from jobs.submit import check_cluster, environment, make_executor, sbatch_parameters, task_layout
@@ -34,7 +35,7 @@ HOST = socket.gethostname()
 TUTORIAL = str(ROOT / "examples" / "ddp_tutorial.py")
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 TORCHRUN = ["script.launcher=torchrun", f"script.path={TUTORIAL}", "run.name=tr"]
-EXIT_STOPPED = 4  # ddp_core.launch.EXIT_STOPPED
+EXIT_STOPPED = ExitCode.STOPPED
 
 
 # --- the request ------------------------------------------------------------------------------------------------

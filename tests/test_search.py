@@ -12,13 +12,15 @@ from pathlib import Path
 import optuna
 import pytest
 
+from ddp_core.config import TrialConfig
 from ddp_core.errors import DdpJobError
-from ddp_core.pruning import Reporter, TrialConfig, bound_trial, open_storage
-from ddp_core.search_study import (
+from ddp_core.search.pruning import Reporter, bound_trial
+from ddp_core.search.study import (
     JOURNAL_FILE,
     ask,
     create_study,
     distributions,
+    open_storage,
     open_study,
     reassign,
     write_spec,  # fmt: skip

@@ -10,7 +10,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from ddp_core.search_study import open_study
+from ddp_core.search.study import open_study
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import digests, events, final_digests, rank_logs, run_trainer, wait_for, wait_gone
 

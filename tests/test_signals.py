@@ -1,4 +1,4 @@
-"""A task holds the warning signal and SIGTERM from its first instruction until a handler takes them (ddp_core.signals).
+"""A task holds the warning signal and SIGTERM from its first instruction until a handler takes them (cluster.signals).
 
 Each case runs a real process, started the way a Slurm task is (``task_prefix``), signalled with ``os.kill`` while it
 holds the signal: it must survive, and the handler installed later must receive the signal that was held.
@@ -12,12 +12,12 @@ import sys
 
 import pytest
 
-from ddp_core import signals
+from ddp_core.cluster import signals
 
 # Sends itself the warning signal while it is held, then shows what happens once ``SETUP`` has run.
 CHILD = """
 import os, signal, sys, time
-from ddp_core import signals
+from ddp_core.cluster import signals
 blocked = lambda sig: int(open("/proc/self/status").read().split("SigBlk:")[1].split()[0], 16) >> (sig - 1) & 1
 print("held at start:", blocked(signal.SIGUSR2), blocked(signal.SIGTERM), flush=True)
 os.kill(os.getpid(), signal.SIGUSR2)
@@ -40,7 +40,7 @@ def run_held(setup: str) -> str:
 
 def test_a_held_warning_reaches_the_stop_flag_once_it_is_installed():
     out = run_held(
-        "from ddp_core.preemption import StopFlag\n"
+        "from ddp_core.cluster.preemption import StopFlag\n"
         "flag = StopFlag('USR2')\n"
         "time.sleep(0.05)\n"
         "print('received', flag.received, flush=True)"
@@ -88,8 +88,8 @@ def test_after_the_outcome_a_signal_is_ignored_to_the_end(sig):
     """Python's teardown puts handled signals back to their default: a finished attempt must not die of one there."""
     proc = subprocess.run([sys.executable, "-c", (
         "import os, signal\n"
-        "from ddp_core.preemption import StopFlag\n"
-        "from ddp_core import signals\n"
+        "from ddp_core.cluster.preemption import StopFlag\n"
+        "from ddp_core.cluster import signals\n"
         "flag = StopFlag('USR2')\n"
         "signals.ignore_from_now('USR2')\n"
         f"os.kill(os.getpid(), {int(sig)})\n"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_core.rundir import RunDir
+from ddp_core.run.rundir import RunDir
 from tests.conftest import ROOT, run_cli
 
 DIGITS = str(ROOT / "configs" / "digits.yaml")

@@ -13,10 +13,10 @@ from typing import Any, Optional, Sequence
 
 import pytest
 
-from ddp_core import slurm
+from ddp_core.cluster import slurm
 from ddp_core.errors import DdpJobError
-from ddp_core.rundir import RunDir
-from jobs import logs, status
+from ddp_core.run.rundir import RunDir
+from jobs import logs, report, status
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import events, wait_for, wait_gone
 
@@ -159,7 +159,7 @@ def test_one_sacct_call_for_a_sweep_of_100_runs(tmp_path):
          "5400|5400|TIMEOUT|0:0|a|b", "5401|5401|COMPLETED|0:0|a|b"]
     )  # fmt: skip
     fake = FakeSlurm(sacct=sacct_out)
-    rows = status.collect(status.find_runs(sweep), "eval/accuracy", runner=fake)
+    rows = status.collect(report.find_runs(sweep), "eval/accuracy", runner=fake)
     assert fake.count("sacct") == 1 and len(fake.calls) == 1
     assert fake.calls[0][-1] == "5300,5400,5401"  # the array once, by its base id
     by_name = {r.run.name: r for r in rows}
@@ -225,7 +225,7 @@ def test_default_lists_newest_runs_first(tmp_path, monkeypatch):
 
 # --- logs -----------------------------------------------------------------------------------------------------
 
-BANNER = "05:23:46 [rank {r}/2] INFO ddp_core.distributed: slurm on n1: rank {r}/2 local {r}/2 node 0/1\n"
+BANNER = "05:23:46 [rank {r}/2] INFO ddp_core.dist.groups: slurm on n1: rank {r}/2 local {r}/2 node 0/1\n"
 
 
 def attempt_text(rank: int, text: str) -> str:
@@ -318,13 +318,15 @@ def test_cancel_one_scancel_for_all_active_jobs(tmp_path, monkeypatch, capsys):
 
     idle = FakeSlurm(squeue="")
     monkeypatch.setattr(slurm.GATEWAY, "runner", idle)
-    assert status.cmd_cancel(argparse.Namespace(paths=[str(sweep)])) == 0
+    assert logs.cmd_cancel(argparse.Namespace(paths=[str(sweep)])) == 0
     assert "nothing to cancel" in capsys.readouterr().out and idle.count("scancel") == 0
 
 
 def test_parsers():
     parser = argparse.ArgumentParser()
-    status.add_parsers(parser.add_subparsers(dest="command"))
+    subparsers = parser.add_subparsers(dest="command")
+    status.add_parser(subparsers)
+    logs.add_parsers(subparsers)
     args = parser.parse_args(["status", "runs/x", "--watch"])
     assert (args.path, args.watch, args.metric) == ("runs/x", 10.0, None)  # None: a search's own metric
     assert parser.parse_args(["status", "--watch", "3"]).watch == 3.0
@@ -332,7 +334,7 @@ def test_parsers():
     args = parser.parse_args(["logs", "r", "-f", "--rank", "1", "--attempt", "2"])
     assert (args.run_dir, args.follow, args.rank, args.attempt, args.stream) == ("r", True, 1, "2", "err")
     assert parser.parse_args(["cancel", "a", "b"]).paths == ["a", "b"]
-    assert set(status.COMMANDS) == {"status", "logs", "cancel"}
+    assert set(status.COMMANDS) | set(logs.COMMANDS) == {"status", "logs", "cancel"}
 
 
 # --- on the real cluster ----------------------------------------------------------------------------------------

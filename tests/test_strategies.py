@@ -13,14 +13,14 @@ import pytest
 import torch
 from torch import nn
 
-from ddp_core import checkpoint
+from ddp_core.checkpoint import store as checkpoint
+from ddp_core.cluster.env import DistEnv
 from ddp_core.config import Config, OptimConfig, StrategyConfig, StrategyName, load_config, ranks_per_node
-from ddp_core.dist_env import DistEnv
 from ddp_core.errors import DdpJobError
-from ddp_core.optim import build_optimizer
 from ddp_core.strategies import Strategy, build_strategy
 from ddp_core.strategies.model_parallel import StagedModel, balanced_split
 from ddp_core.tasks.charlm import CharLMTask, Windows
+from ddp_core.trainer.optim import build_optimizer
 from jobs import cluster
 from jobs.submit import sbatch_parameters
 from tests.conftest import ROOT

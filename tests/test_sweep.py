@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_core.rundir import RunDir
+from ddp_core.run.rundir import RunDir
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import digests, events, in_queue, rank_logs, wait_for, wait_gone
 

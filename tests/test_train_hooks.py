@@ -15,13 +15,13 @@ import pytest
 import torch
 from torch import nn
 
-from ddp_core import checkpoint
+from ddp_core.checkpoint import store as checkpoint
 from ddp_core.config import OptimConfig, OptimizerImpl, OptimizerName, Schedule, load_config
 from ddp_core.errors import DdpJobError
-from ddp_core.optim import build_optimizer, build_scheduler, keeps_implementation, parameter_groups
-from ddp_core.rundir import RunDir
-from ddp_core.task import Output, TaskConfig, check_task
-from ddp_core.train_metrics import TrainSums
+from ddp_core.run.rundir import RunDir
+from ddp_core.tasks.base import Output, TaskConfig, check_task
+from ddp_core.trainer.metrics import TrainSums
+from ddp_core.trainer.optim import build_optimizer, build_scheduler, keeps_implementation, parameter_groups
 from jobs.export import export
 from tests.conftest import ROOT
 from tests.helpers import events, final_digests, run_trainer

@@ -155,7 +155,7 @@ def test_export_cli_writes_a_plain_state_dict(tmp_path):
     state = torch.load(out, weights_only=True)
     model = DigitsTask().build_model(**{"hidden": 128, "depth": 2, "dropout": 0.1})
     model.load_state_dict(state)  # strict: plain keys, no wrapper prefixes
-    from ddp_core.train import weights_digest
+    from ddp_core.trainer.loop import weights_digest
 
     assert final_digests(log) == [weights_digest(state)]
 
@@ -218,9 +218,9 @@ def test_a_rank_that_starts_before_rank_0_joins_its_store_once_it_listens():
     import socket
     import threading
 
-    from ddp_core import distributed
+    from ddp_core.cluster.env import DistEnv
     from ddp_core.config import DistConfig
-    from ddp_core.dist_env import DistEnv
+    from ddp_core.dist import groups as distributed
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -282,16 +282,17 @@ def test_a_failure_after_training_is_logged_and_exits_nonzero(tmp_path):
 
 
 def test_the_trainer_imports_only_what_its_run_uses():
-    """``import ddp_core.train`` leaves out what a ddp run on a full checkpoint never touches (a second of imports on
+    """``import ddp_core.trainer.loop`` leaves out what a ddp run on a full checkpoint never touches (a second of
+    imports on
     top of torch): the other strategies' torch modules, DCP, pipelining, dynamo, W&B, OmegaConf. They load when a
     run uses them: building the fsdp strategy brings FSDP in."""
     heavy = ["omegaconf", "wandb", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.pipelining",
-             "torch.distributed.fsdp", "ddp_core.sharded_checkpoint", "ddp_core.strategies.fsdp"]  # fmt: skip
+             "torch.distributed.fsdp", "ddp_core.checkpoint.sharded", "ddp_core.strategies.fsdp"]  # fmt: skip
     code = (
-        "import sys, torch, ddp_core.train\n"
+        "import sys, torch, ddp_core.trainer.loop\n"
         f"print([m for m in {heavy!r} if m in sys.modules])\n"
         "from ddp_core.config import StrategyConfig, StrategyName\n"
-        "from ddp_core.dist_env import DistEnv\n"
+        "from ddp_core.cluster.env import DistEnv\n"
         "from ddp_core.strategies import build_strategy\n"
         "build_strategy(StrategyConfig(name=StrategyName.fsdp), DistEnv(), torch.device('cpu'))\n"
         "print('torch.distributed.fsdp' in sys.modules)\n"
@@ -306,7 +307,7 @@ def test_train_deterministic_reaches_torch_and_torch_is_called_only_on_a_change(
     import torch
 
     from ddp_core.config import load_config
-    from ddp_core.train import apply_determinism
+    from ddp_core.trainer.loop import apply_determinism
 
     real, calls = torch.use_deterministic_algorithms, []
     monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda mode: (calls.append(mode), real(mode)))

@@ -1,5 +1,5 @@
-"""Hangs and stragglers: the watchdog (ddp_core/watchdog.py) dumps, records and requeues a stalled attempt; the
-rendezvous names ranks that never arrive; the straggler report (ddp_core/straggler.py) names a slow rank.
+"""Hangs and stragglers: the watchdog (ddp_core/trainer/watchdog.py) dumps, records and requeues a stalled attempt; the
+rendezvous names ranks that never arrive; the straggler report (ddp_core/dist/straggler.py) names a slow rank.
 
 Outside Slurm a hung run ends with the watchdog's exit code (6) and its stacks; on the local cluster a hang in a
 step, inside a collective, or before the first step requeues the job, which resumes bitwise exactly. A main
@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from ddp_core.config import WatchdogConfig
+from ddp_core.config.features import validate_watchdog as validate
+from ddp_core.dist.straggler import persistent
 from ddp_core.errors import DdpJobError
-from ddp_core.straggler import persistent
-from ddp_core.watchdog import WatchdogConfig, _suspects, validate
+from ddp_core.trainer.watchdog import _suspects
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import digests, events, rank_logs, wait_gone
 
@@ -175,7 +177,7 @@ def test_a_rank_that_never_arrives_ends_the_rendezvous_naming_it(slurm_cluster, 
     """A 2-node job whose rank 1 (on n2) is given a port nothing listens on, as from a node that cannot reach the
     master's: rank 1 says it cannot reach the rendezvous, rank 0 says rank 1 never arrived and who did, and the job
     ends FAILED within dist.init_timeout_s (plus start-up) instead of waiting for the default 20 minutes."""
-    from ddp_core.dist_env import PORT_BASE, derive_master_port
+    from ddp_core.cluster.env import PORT_BASE, derive_master_port
 
     bad = PORT_BASE - 1  # below the range the trainer derives ports from: never a rendezvous
     site = tmp_path / "site"  # sitecustomize runs first in each task's interpreter: only SLURM_PROCID 1 is misled
@@ -196,7 +198,7 @@ def test_a_rank_that_never_arrives_ends_the_rendezvous_naming_it(slurm_cluster, 
     assert f"rank 1 on n2 could not reach the rendezvous at n1:{bad} within dist.init_timeout_s (8 s)" in logs[1]
 
 
-# --- stragglers (ddp_core/straggler.py) -------------------------------------------------------------------------
+# --- stragglers (ddp_core/dist/straggler.py) -------------------------------------------------------------------------
 
 
 def line(slowest: int, high: float, median: float, step_ms: float = 50.0) -> dict:

@@ -11,10 +11,10 @@ from typing import Optional
 
 import torch
 
+from ddp_core.cluster.env import DistEnv
 from ddp_core.config import StrategyConfig, StrategyName
-from ddp_core.dist_env import DistEnv
 from ddp_core.strategies.base import Strategy
-from ddp_core.task import Task
+from ddp_core.tasks.base import Task
 
 # strategy name -> (module, class)
 _STRATEGIES: dict[StrategyName, tuple[str, str]] = {

@@ -9,10 +9,10 @@ from typing import Any, Callable, ClassVar, ContextManager, Optional
 import torch
 from torch import nn
 
+from ddp_core.cluster.env import DistEnv
 from ddp_core.config import StrategyConfig
-from ddp_core.dist_env import DistEnv
-from ddp_core.straggler import WorkTimer
-from ddp_core.task import Output, Task
+from ddp_core.dist.straggler import WorkTimer
+from ddp_core.tasks.base import Output, Task
 
 
 class Strategy(ABC):
@@ -24,7 +24,9 @@ class Strategy(ABC):
         self.cfg = cfg
         self.env = env
         self.device = device
-        self.work = WorkTimer(device)  # this rank's data wait and forward: the straggler report (ddp_core/straggler.py)
+        self.work = WorkTimer(
+            device
+        )  # this rank's data wait and forward: the straggler report (ddp_core/dist/straggler.py)
         # Set by the trainer: where each training micro-batch's Output goes (train/<name> metrics), and the fp16
         # loss scaler (train.precision=fp16) that scales each loss before its backward.
         self.on_train_output: Callable[[Output], None] = lambda out: None

@@ -9,10 +9,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_core import distributed
-from ddp_core.model_units import candidate_units, checkpoint_activations
+from ddp_core.dist import groups as distributed
 from ddp_core.strategies.base import Strategy
-from ddp_core.task import Task
+from ddp_core.strategies.units import candidate_units, checkpoint_activations
+from ddp_core.tasks.base import Task
 
 
 class DDPStrategy(Strategy):

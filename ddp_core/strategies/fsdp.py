@@ -3,10 +3,10 @@
 Each rank keeps 1/world of every parameter (a DTensor sharded on dim 0 over a 1-D mesh of all ranks); a
 block's full parameters are all-gathered just for its forward and backward, and gradients are
 reduce-scattered. Every rank is a data-parallel replica (its own batch). ``fully_shard`` goes on each unit
-(``ddp_core.model_units.shard_units``: the modules of ``strategy.wrap_classes``, else of the model's
+(``ddp_core.strategies.units.shard_units``: the modules of ``strategy.wrap_classes``, else of the model's
 ``_no_split_modules``, else its top-level children), so one block is gathered at a time, then on the root,
 which takes the remaining parameters (tied ones among them). Checkpoints are sharded
-(``ddp_core.sharded_checkpoint``): no rank ever holds the whole state for them. On a single process without a
+(``ddp_core.checkpoint.sharded``): no rank ever holds the whole state for them. On a single process without a
 process group (``python -m ddp_core`` alone), a one-rank group is created, so the same code (and mixed precision)
 runs.
 """
@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from ddp_core import distributed
+from ddp_core.dist import groups as distributed
 from ddp_core.errors import DdpJobError
-from ddp_core.model_units import candidate_units, checkpoint_activations, shard_units, wrap_class_names
 from ddp_core.strategies.base import Strategy
+from ddp_core.strategies.units import candidate_units, checkpoint_activations, shard_units, wrap_class_names
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from ddp_core.errors import DdpJobError
-from ddp_core.model_units import model_blocks, ties_across_stages
 from ddp_core.strategies.base import SingleProcessStrategy
 from ddp_core.strategies.dp import local_devices, require_single_process
+from ddp_core.strategies.units import model_blocks, ties_across_stages
 
 log = logging.getLogger(__name__)
 

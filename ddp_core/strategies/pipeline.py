@@ -2,7 +2,7 @@
 ranks, micro-batches flowing through them under a GPipe or 1F1B schedule, combined with data parallelism.
 
 Ranks form a 2-D mesh (dp x pp): rank = replica * stages + stage. The blocks are an ``nn.Sequential``'s
-children or what ``Task.pipeline_blocks(model)`` returns (``ddp_core.model_units.model_blocks``). Every rank
+children or what ``Task.pipeline_blocks(model)`` returns (``ddp_core.strategies.units.model_blocks``). Every rank
 builds the whole model (same seed, so the same weights) and drops the weights of other stages' blocks in place:
 parameter names stay those of the plain model, so sharded checkpoints, export and the final digest line up
 with every other strategy. A parameter tied across stages (GPT-2's ``wte``/``lm_head``) is kept on each stage
@@ -23,10 +23,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from ddp_core.errors import DdpJobError
-from ddp_core.model_units import model_blocks, stage_ranges, ties_across_stages
 from ddp_core.strategies.base import Strategy
 from ddp_core.strategies.model_parallel import balanced_split
-from ddp_core.task import Output, Task
+from ddp_core.strategies.units import model_blocks, stage_ranges, ties_across_stages
+from ddp_core.tasks.base import Output, Task
 
 log = logging.getLogger(__name__)
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}

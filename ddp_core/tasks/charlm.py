@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 from ddp_core.errors import DdpJobError
-from ddp_core.task import Output, Task
+from ddp_core.tasks.base import Output, Task
 
 VOCAB = 256  # bytes: no tokenizer to build or ship
 

@@ -10,7 +10,7 @@ from torch.nn import functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 from ddp_core.errors import DdpJobError
-from ddp_core.task import Output, Task
+from ddp_core.tasks.base import Output, Task
 
 N_IMAGES = 1797  # scikit-learn's digits: fixed, so the split sizes are known without loading it
 

@@ -1,0 +1,300 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): every rank writes its own shard, in parallel.
+
+``checkpoints/step_XXXXXXXX.dcp/`` holds DCP's files (``__<rank>_<n>.distcp`` shards and ``.metadata``) and
+``extra.pt``, rank 0's small file of everything that is not a model or optimizer tensor (position, every
+rank's RNG, scheduler, config, the optimizer's param groups). The folder is written under a temporary name;
+once every rank's files are durable, rank 0 renames it and writes the manifest ``step_XXXXXXXX.json`` (kind
+``sharded``, world size, each file's size and sha256) last, as for full checkpoints (``ddp_core.checkpoint.store``).
+
+Loading runs no code from the checkpoint: only tensors go through DCP (its path for other objects unpickles with
+``weights_only=False``), the rest is in ``extra.pt`` (``weights_only=True``), and we unpickle DCP's ``.metadata``
+ourselves, allowing only the exact (module, name) pairs DCP writes and refusing any non-tensor entry; DCP then
+plans from that checked copy. A sharded checkpoint loads at any world size
+(DCP reshards) and into any strategy, and into a single process without a process group (``ddpjob export``).
+
+Async saves (``checkpoint.async_save``) use ``dcp.async_save`` on a gloo group of their own: on the default
+group it deadlocked against training's collectives here. Training blocks while the state is copied; a
+background thread on every rank then checksums its share of the files and rank 0 finishes the checkpoint
+(rename, manifest, prune). Synchronous saves do the same in the training thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import socket
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional, cast
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from ddp_core.checkpoint.store import SHARDED, CheckpointInfo, files_digest, fsync_dir, prune, remove_data, sha256_file
+from ddp_core.dist import groups as distributed
+from ddp_core.errors import DdpJobError
+from ddp_core.run.rundir import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+EXTRA = "extra.pt"
+DCP_METADATA = ".metadata"  # the file FileSystemWriter's coordinator writes last
+
+# Exactly what DCP's FileSystemWriter pickles into .metadata (read off real ones): (module, qualified name) pairs,
+# compared whole. No module is allowed wholesale: protocol 4 resolves a dotted name by walking attributes, so
+# ('torch.distributed.checkpoint.metadata', 'torch.os.system') would be os.system.
+_METADATA_GLOBALS = frozenset(
+    {("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "TensorProperties",
+        "StorageMeta", "_MEM_FORMAT_ENCODING")}
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+    }
+)  # fmt: skip
+_DTYPES = frozenset(name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype))
+_BYTES_ENTRY = ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata")
+_REFUSED_HINT = "load only checkpoints as ddpjob wrote them: restore this one from a trusted copy or delete it"
+
+
+class CheckpointRefused(DdpJobError):
+    """A checkpoint whose metadata names something DCP's own writer never writes: loading it could run code."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == _BYTES_ENTRY:
+            raise CheckpointRefused(
+                "it declares a non-tensor (bytes) entry, which ddpjob never writes and DCP would unpickle with "
+                "weights_only=False"
+            )
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and name in _DTYPES):
+            return super().find_class(module, name)
+        raise CheckpointRefused(f"its {DCP_METADATA} names '{module}.{name}', which is not one of DCP's metadata types")
+
+
+def read_metadata(folder: Path) -> Metadata:
+    """DCP's metadata of a checkpoint folder, unpickled with only DCP's own types allowed and every entry a tensor.
+    Raises ``CheckpointRefused`` (saying why) for anything else: a manifest's sha256 proves integrity, not
+    authorship, so whoever can write the checkpoint could otherwise make loading it run code."""
+    try:
+        with open(folder / DCP_METADATA, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise CheckpointRefused(f"its {DCP_METADATA} holds a {type(metadata).__name__}, not DCP Metadata")
+        for key, spec in metadata.state_dict_metadata.items():
+            if not isinstance(spec, TensorStorageMetadata):
+                raise CheckpointRefused(f"its entry '{key}' is a {type(spec).__name__}, not a tensor")
+    except CheckpointRefused as err:
+        raise CheckpointRefused(f"checkpoint {folder} refused: {err.message}", _REFUSED_HINT) from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as err:
+        raise CheckpointRefused(
+            f"checkpoint {folder} refused: unreadable {DCP_METADATA} ({err})", _REFUSED_HINT
+        ) from None
+    return metadata
+
+
+class _CheckedReader(dcp.FileSystemReader):
+    """DCP's file reader, planning from the metadata ``read_metadata`` checked: DCP never unpickles .metadata
+    itself (it would, unrestricted, and the file could have changed since the check)."""
+
+    def __init__(self, folder: Path, metadata: Metadata) -> None:
+        super().__init__(folder)
+        self._checked = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        meta = getattr(self._checked, "storage_meta", None)
+        if meta is None:
+            meta = self._checked.storage_meta = StorageMeta()
+        meta.load_id = getattr(self, "load_id", None)
+        return self._checked
+
+
+def split_tensors(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A nested dict cut in two of the same shape: its tensors (for DCP) and everything else (for extra.pt)."""
+    tensors: dict[str, Any] = {}
+    plain: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            inner_tensors, inner_plain = split_tensors(value)
+            if inner_tensors:
+                tensors[key] = inner_tensors
+            if inner_plain or not inner_tensors:  # keeps empty dicts (an optimizer with no state yet)
+                plain[key] = inner_plain
+        elif isinstance(value, torch.Tensor):
+            tensors[key] = value
+        else:
+            plain[key] = value
+    return tensors, plain
+
+
+def merge(tree: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of ``split_tensors``."""
+    out = dict(tree)
+    for key, value in other.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merge(out[key], value) if both else value
+    return out
+
+
+def _save_extra(path: Path, extra: dict[str, Any]) -> None:
+    with open(path, "wb") as f:
+        torch.save(extra, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class ShardedWriter:
+    """Writes one run's sharded checkpoints. Every rank holds one and calls ``save`` at the same step."""
+
+    def __init__(self, directory: Path, keep_last: int, async_save: bool, rank: int, world_size: int) -> None:
+        self.directory, self.keep_last, self.async_save = directory, keep_last, async_save
+        self.rank, self.world_size = rank, world_size
+        self._pending: Optional[Future[Any]] = None
+        self._group: Optional[dist.ProcessGroup] = None  # async saves' own gloo group (made at the first one)
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt") if async_save else None
+
+    def save(self, step: int, state: dict[str, Any], extra: Optional[dict[str, Any]]) -> float:
+        """Collective. ``state``: this rank's model/optimizer state (``Strategy.sharded_state``); ``extra``: the
+        rest, rank 0 only. Returns the seconds training blocked (for an async save: waiting for the previous
+        one, copying the state)."""
+        started = time.perf_counter()
+        self.wait()  # at most one save in flight: bounded memory, and manifests appear in step order
+        tmp = self.directory / f".step_{step:08d}.dcp.tmp"
+        tensors, plain = split_tensors(state)
+        if self.rank == 0:
+            remove_data(tmp)  # left by a killed attempt: stale shards must not mix with this save's
+            tmp.mkdir(parents=True)
+            assert extra is not None
+            _save_extra(tmp / EXTRA, {"plain": plain, "model_keys": list(state["model"])} | extra)
+        distributed.barrier()  # the folder exists, empty of stale files, before any rank writes into it
+        writer = dcp.FileSystemWriter(tmp)  # fsyncs every file it writes
+        if self._background is None:
+            dcp.save(tensors, storage_writer=writer)
+            self._complete(step, tmp, started, None)
+            distributed.barrier()  # nobody runs ahead (or exits) before the manifest is written
+            return time.perf_counter() - started
+        if self._group is None and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")
+        upload = dcp.async_save(tensors, storage_writer=writer, process_group=self._group)
+        assert isinstance(upload, Future)
+        blocked = time.perf_counter() - started
+        self._pending = self._background.submit(self._complete_after, upload, step, tmp, started, blocked)
+        return blocked
+
+    def wait(self) -> float:
+        """Block until the save in flight, if any, is complete (on rank 0: manifest written). Returns seconds."""
+        if self._pending is None:
+            return 0.0
+        started = time.perf_counter()
+        pending, self._pending = self._pending, None
+        pending.result()  # re-raises a failed background save here, in the training thread
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        """Wait for the save in flight; call before the process group goes away."""
+        self.wait()
+        if self._background is not None:
+            self._background.shutdown()
+
+    def _complete_after(self, upload: Future[Any], step: int, tmp: Path, started: float, blocked: float) -> None:
+        upload.result()  # on every rank, DCP returns once its coordinator wrote .metadata, after all shards
+        self._complete(step, tmp, started, blocked)
+
+    def _complete(self, step: int, tmp: Path, started: float, blocked: Optional[float]) -> None:
+        """Collective (on the async group in the background): every rank checksums its share of the folder's
+        files, so a large checkpoint is hashed in parallel, not by rank 0 alone; rank 0 finishes it."""
+        names = sorted(p.name for p in tmp.iterdir())
+        mine = {name: _describe(tmp / name) for name in names[self.rank :: self.world_size]}
+        shares = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            shares = [{} for _ in range(self.world_size)] if self.rank == 0 else []
+            dist.gather_object(mine, shares if self.rank == 0 else None, dst=0, group=self._group)
+        if self.rank != 0:
+            return
+        files = {name: info for share in shares for name, info in share.items()}
+        for name in names:  # a rank that listed the folder differently (a lagging shared filesystem)
+            files.setdefault(name, _describe(tmp / name))
+        self._finish(step, tmp, dict(sorted(files.items())), started, blocked)
+
+    def _finish(
+        self, step: int, tmp: Path, files: dict[str, dict[str, Any]], started: float, blocked: Optional[float]
+    ) -> None:
+        """Rank 0: move the folder into place, write the manifest last, prune."""
+        fsync_dir(tmp)
+        final = self.directory / f"step_{step:08d}.dcp"
+        manifest = final.with_suffix(".json")
+        # This step's checkpoint from an earlier attempt (one resumed at its last step saves it again) is
+        # replaced, manifest first: a kill in between loses this step, never pairs a manifest with other data.
+        manifest.unlink(missing_ok=True)
+        remove_data(final)
+        remove_data(final.with_suffix(".pt"))
+        os.replace(tmp, final)
+        fsync_dir(self.directory)
+        meta = {
+            "step": step,
+            "kind": SHARDED,
+            "file": final.name,
+            "world_size": self.world_size,
+            "files": files,
+            "size": sum(f["size"] for f in files.values()),
+            "sha256": files_digest(files),
+            "async": self.async_save,
+            "time": time.time(),
+            "writer": {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid()},
+        }
+        atomic_write_text(manifest, json.dumps(meta, indent=1) + "\n")
+        fsync_dir(self.directory)
+        took = time.perf_counter() - started
+        log.info("checkpoint step %d saved (%d files, %.1f MB, %.2f s, training blocked %.2f s): %s", step,
+                 len(files), meta["size"] / 1e6, took, took if blocked is None else blocked, final)  # fmt: skip
+        prune(self.directory, self.keep_last)
+
+
+def _describe(path: Path) -> dict[str, Any]:
+    return {"size": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def load(info: CheckpointInfo, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Collective when a process group exists. Reads a sharded checkpoint into ``state`` (model/optimizer as
+    ``Strategy.sharded_state`` gives them, at any world size) in place. Returns (that state completed with the
+    checkpoint's non-tensor parts, the rest of the checkpoint: position, RNG, scheduler, ...)."""
+    metadata = read_metadata(info.path)  # refuses a checkpoint whose loading could run code, before reading it
+    extra = torch.load(info.path / EXTRA, map_location="cpu", weights_only=True)
+    tensors, own = split_tensors(state)
+    dcp.load(tensors, storage_reader=_CheckedReader(info.path, metadata))
+    plain = extra.pop("plain")
+    saved_groups = plain.get("optimizer", {}).get("param_groups")
+    own_groups = own.get("optimizer", {}).get("param_groups")
+    if saved_groups is not None and own_groups is not None and len(saved_groups) == len(own_groups):
+        # Which parameters a group holds is this rank's own (a pipeline stage holds some, rank 0 wrote its
+        # own list); the hyperparameters (lr, betas, ...) come from the checkpoint.
+        plain["optimizer"]["param_groups"] = [
+            saved | {"params": mine["params"]} for saved, mine in zip(saved_groups, own_groups, strict=True)
+        ]
+    return merge(tensors, plain), extra
+
+
+def read_model_state(folder: Path) -> dict[str, torch.Tensor]:
+    """The whole model's weights under plain keys, in this process alone (no process group needed)."""
+    metadata = read_metadata(folder)
+    extra = torch.load(folder / EXTRA, map_location="cpu", weights_only=True)
+    specs = metadata.state_dict_metadata
+    state: dict[str, torch.Tensor] = {}
+    for key in extra["model_keys"]:  # the model's own state_dict order
+        spec = cast(TensorStorageMetadata, specs[f"model.{key}"])  # a tensor: read_metadata refused anything else
+        state[key] = torch.empty(spec.size, dtype=spec.properties.dtype)
+    with warnings.catch_warnings():  # DCP warns that it assumes a single process: that is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": state}, storage_reader=_CheckedReader(folder, metadata), no_dist=True)
+    return state

@@ -1,0 +1,8 @@
+"""cluster: where this process runs and how it ends. Torch-free.
+
+Owns the rank/world view (``env.DistEnv``, read once from Slurm's, torchrun's or a lone process's environment), the
+Slurm gateway (``slurm``: every ``scontrol``/``sacct`` call, one injectable runner), the warning and termination
+signals (``signals``, ``preemption.StopFlag``), the preemption decisions (``preemption.decide``), the exit policy
+(``exits``: named exit codes and the only place a compute-side process ends) and rank-prefixed logging (``log``).
+Imports ``config``, ``run`` and ``errors`` only.
+"""

@@ -1,0 +1,356 @@
+"""Checks of a whole config that need no cluster: finite numbers, ranges, combinations of sections, and the
+strings that go into ``#SBATCH`` lines. Each failure is one ``DdpJobError`` naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Optional
+
+from ddp_core.config.features import validate_script, validate_snapshot, validate_trial, validate_watchdog
+from ddp_core.config.schema import (
+    CPU_BIND,
+    GPU_BIND,
+    MIXED_PRECISION,
+    MODEL_OPTION_STRATEGIES,
+    PIPELINE_SCHEDULES,
+    SINGLE_PROCESS_STRATEGIES,
+    SINGLE_UNIT,
+    OptimConfig,
+    Precision,
+    StrategyConfig,
+    StrategyName,
+)
+from ddp_core.config.tree import Config, plain, ranks_per_node, to_dict
+from ddp_core.errors import DdpJobError
+
+
+def _require(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise DdpJobError(f"config key '{key}' = {value!r} is invalid: {why}", f"fix it in the YAML or with {key}=...")
+
+
+def _floats(node: Any, prefix: str = "") -> Any:
+    """(key, value) of every float in the tree (dotted keys), task arguments and sbatch options included."""
+    if dataclasses.is_dataclass(node):
+        items = [(f"{prefix}{f.name}", getattr(node, f.name)) for f in dataclasses.fields(node)]
+    elif isinstance(node, dict):
+        items = [(f"{prefix}{name}", value) for name, value in node.items()]
+    else:
+        items = [(f"{prefix[:-1]}[{i}]", value) for i, value in enumerate(node)]
+    for key, value in items:
+        if isinstance(value, float):
+            yield key, value
+        elif dataclasses.is_dataclass(value) or isinstance(value, (dict, list)):
+            yield from _floats(value, f"{key}.")
+
+
+# Upper bounds that no real run comes near; past them a value is a typo (or 1e20) that would fail only after the
+# queue wait, or be rendered for sbatch to reject.
+_AT_MOST = {
+    "data.batch_size": 1 << 20,
+    "data.eval_batch_size": 1 << 20,
+    "data.num_workers": 256,
+    "train.grad_accum": 1 << 16,
+    "train.max_steps": 1 << 40,
+    "slurm.nodes": 1 << 16,
+    "slurm.gpus_per_node": 64,
+    "slurm.tasks_per_node": 1024,
+    "slurm.cpus_per_task": 4096,
+    "slurm.time_min": 366 * 24 * 60,  # a year
+}
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no cluster: ranges and combinations. Raises ``DdpJobError`` naming the key."""
+    for key, value in _floats(cfg):
+        _require(math.isfinite(value), key, value, "must be a finite number")
+    for key, limit in _AT_MOST.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None:
+            _require(value <= limit, key, value, f"must be at most {limit}")
+    _require(0 <= cfg.train.seed < 2**63, "train.seed", cfg.train.seed, "must be in [0, 2**63)")
+    _require(0 <= cfg.optim.momentum < 1, "optim.momentum", cfg.optim.momentum, "must be in [0, 1)")
+    _require(cfg.checkpoint.sigterm_budget_s >= 0, "checkpoint.sigterm_budget_s", cfg.checkpoint.sigterm_budget_s,
+             "must be >= 0 (0: never save on SIGTERM)")  # fmt: skip
+    if cfg.slurm.mem_gb is not None:
+        _require(cfg.slurm.mem_gb > 0, "slurm.mem_gb", cfg.slurm.mem_gb, "must be > 0, or null for the default")
+    positive = {
+        "data.batch_size": cfg.data.batch_size,
+        "data.eval_batch_size": cfg.data.eval_batch_size,
+        "train.max_steps": cfg.train.max_steps,
+        "train.grad_accum": cfg.train.grad_accum,
+        "train.log_every": cfg.train.log_every,
+        "checkpoint.keep_last": cfg.checkpoint.keep_last,
+        "slurm.nodes": cfg.slurm.nodes,
+        "slurm.cpus_per_task": 1 if cfg.slurm.cpus_per_task is None else cfg.slurm.cpus_per_task,
+        "slurm.time_min": cfg.slurm.time_min,
+        "dist.timeout_s": cfg.dist.timeout_s,
+        "dist.init_timeout_s": cfg.dist.init_timeout_s,
+    }
+    for key, value in positive.items():
+        _require(value > 0, key, value, "must be > 0")
+    non_negative = {
+        "data.num_workers": cfg.data.num_workers,
+        "train.eval_every": cfg.train.eval_every,
+        "checkpoint.every_steps": cfg.checkpoint.every_steps,
+        "optim.warmup_steps": cfg.optim.warmup_steps,
+        "optim.weight_decay": cfg.optim.weight_decay,
+        "optim.grad_clip": cfg.optim.grad_clip,
+        "slurm.gpus_per_node": cfg.slurm.gpus_per_node,
+    }
+    for key, value in non_negative.items():
+        _require(value >= 0, key, value, "must be >= 0")
+    _require(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "must be > 0")
+    _require(
+        cfg.slurm.signal.upper().removeprefix("SIG") in {"USR1", "USR2"},
+        "slurm.signal",
+        cfg.slurm.signal,
+        "must be USR1 or USR2 (SIGTERM is Slurm's own kill signal and is handled anyway)",
+    )
+    _require(
+        0 <= cfg.slurm.signal_lead_s < cfg.slurm.time_min * 60,
+        "slurm.signal_lead_s",
+        cfg.slurm.signal_lead_s,
+        f"must be >= 0 and below the time limit ({cfg.slurm.time_min * 60} s)",
+    )
+    _require(cfg.slurm.array_parallelism > 0, "slurm.array_parallelism", cfg.slurm.array_parallelism, "must be > 0")
+    for key in ("max_timeouts", "max_preemptions", "max_hangs"):
+        _require(getattr(cfg.slurm, key) >= 0, f"slurm.{key}", getattr(cfg.slurm, key), "must be >= 0")
+    _require(cfg.slurm.tasks_per_node > 0, "slurm.tasks_per_node", cfg.slurm.tasks_per_node, "must be > 0")
+    _require(
+        cfg.optim.warmup_steps < cfg.train.max_steps or cfg.optim.warmup_steps == 0,
+        "optim.warmup_steps",
+        cfg.optim.warmup_steps,
+        f"must be smaller than train.max_steps ({cfg.train.max_steps})",
+    )
+    _require(cfg.slurm.gpu_bind in GPU_BIND, "slurm.gpu_bind", cfg.slurm.gpu_bind, f"must be one of {GPU_BIND}")
+    _require(cfg.slurm.cpu_bind in CPU_BIND, "slurm.cpu_bind", cfg.slurm.cpu_bind, f"must be one of {CPU_BIND}")
+    _validate_guard(cfg.dist.guard)
+    validate_watchdog(cfg.watchdog, cfg.dist.timeout_s)
+    validate_snapshot(cfg.snapshot)
+    validate_trial(cfg.trial)
+    _require(cfg.train.straggler_factor >= 1, "train.straggler_factor", cfg.train.straggler_factor, "must be >= 1")
+    _require(cfg.train.stop_check_ms >= 0, "train.stop_check_ms", cfg.train.stop_check_ms, "must be >= 0")
+    _validate_trainer_extras(cfg)
+    _validate_script_strings(cfg)
+    validate_script(cfg.script, cfg.slurm)
+    _validate_script_mode(cfg)
+    _validate_strategy(cfg)
+    module, _, cls = cfg.task.target.partition(":")
+    _require(
+        cls.isidentifier() and all(part.isidentifier() for part in module.split(".")),
+        "task.target",
+        cfg.task.target,
+        "must look like 'package.module:ClassName'",
+    )
+    _require(bool(cfg.run.name.strip()) and "/" not in cfg.run.name, "run.name", cfg.run.name, "must be a plain name")
+
+
+def _validate_trainer_extras(cfg: Config) -> None:
+    """The optimizer's, the monitor's and the data pipeline's keys."""
+    validate_optim(cfg.optim, cfg.train.max_steps)
+    validate_monitor(cfg.checkpoint.monitor, cfg.train.early_stop_patience, cfg.train.eval_every)
+    _require(cfg.train.eval_batches >= 0, "train.eval_batches", cfg.train.eval_batches, "must be >= 0 (0: all)")
+    if cfg.train.precision is Precision.fp16:
+        # A skipped step (inf/NaN gradients) must be skipped on every rank: with gradients sharded (fsdp) or split
+        # into stages (pipeline), each rank's scaler would see only its own part and could decide differently.
+        _require(cfg.strategy.name in (StrategyName.ddp, StrategyName.dp, StrategyName.model_parallel),
+                 "train.precision", "fp16", f"is supported with strategy.name ddp, dp or model_parallel, not "
+                 f"{cfg.strategy.name.value!r}; use bf16 there")  # fmt: skip
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Whitespace, control characters and shell metacharacters: none may appear in a value of an #SBATCH line.
+_UNSAFE_WORD = re.compile(r"[\s\x00-\x1f\x7f'\"`$\\;&|<>]")
+_OPTION = re.compile(r"[a-z][a-z0-9-]*")
+_WORD_RULE = "no whitespace, control characters or shell metacharacters: it goes into #SBATCH lines"
+
+
+def _validate_script_strings(cfg: Config) -> None:
+    """Strings that reach a batch script. ``#SBATCH`` lines are read line by line and unquoted by submitit: a
+    newline would start a shell line (and end the directives sbatch reads), whitespace another option. Setup
+    lines are shell code by design, but one item is one line."""
+    s = cfg.slurm
+    words = {"run.name": cfg.run.name, "run.root": cfg.run.root, "slurm.job_name": s.job_name,
+             "slurm.partition": s.partition, "slurm.account": s.account, "slurm.qos": s.qos}  # fmt: skip
+    for key, value in words.items():
+        if value is not None:
+            _require(not _UNSAFE_WORD.search(value), key, value, _WORD_RULE)
+    for i, line in enumerate(s.setup):
+        _require(not _CONTROL.search(line), f"slurm.setup[{i}]", line, "one line per item: no newlines")
+    for name, value in s.additional.items():
+        option = str(name).replace("_", "-")
+        _require(bool(_OPTION.fullmatch(option)), "slurm.additional", name,
+                 "option names are sbatch's long options without '--', e.g. constraint or mail-type")  # fmt: skip
+        _require(isinstance(value, (str, bool, int, float)), f"slurm.additional.{name}", value,
+                 "one value per option: a word, a number, or true for a flag")  # fmt: skip
+        if isinstance(value, str):
+            _require(not _UNSAFE_WORD.search(value), f"slurm.additional.{name}", value, _WORD_RULE)
+
+
+# Sections only the built-in trainer reads: in script mode a value there would be silently ignored.
+_TRAINER_SECTIONS = ("task", "data", "optim", "train")
+# strategy.name values that still mean something to a script: one process per node (it drives all the node's GPUs).
+_SCRIPT_STRATEGIES = (StrategyName.ddp, *SINGLE_PROCESS_STRATEGIES)
+
+
+def _validate_script_mode(cfg: Config) -> None:
+    if not cfg.script.enabled:
+        return
+    values = to_dict(cfg)
+    for section in _TRAINER_SECTIONS:
+        given, default = values[section], plain(dataclasses.asdict(type(getattr(cfg, section))()))
+        changed = sorted(k for k in given if given[k] != default[k])
+        if changed:
+            raise DdpJobError(
+                f"config key '{section}.{changed[0]}' is set, but {section}.* applies to the built-in trainer, not "
+                "to script mode",
+                f"drop it (your script takes its own arguments: ddpjob submit --script train.py -- ARGS), or use a "
+                f"config without a {section} section",
+            )
+    strategy, default_strategy = values["strategy"], plain(dataclasses.asdict(StrategyConfig()))
+    changed = sorted(k for k in strategy if k != "name" and strategy[k] != default_strategy[k])
+    if changed or cfg.strategy.name not in _SCRIPT_STRATEGIES:
+        key = f"strategy.{changed[0]}" if changed else "strategy.name"
+        raise DdpJobError(
+            f"config key '{key}' is set, but in script mode the script chooses its own parallelism",
+            "drop it; strategy.name=dp or model_parallel only asks for one process per node",
+        )
+
+
+def _validate_guard(guard: Optional[str]) -> None:
+    if guard is None or guard == "gpu":
+        return
+    items = [item.partition(":") for item in guard.split(",")]
+    ok = all(
+        (sep and dev.strip() in {"cpu", "cuda"} and backend.strip() in {"gloo", "nccl"})
+        or (not sep and dev.strip() in {"gloo", "nccl"})
+        for dev, sep, backend in items
+    )
+    _require(ok, "dist.guard", guard, "must be 'gpu' or a backend spec such as 'cpu:gloo,cuda:nccl' or 'nccl'")
+
+
+def _validate_strategy(cfg: Config) -> None:
+    name = cfg.strategy.name.value
+    if cfg.strategy.name in SINGLE_PROCESS_STRATEGIES:
+        if cfg.slurm.nodes > 1:
+            raise DdpJobError(
+                f"config key 'strategy.name' = {name!r} runs one process on one node, but 'slurm.nodes' = "
+                f"{cfg.slurm.nodes}",
+                "set slurm.nodes=1, or strategy.name=ddp to train across nodes",
+            )
+    mixed = cfg.strategy.mixed_precision
+    if mixed is not None:
+        _require(mixed in MIXED_PRECISION, "strategy.mixed_precision", mixed, "must be null or 'bf16'")
+        _require(
+            cfg.strategy.name is StrategyName.fsdp,
+            "strategy.mixed_precision",
+            mixed,
+            f"applies to strategy.name=fsdp only (this is {name!r}); use train.precision=bf16 for autocast",
+        )
+    split = cfg.strategy.split
+    if split is not None:
+        _require(bool(split) and all(n > 0 for n in split), "strategy.split", split, "entries must be > 0")
+        gpus = cfg.slurm.gpus_per_node
+        _require(
+            gpus == 0 or len(split) <= gpus or cfg.strategy.name is not StrategyName.model_parallel,
+            "strategy.split",
+            split,
+            f"{len(split)} stages need {len(split)} GPUs; slurm.gpus_per_node = {gpus}",
+        )
+    if cfg.strategy.name is StrategyName.pipeline:
+        _validate_pipeline(cfg)
+    _validate_model_options(cfg)
+
+
+def _validate_model_options(cfg: Config) -> None:
+    """strategy.wrap_classes / single_unit / activation_checkpointing and train.compile: which strategies take them
+    (whether the classes exist in the model is checked on a meta-device model, ``ddp_core.strategies.check``)."""
+    s, name = cfg.strategy, cfg.strategy.name.value
+    _require(s.single_unit in SINGLE_UNIT, "strategy.single_unit", s.single_unit, f"must be one of {SINGLE_UNIT}")
+    if s.wrap_classes is not None:
+        _require(all(c.isidentifier() for c in s.wrap_classes), "strategy.wrap_classes", s.wrap_classes,
+                 "must be a list of class names, e.g. [GPT2Block]")  # fmt: skip
+        why = f"applies to strategy.name=fsdp or strategy.activation_checkpointing=true (this is {name!r})"
+        _require(
+            s.name is StrategyName.fsdp or s.activation_checkpointing, "strategy.wrap_classes", s.wrap_classes, why
+        )
+    for key, on in (
+        ("strategy.activation_checkpointing", s.activation_checkpointing),
+        ("train.compile", cfg.train.compile),
+    ):
+        _require(not on or s.name in MODEL_OPTION_STRATEGIES, key, on,
+                 f"works with strategy.name=ddp or fsdp (this is {name!r})")  # fmt: skip
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    s = cfg.strategy
+    world = cfg.slurm.nodes * ranks_per_node(cfg)
+    _require(s.stages >= 1, "strategy.stages", s.stages, "must be >= 1")
+    _require(
+        world % s.stages == 0,
+        "strategy.stages",
+        s.stages,
+        f"must divide the world size ({world} = slurm.nodes x ranks per node); the quotient is the number of "
+        "data-parallel replicas",
+    )
+    _require(s.schedule in PIPELINE_SCHEDULES, "strategy.schedule", s.schedule, f"must be one of {PIPELINE_SCHEDULES}")
+    _require(s.microbatches >= 1, "strategy.microbatches", s.microbatches, "must be >= 1")
+    _require(
+        cfg.data.batch_size % s.microbatches == 0,
+        "strategy.microbatches",
+        s.microbatches,
+        f"must divide data.batch_size ({cfg.data.batch_size}): every micro-batch has the same shape",
+    )
+    if s.split is not None:
+        _require(len(s.split) == s.stages, "strategy.split", s.split, f"needs one entry per stage ({s.stages})")
+
+
+MODES = ("min", "max")
+MONITOR_HINT = "set checkpoint.monitor to 'min:eval/NAME' or 'max:eval/NAME', e.g. min:eval/loss"
+
+
+def parse_monitor(spec: str) -> tuple[str, str]:
+    """``"min:eval/loss"`` -> ("min", "loss"): the direction and the eval metric's name."""
+    mode, _, key = spec.partition(":")
+    split, _, name = key.partition("/")
+    if mode not in MODES or split != "eval" or not name:
+        raise DdpJobError(f"config key 'checkpoint.monitor' = {spec!r} is invalid: expected MODE:eval/NAME with "
+                          "MODE min or max", MONITOR_HINT)  # fmt: skip
+    return mode, name
+
+
+def validate_monitor(spec: Optional[str], patience: int, eval_every: int) -> None:
+    """Login-node checks of ``checkpoint.monitor`` and ``train.early_stop_patience``."""
+    if spec is not None:
+        parse_monitor(spec)
+    if patience < 0:
+        raise DdpJobError(f"config key 'train.early_stop_patience' = {patience} is invalid: must be >= 0 (0: off)",
+                          "fix it in the YAML or with train.early_stop_patience=...")  # fmt: skip
+    if patience > 0 and spec is None:
+        raise DdpJobError("config key 'train.early_stop_patience' is set, but checkpoint.monitor is not: nothing to "
+                          "watch", MONITOR_HINT)  # fmt: skip
+    if patience > 0 and eval_every == 0:
+        raise DdpJobError("config key 'train.early_stop_patience' is set, but train.eval_every = 0 evaluates only at "
+                          "the end", "set train.eval_every to the steps between evaluations")  # fmt: skip
+
+
+def validate_optim(cfg: OptimConfig, max_steps: int) -> None:
+    """Login-node checks of the optimizer keys this module owns (called by ``config.validate``)."""
+
+    def require(ok: bool, key: str, value: Any, why: str) -> None:
+        if not ok:
+            raise DdpJobError(
+                f"config key '{key}' = {value!r} is invalid: {why}", f"fix it in the YAML or with {key}=..."
+            )
+
+    require(len(cfg.betas) == 2 and all(0 <= b < 1 for b in cfg.betas), "optim.betas", cfg.betas,
+            "must be two numbers in [0, 1), e.g. [0.9, 0.95]")  # fmt: skip
+    require(cfg.eps > 0, "optim.eps", cfg.eps, "must be > 0")
+    require(0 <= cfg.min_lr <= cfg.lr, "optim.min_lr", cfg.min_lr, f"must be in [0, optim.lr] ({cfg.lr})")
+    require(all(isinstance(p, str) and p for p in cfg.no_decay), "optim.no_decay", cfg.no_decay,
+            "must be a list of non-empty name fragments, e.g. [bias, norm]")  # fmt: skip

@@ -1,0 +1,7 @@
+"""run: a run's directory on the shared filesystem. Torch-free.
+
+Owns the layout of a run directory (``rundir.RunDir``: its config, its events log, its locks, checkpoints' and
+hangs' folders), the code snapshot taken at submit and put first on ``sys.path`` on the compute nodes
+(``snapshot``), and the progress lines and final result a run reports (``reporting``). Imports ``config`` and
+``errors`` only.
+"""

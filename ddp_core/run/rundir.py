@@ -1,0 +1,302 @@
+"""The run directory: one folder per run holding config, identity, checkpoints, metrics, logs and W&B files.
+
+Layout::
+
+    <run>/config.yaml     resolved config (what the compute node trains with)
+    <run>/run.json        identity: run id (= W&B id), created time, submitted job ids (login node writes)
+    <run>/attempts.jsonl  what each attempt did: start, interrupted, requeued, completed, pruned (rank 0 appends)
+    <run>/checkpoints/    step_XXXXXXXX.pt (full) or step_XXXXXXXX.dcp/ (sharded) + step_XXXXXXXX.json
+                          (manifest: kind, sizes, checksums; written last)
+    <run>/metrics.jsonl   one JSON object per logged step (rank 0)
+    <run>/slurm/          submitit's and sbatch's job files and per-task logs
+    <run>/wandb/          W&B run files (offline runs are synced from here)
+    <run>/hangs/<job>_<attempt>/  a hung attempt: rank<R>.txt (every thread's stack), rank<R>.json, summary.txt
+    <run>/code/           the user's code as submitted (a sweep's trials share <sweep>/code/ instead)
+    <run>/code.json       the snapshot's record: source, path, files, bytes, git commit; code.diff: uncommitted changes
+
+The one module that knows this layout: the trainer, status, logs, report and doctor all read it from here. Stdlib
+only at import (omegaconf is imported when a config is read or written), so login-node readers stay light.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import secrets
+import string
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
+
+from ddp_core.errors import DdpJobError
+
+if TYPE_CHECKING:
+    from ddp_core.config import Config
+
+CONFIG_FILE = "config.yaml"
+META_FILE = "run.json"
+ATTEMPTS_FILE = "attempts.jsonl"
+METRICS_FILE = "metrics.jsonl"
+CODE_DIR = "code"  # the snapshot of the user's code taken at submit (ddp_core.run.snapshot, jobs.snapshot)
+CODE_RECORD = "code.json"  # where it came from, where it lies (a sweep's trials share the sweep's), git commit
+CODE_DIFF = "code.diff"  # uncommitted changes against that commit, when the code is in a git repository
+# Advisory locks (flock): the kernel drops them when their process exits, however it exits.
+TRAINER_LOCK = ".trainer.lock"  # rank 0 of the attempt training in this directory; holds who it is
+SUBMIT_LOCK = ".submit.lock"  # a CLI command between "is the run active?" and "job recorded"
+META_LOCK = ".meta.lock"  # run.json's read-modify-write
+
+
+def new_run_id(length: int = 8) -> str:
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(length))
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write-then-rename so readers never see half a file; durable once it returns (the file, then its directory
+    entry, fsynced). On an error (a full disk) the old file is untouched and no temp file is left."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make the directory's entries (a rename, a new file) durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+log = logging.getLogger(__name__)
+_JSON_TYPES = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of an append-only ``.jsonl`` file in order; [] if it does not exist yet. A line that is not
+    an object (the torn last line of a killed writer, damage) is skipped; an unreadable file is a warning, so one
+    damaged run never stops ``status`` over a sweep."""
+    try:
+        text = path.read_bytes().decode(errors="replace")
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        log.warning("skipping %s: %s", path, err.strerror or err)
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+_META_HINT = "restore it from a backup, or delete it (the run id, and so the W&B run, then changes)"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / CONFIG_FILE
+
+    @property
+    def meta_file(self) -> Path:
+        return self.path / META_FILE
+
+    @property
+    def attempts_file(self) -> Path:
+        return self.path / ATTEMPTS_FILE
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / METRICS_FILE
+
+    @property
+    def slurm(self) -> Path:
+        return self.path / "slurm"
+
+    @property
+    def wandb(self) -> Path:
+        return self.path / "wandb"
+
+    @property
+    def hangs(self) -> Path:
+        return self.path / "hangs"
+
+    @property
+    def code(self) -> Path:
+        return self.path / CODE_DIR
+
+    @property
+    def code_record(self) -> Path:
+        return self.path / CODE_RECORD
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def exists(self) -> bool:
+        return self.config_file.is_file()
+
+    def load_config(self) -> Config:
+        if not self.exists():
+            raise DdpJobError(f"'{self.path}' is not a run directory (no {CONFIG_FILE})", "pass a run directory")
+        from ddp_core.config import load_saved  # only for readers of the config, not of the records
+
+        return load_saved(self.config_file)
+
+    def read_meta(self) -> dict[str, Any]:
+        try:
+            meta = json.loads(self.meta_file.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as err:
+            raise DdpJobError(f"{self.meta_file} is unreadable ({err})", _META_HINT) from None
+        if not isinstance(meta, dict):
+            what = _JSON_TYPES.get(type(meta), "null")
+            raise DdpJobError(f"{self.meta_file} holds {what}, not an object", _META_HINT)
+        return meta
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """The jobs submitted for this run (run.json), oldest first; an entry without a job id is skipped."""
+        jobs = self.read_meta().get("jobs")
+        return [j for j in jobs if isinstance(j, dict) and j.get("job_id")] if isinstance(jobs, list) else []
+
+    def update_meta(self, **fields: Any) -> dict[str, Any]:
+        return self._edit_meta(lambda meta: meta | fields)
+
+    def record_job(self, job_id: str, how: str, **extra: Any) -> None:
+        job = {"job_id": job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "via": how, **extra}
+        self._edit_meta(lambda meta: meta | {"jobs": [*self.jobs(), job]})
+
+    def _edit_meta(self, edit: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+        """run.json's read-modify-write, locked: concurrent commands must not drop each other's fields."""
+        with _locked(self.path / META_LOCK):
+            meta = edit(self.read_meta())
+            atomic_write_text(self.meta_file, json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        return meta
+
+    def submit_lock(self) -> contextlib.AbstractContextManager[None]:
+        """Held by a command from its check that the run is not active until its new job is recorded: a second
+        command waits, then sees the first one's job."""
+        return _locked(self.path / SUBMIT_LOCK)
+
+    def hold_trainer_lock(self, holder: dict[str, Any], wait_s: float = 0.0) -> IO[str]:
+        """Rank 0, for a whole attempt: refuse to train where another trainer is training. Keep the returned file
+        open (closing it releases the lock). ``wait_s``: how long to wait for a holder that is ending (the previous
+        attempt of the same job, still exiting when its requeued successor starts)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        f = open(self.path / TRAINER_LOCK, "a+")
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    f.seek(0)
+                    who = f.read().strip() or "another process"
+                    f.close()
+                    raise DdpJobError(
+                        f"run directory {self.path} is in use by a trainer ({who})",
+                        "two trainers in one directory would interleave checkpoints and metrics: wait for it to "
+                        "end or stop it (ddpjob cancel, or kill that process)",
+                    ) from None
+                time.sleep(0.2)
+        f.seek(0)
+        f.truncate()
+        f.write(" ".join(f"{k} {v}" for k, v in holder.items()) + "\n")
+        f.flush()
+        return f
+
+    def log_event(self, event: str, **fields: Any) -> None:
+        """Append one attempt event (rank 0 only). Append-only, so the login node never races with it."""
+        now = time.time()  # "t": to the millisecond, for timings (doctor --drill); "time" for people
+        record = {"event": event, "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)), "t": round(now, 3),
+                  **fields}  # fmt: skip
+        with open(self.attempts_file, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def events(self) -> list[dict[str, Any]]:
+        """The attempt events rank 0 logged, oldest first (records without an event name skipped)."""
+        return [e for e in read_jsonl(self.attempts_file) if isinstance(e.get("event"), str)]
+
+    def metrics(self) -> list[dict[str, Any]]:
+        """The records of ``metrics.jsonl`` in file order (each has an int ``step`` and a str ``split``)."""
+        return [r for r in read_jsonl(self.metrics_file) if isinstance(r.get("step"), int)
+                and isinstance(r.get("split"), str)]  # fmt: skip
+
+    def script_command(self) -> list[str] | None:
+        """A script-mode run's command line, ``[PATH, *args]`` or ``["-m", MODULE, *args]``, from config.yaml read as
+        plain YAML without validating it (cheap: ``status`` reads it for every trial of a sweep). None for a trainer
+        run, or a config.yaml that does not say."""
+        import yaml  # as omegaconf for load_config: only for readers of the config
+
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: ~8x faster than the pure-Python loader
+        try:
+            data = yaml.load(self.config_file.read_bytes(), Loader=loader)
+        except (OSError, ValueError, RecursionError, yaml.YAMLError):
+            return None
+        script = data.get("script") if isinstance(data, dict) else None
+        if not isinstance(script, dict):
+            return None
+        path, module, args = script.get("path"), script.get("module"), script.get("args")
+        head = [path] if isinstance(path, str) else ["-m", module] if isinstance(module, str) else None
+        if head is None:
+            return None
+        return [*head, *(str(a) for a in args)] if isinstance(args, list) else head
+
+    def initialize(self, cfg: Config) -> None:
+        """Create the layout, save the resolved config, and fix the run's identity (idempotent)."""
+        for sub in (self.path, self.checkpoints, self.slurm, self.wandb):
+            sub.mkdir(parents=True, exist_ok=True)
+        from ddp_core.config import to_yaml
+
+        atomic_write_text(self.config_file, to_yaml(cfg))
+        meta = self.read_meta()
+        if "run_id" not in meta:
+            # The W&B id is fixed here, before step 0, so every attempt of this run logs into one W&B run.
+            self.update_meta(
+                run_id=meta.get("run_id") or new_run_id(),
+                name=cfg.run.name,
+                created=time.strftime("%Y-%m-%dT%H:%M:%S"),
+            )
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def new_run_dir(cfg: Config, base: Path | None = None) -> RunDir:
+    """A fresh, not yet existing ``<root>/<name>-<timestamp>-<suffix>`` directory."""
+    root = Path(cfg.run.root) if base is None else base
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return RunDir((root / f"{cfg.run.name}-{stamp}-{secrets.token_hex(2)}").resolve())

@@ -1,0 +1,436 @@
+"""Script mode's compute-node launcher: ``python -m ddp_core.script RUN_DIR``, started once per Slurm task by srun.
+
+It runs a user's own torchrun-style training script unchanged: it builds the rank's ``DistEnv`` once (from Slurm's
+variables, torchrun's, or single-process defaults), exports torchrun's contract (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``ROLE_RANK``, ``ROLE_WORLD_SIZE``,
+``ROLE_NAME``, ``MASTER_ADDR``, ``MASTER_PORT``) plus ddpjob's own (``DDPJOB_RUN_DIR``, ``DDPJOB_CHECKPOINT_DIR``,
+``DDPJOB_RESTART_COUNT``, ``DDPJOB_SIGNAL``), and runs the script in this process with ``runpy`` (``run_path`` for a
+file, ``run_module`` for ``-m``), ``sys.argv`` being ``[script, *args]``. The script then calls
+``dist.init_process_group()`` (env://) as it would under torchrun. ``ddp_core.runtime`` is its optional helper.
+
+**Why in-process.** Slurm signals the processes of a step: the warning signal (``--signal=USR2@120``) and SIGTERM
+must reach the Python process that trains, where ``ddp_core.runtime`` records them. A shell or a child process in
+between would get them instead (a shell does not forward them; a parent would have to relay each one and mirror its
+child's exit code), and ``srun --kill-on-bad-exit`` and the per-task logs would follow the wrong process. With
+``runpy`` the srun task *is* the training process, like ``python train.py``: no shell, no child.
+
+**Why it writes os.environ.** ``DistEnv`` stays read-only: it only reads the launcher's variables. This module is the
+launcher, so building the script's environment is its job, as torchrun's agent does for its workers; and the script
+runs in this process, so ``os.environ`` *is* its environment (``init_process_group``'s env:// rendezvous, libraries
+that look for ``LOCAL_RANK``, the DataLoader workers it forks).
+
+**Signals.** The task started with the warning signal and SIGTERM held (``ddp_core.cluster.signals``). While the script
+runs, the warning signal stays held until the script or its framework installs a handler for it: a plain script (one
+that never imports ``ddp_core.runtime``) runs on to the time limit instead of being killed by an early warning, and a
+framework that handles Slurm's signal itself (Lightning's requeue on USR1) gets it, also one that came before its
+handler was up. SIGTERM keeps its default (the process ends), released just before the script runs. Importing
+``ddp_core.runtime`` replaces both with handlers that record them.
+
+**Exits.** The script returns (or ``sys.exit(0)``): rank 0 records ``completed``, exit 0. ``SystemExit`` with another
+code: that code. An exception: ``rank R/W on HOST failed: ...`` is logged and the process exits 1 at once (``srun
+--kill-on-bad-exit`` ends the others). ``runtime.requeue()`` exits by itself with the trainer's codes.
+
+**``script.launcher: torchrun``.** The srun task is one per node instead, and ``_run`` hands it to
+``ddp_core.script.torchrun``: a torchrun agent whose workers are ``python -m ddp_core.script RUN`` again, each of them
+a rank as above (torchrun's variables come first in ``DistEnv.from_env``; ``TORCHELASTIC_RUN_ID`` tells a worker from
+the agent).
+
+**The config's ``script`` section** (``ScriptConfig``, part of ``ddp_core.config.Config``) lives here too: its shape
+is checked at every load (``validate_config``: no filesystem), the login node checks the file and records its
+absolute path and sha256 (``resolve_for_submit``), and the compute node reads it back (``spec_from_config``).
+``run(RUN_DIR)`` is what submitit calls on every task. This module imports no torch.
+
+**Sweeps over script arguments.** A sweep key ``script.args.NAME`` (``ddpjob sweep ... script.args.lr=1e-4,3e-4``)
+is one argument of each trial's script, not a config key: ``with_swept_args`` turns a trial's values into its
+``script.args`` on the login node (``--NAME=VALUE`` after the fixed arguments; ``NAME=VALUE`` with
+``script.arg_style: hydra``), so the trial's config.yaml holds the exact command line its ranks run. The sweep
+(``jobs/sweep_spec.py``) calls it; the syntax of those keys and values is defined here only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import re
+import runpy
+import shlex
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Mapping, Optional, Sequence
+
+from ddp_core.cluster import signals
+from ddp_core.cluster.env import DistEnv
+from ddp_core.cluster.exits import ExitCode, after_submitit, leave, without_result
+from ddp_core.cluster.log import setup_logging
+from ddp_core.cluster.preemption import back_in_queue
+from ddp_core.cluster.slurm import NODE_GATEWAY
+from ddp_core.config import ARG_STYLES, SWEPT_ARG_PREFIX, ScriptConfig
+from ddp_core.errors import DdpJobError
+from ddp_core.run import snapshot
+from ddp_core.run.rundir import RunDir
+
+if TYPE_CHECKING:
+    from ddp_core.config import Config
+
+log = logging.getLogger("ddp_core.script")
+
+_SCRIPT_HINT = "give one with `ddpjob submit --script train.py`, or script.path=... / script.module=pkg.train"
+# An option name (argparse: --save-every, --lr); with hydra, a dotted key (optim.lr, model.n_layers).
+_FLAG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+_HYDRA_NAME = re.compile(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*")
+
+
+def resolve_for_submit(script: ScriptConfig, base: Optional[Path] = None) -> None:
+    """Login node, before anything is created: the script exists and is readable here; record its absolute path and
+    sha256 in place. A module is looked up (its parent packages are imported) and its file hashed where it has one."""
+    if script.path is not None:
+        path = ((base or Path.cwd()) / Path(script.path).expanduser()).absolute()
+        if not path.exists():
+            raise DdpJobError(
+                f"config key 'script.path' = {script.path!r}: {path} does not exist",
+                "check the path: a relative one is taken from the directory you run ddpjob in",
+            )
+        if not path.is_file():
+            raise DdpJobError(
+                f"config key 'script.path' = {script.path!r}: {path} is not a regular file",
+                "name the .py file itself, not its directory (or use script.module for a package)",
+            )
+        script.path = str(path)
+        script.sha256 = _sha256(path, "script.path")
+    elif script.module is not None:
+        origin = _module_origin(script.module)
+        script.sha256 = _sha256(Path(origin), "script.module") if origin else None
+
+
+def _module_origin(module: str) -> Optional[str]:
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as err:
+        spec, why = None, f" ({type(err).__name__}: {err})"
+    else:
+        why = ""
+    if spec is None:
+        raise DdpJobError(
+            f"config key 'script.module' = {module!r} cannot be imported here{why}",
+            "jobs inherit this environment: install the package or add it to PYTHONPATH",
+        )
+    return spec.origin if spec.has_location and spec.origin and Path(spec.origin).is_file() else None
+
+
+def _sha256(path: Path, key: str) -> str:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError as err:
+        raise DdpJobError(
+            f"config key '{key}': {path} is not readable ({err.strerror or err})",
+            "make it readable by you and the job (chmod a+r), or copy it somewhere that is",
+        ) from None
+    return digest.hexdigest()
+
+
+def swept_arg_name(key: str) -> Optional[str]:
+    """``NAME`` of a sweep key ``script.args.NAME``; None for every other key (config keys)."""
+    return key[len(SWEPT_ARG_PREFIX) :] if key.startswith(SWEPT_ARG_PREFIX) else None
+
+
+def arg_value(text: str) -> str:
+    """A swept value as the script receives it: the text as the sweep lists it (``1e-4`` stays ``1e-4``, ``true``
+    and ``null`` stay words), except that a value in quotes loses them (``'a,b'``: quotes keep a comma from splitting
+    the values; a sweep file's strings reach the sweep quoted this way)."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        import yaml  # the sweep's quoting is YAML's: 'it''s' and "a\tb" unquote as they would in a config value
+
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
+        if isinstance(value, str):
+            return value
+    return text
+
+
+def with_swept_args(script: ScriptConfig, swept: Mapping[str, str]) -> list[str]:
+    """A sweep trial's arguments: ``script.args`` as they are, then one argument per swept ``script.args.NAME`` in
+    ``swept``'s order (NAME -> the value's text as the sweep lists it): ``--NAME=VALUE``, or ``NAME=VALUE`` with
+    ``script.arg_style: hydra``. Refused, naming the key: no script, a NAME that is not an option name (a Hydra key
+    with hydra), a NAME the fixed arguments already give (the script would see it twice)."""
+    for name in swept:
+        key = f"{SWEPT_ARG_PREFIX}{name}"
+        if not script.enabled:
+            raise DdpJobError(
+                f"sweep key '{key}' is a script argument, but the sweep runs no script (script.path or script.module)",
+                "ddpjob sweep --script train.py [CONFIG] script.args.NAME=v1,v2 -- FIXED_ARGS",
+            )
+        hydra = script.arg_style == "hydra"
+        if not (_HYDRA_NAME if hydra else _FLAG_NAME).fullmatch(name):
+            what, example = ("a Hydra key", "script.args.optim.lr") if hydra else ("an option name", "script.args.lr")
+            raise DdpJobError(
+                f"sweep key '{key}': {name!r} is not {what}",
+                f"e.g. {example}=1e-4,3e-4 (letters, digits, '_', '-'" + (", '.' between parts)" if hydra else ")"),
+            )
+        clash = next((arg for arg in script.args if _names(arg, name, hydra)), None)
+        if clash is not None:
+            raise DdpJobError(
+                f"sweep key '{key}' is also in the script's fixed arguments ({clash!r}): the script would get it twice",
+                f"drop {clash!r} from script.args (the arguments after --), or stop sweeping {key}",
+            )
+    style = ARG_STYLES[script.arg_style]
+    return [*script.args, *(style.format(name=name, value=arg_value(text)) for name, text in swept.items())]
+
+
+def _names(arg: str, name: str, hydra: bool) -> bool:
+    """Whether a fixed argument sets ``name``: ``--name`` / ``--name=v``, or Hydra's ``name=v`` / ``+name=v`` /
+    ``++name=v`` / ``~name``."""
+    if hydra:
+        return arg.lstrip("+~").partition("=")[0] == name
+    return arg == f"--{name}" or arg.startswith(f"--{name}=")
+
+
+@dataclass(frozen=True)
+class ScriptSpec:
+    """What to run: a file (``path``, absolute) or a module (``module``), with its command-line arguments."""
+
+    path: Optional[str]
+    module: Optional[str]
+    args: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        return self.path if self.path is not None else f"-m {self.module}"
+
+
+def spec_from_config(
+    script: ScriptConfig, where: str = "config.yaml", code: Optional[dict[str, Any]] = None
+) -> ScriptSpec:
+    """Compute node: what the run's ``script`` section says to run, checked where the ranks run; with the run's code
+    snapshot record ``code`` (``ddp_core.run.snapshot.activate``), the snapshot's copy of the script."""
+    if not script.enabled:
+        raise DdpJobError(
+            f"{where} has no script section (script.path or script.module): this run has no script to run",
+            f"{_SCRIPT_HINT}; a run without one trains with `python -m ddp_core RUN`",
+        )
+    if script.path is not None:
+        if not Path(script.path).is_absolute():
+            raise DdpJobError(
+                f"{where}: 'script.path' must be an absolute path, not {script.path!r}",
+                "ddpjob submit/prepare record it absolute; write the absolute path by hand",
+            )
+        path = snapshot.script_in_snapshot(code, script.path)
+        if not Path(path).is_file():
+            raise DdpJobError(f"script {path} does not exist on {socket.gethostname()}",
+                              "run directories and scripts must be on a filesystem every node sees")  # fmt: skip
+        if script.sha256 and _sha256(Path(path), "script.path") != script.sha256:
+            # Without a snapshot (--no-snapshot) a requeued attempt may run after the user edited the script.
+            log.warning("%s changed since it was submitted (sha256 %s...): running it as it is now", path,
+                        script.sha256[:12])  # fmt: skip
+        return ScriptSpec(path, None, tuple(script.args))
+    return ScriptSpec(script.path, script.module, tuple(script.args))
+
+
+def read_script_spec(run_dir: RunDir) -> ScriptSpec:
+    """The script a run trains with, from the ``script`` section of ``RUN/config.yaml``."""
+    return spec_from_config(run_dir.load_config().script, str(run_dir.config_file), snapshot.read_record(run_dir))
+
+
+def script_environment(env: DistEnv, run_dir: RunDir, warning_signal: str) -> dict[str, str]:
+    """torchrun's variables for this rank, plus ddpjob's: what the script's process must see."""
+    master_port = env.master_port
+    if env.source == "single" and not os.environ.get("MASTER_PORT"):
+        # A lone process has no launcher to pick a port for it: a free one, so two runs on one host never collide.
+        master_port = _free_port()
+    return {
+        "RANK": str(env.rank),
+        "LOCAL_RANK": str(env.local_rank),
+        "WORLD_SIZE": str(env.world_size),
+        "LOCAL_WORLD_SIZE": str(env.local_world_size),
+        "GROUP_RANK": str(env.node_rank),
+        "GROUP_WORLD_SIZE": str(env.num_nodes),
+        "ROLE_RANK": str(env.rank),  # one role ("default") holds every rank, as in a plain torchrun launch
+        "ROLE_WORLD_SIZE": str(env.world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": env.master_addr,
+        "MASTER_PORT": str(master_port),
+        "DDPJOB_RUN_DIR": str(run_dir.path),
+        "DDPJOB_CHECKPOINT_DIR": str(run_dir.checkpoints),
+        "DDPJOB_RESTART_COUNT": str(env.restart_count),
+        "DDPJOB_SIGNAL": warning_signal,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_script(spec: ScriptSpec) -> None:
+    """Run the script in this process as ``__main__``, as ``python PATH ARGS`` or ``python -m MODULE ARGS`` would."""
+    if spec.path is not None:
+        sys.argv = [spec.path, *spec.args]
+        # `python train.py` puts the script's folder first on sys.path: its sibling modules import the same way.
+        sys.path.insert(0, str(Path(spec.path).parent))
+        runpy.run_path(spec.path, run_name="__main__")
+    else:
+        assert spec.module is not None
+        sys.argv = [spec.module, *spec.args]  # run_module puts the module's file in argv[0], as -m does
+        runpy.run_module(spec.module, run_name="__main__", alter_sys=True)
+
+
+def _completed(run_dir: RunDir, env: DistEnv) -> None:
+    runtime = sys.modules.get("ddp_core.script.runtime")  # loaded only if the script used the helper
+    step = None
+    if runtime is not None:
+        runtime.finish()
+        step = runtime.last_step()
+    if not env.is_main:
+        return
+    if _requeued_meanwhile(env):
+        # The script's framework requeued the job itself (Lightning on its SLURMEnvironment's signal) and then
+        # returned: this attempt was interrupted, not the run completed.
+        run_dir.log_event("requeued", kind="script", job_id=env.job_id, step=step)
+        log.info("the script returned after job %s was requeued: its next attempt continues", env.slurm_job_id)
+        return
+    run_dir.log_event("completed", job_id=env.job_id, step=step, final=None)
+
+
+def _requeued_meanwhile(env: DistEnv, tries: int = 3, pause_s: float = 0.3) -> bool:
+    """Whether Slurm requeued this job during the attempt. When it does, it signals every process of the step, and a
+    ``scontrol`` started in that moment dies with them (SIGTERM): asked again, briefly."""
+    if not env.slurm_job_id:
+        return False
+    for attempt in range(tries):
+        job = NODE_GATEWAY.show_job(env.slurm_job_id)
+        if job is not None:
+            return back_in_queue(job, env.restart_count)
+        if attempt + 1 < tries:
+            time.sleep(pause_s)
+    return False
+
+
+def _failed(env: DistEnv, err: BaseException) -> None:
+    hint = ""
+    if "torch.distributed" in sys.modules:  # a communication failure can only come from torch.distributed
+        from ddp_core.dist.groups import failure_hint  # torch: loaded by now
+
+        hint = failure_hint(err)
+    log.error("rank %d/%d on %s failed: %s: %s%s", env.rank, env.world_size, socket.gethostname(),
+              type(err).__name__, err, hint, exc_info=True)  # fmt: skip
+
+
+@after_submitit
+def run(run_dir: str) -> None:
+    """Run the script of ``run_dir`` (created on the login node) as this task's rank: what submitit calls on every
+    task, as ``ddp_core.launch.run`` for the trainer. Leaves with ``SystemExit`` for a non-zero code, so submitit
+    writes no result for an attempt that did not finish."""
+    # submitit's worker bypasses SIGTERM (it would keep a plain script running past its end): the default again.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    code = _run(run_dir)
+    if code:
+        without_result(code)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ddp_core.script",
+        description="Run a run directory's training script (its config's script section) in this process, as "
+        "torchrun would.",
+    )
+    parser.add_argument("run_dir", help="the run directory (config.yaml with a script section)")
+    return _run(parser.parse_args(argv).run_dir)
+
+
+def _start_logging(env: DistEnv) -> None:
+    setup_logging(env)
+    # Every rank's first line of every attempt, as the trainer's banner: `ddpjob logs` splits attempts at it.
+    log.info("%s on %s: rank %d/%d local %d/%d node %d/%d restart %d", env.source, socket.gethostname(), env.rank,
+             env.world_size, env.local_rank, env.local_world_size, env.node_rank, env.num_nodes,
+             env.restart_count)  # fmt: skip
+
+
+def _run(run_dir_arg: str) -> int:
+    env = DistEnv.from_env()
+    try:
+        run_dir = RunDir(Path(run_dir_arg).resolve())
+        cfg = run_dir.load_config()
+    except DdpJobError as err:
+        _start_logging(env)
+        log.error("%s", err)
+        return ExitCode.USAGE
+    if cfg.script.launcher == "torchrun" and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return _run_agent(run_dir, cfg, env)  # this process starts the node's ranks; each runs _run again
+    _start_logging(env)
+    try:
+        record = snapshot.activate(run_dir)  # first on sys.path: the script's siblings / package as submitted
+        spec = spec_from_config(cfg.script, str(run_dir.config_file), record)
+    except DdpJobError as err:
+        log.error("%s", err)
+        return ExitCode.USAGE
+    os.environ.update(script_environment(env, run_dir, cfg.slurm.signal))
+    # One thread per core the rank was given, as the trainer does, unless the job says otherwise.
+    os.environ.setdefault("OMP_NUM_THREADS", str(env.cpus_per_rank))
+    signals.release_when_handled(signals.warning_signal(cfg.slurm.signal))  # see the module docstring
+
+    lock: Optional[IO[str]] = None
+    try:
+        if env.is_main:
+            # The previous attempt of this Slurm job may still be exiting when its requeued successor starts.
+            holder = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.job_id or "-"}
+            lock = run_dir.hold_trainer_lock(holder, wait_s=60.0 if env.restart_count else 0.0)
+            run_dir.log_event("start", job_id=env.job_id, restart_count=env.restart_count, step=None,
+                              world_size=env.world_size, script=spec.describe())  # fmt: skip
+            log.info("running %s", shlex.join([spec.describe(), *spec.args]))
+        signals.release(signal.SIGTERM)  # a plain script's default: it ends the process
+        run_script(spec)
+        code = 0
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:
+            print(exit_.code, file=sys.stderr)  # sys.exit("message"): what Python itself would do
+            code = 1
+    except BaseException as err:
+        _failed(env, err)
+        leave(ExitCode.FAILED)  # skip interpreter teardown: a half-open gloo group can abort (rc 134) or hang there
+    try:
+        if code == 0:
+            _completed(run_dir, env)
+        else:
+            log.warning("the script exited with code %d", code)
+    except BaseException as err:
+        _failed(env, err)
+        leave(ExitCode.FAILED)
+    finally:
+        if lock is not None:
+            lock.close()
+    signals.ignore_from_now(cfg.slurm.signal)  # the script's exit handlers still run before the process leaves
+    return code
+
+
+def _run_agent(run_dir: RunDir, cfg: Config, env: DistEnv) -> int:
+    """``script.launcher: torchrun``: this node's torchrun agent (``ddp_core.script.torchrun``), its workers each a
+    rank of this module."""
+    from ddp_core.config import ranks_per_node
+
+    setup_logging(env, label=f"agent node {env.node_rank}/{env.num_nodes}")
+    # The attempt's first line in the node's log (its workers' banners follow): `ddpjob logs` splits attempts at it.
+    log.info("%s on %s: torchrun agent node %d/%d, %d ranks per node, restart %d", env.source, socket.gethostname(),
+             env.node_rank, env.num_nodes, ranks_per_node(cfg), env.restart_count)  # fmt: skip
+    try:
+        # Checked once here rather than by every worker: a missing script is one error line, not one per rank.
+        spec_from_config(cfg.script, str(run_dir.config_file), snapshot.read_record(run_dir))
+    except DdpJobError as err:
+        log.error("%s", err)
+        return ExitCode.USAGE
+    from ddp_core.script.torchrun import run_agent
+
+    return run_agent(run_dir.path, cfg, env)

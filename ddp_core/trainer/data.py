@@ -1,0 +1,202 @@
+"""Data sharding that can resume mid-epoch: the same sample stream, minus what was already consumed.
+
+Map-style datasets: ``ResumableShardSampler`` skips this epoch's consumed indices (the position is the train
+state's (epoch, micro-batches)). Iterable datasets (streams): ``RankShard`` gives each rank and loader worker its
+share, and torchdata's ``StatefulDataLoader`` keeps where each worker is; its ``state_dict`` goes into every
+checkpoint, per rank. ``TrainData`` hides the difference from the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, Subset, get_worker_info
+
+from ddp_core.config import DataConfig
+from ddp_core.errors import DdpJobError
+
+if TYPE_CHECKING:
+    from ddp_core.checkpoint.train_state import Position
+
+log = logging.getLogger(__name__)
+
+
+class ResumableShardSampler(Sampler[int]):
+    """DistributedSampler's order (seeded shuffle per epoch, drop the tail so shards are equal), plus
+    ``start``: the number of this shard's indices to skip, for resuming mid-epoch without loading them."""
+
+    def __init__(self, size: int, rank: int, world: int, shuffle: bool, seed: int) -> None:
+        self.size, self.rank, self.world, self.shuffle, self.seed = size, rank, world, shuffle, seed
+        self.per_shard = size // world
+        self.epoch = 0
+        self.start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def shard(self) -> list[int]:
+        if self.shuffle:
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        else:
+            order = list(range(self.size))
+        return order[: self.per_shard * self.world][self.rank :: self.world]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.shard()[self.start :])
+
+    def __len__(self) -> int:
+        return self.per_shard - self.start
+
+
+def train_loader(
+    dataset: Dataset,
+    sampler: ResumableShardSampler,
+    cfg: DataConfig,
+    seed: int,
+    pin_memory: bool = False,
+    collate_fn: Optional[Callable[[list[Any]], Any]] = None,
+) -> DataLoader:
+    """One loader for a whole attempt: each pass over it reads the sampler's current epoch and start. Workers
+    persist across epochs (no start-up per epoch). The sample order is the sampler's, so it is exact across
+    resumes; randomness inside workers should come from (epoch, index), as worker RNG restarts per attempt."""
+    # Its own generator: otherwise the iterator draws a base seed from the global RNG, and a resumed run's
+    # stream would shift (worker seeds, random transforms).
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        num_workers=cfg.num_workers,
+        drop_last=True,
+        generator=generator,
+        persistent_workers=cfg.num_workers > 0,
+        pin_memory=pin_memory,  # page-locked batches: the copy to the GPU (non_blocking) overlaps compute
+        collate_fn=collate_fn,
+    )
+
+
+def eval_loader(
+    dataset: Dataset,
+    rank: int,
+    world: int,
+    cfg: DataConfig,
+    pin_memory: bool = False,
+    collate_fn: Optional[Callable[[list[Any]], Any]] = None,
+) -> DataLoader:
+    # Strided shards without padding: every sample is evaluated exactly once across ranks.
+    if isinstance(dataset, IterableDataset):
+        shard: Dataset = RankShard(dataset, rank, world, drop_tail=False)
+    else:
+        shard = Subset(dataset, range(rank, len(dataset), world))  # type: ignore[arg-type]
+    return DataLoader(
+        shard,
+        batch_size=cfg.eval_batch_size,
+        num_workers=cfg.num_workers,
+        persistent_workers=cfg.num_workers > 0 and not isinstance(dataset, IterableDataset),
+        pin_memory=pin_memory,
+        collate_fn=collate_fn,
+    )
+
+
+class RankShard(IterableDataset):
+    """This rank's (and loader worker's) share of a stream: of every ``world x workers`` consecutive samples, the
+    one at this rank's and worker's place. ``drop_tail`` (training) drops an incomplete last round, so every rank
+    gets as many samples, hence as many steps, as the others (a rank with one more batch would wait in a collective
+    forever). Every rank reads the whole stream; a dataset that shards its files by rank itself can be faster."""
+
+    def __init__(self, dataset: IterableDataset, rank: int, world: int, drop_tail: bool) -> None:
+        self.dataset, self.rank, self.world, self.drop_tail = dataset, rank, world, drop_tail
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        span, mine = self.world * workers, self.rank + self.world * worker  # sample i -> rank i % world
+        held, have = None, False
+        for i, sample in enumerate(self.dataset):
+            if i % span == mine:
+                held, have = sample, True
+                if not self.drop_tail:
+                    yield held
+                    have = False
+            if self.drop_tail and i % span == span - 1 and have:
+                yield held
+                have = False
+
+
+class TrainData:
+    """An attempt's training batches, one pass per epoch, resumable mid-epoch.
+
+    ``epoch(pos)`` starts the next epoch in ``pos`` when the current one is done, and returns this pass's batches
+    (from ``pos.micro_in_epoch`` on, for a map-style set). ``state_dict``: where a stream's loader is (per rank; a
+    map-style set's position is ``pos`` alone, so it is empty)."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        rank: int,
+        world: int,
+        cfg: DataConfig,
+        grad_accum: int,
+        seed: int,
+        pin_memory: bool,
+        collate_fn: Optional[Callable[[list[Any]], Any]],
+    ) -> None:
+        self.batch_size, self.grad_accum = cfg.batch_size, grad_accum
+        self.streaming = isinstance(dataset, IterableDataset)
+        self.finished = False  # a stream's last pass reached its end
+        self.sampler: Optional[ResumableShardSampler] = None
+        if self.streaming:
+            from torchdata.stateful_dataloader import StatefulDataLoader  # only runs that stream import it
+
+            self.shard = RankShard(dataset, rank, world, drop_tail=True)  # type: ignore[arg-type]
+            # Workers start anew each epoch (no persistent_workers): they see the dataset's set_epoch.
+            self.loader: Any = StatefulDataLoader(
+                self.shard,
+                batch_size=cfg.batch_size,
+                num_workers=cfg.num_workers,
+                drop_last=True,
+                generator=torch.Generator().manual_seed(seed),
+                pin_memory=pin_memory,
+                collate_fn=collate_fn,
+            )
+            return
+        self.sampler = ResumableShardSampler(len(dataset), rank, world, cfg.shuffle, seed)  # type: ignore[arg-type]
+        self.loader = train_loader(dataset, self.sampler, cfg, seed, pin_memory, collate_fn)
+        self.micro_per_epoch = (len(self.sampler.shard()) // cfg.batch_size) // grad_accum * grad_accum
+        if self.micro_per_epoch == 0:
+            raise ValueError(f"an epoch has fewer than grad_accum={grad_accum} batches of {cfg.batch_size} per rank")
+
+    def epoch(self, pos: Position) -> Iterable[Any]:
+        if not self.streaming:
+            assert self.sampler is not None
+            if pos.micro_in_epoch >= self.micro_per_epoch:
+                pos.epoch, pos.micro_in_epoch = pos.epoch + 1, 0
+            # The loader (and its workers) lives for the whole attempt; each pass reads the sampler's epoch anew.
+            self.sampler.set_epoch(pos.epoch, start=pos.micro_in_epoch * self.batch_size)
+            return self.loader
+        if self.finished:
+            if pos.micro_in_epoch == 0:  # a whole pass without one step: the loop would spin forever
+                raise DdpJobError(
+                    f"the training stream gave no {self.grad_accum} batches of {self.batch_size} per rank in an epoch",
+                    "lower data.batch_size or train.grad_accum, or give the task's stream more samples",
+                )
+            pos.epoch, pos.micro_in_epoch, self.finished = pos.epoch + 1, 0, False
+        self.shard.set_epoch(pos.epoch)
+        return self._pass()
+
+    def _pass(self) -> Iterator[Any]:
+        yield from self.loader
+        self.finished = True  # reached only when the loop read the whole pass (not when it stopped at max_steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict() if self.streaming else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.streaming and state:
+            self.loader.load_state_dict(state)

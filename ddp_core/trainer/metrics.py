@@ -1,0 +1,91 @@
+"""Training-step metrics beside the loss: the task's ``Output.sums`` of each micro-batch, and the gradient norm.
+
+Like ``train.RunningLoss``, nothing is computed per step: the tensors the step produced are kept (on the device)
+and read back once, when a progress line is due; then the ranks' sums and counts travel with the line's own
+gather (no collective of their own) and are added (float64) and divided, exactly as evaluation averages. Logged
+as ``train/<name>`` and ``train/grad_norm`` (the mean over the steps since the last line) beside ``train/loss``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ddp_core.dist import groups as distributed
+from ddp_core.tasks.base import Output
+
+
+class TrainSums:
+    def __init__(self) -> None:
+        self.pending: dict[str, list[torch.Tensor]] = {}  # this rank's per-micro-batch sums, not read back yet
+        self.totals: dict[str, float] = {}  # folded sums (float64 on the host)
+        self.count = 0  # samples behind the sums
+        self.norms: list[torch.Tensor] = []  # one gradient norm per step (the same on every rank), not read back
+        self.norm_sum, self.norm_max, self.norm_steps = 0.0, 0.0, 0  # folded norms
+        self.keys: Optional[list[str]] = None  # the metric names, agreed by all ranks at the first progress line
+
+    def add(self, out: Output) -> None:
+        """One training micro-batch's output (called by the strategy after its forward)."""
+        if out.sums:
+            self.count += out.count
+            for key, value in out.sums.items():
+                self.pending.setdefault(key, []).append(value.detach())
+
+    def add_grad_norm(self, norm: torch.Tensor) -> None:
+        self.norms.append(norm.detach())
+
+    def _fold(self) -> None:
+        for key, values in self.pending.items():
+            total = torch.stack([v.double() for v in values]).sum().item()  # the read-back of this key
+            self.totals[key] = self.totals.get(key, 0.0) + total
+        self.pending.clear()
+        if self.norms:
+            norms = torch.stack([_replicated(n).double() for n in self.norms]).tolist()  # the norms' read-back
+            self.norm_sum += sum(norms)
+            self.norm_max = max(self.norm_max, *norms)
+            self.norm_steps += len(norms)
+            self.norms.clear()
+
+    def take(self) -> list[float]:
+        """This rank's part of a progress line: ``[samples, *sums in key order, norm sum, norm max, norm steps]``
+        since the last line; then start anew. Every rank's list has the same length (the trainer gathers them with
+        the line's other values); collective at the first call, where the ranks agree on the names (a pipeline's
+        first stages have no sums and learn them from the others)."""
+        self._fold()
+        if self.keys is None:
+            self.keys = distributed.union_keys(sorted(self.totals))
+        taken = [float(self.count), *(self.totals.get(k, 0.0) for k in self.keys)]
+        taken += [self.norm_sum, self.norm_max, float(self.norm_steps)]
+        self.totals, self.count = {}, 0
+        self.norm_sum, self.norm_max, self.norm_steps = 0.0, 0.0, 0
+        return taken
+
+    def combine(self, rows: list[list[float]]) -> dict[str, float]:
+        """The line's metrics from every rank's ``take()``: each sum over all ranks' samples, and the mean and
+        largest gradient norm (the same on every rank: the first row's)."""
+        assert self.keys is not None, "take() agrees on the names first"
+        count = max(1.0, sum(row[0] for row in rows))
+        metrics = {k: sum(row[i + 1] for row in rows) / count for i, k in enumerate(self.keys)}
+        norm_sum, norm_max, norm_steps = rows[0][-3:]
+        if norm_steps:
+            metrics |= {"grad_norm": norm_sum / norm_steps, "grad_norm_max": norm_max}
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's partial sums (the checkpoint holds every rank's): the next line's average is the same after
+        a resume."""
+        self._fold()
+        norms = [self.norm_sum, self.norm_max, float(self.norm_steps)]
+        return {"totals": dict(self.totals), "count": self.count, "norms": norms}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.totals, self.count, self.pending = dict(state["totals"]), int(state["count"]), {}
+        self.norm_sum, self.norm_max, steps = state["norms"]
+        self.norm_steps, self.norms = int(steps), []
+
+
+def _replicated(norm: torch.Tensor) -> torch.Tensor:
+    """A norm over sharded gradients (fsdp) is a DTensor: its full value (the same on every rank)."""
+    full = getattr(norm, "full_tensor", None)
+    return full() if full is not None else norm

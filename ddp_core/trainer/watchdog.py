@@ -1,0 +1,279 @@
+"""Hang watchdog: an attempt that stops making progress is dumped, recorded and requeued instead of holding its
+allocation until the time limit.
+
+Where it lives, and why
+-----------------------
+A daemon thread in every rank, backed by faulthandler's C-level timer.
+
+* The training loop only records progress (``beat``: two attribute stores, no I/O, no collective), so the
+  watchdog costs nothing per step.
+* The thread wakes every ``poll_s``, publishes the rank's progress to ``RUN/hangs/<attempt>/rank<R>.json`` and
+  checks how long ago the rank last progressed. A rank that waits in a collective waits with the GIL released
+  (gloo and NCCL waits, sleeps, socket reads), so its thread still runs. When one rank hangs, every rank stalls
+  (the others wait for it in the next collective) and every rank dumps its own Python stacks: the summary can
+  tell the ranks stuck in user code from the ones waiting in torch.
+* A main thread that holds the GIL and never gives it back (a C extension stuck without releasing it) stops
+  every Python thread of its process. For that case faulthandler's own C thread is armed with a later
+  deadline and re-armed by the watchdog thread while it runs: if it fires, it writes all threads' stacks and
+  exits the process, and ``srun --kill-on-bad-exit`` ends the step. The other ranks' watchdogs still requeue.
+* A Slurm suspension is not a hang: ``ddp_core.dist.suspend`` tells the watchdog at the warning (SIGTSTP), which
+  disarms the backstop and pauses the checks, and at resume, which restarts the clock. A process stopped without
+  that warning shows as a gap in the watchdog thread's own wake-ups, and its clock restarts too (the backstop,
+  then armed, fires at continue if the stop outlasted its deadline).
+* Not a per-node sidecar or the batch script: they see processes, not Python frames, and py-spy needs ptrace
+  rights that clusters often withhold. A thread reads its own process's frames for free.
+
+One rank coordinates a hang: the first to claim the attempt's summary (an exclusive create). It waits a moment
+for the other ranks' dumps, writes ``summary.txt`` (each rank's step, host and innermost frame; suspects
+first), then calls the trainer's ``on_hang`` (event, budget, requeue) and ends its process with the code that
+returns. Torch-free: ``ddp_core.config`` takes ``WatchdogConfig`` from here.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import IO, Any, Callable, Optional
+
+from ddp_core.cluster.exits import ExitCode, leave
+from ddp_core.config import WatchdogConfig
+from ddp_core.run.rundir import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+SUMMARY = "summary.txt"
+_HANG = "hang: "  # how a summary's first line (also the `hang` event's summary) starts
+COORDINATOR = ".coordinator"  # created exclusively by the rank that summarises a hang
+# How long the coordinator waits for the other ranks' dumps: they detect the same stall within one poll.
+COLLECT_S = 5.0
+# The C-level backstop fires this long after the Python watchdog would have (at most; never more than stall_s):
+# time to dump, summarise and requeue.
+BACKSTOP_MARGIN_S = 60.0
+# Innermost frames in these parts of torch mean "waiting for the other ranks", not "stuck in its own work".
+_WAITING_IN = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/", "torch/_tensor.py")
+
+
+class Watchdog:
+    """Per rank, for one attempt. ``beat(step)`` after each step; ``allowance()`` around long expected pauses."""
+
+    def __init__(
+        self,
+        cfg: WatchdogConfig,
+        folder: Path,
+        rank: int,
+        world_size: int,
+        on_hang: Callable[[Path, str, Optional[int]], int],
+        poll_s: Optional[float] = None,
+    ) -> None:
+        self.cfg, self.folder, self.rank, self.world_size, self.on_hang = cfg, folder, rank, world_size, on_hang
+        self.poll_s = poll_s if poll_s is not None else min(5.0, max(0.2, cfg.stall_s / 10))
+        self.step: Optional[int] = None  # the last finished step; None until the attempt's first
+        self.progressed = time.monotonic()
+        self.long_pause = True  # until the first step: the first-step allowance applies
+        self.paused = False  # a Slurm suspension: the job is stopped, not hung
+        self.host = socket.gethostname()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._backstop: Optional[IO[str]] = None
+
+    # --- the training loop's side: cheap ---------------------------------------------------------------------
+
+    def beat(self, step: int) -> None:
+        self.step, self.progressed = step, time.monotonic()
+        if self.long_pause:  # the first step (or the end of an eval or a save): the stall allowance applies again
+            self.long_pause = False
+            self._arm_backstop(self.cfg.stall_s)  # now, not at the next poll: the GIL may never come back to it
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.stall_s > 0
+
+    def start(self) -> Watchdog:
+        if self.enabled:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._backstop = open(self.folder / f"rank{self.rank}.txt", "a")
+            self._thread = threading.Thread(target=self._watch, name="ddpjob-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """End of the attempt's training: no hang, so leave nothing behind in ``RUN/hangs``."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.poll_s + 1)
+        if self._backstop is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._backstop.close()
+            self._backstop = None
+            if (self.folder / COORDINATOR).exists():
+                return  # a hang was declared (this rank then fails in its collective): keep every dump
+            for name in (f"rank{self.rank}.txt", f"rank{self.rank}.json"):
+                (self.folder / name).unlink(missing_ok=True)
+            for folder in (self.folder, self.folder.parent):
+                try:
+                    folder.rmdir()  # only once empty: the last rank out removes it
+                except OSError:
+                    break
+
+    def suspended(self, stopped: bool) -> None:
+        """``ddp_core.dist.suspend``'s listener: no hang is declared while the job is suspended, and the clock restarts
+        when it resumes. The backstop is disarmed first: its C thread would fire the moment the process continues."""
+        self.paused = stopped
+        if stopped:
+            if self._backstop is not None:
+                faulthandler.cancel_dump_traceback_later()
+        else:
+            self.progressed = time.monotonic()
+            self._arm_backstop(self._limit())
+
+    def allowance(self) -> _Allowance:
+        """``with watchdog.allowance():`` a pause that may last up to ``first_step_s`` (a checkpoint save)."""
+        return _Allowance(self)
+
+    # --- the watchdog thread --------------------------------------------------------------------------------------
+
+    def _limit(self) -> float:
+        return self.cfg.first_step_s if self.long_pause else self.cfg.stall_s
+
+    def _watch(self) -> None:
+        woke = time.monotonic()
+        while not self._stop.wait(self.poll_s):
+            now, last = time.monotonic(), woke
+            woke = now
+            if self.paused:  # a suspension announced by its warning signal (ddp_core.dist.suspend)
+                continue
+            if now - last > 3 * self.poll_s + 5:
+                # This thread did not run for a while: the process was stopped (kill -STOP, a suspension whose
+                # warning the main thread had no chance to handle) or starved. Time it was not running is not a stall.
+                log.warning("watchdog: this process did not run for %.0f s; its stall clock restarts", now - last)
+                self.progressed = max(self.progressed, now)
+            stalled = now - self.progressed
+            self._arm_backstop(self._limit() - stalled)
+            if stalled > self._limit() / 2:  # where it is, for the coordinator's summary if a hang follows
+                self._publish(stalled)
+            if stalled > self._limit():
+                self._hang(stalled)
+                return
+
+    def _arm_backstop(self, left_s: float) -> None:
+        """Fire ``left_s`` plus a margin from now. Re-armed at every poll, so it fires only when this thread stops
+        running (the main thread holds the GIL): then it keeps the deadline of the last arming."""
+        if self._backstop is not None:
+            after_s = max(0.0, left_s) + min(BACKSTOP_MARGIN_S, self.cfg.stall_s)
+            faulthandler.dump_traceback_later(after_s, exit=True, file=self._backstop)
+
+    def _publish(self, stalled: float, frame: str = "") -> None:
+        record = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step,
+                  "stalled_s": round(stalled, 1), "frame": frame or _main_frame()}  # fmt: skip
+        atomic_write_text(self.folder / f"rank{self.rank}.json", json.dumps(record) + "\n")
+
+    def _hang(self, stalled: float) -> None:
+        frame = _main_frame()
+        self._publish(stalled, frame)
+        faulthandler.cancel_dump_traceback_later()
+        with open(self.folder / f"rank{self.rank}.txt", "w") as f:
+            f.write(f"rank {self.rank}/{self.world_size} on {self.host} pid {os.getpid()}: no progress for "
+                    f"{stalled:.0f} s after step {self.step}\n\n{_all_stacks()}")  # fmt: skip
+        log.error("no progress for %.0f s after step %s (in %s): stacks in %s", stalled, self.step, frame,
+                  self.folder / f"rank{self.rank}.txt")  # fmt: skip
+        if not self._claim():
+            # Another rank coordinates (it requeues or ends the job); leave if that does not end this process.
+            time.sleep(COLLECT_S + 120)
+            leave(ExitCode.FAILED)
+        time.sleep(COLLECT_S)
+        summary = self._summarise()
+        (self.folder / SUMMARY).write_text(summary)
+        for line in summary.splitlines():
+            log.error("%s", line)
+        code = 1
+        try:
+            code = self.on_hang(self.folder, summary.splitlines()[0], self.step)
+        finally:
+            leave(code)
+
+    def _claim(self) -> bool:
+        try:
+            os.close(os.open(self.folder / COORDINATOR, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
+
+    def _summarise(self) -> str:
+        ranks = []
+        for r in range(self.world_size):
+            try:
+                ranks.append(json.loads((self.folder / f"rank{r}.json").read_text()))
+            except (OSError, ValueError):
+                ranks.append({"rank": r, "host": "?", "step": None, "frame": "no report (process stuck or gone)"})
+        suspects = _suspects(ranks)
+        who = ", ".join(f"rank {r['rank']} on {r['host']}" for r in suspects)
+        lines = [f"{_HANG}no progress for {self.cfg.stall_s:g} s; suspect {who} (stacks: {self.folder})"]
+        for r in ranks:
+            mark = "*" if r in suspects else " "
+            lines.append(f"{mark} rank {r['rank']:>4} on {r['host']}: step {r.get('step')}, in {r.get('frame')}")
+        return "\n".join(lines) + "\n"
+
+
+class _Allowance:
+    def __init__(self, dog: Watchdog) -> None:
+        self.dog = dog
+
+    def __enter__(self) -> None:
+        self.dog.progressed, self.dog.long_pause = time.monotonic(), True
+        self.dog._arm_backstop(self.dog.cfg.first_step_s)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.dog.step is not None:
+            self.dog.beat(self.dog.step)
+
+
+def _suspects(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ranks stuck in their own code (or silent) when others wait in torch; else the ranks furthest behind."""
+    own = [r for r in ranks if not any(part in str(r.get("frame")) for part in _WAITING_IN)]
+    if own and len(own) < len(ranks):
+        return own
+    steps = [r["step"] for r in ranks if isinstance(r.get("step"), int)]
+    low = min(steps, default=None)
+    behind = [r for r in ranks if r.get("step") == low] if low is not None else ranks
+    return behind if len(behind) < len(ranks) else ranks
+
+
+def _main_frame() -> str:
+    """The main thread's innermost frame, ``path:line in function``."""
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    if frame is None:
+        return "unknown"
+    last = traceback.extract_stack(frame)[-1]
+    return f"{last.filename}:{last.lineno} in {last.name}"
+
+
+def _all_stacks() -> str:
+    """Every thread's stack but the watchdog's own, the main thread first, with source lines."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    frames = sys._current_frames()
+    main, me = threading.main_thread().ident, threading.get_ident()
+    parts = []
+    for ident in sorted((i for i in frames if i != me), key=lambda i: i != main):
+        parts.append(f"Thread {names.get(ident, ident)} (most recent call last):\n")
+        parts.extend(traceback.format_stack(frames[ident]))
+        parts.append("\n")
+    return "".join(parts)
+
+
+def cause(summary: str) -> str:
+    """A hang summary's first line without its ``hang:`` label: what status and logs print after their own."""
+    return summary.removeprefix(_HANG)
+
+
+def attempt_folder(hangs: Path, job_id: Optional[str], restart_count: int) -> Path:
+    """``RUN/hangs/<job>_<attempt>``: every rank of an attempt derives the same one without talking. A process
+    alone, with no launcher's job id, adds its pid (each start is another attempt)."""
+    return hangs / (f"{job_id}_{restart_count}" if job_id else f"single-{os.getpid()}")
