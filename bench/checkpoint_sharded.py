@@ -23,14 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_core.checkpoint import full as full_checkpoint
-from ddp_core.checkpoint import sharded as sharded_checkpoint
-from ddp_core.checkpoint.train_state import Position
+from ddp_core.checkpoint.manager import CheckpointManager
+from ddp_core.checkpoint.train_state import Carried, Position, TrainState
 from ddp_core.cluster.env import DistEnv
 from ddp_core.config import StrategyConfig, StrategyName, load_config
 from ddp_core.run.rundir import RunDir
 from ddp_core.strategies import build_strategy
-from ddp_core.trainer.loop import RunningLoss, save_checkpoint
+from ddp_core.trainer.metrics import RunningLoss
 from ddp_core.trainer.optim import build_optimizer, build_scheduler
 
 WIDTH = 4096
@@ -55,26 +54,23 @@ def measure(
     optimizer.step()  # materialise AdamW's state: 2 more tensors per parameter
     optimizer.zero_grad(set_to_none=True)
     run_dir = RunDir(tmp / f"{name}-{async_save}")
-    writer: sharded_checkpoint.ShardedWriter | full_checkpoint.FullWriter | None = None
-    if strategy.checkpoint_kind == "sharded":
-        writer = sharded_checkpoint.ShardedWriter(run_dir.checkpoints, 1, async_save, rank, world)
-    elif rank == 0:
-        writer = full_checkpoint.FullWriter(run_dir.checkpoints, 1, async_save)
-    sharded = writer if isinstance(writer, sharded_checkpoint.ShardedWriter) else None
-    full = writer if isinstance(writer, full_checkpoint.FullWriter) else None
+    cfg.checkpoint.async_save = async_save
+    manager = CheckpointManager(cfg.checkpoint, run_dir, env, strategy, model, optimizer)
+    writer = manager.sharded or manager.full
+    state = TrainState(scheduler, RunningLoss(), Carried({}, {}), {})
 
     def save(step: int) -> tuple[float, float]:
         if writer is not None:
             writer.wait()  # the previous async save is not part of this one's figures
         dist.barrier()
-        blocked = save_checkpoint(cfg, run_dir, env, strategy, model, optimizer, scheduler, Position(step=step),
-                                  RunningLoss(), sharded, full)  # fmt: skip
+        state.pos = Position(step=step)
+        manager.save(state)
+        blocked = manager.last_save_s
         total = blocked + (writer.wait() if writer is not None else 0.0)
         return blocked, total
 
     times = [save(step) for step in range(1, repeats + 1)]
-    if writer is not None:
-        writer.close()
+    manager.close()
     size = sum(p.stat().st_size for p in run_dir.checkpoints.rglob("*") if p.is_file())
     return min(t[0] for t in times), min(t[1] for t in times), size  # best: the least disturbed by other I/O
 

@@ -31,7 +31,7 @@ from ddp_core.run.rundir import RunDir
 from ddp_core.trainer.watchdog import Watchdog, attempt_folder
 
 if TYPE_CHECKING:
-    from ddp_core.trainer.loop import Outcome
+    from ddp_core.trainer.steps import Outcome
 
 log = logging.getLogger("ddp_core")
 

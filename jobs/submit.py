@@ -178,7 +178,7 @@ def validate_for_submit(cfg: Config, local: bool, cluster_check: bool = True) ->
     """Everything that can be checked before a run directory exists. Resolves ``slurm.cpus_per_task``."""
     if cfg.script.enabled:
         # The user's script is the job: it must be there and readable now; its absolute path and hash are recorded.
-        from ddp_core.script.mode import resolve_for_submit
+        from ddp_core.script.prepare import resolve_for_submit
 
         resolve_for_submit(cfg.script)
     else:

@@ -94,7 +94,7 @@ def check_sweep(sweep: Sweep, local_check: bool = True) -> None:
 def _resolve_scripts(configs: Sequence[Config]) -> None:
     """What submit checks for a script, once per distinct script: it exists and is readable here; every trial records
     its absolute path and sha256."""
-    from ddp_core.script.mode import resolve_for_submit
+    from ddp_core.script.prepare import resolve_for_submit
 
     resolved: dict[tuple[Optional[str], Optional[str]], tuple[Optional[str], Optional[str]]] = {}
     for cfg in configs:

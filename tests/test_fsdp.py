@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from ddp_core.checkpoint import sharded as sharded_checkpoint
 from ddp_core.checkpoint import store as checkpoint
+from ddp_core.checkpoint.manager import load_checkpoint
 from ddp_core.cluster.env import DistEnv
 from ddp_core.config import OptimConfig, OptimizerName, StrategyConfig, StrategyName, load_config
 from ddp_core.errors import DdpJobError
@@ -30,8 +31,8 @@ from ddp_core.run.rundir import RunDir
 from ddp_core.strategies import Strategy, build_strategy
 from ddp_core.strategies.fsdp import shard_units
 from ddp_core.tasks.charlm import CharLMTask
-from ddp_core.trainer.loop import load_checkpoint, weights_digest
 from ddp_core.trainer.optim import build_optimizer
+from ddp_core.trainer.steps import weights_digest
 from jobs.export import export
 from tests.conftest import ROOT
 from tests.helpers import final_digests, run_trainer

@@ -29,10 +29,11 @@ from hypothesis import strategies as st
 from ddp_core.cluster.env import expand_nodelist
 from ddp_core.config import Config, load_config, load_saved, to_yaml, validate
 from ddp_core.config.input import SavedLoader, from_plain, read_yaml
+from ddp_core.config.trials import load_trial_config
 from ddp_core.errors import DdpJobError
 from ddp_core.tasks.base import check_task
 from jobs.submit import validate_for_submit
-from jobs.sweep_spec import Sweep, load_sweep, load_trial_config, parse_cli_sweep
+from jobs.sweep_spec import Sweep, load_sweep, parse_cli_sweep
 from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent

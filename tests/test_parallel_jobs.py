@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ddp_core.tasks.digits import DigitsTask
-from ddp_core.trainer.loop import weights_digest
+from ddp_core.trainer.steps import weights_digest
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import digests, events, rank_logs, wait_gone
 from tests.test_preemption import interrupt

@@ -19,14 +19,15 @@ from typing import Any, Sequence
 import pytest
 
 from ddp_core.config import ScriptConfig
+from ddp_core.config.features import arg_value, with_swept_args
+from ddp_core.config.trials import load_trial_config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
-from ddp_core.script.mode import arg_value, with_swept_args
 from jobs import drill, logs, status
 from jobs import sweep as sw
 from jobs.cli import main
 from jobs.report import write_report
-from jobs.sweep_spec import load_sweep, load_trial_config
+from jobs.sweep_spec import load_sweep
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import events, in_queue, wait_for
 from tests.test_script_mode import clean_env

@@ -5,9 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_core.config import OptimizerName, load_config
+from ddp_core.config import OptimizerName, load_config, trials
 from ddp_core.errors import DdpJobError
-from jobs import sweep_spec
 from jobs.sweep_spec import Sweep, is_sweep_file, load_sweep, load_sweep_file, parse_cli_sweep, split_values
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -238,14 +237,14 @@ def test_fast_validation_matches_load_config(tmp_path):
     sweep = load_sweep_file(path, extra=extra)
     fixed = ["train.max_steps=90"]
     combos = [dict(o.split("=", 1) for o in t.overrides[1:]) for t in sweep.trials]
-    fast, failed = sweep_spec._fast_configs(DIGITS, fixed, combos, {})
+    fast, failed = trials._fast_configs(DIGITS, fixed, combos, {})
     assert failed is None and len(fast) == len(sweep.trials) == 32
     assert fast == [load_config(DIGITS, t.overrides) for t in sweep.trials]
 
 
 def test_fast_path_disagreement_falls_back_to_load_config(monkeypatch):
     expected = parse_cli_sweep(DIGITS, ["optim.lr=1e-3,2e-3,3e-3"])
-    monkeypatch.setattr(sweep_spec, "_fast_configs", lambda *a: ([], 1))  # claims trial 1 is bad: it is not
+    monkeypatch.setattr(trials, "_fast_configs", lambda *a: ([], 1))  # claims trial 1 is bad: it is not
     assert parse_cli_sweep(DIGITS, ["optim.lr=1e-3,2e-3,3e-3"]) == expected
 
 

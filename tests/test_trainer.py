@@ -155,7 +155,7 @@ def test_export_cli_writes_a_plain_state_dict(tmp_path):
     state = torch.load(out, weights_only=True)
     model = DigitsTask().build_model(**{"hidden": 128, "depth": 2, "dropout": 0.1})
     model.load_state_dict(state)  # strict: plain keys, no wrapper prefixes
-    from ddp_core.trainer.loop import weights_digest
+    from ddp_core.trainer.steps import weights_digest
 
     assert final_digests(log) == [weights_digest(state)]
 
@@ -307,7 +307,7 @@ def test_train_deterministic_reaches_torch_and_torch_is_called_only_on_a_change(
     import torch
 
     from ddp_core.config import load_config
-    from ddp_core.trainer.loop import apply_determinism
+    from ddp_core.trainer.steps import apply_determinism
 
     real, calls = torch.use_deterministic_algorithms, []
     monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda mode: (calls.append(mode), real(mode)))

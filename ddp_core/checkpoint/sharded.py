@@ -201,11 +201,13 @@ class ShardedWriter:
         pending.result()  # re-raises a failed background save here, in the training thread
         return time.perf_counter() - started
 
-    def close(self) -> None:
-        """Wait for the save in flight; call before the process group goes away."""
-        self.wait()
+    def close(self, wait: bool = True) -> None:
+        """Wait for the save in flight; call before the process group goes away. ``wait=False`` (a failed attempt):
+        leave it, as its completion needs every rank."""
+        if wait:
+            self.wait()
         if self._background is not None:
-            self._background.shutdown()
+            self._background.shutdown(wait=wait, cancel_futures=not wait)
 
     def _complete_after(self, upload: Future[Any], step: int, tmp: Path, started: float, blocked: float) -> None:
         upload.result()  # on every rank, DCP returns once its coordinator wrote .metadata, after all shards

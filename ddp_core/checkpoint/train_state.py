@@ -1,5 +1,6 @@
-"""State that rides along in every checkpoint beside the model, optimizer, schedule, position and RNG: the
-components' own ``state_dict``s, so the loop never builds the dict.
+"""What a checkpoint holds besides the model and the optimizer: ``TrainState`` (position, LR schedule, the partial
+progress-line loss, every rank's RNG, world size, config) and ``Carried``, the components that ride along with their
+own ``state_dict``s, so the loop never builds the dict.
 
 ``shared`` components hold the same state on every rank (the monitor, the fp16 loss scaler): rank 0's is saved and
 every rank loads it. ``per_rank`` ones differ by rank (a stream loader's position, partial train-metric sums):
@@ -10,7 +11,7 @@ unchanged. A checkpoint written before a component existed loads with that compo
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Protocol
 
 from ddp_core.cluster.env import DistEnv
@@ -59,3 +60,45 @@ class Carried:
         for name, part in self.per_rank.items():
             if name in ranks[env.rank]:
                 part.load_state_dict(ranks[env.rank][name])
+
+
+class PartialLoss(Protocol):
+    """The partial average of the next progress line (``trainer.metrics.RunningLoss``), as a CPU tensor."""
+
+    def state(self) -> Any: ...
+
+    def load(self, state: Any) -> None: ...
+
+
+class TrainState:
+    """What a checkpoint holds besides the model and the optimizer (which the strategy saves its own way): where the
+    run is (``pos``), the LR schedule, the partial progress-line loss, every rank's RNG, the world size and config it
+    was written at, and the carried components (``Carried``). ``state_dict`` and ``load_state_dict`` are collective:
+    the RNG states and per-rank parts travel to and from rank 0. The keys are those of every earlier checkpoint."""
+
+    def __init__(self, scheduler: Any, log_loss: PartialLoss, carried: Carried, config: dict[str, Any]) -> None:
+        self.pos = Position()
+        self.scheduler, self.log_loss, self.carried, self.config = scheduler, log_loss, carried, config
+
+    def state_dict(self, env: DistEnv) -> dict[str, Any]:
+        """Collective; complete on rank 0."""
+        rngs = distributed.gather_to_main(distributed.rng_state(), env)
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "position": asdict(self.pos),
+            "log_loss": self.log_loss.state(),
+            "rng": rngs,
+            "world_size": env.world_size,
+            "config": self.config,
+        } | self.carried.state(env)
+
+    def load_state_dict(self, state: Mapping[str, Any], env: DistEnv) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.pos = Position(**state["position"])
+        self.log_loss.load(state["log_loss"])
+        self.carried.load(state, env)
+        if state["world_size"] == env.world_size:
+            distributed.set_rng_state(state["rng"][env.rank])
+        else:
+            log.warning("checkpoint was written at world size %d, now %d: RNG streams restart", state["world_size"],
+                        env.world_size)  # fmt: skip

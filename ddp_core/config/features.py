@@ -4,13 +4,20 @@ snapshot), ``watchdog`` (hangs) and ``trial`` (a run bound to an adaptive sweep'
 Declared here, in the torch-free config package, so the schema imports nothing above it; the code that acts on a
 section (``ddp_core.script``, ``ddp_core.run.snapshot``, ``ddp_core.trainer.watchdog``, ``ddp_core.search``)
 imports its dataclass from here.
+
+**Sweeps over script arguments.** A sweep key ``script.args.NAME`` (``ddpjob sweep ... script.args.lr=1e-4,3e-4``)
+is one argument of each trial's script, not a config key: ``with_swept_args`` turns a trial's values into its
+``script.args`` on the login node (``--NAME=VALUE`` after the fixed arguments; ``NAME=VALUE`` with
+``script.arg_style: hydra``), so the trial's config.yaml holds the exact command line its ranks run. The sweep
+(``jobs/sweep_spec.py``, ``ddp_core.config.trials``) calls it; the syntax of those keys and values is defined here
+only.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Mapping, Optional
 
 from ddp_core.config.schema import SlurmConfig
 from ddp_core.errors import DdpJobError
@@ -19,6 +26,9 @@ from ddp_core.errors import DdpJobError
 ARG_STYLES = {"flag": "--{name}={value}", "hydra": "{name}={value}"}
 LAUNCHERS = ("srun", "torchrun")
 SWEPT_ARG_PREFIX = "script.args."
+# An option name (argparse: --save-every, --lr); with hydra, a dotted key (optim.lr, model.n_layers).
+_FLAG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+_HYDRA_NAME = re.compile(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*")
 
 
 @dataclass
@@ -176,3 +186,61 @@ def validate_trial(trial: TrialConfig) -> None:
         )
     if not trial.metric:
         raise DdpJobError("config key 'trial.metric' is empty", "name an eval metric, e.g. loss")
+
+
+def swept_arg_name(key: str) -> Optional[str]:
+    """``NAME`` of a sweep key ``script.args.NAME``; None for every other key (config keys)."""
+    return key[len(SWEPT_ARG_PREFIX) :] if key.startswith(SWEPT_ARG_PREFIX) else None
+
+
+def arg_value(text: str) -> str:
+    """A swept value as the script receives it: the text as the sweep lists it (``1e-4`` stays ``1e-4``, ``true``
+    and ``null`` stay words), except that a value in quotes loses them (``'a,b'``: quotes keep a comma from splitting
+    the values; a sweep file's strings reach the sweep quoted this way)."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        import yaml  # the sweep's quoting is YAML's: 'it''s' and "a\tb" unquote as they would in a config value
+
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
+        if isinstance(value, str):
+            return value
+    return text
+
+
+def with_swept_args(script: ScriptConfig, swept: Mapping[str, str]) -> list[str]:
+    """A sweep trial's arguments: ``script.args`` as they are, then one argument per swept ``script.args.NAME`` in
+    ``swept``'s order (NAME -> the value's text as the sweep lists it): ``--NAME=VALUE``, or ``NAME=VALUE`` with
+    ``script.arg_style: hydra``. Refused, naming the key: no script, a NAME that is not an option name (a Hydra key
+    with hydra), a NAME the fixed arguments already give (the script would see it twice)."""
+    for name in swept:
+        key = f"{SWEPT_ARG_PREFIX}{name}"
+        if not script.enabled:
+            raise DdpJobError(
+                f"sweep key '{key}' is a script argument, but the sweep runs no script (script.path or script.module)",
+                "ddpjob sweep --script train.py [CONFIG] script.args.NAME=v1,v2 -- FIXED_ARGS",
+            )
+        hydra = script.arg_style == "hydra"
+        if not (_HYDRA_NAME if hydra else _FLAG_NAME).fullmatch(name):
+            what, example = ("a Hydra key", "script.args.optim.lr") if hydra else ("an option name", "script.args.lr")
+            raise DdpJobError(
+                f"sweep key '{key}': {name!r} is not {what}",
+                f"e.g. {example}=1e-4,3e-4 (letters, digits, '_', '-'" + (", '.' between parts)" if hydra else ")"),
+            )
+        clash = next((arg for arg in script.args if _names(arg, name, hydra)), None)
+        if clash is not None:
+            raise DdpJobError(
+                f"sweep key '{key}' is also in the script's fixed arguments ({clash!r}): the script would get it twice",
+                f"drop {clash!r} from script.args (the arguments after --), or stop sweeping {key}",
+            )
+    style = ARG_STYLES[script.arg_style]
+    return [*script.args, *(style.format(name=name, value=arg_value(text)) for name, text in swept.items())]
+
+
+def _names(arg: str, name: str, hydra: bool) -> bool:
+    """Whether a fixed argument sets ``name``: ``--name`` / ``--name=v``, or Hydra's ``name=v`` / ``+name=v`` /
+    ``++name=v`` / ``~name``."""
+    if hydra:
+        return arg.lstrip("+~").partition("=")[0] == name
+    return arg == f"--{name}" or arg.startswith(f"--{name}=")

@@ -65,6 +65,30 @@ _AT_MOST = {
 
 def validate(cfg: Config) -> None:
     """Checks that need no cluster: ranges and combinations. Raises ``DdpJobError`` naming the key."""
+    _validate_ranges(cfg)
+    _validate_guard(cfg.dist.guard)
+    validate_watchdog(cfg.watchdog, cfg.dist.timeout_s)
+    validate_snapshot(cfg.snapshot)
+    validate_trial(cfg.trial)
+    _require(cfg.train.straggler_factor >= 1, "train.straggler_factor", cfg.train.straggler_factor, "must be >= 1")
+    _require(cfg.train.stop_check_ms >= 0, "train.stop_check_ms", cfg.train.stop_check_ms, "must be >= 0")
+    _validate_trainer_extras(cfg)
+    _validate_script_strings(cfg)
+    validate_script(cfg.script, cfg.slurm)
+    _validate_script_mode(cfg)
+    _validate_strategy(cfg)
+    module, _, cls = cfg.task.target.partition(":")
+    _require(
+        cls.isidentifier() and all(part.isidentifier() for part in module.split(".")),
+        "task.target",
+        cfg.task.target,
+        "must look like 'package.module:ClassName'",
+    )
+    _require(bool(cfg.run.name.strip()) and "/" not in cfg.run.name, "run.name", cfg.run.name, "must be a plain name")
+
+
+def _validate_ranges(cfg: Config) -> None:
+    """Every number finite and within its range; the Slurm keys' values among those Slurm takes."""
     for key, value in _floats(cfg):
         _require(math.isfinite(value), key, value, "must be a finite number")
     for key, limit in _AT_MOST.items():
@@ -129,25 +153,6 @@ def validate(cfg: Config) -> None:
     )
     _require(cfg.slurm.gpu_bind in GPU_BIND, "slurm.gpu_bind", cfg.slurm.gpu_bind, f"must be one of {GPU_BIND}")
     _require(cfg.slurm.cpu_bind in CPU_BIND, "slurm.cpu_bind", cfg.slurm.cpu_bind, f"must be one of {CPU_BIND}")
-    _validate_guard(cfg.dist.guard)
-    validate_watchdog(cfg.watchdog, cfg.dist.timeout_s)
-    validate_snapshot(cfg.snapshot)
-    validate_trial(cfg.trial)
-    _require(cfg.train.straggler_factor >= 1, "train.straggler_factor", cfg.train.straggler_factor, "must be >= 1")
-    _require(cfg.train.stop_check_ms >= 0, "train.stop_check_ms", cfg.train.stop_check_ms, "must be >= 0")
-    _validate_trainer_extras(cfg)
-    _validate_script_strings(cfg)
-    validate_script(cfg.script, cfg.slurm)
-    _validate_script_mode(cfg)
-    _validate_strategy(cfg)
-    module, _, cls = cfg.task.target.partition(":")
-    _require(
-        cls.isidentifier() and all(part.isidentifier() for part in module.split(".")),
-        "task.target",
-        cfg.task.target,
-        "must look like 'package.module:ClassName'",
-    )
-    _require(bool(cfg.run.name.strip()) and "/" not in cfg.run.name, "run.name", cfg.run.name, "must be a plain name")
 
 
 def _validate_trainer_extras(cfg: Config) -> None:
@@ -340,17 +345,10 @@ def validate_monitor(spec: Optional[str], patience: int, eval_every: int) -> Non
 
 
 def validate_optim(cfg: OptimConfig, max_steps: int) -> None:
-    """Login-node checks of the optimizer keys this module owns (called by ``config.validate``)."""
-
-    def require(ok: bool, key: str, value: Any, why: str) -> None:
-        if not ok:
-            raise DdpJobError(
-                f"config key '{key}' = {value!r} is invalid: {why}", f"fix it in the YAML or with {key}=..."
-            )
-
-    require(len(cfg.betas) == 2 and all(0 <= b < 1 for b in cfg.betas), "optim.betas", cfg.betas,
-            "must be two numbers in [0, 1), e.g. [0.9, 0.95]")  # fmt: skip
-    require(cfg.eps > 0, "optim.eps", cfg.eps, "must be > 0")
-    require(0 <= cfg.min_lr <= cfg.lr, "optim.min_lr", cfg.min_lr, f"must be in [0, optim.lr] ({cfg.lr})")
-    require(all(isinstance(p, str) and p for p in cfg.no_decay), "optim.no_decay", cfg.no_decay,
-            "must be a list of non-empty name fragments, e.g. [bias, norm]")  # fmt: skip
+    """The optimizer's keys beyond their ranges."""
+    _require(len(cfg.betas) == 2 and all(0 <= b < 1 for b in cfg.betas), "optim.betas", cfg.betas,
+             "must be two numbers in [0, 1), e.g. [0.9, 0.95]")  # fmt: skip
+    _require(cfg.eps > 0, "optim.eps", cfg.eps, "must be > 0")
+    _require(0 <= cfg.min_lr <= cfg.lr, "optim.min_lr", cfg.min_lr, f"must be in [0, optim.lr] ({cfg.lr})")
+    _require(all(isinstance(p, str) and p for p in cfg.no_decay), "optim.no_decay", cfg.no_decay,
+             "must be a list of non-empty name fragments, e.g. [bias, norm]")  # fmt: skip

@@ -35,25 +35,17 @@ code: that code. An exception: ``rank R/W on HOST failed: ...`` is logged and th
 a rank as above (torchrun's variables come first in ``DistEnv.from_env``; ``TORCHELASTIC_RUN_ID`` tells a worker from
 the agent).
 
-**The config's ``script`` section** (``ScriptConfig``, part of ``ddp_core.config.Config``) lives here too: its shape
-is checked at every load (``validate_config``: no filesystem), the login node checks the file and records its
-absolute path and sha256 (``resolve_for_submit``), and the compute node reads it back (``spec_from_config``).
-``run(RUN_DIR)`` is what submitit calls on every task. This module imports no torch.
-
-**Sweeps over script arguments.** A sweep key ``script.args.NAME`` (``ddpjob sweep ... script.args.lr=1e-4,3e-4``)
-is one argument of each trial's script, not a config key: ``with_swept_args`` turns a trial's values into its
-``script.args`` on the login node (``--NAME=VALUE`` after the fixed arguments; ``NAME=VALUE`` with
-``script.arg_style: hydra``), so the trial's config.yaml holds the exact command line its ranks run. The sweep
-(``jobs/sweep_spec.py``) calls it; the syntax of those keys and values is defined here only.
+**The config's ``script`` section** (``ddp_core.config.ScriptConfig``): its shape is checked at every load, the login
+node checks the file and records its absolute path and sha256 (``ddp_core.script.prepare``), and the compute node
+reads it back (``spec_from_config``). ``run(RUN_DIR)`` is what submitit calls on every task. This module imports no
+torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import os
-import re
 import runpy
 import shlex
 import signal
@@ -62,7 +54,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import IO, TYPE_CHECKING, Any, Optional, Sequence
 
 from ddp_core.cluster import signals
 from ddp_core.cluster.env import DistEnv
@@ -70,131 +62,16 @@ from ddp_core.cluster.exits import ExitCode, after_submitit, leave, without_resu
 from ddp_core.cluster.log import setup_logging
 from ddp_core.cluster.preemption import back_in_queue
 from ddp_core.cluster.slurm import NODE_GATEWAY
-from ddp_core.config import ARG_STYLES, SWEPT_ARG_PREFIX, ScriptConfig
+from ddp_core.config import ScriptConfig
 from ddp_core.errors import DdpJobError
 from ddp_core.run import snapshot
 from ddp_core.run.rundir import RunDir
+from ddp_core.script.prepare import SCRIPT_HINT, sha256_of
 
 if TYPE_CHECKING:
     from ddp_core.config import Config
 
 log = logging.getLogger("ddp_core.script")
-
-_SCRIPT_HINT = "give one with `ddpjob submit --script train.py`, or script.path=... / script.module=pkg.train"
-# An option name (argparse: --save-every, --lr); with hydra, a dotted key (optim.lr, model.n_layers).
-_FLAG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
-_HYDRA_NAME = re.compile(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*")
-
-
-def resolve_for_submit(script: ScriptConfig, base: Optional[Path] = None) -> None:
-    """Login node, before anything is created: the script exists and is readable here; record its absolute path and
-    sha256 in place. A module is looked up (its parent packages are imported) and its file hashed where it has one."""
-    if script.path is not None:
-        path = ((base or Path.cwd()) / Path(script.path).expanduser()).absolute()
-        if not path.exists():
-            raise DdpJobError(
-                f"config key 'script.path' = {script.path!r}: {path} does not exist",
-                "check the path: a relative one is taken from the directory you run ddpjob in",
-            )
-        if not path.is_file():
-            raise DdpJobError(
-                f"config key 'script.path' = {script.path!r}: {path} is not a regular file",
-                "name the .py file itself, not its directory (or use script.module for a package)",
-            )
-        script.path = str(path)
-        script.sha256 = _sha256(path, "script.path")
-    elif script.module is not None:
-        origin = _module_origin(script.module)
-        script.sha256 = _sha256(Path(origin), "script.module") if origin else None
-
-
-def _module_origin(module: str) -> Optional[str]:
-    import importlib.util
-
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError) as err:
-        spec, why = None, f" ({type(err).__name__}: {err})"
-    else:
-        why = ""
-    if spec is None:
-        raise DdpJobError(
-            f"config key 'script.module' = {module!r} cannot be imported here{why}",
-            "jobs inherit this environment: install the package or add it to PYTHONPATH",
-        )
-    return spec.origin if spec.has_location and spec.origin and Path(spec.origin).is_file() else None
-
-
-def _sha256(path: Path, key: str) -> str:
-    digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-    except OSError as err:
-        raise DdpJobError(
-            f"config key '{key}': {path} is not readable ({err.strerror or err})",
-            "make it readable by you and the job (chmod a+r), or copy it somewhere that is",
-        ) from None
-    return digest.hexdigest()
-
-
-def swept_arg_name(key: str) -> Optional[str]:
-    """``NAME`` of a sweep key ``script.args.NAME``; None for every other key (config keys)."""
-    return key[len(SWEPT_ARG_PREFIX) :] if key.startswith(SWEPT_ARG_PREFIX) else None
-
-
-def arg_value(text: str) -> str:
-    """A swept value as the script receives it: the text as the sweep lists it (``1e-4`` stays ``1e-4``, ``true``
-    and ``null`` stay words), except that a value in quotes loses them (``'a,b'``: quotes keep a comma from splitting
-    the values; a sweep file's strings reach the sweep quoted this way)."""
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        import yaml  # the sweep's quoting is YAML's: 'it''s' and "a\tb" unquote as they would in a config value
-
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            return text
-        if isinstance(value, str):
-            return value
-    return text
-
-
-def with_swept_args(script: ScriptConfig, swept: Mapping[str, str]) -> list[str]:
-    """A sweep trial's arguments: ``script.args`` as they are, then one argument per swept ``script.args.NAME`` in
-    ``swept``'s order (NAME -> the value's text as the sweep lists it): ``--NAME=VALUE``, or ``NAME=VALUE`` with
-    ``script.arg_style: hydra``. Refused, naming the key: no script, a NAME that is not an option name (a Hydra key
-    with hydra), a NAME the fixed arguments already give (the script would see it twice)."""
-    for name in swept:
-        key = f"{SWEPT_ARG_PREFIX}{name}"
-        if not script.enabled:
-            raise DdpJobError(
-                f"sweep key '{key}' is a script argument, but the sweep runs no script (script.path or script.module)",
-                "ddpjob sweep --script train.py [CONFIG] script.args.NAME=v1,v2 -- FIXED_ARGS",
-            )
-        hydra = script.arg_style == "hydra"
-        if not (_HYDRA_NAME if hydra else _FLAG_NAME).fullmatch(name):
-            what, example = ("a Hydra key", "script.args.optim.lr") if hydra else ("an option name", "script.args.lr")
-            raise DdpJobError(
-                f"sweep key '{key}': {name!r} is not {what}",
-                f"e.g. {example}=1e-4,3e-4 (letters, digits, '_', '-'" + (", '.' between parts)" if hydra else ")"),
-            )
-        clash = next((arg for arg in script.args if _names(arg, name, hydra)), None)
-        if clash is not None:
-            raise DdpJobError(
-                f"sweep key '{key}' is also in the script's fixed arguments ({clash!r}): the script would get it twice",
-                f"drop {clash!r} from script.args (the arguments after --), or stop sweeping {key}",
-            )
-    style = ARG_STYLES[script.arg_style]
-    return [*script.args, *(style.format(name=name, value=arg_value(text)) for name, text in swept.items())]
-
-
-def _names(arg: str, name: str, hydra: bool) -> bool:
-    """Whether a fixed argument sets ``name``: ``--name`` / ``--name=v``, or Hydra's ``name=v`` / ``+name=v`` /
-    ``++name=v`` / ``~name``."""
-    if hydra:
-        return arg.lstrip("+~").partition("=")[0] == name
-    return arg == f"--{name}" or arg.startswith(f"--{name}=")
 
 
 @dataclass(frozen=True)
@@ -217,7 +94,7 @@ def spec_from_config(
     if not script.enabled:
         raise DdpJobError(
             f"{where} has no script section (script.path or script.module): this run has no script to run",
-            f"{_SCRIPT_HINT}; a run without one trains with `python -m ddp_core RUN`",
+            f"{SCRIPT_HINT}; a run without one trains with `python -m ddp_core RUN`",
         )
     if script.path is not None:
         if not Path(script.path).is_absolute():
@@ -229,7 +106,7 @@ def spec_from_config(
         if not Path(path).is_file():
             raise DdpJobError(f"script {path} does not exist on {socket.gethostname()}",
                               "run directories and scripts must be on a filesystem every node sees")  # fmt: skip
-        if script.sha256 and _sha256(Path(path), "script.path") != script.sha256:
+        if script.sha256 and sha256_of(Path(path), "script.path") != script.sha256:
             # Without a snapshot (--no-snapshot) a requeued attempt may run after the user edited the script.
             log.warning("%s changed since it was submitted (sha256 %s...): running it as it is now", path,
                         script.sha256[:12])  # fmt: skip

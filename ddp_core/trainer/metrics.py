@@ -1,6 +1,7 @@
-"""Training-step metrics beside the loss: the task's ``Output.sums`` of each micro-batch, and the gradient norm.
+"""Training-step metrics: the loss (``RunningLoss``), the task's ``Output.sums`` of each micro-batch, and the gradient
+norm (``TrainSums``).
 
-Like ``train.RunningLoss``, nothing is computed per step: the tensors the step produced are kept (on the device)
+Nothing is computed per step: the tensors the step produced are kept (on the device)
 and read back once, when a progress line is due; then the ranks' sums and counts travel with the line's own
 gather (no collective of their own) and are added (float64) and divided, exactly as evaluation averages. Logged
 as ``train/<name>`` and ``train/grad_norm`` (the mean over the steps since the last line) beside ``train/loss``.
@@ -89,3 +90,38 @@ def _replicated(norm: torch.Tensor) -> torch.Tensor:
     """A norm over sharded gradients (fsdp) is a DTensor: its full value (the same on every rank)."""
     full = getattr(norm, "full_tensor", None)
     return full() if full is not None else norm
+
+
+class RunningLoss:
+    """The step losses since the last progress line, kept as the device tensors ``forward_backward`` returned: no
+    arithmetic per micro-batch (an in-place add costs a kernel launch, ~4 us on a CPU, each time), and the host
+    reads them back in one transfer when a line is due (``log_every``) or a checkpoint is written.
+
+    The sum is taken in float64, one loss after the other in the order they came, onto the total of earlier read-backs:
+    the same value whether or not a checkpoint (which folds the pending ones) fell inside the interval."""
+
+    def __init__(self) -> None:
+        self.total = 0.0  # float64 sum of the losses already read back
+        self.pending: list[torch.Tensor] = []  # losses not read back yet (on the training device)
+        self.steps = 0  # steps whose loss this rank saw (a pipeline's last stage only)
+
+    def add(self, step_loss: torch.Tensor, counts: bool) -> None:
+        self.pending.append(step_loss)
+        self.steps += counts
+
+    def _fold(self) -> None:
+        if self.pending:
+            for value in torch.stack(self.pending).tolist():  # the one read-back (a host-device sync)
+                self.total += value
+            self.pending.clear()
+
+    def state(self) -> torch.Tensor:
+        """(sum, steps) as a CPU float64 tensor: the form checkpoints hold."""
+        self._fold()
+        return torch.tensor([self.total, float(self.steps)], dtype=torch.float64)
+
+    def load(self, state: torch.Tensor) -> None:
+        self.total, self.steps, self.pending = float(state[0]), int(state[1]), []
+
+    def reset(self) -> None:
+        self.total, self.steps, self.pending = 0.0, 0, []

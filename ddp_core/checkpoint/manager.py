@@ -1,0 +1,157 @@
+"""The checkpoint manager: one object per attempt owns the run's checkpoints.
+
+It decides when a save is due (``checkpoint.every_steps``), picks the writer (full from rank 0 or sharded from every
+rank, each synchronous or async, by the strategy's ``checkpoint_kind`` and ``checkpoint.async_save``), loads the
+newest checkpoint every rank verified, keeps the best one (``checkpoint.monitor``), and knows what a synchronous
+save costs, for the SIGTERM budget (``checkpoint.sigterm_budget_s``). Pruning (``checkpoint.keep_last``) happens in
+the writers after each save. The trainer calls it in one line per use; what it saves is the ``TrainState``'s
+``state_dict`` plus the model and optimizer as the strategy lays them out.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import TYPE_CHECKING, Any, Optional, Protocol
+
+from torch import nn
+
+from ddp_core.checkpoint import full as full_checkpoint
+from ddp_core.checkpoint import store
+from ddp_core.checkpoint.train_state import TrainState
+from ddp_core.cluster.env import DistEnv
+from ddp_core.config import CheckpointConfig
+from ddp_core.dist import groups as distributed
+from ddp_core.run.rundir import RunDir
+
+if TYPE_CHECKING:
+    import torch
+
+    from ddp_core.checkpoint.sharded import ShardedWriter
+
+log = logging.getLogger(__name__)
+
+
+class Layout(Protocol):
+    """How a strategy lays out a model's and an optimizer's state (``ddp_core.strategies.Strategy``)."""
+
+    @property
+    def checkpoint_kind(self) -> str: ...  # store.FULL or store.SHARDED
+
+    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]: ...
+
+    def load_model_state(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None: ...
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None: ...
+
+    def model_keys(self, model: nn.Module) -> list[str]: ...
+
+    def sharded_state(self, model: nn.Module, optimizer: Any) -> dict[str, Any]: ...
+
+    def load_sharded_state(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None: ...
+
+
+def load_checkpoint(info: store.CheckpointInfo, layout: Layout, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """Collective: restore model and optimizer from either kind of checkpoint, under any strategy. Returns the
+    rest of it (the train state's entries)."""
+    if info.kind == store.SHARDED:
+        from ddp_core.checkpoint import sharded  # DCP: imported by the runs that use it (a second of imports)
+
+        state, rest = sharded.load(info, layout.sharded_state(model, optimizer))
+        layout.load_sharded_state(model, optimizer, state)
+        return rest
+    state = store.load(info)
+    layout.load_model_state(model, state["model"])
+    layout.load_optimizer_state(model, optimizer, state["optimizer"])
+    return state
+
+
+class CheckpointManager:
+    """A run's checkpoints for one attempt, on every rank. ``save`` and ``load_latest`` are collective."""
+
+    def __init__(
+        self, cfg: CheckpointConfig, run_dir: RunDir, env: DistEnv, layout: Layout, model: nn.Module, optimizer: Any
+    ) -> None:
+        self.cfg, self.run_dir, self.env = cfg, run_dir, env
+        self.layout, self.model, self.optimizer = layout, model, optimizer
+        self.sharded: Optional[ShardedWriter] = None
+        self.full: Optional[full_checkpoint.FullWriter] = None
+        if layout.checkpoint_kind == store.SHARDED:
+            from ddp_core.checkpoint.sharded import ShardedWriter
+
+            folder = run_dir.checkpoints
+            self.sharded = ShardedWriter(folder, cfg.keep_last, cfg.async_save, env.rank, env.world_size)
+        elif env.is_main:
+            self.full = full_checkpoint.FullWriter(
+                run_dir.checkpoints, cfg.keep_last, cfg.async_save, optimizer=optimizer
+            )
+        self.last_save_s = 0.0  # what training blocked for in the last save
+        self.saved_step = -1
+
+    def load_latest(self, state: TrainState) -> Optional[store.CheckpointInfo]:
+        """Collective: load the newest checkpoint every rank verified into the model, the optimizer and ``state``;
+        None (and nothing loaded) when there is none."""
+        latest = store.find_latest_agreed(self.run_dir.checkpoints)
+        if latest is not None:
+            state.load_state_dict(load_checkpoint(latest, self.layout, self.model, self.optimizer), self.env)
+            log.info("resumed from %s (step %d, epoch %d)", latest.path.name, state.pos.step, state.pos.epoch)
+        return latest
+
+    def due(self, step: int, max_steps: int) -> bool:
+        """A periodic save after ``step`` (the last step's save is the end's, not a periodic one)."""
+        return bool(self.cfg.every_steps) and step % self.cfg.every_steps == 0 and step < max_steps
+
+    def save(self, state: TrainState, sync: bool = False) -> Optional[dict[str, float]]:
+        """Collective: checkpoint ``state``'s step, unless it is saved already. ``sync``: a full checkpoint is
+        complete when this returns (a signal's, the last one). Returns the save's figures for the metrics log."""
+        step = state.pos.step
+        if self.saved_step == step:
+            return None
+        started = time.perf_counter()
+        rest = state.state_dict(self.env)
+        if self.sharded is not None:
+            # The whole model's parameter names, in order: rank 0 may hold only part of them (a pipeline stage).
+            rest["model_keys"] = self.layout.model_keys(self.model)
+            shards = self.layout.sharded_state(self.model, self.optimizer)
+            self.sharded.save(step, shards, rest if self.env.is_main else None)
+        else:
+            if self.env.is_main:
+                whole = {"model": self.layout.model_state(self.model), "optimizer": self.optimizer.state_dict()}
+                assert self.full is not None, "rank 0 writes full checkpoints through its FullWriter"
+                self.full.save(step, whole | rest, sync=sync)
+            distributed.barrier()  # nobody runs ahead (or exits) before the checkpoint is durable, or copied (async)
+        self.last_save_s, self.saved_step = time.perf_counter() - started, step
+        if self.env.is_main:
+            log.info("training blocked %.3f s for the checkpoint of step %d", self.last_save_s, step)
+        # write_s: what the last completed save cost from start to manifest, i.e. what a signal's synchronous save
+        # costs (save_s is far less for a background save).
+        written = {"write_s": round(self.full.last_write_s, 4)} if self.full and self.full.last_write_s else {}
+        return {"save_s": round(self.last_save_s, 4)} | written
+
+    def fits_before(self, signum: int) -> bool:
+        """Collective: whether a synchronous save fits before Slurm's SIGKILL: always for the warning signal; for
+        SIGTERM, when rank 0's last complete save took at most ``checkpoint.sigterm_budget_s`` (one answer on
+        every rank: the save is collective)."""
+        if signum != signal.SIGTERM:
+            return True
+        cost = max(self.last_save_s, self.full.last_write_s or 0.0) if self.full is not None else self.last_save_s
+        cost = distributed.all_gather_floats([cost])[0][0]
+        if cost > self.cfg.sigterm_budget_s:
+            log.warning("SIGTERM: the last save took %.1f s, over checkpoint.sigterm_budget_s", cost)
+        return cost <= self.cfg.sigterm_budget_s
+
+    def mark_best(self, step: int, value: float) -> None:
+        """Rank 0: the checkpoint of ``step`` is the best by ``checkpoint.monitor``."""
+        if self.env.is_main:
+            store.mark_best(self.run_dir.checkpoints, step, str(self.cfg.monitor), value)
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the writers (again: a no-op). ``wait``: complete an async save in flight first (before the requeue,
+        and before the process group goes away). Without it (a failed attempt), a sharded save in flight, which
+        would need the other ranks, is left; a full one, rank 0's own thread, still completes."""
+        full, sharded, self.full, self.sharded = self.full, self.sharded, None, None
+        if full is not None:
+            full.close()
+        if sharded is not None:
+            sharded.close(wait)

@@ -1,0 +1,144 @@
+"""``ddpjob sweep``: a grid or random sweep as Slurm job arrays, or an adaptive (Optuna) search; its arguments and
+how each kind is dispatched (``jobs.sweep`` submits grids, ``jobs.search`` searches).
+
+Imports stay light at the top (no torch): ``ddpjob --help`` builds this parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from ddp_core.errors import DdpJobError
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``sweep`` on ``ddpjob``'s subparsers."""
+    p = sub.add_parser("sweep", help="submit a hyperparameter sweep as Slurm job arrays (returns at once)")
+    p.add_argument(
+        "config",
+        nargs="?",
+        help="a base config (then key=v1,v2 / key=range(a,b) args) or a sweep YAML (optional with --script)",
+    )
+    p.add_argument("overrides", nargs="*", metavar="key=values", help="grid keys (comma lists, range()) or fixed keys")
+    p.add_argument(
+        "--script",
+        metavar="TRAIN.py",
+        help="script mode: every trial runs this script; its fixed arguments go after --, swept ones are "
+        "script.args.NAME=v1,v2",
+    )
+    p.add_argument("--name", help="sweep name (directory under run.root, W&B group)")
+    p.add_argument("--trials", type=int, help="random search: number of draws (sweep YAML with random:)")
+    p.add_argument("--seed", type=int, help="random search: seed (same seed, same trials)")
+    p.add_argument("--dry-run", action="store_true", help="list the trials and print the array script only")
+    p.add_argument("--no-snapshot", action="store_true", help="do not copy the code into the sweep (snapshot.enabled)")
+    p.add_argument("--no-cluster-check", action="store_true", help="skip checking the request against sinfo")
+    p.add_argument("--search", metavar="SAMPLER", help="adaptive search (Optuna): tpe, random, grid or cmaes; "
+                   "params as key=loguniform(1e-5,1e-2), key=choice(a,b), key=range(32,257,32)")  # fmt: skip
+    p.add_argument("--parallel", type=int, help="adaptive search: workers (array tasks) at once")
+    p.add_argument("--pruner", help="adaptive search: median, asha, hyperband or none")
+    p.add_argument("--metric", help="adaptive search: what to optimise, e.g. min:eval/loss (default)")
+    p.add_argument("--more", type=int, metavar="N", help="adaptive search: add N trials to the sweep directory given")
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from jobs import sweep as sw
+    from jobs.submit import entry_module
+    from jobs.sweep_spec import load_sweep
+
+    started = time.monotonic()
+    if args.search or args.more is not None or _is_search(args.config):
+        return _cmd_search(args, started)
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not Path(config).exists():
+        overrides.insert(0, config)  # `sweep --script t.py k=v1,v2`: argparse took the first key for CONFIG
+        config = None
+    if args.no_snapshot:
+        overrides.append("snapshot.enabled=false")
+    spec = load_sweep(None if config is None else Path(config), overrides, trials=args.trials, seed=args.seed,
+                      name=args.name, script=args.script, script_args=args.script_args)  # fmt: skip
+    no_sinfo = args.dry_run and shutil.which("sinfo") is None
+    sw.check_sweep(spec, local_check=not (args.no_cluster_check or no_sinfo))
+    plans = sw.plan(spec)
+    parallelism = spec.configs[0].slurm.array_parallelism
+    if args.dry_run:
+        for p in plans:
+            print(f"{p.trial.index:5d}  {p.trial.trial_id}  {p.action:9s}  {shlex.join(p.trial.overrides)}")
+            if p.cfg.script.enabled:  # what this trial's ranks run, exactly
+                print(f"{'':18}runs: {shlex.join(p.cfg.script.command())}")
+        count = sum(1 for p in plans if p.action in ("submit", "resume"))
+        entry = entry_module(spec.configs[0])
+        print(f"# array script for {count} trials (nothing submitted); each task runs {entry}.run(RUN_DIR) on its "
+              f"trial's run directory, as python -m {entry} RUN_DIR would")  # fmt: skip
+        print(sw.render_array_script(spec, max(1, count), parallelism))
+        return 0
+    arrays = sw.submit_sweep(spec, plans, parallelism)
+    print(sw.summary(spec, plans, arrays, sw.max_array_size() if arrays else None))
+    print(f"took:    {time.monotonic() - started:.1f} s")
+    return 0
+
+
+def _is_search(config: Optional[str]) -> bool:
+    from jobs.search import is_search
+    from jobs.sweep_spec import is_sweep_file
+
+    if config is None or not Path(config).exists():
+        return False
+    if is_search(config):
+        return True
+    return Path(config).is_file() and is_sweep_file(Path(config)) and _has_search(Path(config))
+
+
+def _has_search(path: Path) -> bool:
+    from ddp_core.config.input import read_yaml_mapping
+
+    return "search" in read_yaml_mapping(path)
+
+
+def _cmd_search(args: argparse.Namespace, started: float) -> int:
+    """``ddpjob sweep`` of an adaptive search: a new one, the same one again, or ``SWEEP_DIR --more N``."""
+    from jobs import search
+    from jobs.search_spec import load_search_file, parse_cli_search
+
+    if search.is_search(args.config):
+        if args.overrides or args.search:
+            raise DdpJobError("a search's sweep directory takes no parameters", "only --more N (and --parallel)")
+        root = Path(args.config).resolve()
+        array = search.extend(root, args.more, args.parallel) if args.more is not None else None
+        if args.more is None:
+            from ddp_core.config import load_config
+            from ddp_core.search.study import BASE_CONFIG
+
+            array = search.submit_workers(root, load_config(root / BASE_CONFIG))
+    else:
+        if args.more is not None:
+            raise DdpJobError("--more extends an existing search", "pass its directory: ddpjob sweep DIR --more N")
+        if args.config is None:
+            raise DdpJobError("an adaptive search needs a base config or a sweep YAML", "sweep CONFIG --search tpe")
+        flags = {"sampler": args.search, "trials": args.trials, "parallelism": args.parallel, "pruner": args.pruner,
+                 "seed": args.seed, "metric": args.metric}  # fmt: skip
+        overrides = [*args.overrides, *(["snapshot.enabled=false"] if args.no_snapshot else [])]
+        if Path(args.config).is_file() and _has_search(Path(args.config)):
+            spec = load_search_file(Path(args.config), overrides, name=args.name, **flags)
+        else:
+            spec = parse_cli_search(Path(args.config), overrides, name=args.name, **flags)
+        cfg = search.check(spec, local_check=not (args.no_cluster_check or args.dry_run))
+        if args.dry_run:
+            print(f"search:  {spec.sampler} {spec.direction} {spec.metric}, {spec.trials} trials, "
+                  f"{spec.parallelism} workers, pruner {spec.pruner} (nothing submitted)")  # fmt: skip
+            for key, dist in spec.params.items():
+                print(f"param:   {key} {json.dumps(dist)}")
+            print(f"step:    {shlex.join([*search.step(cfg)['srun'], *search.step(cfg)['command'], 'RUN_DIR'])}")
+            return 0
+        root, array = search.start(spec, cfg)
+    print("\n".join(search.start_lines(root, array)))
+    print(f"took:    {time.monotonic() - started:.1f} s")
+    return 0
+
+
+COMMANDS = {"sweep": cmd_sweep}
