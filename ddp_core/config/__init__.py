@@ -11,6 +11,7 @@ resolved copy saved in the run directory. Only ``load`` and ``input`` touch Omeg
 - ``validate``: ranges and combinations, one error line naming the key and the fix.
 - ``input``: how user text is read before OmegaConf sees it (YAML reader, override syntax, shape checks, one-line
   errors).
+- ``reference``: docs/configuration.md, rendered from the sections' fields and their comments (not imported here).
 
 The names most code needs are re-exported here.
 """

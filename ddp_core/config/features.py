@@ -33,20 +33,26 @@ _HYDRA_NAME = re.compile(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*")
 
 @dataclass
 class ScriptConfig:
-    """The config's ``script`` section: a torchrun-style script that trains instead of the built-in trainer."""
+    """The config's ``script`` section: a torchrun-style script that trains instead of the built-in trainer
+    (docs/script-mode.md)."""
 
-    # A .py file; the login node makes it absolute at submit (relative to where ddpjob runs).
+    # Script mode: the .py file run instead of the built-in trainer (`ddpjob submit --script train.py`); the login
+    # node makes it absolute at submit (relative to where ddpjob runs).
     path: Optional[str] = None
-    # Or a module, run as `python -m MODULE`: it must be importable from the job's environment.
+    # Script mode: or a module, run as `python -m MODULE`: it must be importable from the job's environment. One of
+    # script.path and script.module.
     module: Optional[str] = None
-    # The script's command-line arguments, passed as they are (sys.argv[1:]).
+    # The script's command-line arguments, passed as they are (sys.argv[1:]; `ddpjob submit --script train.py --
+    # ARGS`). Sweeps append one per swept script.args.NAME key.
     args: List[str] = field(default_factory=list)
-    # Recorded at submit: sha256 of the script's content, so a run names exactly what it trained with.
+    # Recorded at submit: sha256 of the script's content, so a run names exactly what it trained with (not set by
+    # hand).
     sha256: Optional[str] = None
     # Sweeps: how a swept script.args.NAME=VALUE is passed, `--NAME=VALUE` (flag) or `NAME=VALUE` (hydra).
     arg_style: str = "flag"
     # How the ranks start: "srun" (one Slurm task per rank, each task runs the script) or "torchrun" (one Slurm task
-    # per node runs torchrun's agent, which starts the node's ranks: ddp_core.script.torchrun).
+    # per node runs torchrun's agent, which starts the node's ranks: ddp_core.script.torchrun). See
+    # docs/script-mode.md, "Launcher".
     launcher: str = "srun"
 
     @property
@@ -113,13 +119,15 @@ def _validate_launcher(script: ScriptConfig, slurm: Optional[SlurmConfig]) -> No
 
 @dataclass
 class SnapshotConfig:
-    """The config's ``snapshot`` section: copy the user's code into the run directory at submit."""
+    """The config's ``snapshot`` section: copy the user's code into the run directory at submit
+    (docs/snapshots.md)."""
 
-    # false (or `--no-snapshot`): every attempt imports the code as it is when it starts.
+    # Copy the code into RUN/code at submit; every attempt imports the copy. false (or `--no-snapshot`): every
+    # attempt imports the code as it is when it starts.
     enabled: bool = True
-    # Refuse a snapshot larger than this (data or outputs inside the code's folder, most often).
+    # Refuse a snapshot larger than this, in MB (data or outputs inside the code's folder, most often).
     max_mb: float = 50.0
-    max_files: int = 5000
+    max_files: int = 5000  # refuse a snapshot of more files than this
 
 
 def validate_snapshot(snapshot: SnapshotConfig) -> None:
@@ -137,11 +145,14 @@ def validate_snapshot(snapshot: SnapshotConfig) -> None:
 
 @dataclass
 class WatchdogConfig:
-    # No progress (a finished step or eval batch) for this long is a hang: stacks are dumped, the job requeued.
-    # Keep it below dist.timeout_s, or the collective times out first and the job fails instead. 0: no watchdog.
+    """The config's ``watchdog`` section: a rank that stops progressing is a hang (docs/hangs.md)."""
+
+    # No progress (a finished step or eval batch) for this long is a hang: stacks are dumped, the job requeued
+    # (docs/hangs.md). Keep it below dist.timeout_s, or the collective times out first and the job fails instead.
+    # 0: no watchdog.
     stall_s: float = 300.0
-    # The allowance before the attempt's first step (imports, rendezvous, datasets, resume) and for a
-    # checkpoint save.
+    # The allowance before the attempt's first step (imports, rendezvous, datasets, resume), during evaluations
+    # and for a checkpoint save.
     first_step_s: float = 1800.0
 
 
@@ -169,7 +180,9 @@ def validate_watchdog(cfg: WatchdogConfig, collective_timeout_s: float) -> None:
 
 @dataclass
 class TrialConfig:
-    storage: Optional[str] = None  # the study's journal file (SWEEP/study.journal); None: not a trial of a search
+    """The config's ``trial`` section: written by an adaptive sweep's worker (docs/sweeps.md), not by hand."""
+
+    storage: Optional[str] = None  # the study's journal file (SWEEP/study.journal); null: not a trial of a search
     number: int = -1  # the Optuna trial number this run is bound to
     metric: str = "loss"  # the eval metric reported at each eval (eval/<metric>)
 

@@ -428,7 +428,7 @@ def explain(err: OmegaConfBaseException) -> DdpJobError:
     if isinstance(err, ConfigKeyError):
         return DdpJobError(
             f"unknown config key '{key}': {first_line}",
-            "check the spelling against the README's configuration reference",
+            "check the spelling against docs/configuration.md",
         )
     if isinstance(err, ValidationError):
         return DdpJobError(f"bad value for config key '{key}': {first_line}", "give a value of the key's type")

@@ -14,11 +14,11 @@ from ddp_core.config.input import MISSING
 
 
 class StrategyName(str, Enum):
-    ddp = "ddp"
-    dp = "dp"
-    model_parallel = "model_parallel"
-    fsdp = "fsdp"
-    pipeline = "pipeline"
+    ddp = "ddp"  # one process per GPU, gradients all-reduced during backward; the only one that spans nodes
+    dp = "dp"  # torch.nn.DataParallel: one process per node drives its GPUs with threads; single node
+    model_parallel = "model_parallel"  # consecutive layers on different GPUs of one process; single node
+    fsdp = "fsdp"  # FSDP2: parameters, gradients and optimizer state sharded over the ranks
+    pipeline = "pipeline"  # torch.distributed.pipelining: the model's blocks cut into stages across ranks
 
 
 # Strategies whose single process per node drives all of that node's GPUs (no process group across nodes).
@@ -31,9 +31,11 @@ MODEL_OPTION_STRATEGIES = (StrategyName.ddp, StrategyName.fsdp)  # activation_ch
 
 
 class Precision(str, Enum):
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"  # autocast to float16 with a GradScaler (its state is checkpointed): GPUs without bf16
+    fp32 = "fp32"  # no autocast
+    bf16 = "bf16"  # autocast to bfloat16
+    # autocast to float16 with a GradScaler (its state is checkpointed): GPUs without bf16; ddp, dp and
+    # model_parallel only
+    fp16 = "fp16"
 
 
 class OptimizerName(str, Enum):
@@ -44,76 +46,100 @@ class OptimizerName(str, Enum):
 class OptimizerImpl(str, Enum):
     """How torch.optim runs the update (torch.optim's ``foreach``/``fused`` arguments)."""
 
-    for_loop = "for_loop"  # one parameter at a time, in Python: torch's own default on a CPU
-    foreach = "foreach"  # all parameters per operation (torch's default on a GPU)
+    # one parameter at a time, in Python: torch's own default on a CPU; bitwise the same result as foreach
+    for_loop = "for_loop"
+    foreach = "foreach"  # all parameters per operation (torch's default on a GPU; ddpjob's on every device)
     fused = "fused"  # one kernel per step: fastest, but its rounding differs from the other two
 
 
 class Schedule(str, Enum):
-    constant = "constant"
-    cosine = "cosine"
-    linear = "linear"
+    constant = "constant"  # optim.lr throughout
+    cosine = "cosine"  # cosine decay from optim.lr to optim.min_lr at train.max_steps
+    linear = "linear"  # linear decay from optim.lr to optim.min_lr at train.max_steps
 
 
 class WandbMode(str, Enum):
-    online = "online"
-    offline = "offline"
-    disabled = "disabled"
+    online = "online"  # stream to W&B while training
+    offline = "offline"  # write W&B records into RUN/wandb; upload them later with `ddpjob sync RUN`
+    disabled = "disabled"  # no W&B at all
 
 
 @dataclass
 class RunConfig:
+    """What the run is called and where its directory is created."""
+
     name: str = MISSING  # required: names the run directory, the Slurm job and the W&B run
-    # Run directories are created as <root>/<name>-<timestamp>; relative roots resolve against the cwd.
+    # Where run directories are created, as <root>/<name>-<time>-<id>; a relative root is relative to the submit
+    # directory (where ddpjob runs). It must be on a filesystem every node sees.
     root: str = "runs"
 
 
 @dataclass
 class TaskConfig:
-    # "package.module:Class" of the user's task (see README "Plugging in your own model").
+    """The user's code: model, datasets, loss and metrics (docs/models.md)."""
+
+    # "package.module:Class" of your task, a subclass of ddp_core.task.Task (see docs/models.md, "Plugging in your
+    # own model").
     target: str = "ddp_core.tasks.digits:DigitsTask"
-    # Keyword arguments of the task's build_model(); they define the model's shape.
+    # Keyword arguments of the task's build_model(): they define the model's shape (`ddpjob resume` refuses to
+    # change them: the checkpoint's weights have the old shape).
     model: Dict[str, Any] = field(default_factory=dict)
-    # Keyword arguments of the task's build_datasets().
+    # Keyword arguments of the task's constructor (the task is built as `Class(**task.data)` on every rank); its
+    # build_datasets() reads them.
     data: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class DataConfig:
-    batch_size: int = 64  # per data-parallel replica (per rank for DDP)
-    eval_batch_size: int = 256
-    num_workers: int = 0
+    """The training and evaluation data loaders."""
+
+    # Per data-parallel replica (per rank for DDP; per node for dp): global batch = batch_size x ranks x
+    # train.grad_accum.
+    batch_size: int = 64
+    eval_batch_size: int = 256  # per rank, for evaluation (each rank evaluates its own strided share of the set)
+    num_workers: int = 0  # DataLoader workers per rank (0: the rank's own process loads the data)
+    # Shuffle the training set, seeded per epoch (train.seed + epoch): the same order on every attempt.
     shuffle: bool = True
 
 
 @dataclass
 class OptimConfig:
-    name: OptimizerName = OptimizerName.adamw
-    lr: float = 1e-3
+    """The optimizer and its learning-rate schedule."""
+
+    name: OptimizerName = OptimizerName.adamw  # the optimizer: adamw or sgd
+    lr: float = 1e-3  # learning rate: the peak, reached after optim.warmup_steps, then decayed per optim.schedule
+    # Weight decay (AdamW's decoupled one, or SGD's); parameters matched by optim.no_decay get none.
     weight_decay: float = 0.0
     momentum: float = 0.9  # sgd only
-    schedule: Schedule = Schedule.cosine
-    warmup_steps: int = 0
-    grad_clip: float = 0.0  # max grad norm; 0 disables clipping
+    schedule: Schedule = Schedule.cosine  # the learning rate after the warmup
+    warmup_steps: int = 0  # linear warmup from 0 to optim.lr over this many optimizer steps
+    # Max gradient norm; 0 disables clipping. When on, train/grad_norm is logged.
+    grad_clip: float = 0.0
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw only
     eps: float = 1e-8  # adamw only
     # Parameters whose name contains one of these fragments get no weight decay, e.g. [bias, norm, ln_].
     no_decay: List[str] = field(default_factory=list)
-    min_lr: float = 0.0  # the cosine / linear decay ends here instead of at 0
-    # foreach on every device: on a CPU, where torch would loop over the parameters in Python, it cut AdamW's step
-    # for the digits MLP from 550 to 415 us, with bitwise the same result (tests/test_train_hooks.py).
+    min_lr: float = 0.0  # the cosine / linear decay ends at this lr instead of at 0
+    # How torch.optim updates. foreach on every device: on a CPU, where torch would loop over the parameters in
+    # Python, it cut AdamW's step for the digits MLP from 550 to 415 us, with bitwise the same result
+    # (tests/test_train_hooks.py). A resumed run steps the way the config says, not the checkpoint.
     implementation: OptimizerImpl = OptimizerImpl.foreach
 
 
 @dataclass
 class TrainConfig:
+    """The built-in training loop: length, precision, seeding, evaluation, logging and stopping."""
+
     max_steps: int = 500  # optimizer steps
-    grad_accum: int = 1  # micro-batches per optimizer step
+    grad_accum: int = 1  # micro-batches per optimizer step (DDP skips the all-reduce on all but the last)
+    # Compute precision. fp16 works with strategy.name ddp, dp and model_parallel.
     precision: Precision = Precision.fp32
+    # Seeds the model's initial weights (the same on every rank) and the data order; each rank's own random
+    # streams (dropout, ...) are derived from it.
     seed: int = 0
-    eval_every: int = 100  # 0: evaluate only at the end
-    log_every: int = 20
-    deterministic: bool = False
+    eval_every: int = 100  # optimizer steps between evaluations; 0: evaluate only at the end
+    log_every: int = 20  # optimizer steps between progress lines / metric records (metrics.jsonl, W&B)
+    deterministic: bool = False  # torch.use_deterministic_algorithms: deterministic kernels, or an error
     # Stop (non-zero exit, a clear message) when the logged loss is NaN or infinite: checked at each progress
     # line, where the loss is read back anyway, so it costs nothing per step.
     stop_on_nan: bool = True
@@ -124,11 +150,13 @@ class TrainConfig:
     # the measured step time. A signal stops the run within about twice this; 0: after every step (a collective
     # per step, ~0.7 ms with 2 ranks on 2 cores).
     stop_check_ms: float = 100.0
-    # Log the gradient norm (train/grad_norm) also without clipping (with optim.grad_clip > 0 it always is).
+    # Log the gradient norm also without clipping (with optim.grad_clip > 0 it always is): train/grad_norm (the
+    # mean over the steps of a progress line) and train/grad_norm_max.
     log_grad_norm: bool = False
     # Evaluate on at most this many batches per rank (0: the whole eval set).
     eval_batches: int = 0
-    # End the run when checkpoint.monitor has not improved for this many evaluations (0: never).
+    # End the run when checkpoint.monitor has not improved for this many evaluations (0: never); recorded as
+    # early_stopped in attempts.jsonl and shown by `ddpjob status`.
     early_stop_patience: int = 0
     # torch.compile the model's forward in place (nn.Module.compile): parameter names, hence checkpoints, stay the
     # uncompiled model's. ddp and fsdp only; needs a C++ compiler on CPU nodes.
@@ -137,40 +165,49 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 100  # 0: only at the end
-    keep_last: int = 3
+    """When checkpoints are written, how many are kept, and which one is the best."""
+
+    every_steps: int = 100  # optimizer steps between checkpoints; 0: only at the end
+    keep_last: int = 3  # checkpoints kept; older ones are pruned (checkpoint.monitor's best is kept apart)
     # On SIGTERM Slurm kills the job KillWait seconds later (often 30): save only if the last save took less.
     sigterm_budget_s: float = 20.0
-    # Training blocks only while the state is copied (to host memory, pinned on CUDA); the files are written in
-    # the background and the manifest appears once they are durable. Full checkpoints then keep a host copy of
-    # the state between saves. A signal's save and the last one are synchronous.
+    # Write checkpoints in the background: training blocks only while the state is copied (to host memory, pinned
+    # on CUDA); full checkpoints copy the parameters and optimizer state during the next forward and backward. The
+    # files are written in the background and the manifest appears once they are durable. Full checkpoints then
+    # keep a host copy of the state between saves. A signal's save and the last one stay synchronous.
     async_save: bool = False
-    # "min:eval/loss" or "max:eval/accuracy": the checkpoint of the best evaluation so far is kept apart from
-    # keep_last (never pruned; ddpjob export --best). null: none.
+    # "min:eval/loss" or "max:eval/accuracy" (min: or max:, then eval/NAME): the checkpoint of the best evaluation
+    # so far is kept apart from keep_last (never pruned; its best value survives resume);
+    # `ddpjob export RUN --best OUT.pt` exports it. null: none.
     monitor: Optional[str] = None
 
 
 @dataclass
 class WandbConfig:
-    project: str = "ddpjob"
-    entity: Optional[str] = None
-    group: Optional[str] = None
-    tags: List[str] = field(default_factory=list)
-    mode: WandbMode = WandbMode.offline
+    """Weights & Biases, logged from rank 0 (docs/watching-runs.md)."""
+
+    project: str = "ddpjob"  # the W&B project
+    entity: Optional[str] = None  # the W&B user or team; null: your W&B default
+    group: Optional[str] = None  # the W&B group; null: none for a run, the sweep's name for a sweep's trials
+    tags: List[str] = field(default_factory=list)  # the W&B run's tags
+    mode: WandbMode = WandbMode.offline  # where the records go
 
 
 @dataclass
 class StrategyConfig:
-    name: StrategyName = StrategyName.ddp
-    find_unused_parameters: bool = False  # ddp only
+    """How the model is spread over the ranks (docs/strategies.md)."""
+
+    name: StrategyName = StrategyName.ddp  # see docs/strategies.md, "Choosing a strategy"
+    # ddp only: DDP's find_unused_parameters, for a forward that leaves some parameters without a gradient.
+    find_unused_parameters: bool = False
     # model_parallel / pipeline: consecutive top-level layers per GPU / stage, e.g. [3, 2]; null = balanced by
     # parameter count.
     split: Optional[List[int]] = None
-    # pipeline only: stages across ranks (world size / stages = data-parallel replicas, a 2-D dp x pp mesh),
-    # the schedule (gpipe or 1f1b), and micro-batches per step (must divide data.batch_size).
+    # pipeline only: stages across ranks; they must divide the world size (world size / stages = data-parallel
+    # replicas, a 2-D dp x pp mesh).
     stages: int = 2
-    schedule: str = "1f1b"
-    microbatches: int = 4
+    schedule: str = "1f1b"  # pipeline only: the pipeline schedule, gpipe or 1f1b
+    microbatches: int = 4  # pipeline only: micro-batches per optimizer step (must divide data.batch_size)
     # fsdp only: "bf16" gathers parameters and computes in bf16 and reduces gradients in fp32; null = fp32 throughout.
     mixed_precision: Optional[str] = None
     # fsdp only: free each block's gathered parameters after its forward (gathered again for backward): less memory
@@ -189,6 +226,8 @@ class StrategyConfig:
 
 @dataclass
 class DistConfig:
+    """torch.distributed: timeouts, and rehearsing a GPU node's process groups on a CPU."""
+
     # A collective that takes longer raises on every rank (NCCL aborts its communicator) instead of hanging.
     timeout_s: float = 600.0
     # Joining the process group: every rank must reach the rendezvous in this time (node start-up, imports and
@@ -196,42 +235,48 @@ class DistConfig:
     init_timeout_s: float = 1200.0
     # Rehearse a GPU node's process groups on a CPU machine: "gpu" (the trainer's own GPU backends) or a backend
     # spec such as "cpu:gloo,cuda:nccl". A collective the GPU node would not serve then fails here.
-    # See ddp_core/dist/guard.py. null: off.
+    # See docs/gpu-clusters.md and ddp_core/dist/guard.py. null: off.
     guard: Optional[str] = None
 
 
 @dataclass
 class SlurmConfig:
-    partition: Optional[str] = None
-    nodes: int = 1
-    gpus_per_node: int = 0  # GPU clusters: one rank per GPU
+    """The Slurm request: where, how many nodes, ranks, GPUs and CPUs, how long, and the requeue budgets."""
+
+    partition: Optional[str] = None  # sbatch --partition; null: the cluster's default
+    nodes: int = 1  # sbatch --nodes
+    gpus_per_node: int = 0  # GPU clusters: one rank per GPU, so ranks per node = GPUs per node
     # How the GPUs are made visible: "node" (--gpus-per-node: every rank sees all of its node's GPUs and takes
     # cuda:LOCAL_RANK; NCCL can use peer-to-peer between them) or "task" (--gpus-per-task=1: each rank sees only
     # its own GPU, as cuda:0).
     gpu_bind: str = "node"
     tasks_per_node: int = 1  # CPU clusters (gpus_per_node == 0): ranks per node
-    # CPUs per rank (data-loader workers, threads). null: 1 on CPU clusters; on GPU clusters the node's CPUs
-    # divided by its GPUs when the partition is known at submit time (sinfo), else 4.
+    # CPU cores (and threads) per rank (data-loader workers, threads). null: 1 on CPU clusters; on GPU clusters the
+    # node's CPUs divided by its GPUs when the partition is known at submit time (sinfo), else 4.
     cpus_per_task: Optional[int] = None
-    # srun --cpu-bind for the ranks: each task is pinned to the CPUs Slurm allocated it ("cores"), or "none".
-    # Takes effect where the cluster's TaskPlugin binds (task/affinity, task/cgroup).
+    # srun --cpu-bind for the ranks: each task is pinned to the CPUs Slurm allocated it ("cores"), or "none" to
+    # turn it off. Takes effect where the cluster's TaskPlugin binds (task/affinity, task/cgroup).
     cpu_bind: str = "cores"
-    mem_gb: Optional[float] = None
-    time_min: int = 60
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    job_name: Optional[str] = None  # default: run.name
-    # Warning signal sent to every rank signal_lead_s before the time limit; the trainer checkpoints at the
-    # next step and requeues the job. Timeouts and preemptions are budgeted separately, per submission.
+    mem_gb: Optional[float] = None  # memory per node, in GB (sbatch --mem); null: the cluster's default
+    time_min: int = 60  # the job's time limit, in minutes (sbatch --time)
+    account: Optional[str] = None  # sbatch --account; null: the cluster's default
+    qos: Optional[str] = None  # sbatch --qos; null: the cluster's default
+    job_name: Optional[str] = None  # the Slurm job's name; null: run.name
+    # Warning signal sent to every rank slurm.signal_lead_s before the time limit; the trainer checkpoints at the
+    # next step and requeues the job (docs/preemption.md).
     signal: str = "USR2"
-    signal_lead_s: int = 120
+    signal_lead_s: int = 120  # seconds before the time limit that slurm.signal is sent
+    # Requeue budget, per submission: attempts ended by the time limit that requeue the job (timeouts, preemptions
+    # and hangs are budgeted separately).
     max_timeouts: int = 20
-    max_preemptions: int = 20
-    max_hangs: int = 3  # attempts ended by the hang watchdog (watchdog.stall_s) that requeue the job
+    max_preemptions: int = 20  # requeue budget, per submission: attempts ended by a preemption that requeue the job
+    # Requeue budget, per submission: attempts ended by the hang watchdog (watchdog.stall_s) that requeue the job.
+    max_hangs: int = 3
     array_parallelism: int = 32  # sweeps: at most this many trials of an array run at once (%N)
-    # Shell lines run in the batch script before the ranks start (module load, conda activate, ...).
+    # Shell lines run in the batch script before the ranks start (module load cuda, conda activate,
+    # source venv/bin/activate, ...).
     setup: List[str] = field(default_factory=list)
-    # Extra sbatch options without the leading "--", e.g. {constraint: a100, exclusive: true}.
+    # Any other sbatch option, without the leading "--", e.g. {constraint: a100, exclusive: true}.
     additional: Dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -120,7 +120,7 @@ def model_blocks(model: nn.Module, task: Optional[Task], strategy: str) -> list[
             raise DdpJobError(
                 f"{type(task).__name__}.pipeline_blocks returned {len(blocks)} items, not a non-empty list of "
                 "nn.Module blocks",
-                "return the model's blocks in forward order (see the README, 'Bringing a Hugging Face model')",
+                "return the model's blocks in forward order (see docs/models.md, 'Bringing a Hugging Face model')",
             )
         in_blocks, in_model = {id(p) for b in blocks for p in b.parameters()}, {id(p) for p in model.parameters()}
         if in_blocks - in_model:

@@ -3,7 +3,7 @@
 A task is a class named in the config as ``task.target = "package.module:ClassName"``. It is built as
 ``ClassName(**task.data)`` on every rank and provides ``build_model``, ``build_datasets`` and ``score``
 (loss and metric sums from the model's output) — or overrides ``compute`` for a forward that does not
-fit ``model(inputs)``. See the README section "Plugging in your own model".
+fit ``model(inputs)``. See docs/models.md, "Plugging in your own model".
 """
 
 from __future__ import annotations

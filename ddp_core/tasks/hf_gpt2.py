@@ -5,7 +5,7 @@ What a Hugging Face model needs from ddpjob, shown in one place: ``score`` reads
 output; fsdp shards each ``GPT2Block`` (the model's ``_no_split_modules``); ``pipeline_blocks`` lists the model's
 blocks in forward order (embeddings, each ``GPT2Block``, final norm + tied head) for pipeline and
 model_parallel. ``transformers`` is the optional extra ``hf`` (``pip install 'ddpjob[hf]'``), imported only
-when the model is built. See the README section "Bringing a Hugging Face model".
+when the model is built. See docs/models.md, "Bringing a Hugging Face model".
 """
 
 from __future__ import annotations
