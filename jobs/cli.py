@@ -167,7 +167,8 @@ def _follow(sub: object) -> int:
 def cmd_submit(args: argparse.Namespace) -> int:
     from ddp_core.config import to_yaml
     from ddp_core.run.rundir import new_run_dir
-    from jobs.submit import entry_module, render_submitit_script, submit, task_layout, validate_for_submit
+    from jobs.request import SlurmRequest
+    from jobs.submit import render_submitit_script, submit, validate_for_submit
 
     cfg = _load(args)
     # A dry run checks the request against the cluster where there is one, and still renders where not.
@@ -177,10 +178,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.dry_run:
         code = snapshot.plan(cfg)  # an oversized snapshot is refused before anything is printed
         print("# sbatch script (nothing submitted)")
-        entry = entry_module(cfg)
+        request = SlurmRequest.resolve(cfg)
+        entry = request.entry_module
         print(f"# each task runs {entry}.run({str(run_dir.path)!r}), as python -m {entry} RUN_DIR would")
         if cfg.script.launcher == "torchrun":
-            ranks = task_layout(cfg).ranks_per_task
+            ranks = request.ranks_per_task
             print(f"# script.launcher=torchrun: one task per node, a torchrun agent that starts {ranks} ranks")
         print(render_submitit_script(cfg, run_dir))
         print(f"# code snapshot: {code.summary() if code else 'none'}")

@@ -1,5 +1,5 @@
-"""What the cluster can give: partition sizes read from ``sinfo``, and the check of a job's request
-against them, so an impossible job fails on the login node instead of pending forever."""
+"""What the cluster can give: partition sizes read from ``sinfo``. A job's request is checked against them
+(``jobs.request.SlurmRequest.check_fits``), so an impossible job fails on the login node instead of pending forever."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ddp_core.cluster.slurm import GATEWAY, MISSING, SlurmGateway
-from ddp_core.config import SlurmConfig
 from ddp_core.errors import DdpJobError
 
 
@@ -74,28 +73,3 @@ def pick_partition(partitions: list[Partition], name: Optional[str]) -> Partitio
     if name is None:
         raise DdpJobError("the cluster has no default partition", f"set slurm.partition to one of: {names}")
     raise DdpJobError(f"config key 'slurm.partition' = {name!r}: no such partition", f"available: {names}")
-
-
-def check_request(cfg: SlurmConfig, part: Partition, ranks: int, cpus_per_node: Optional[int] = None) -> None:
-    """Raise ``DdpJobError`` naming the key when the request (``ranks`` processes per node, see
-    ``config.ranks_per_node``; ``cpus_per_node`` from the request's task layout, ``jobs.submit.task_layout``, else
-    ``ranks`` x ``slurm.cpus_per_task``) can never be scheduled on ``part``."""
-    if cfg.nodes > part.nodes:
-        raise DdpJobError(
-            f"config key 'slurm.nodes' = {cfg.nodes} exceeds partition '{part.name}' ({part.nodes} nodes)",
-            f"use slurm.nodes<={part.nodes}",
-        )
-    if cfg.gpus_per_node > part.gpus_per_node:
-        raise DdpJobError(
-            f"config key 'slurm.gpus_per_node' = {cfg.gpus_per_node} exceeds partition '{part.name}' "
-            f"({part.gpus_per_node} GPUs per node)",
-            f"use slurm.gpus_per_node<={part.gpus_per_node}, or a GPU partition via slurm.partition",
-        )
-    cpus = ranks * (cfg.cpus_per_task or 1) if cpus_per_node is None else cpus_per_node
-    if cpus > part.cpus_per_node:
-        key = "slurm.gpus_per_node" if cfg.gpus_per_node else "slurm.tasks_per_node"
-        raise DdpJobError(
-            f"config key '{key}' = {ranks} ranks x slurm.cpus_per_task = {cfg.cpus_per_task} needs "
-            f"{cpus} CPUs per node; partition '{part.name}' nodes have {part.cpus_per_node}",
-            "lower tasks_per_node or cpus_per_task, or add nodes",
-        )

@@ -7,20 +7,16 @@ import shlex
 import sys
 from pathlib import Path
 
-from ddp_core.cluster import signals
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
-from jobs.submit import entry_module, sbatch_parameters
+from jobs.request import SlurmRequest
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "slurm_templates" / "ddp.sbatch"
-_SKIP = {"setup", "srun_args", "additional_parameters"}
 
 
-def sbatch_lines(cfg: Config, run_dir: RunDir) -> list[str]:
-    params = sbatch_parameters(cfg)
-    flags = {k.replace("_", "-"): v for k, v in params.items() if k not in _SKIP}
-    flags.update(params.get("additional_parameters", {}))
+def sbatch_lines(request: SlurmRequest, run_dir: RunDir) -> list[str]:
+    flags = request.sbatch_options()
     flags["output"] = str(run_dir.slurm / "%j_batch.out")
     flags["open-mode"] = "append"  # a requeued attempt would otherwise truncate the log
     lines = []
@@ -40,14 +36,15 @@ def _replace_block(text: str, name: str, lines: list[str]) -> str:
 
 
 def render(cfg: Config, run_dir: RunDir, python: str = sys.executable, template: Path = TEMPLATE) -> str:
-    params = sbatch_parameters(cfg)
+    request = SlurmRequest.resolve(cfg, python=python)
     text = template.read_text()
-    text = _replace_block(text, "sbatch", sbatch_lines(cfg, run_dir))
+    text = _replace_block(text, "sbatch", sbatch_lines(request, run_dir))
     setup = [
         f"PYTHON=${{DDPJOB_PYTHON:-{shlex.quote(python)}}}",
-        f"HOLD=({shlex.join(signals.task_prefix(cfg.slurm.signal, python))})",  # see the srun line
-        f"SRUN_ARGS=({' '.join(shlex.quote(a) for a in params['srun_args'])})",
-        f"ENTRY={entry_module(cfg)}",  # the srun line runs `python -m $ENTRY RUN_DIR`
-        *params["setup"],  # the request's environment, then the config's slurm.setup lines
+        f"HOLD=({shlex.join(request.task_python[:-1])})",  # the prefix before the interpreter: see the srun line
+        f"SRUN_ARGS=({' '.join(shlex.quote(a) for a in request.srun_args)})",
+        f"ENTRY={request.entry_module}",  # the srun line runs `python -m $ENTRY RUN_DIR`
+        *request.environment,  # the request's environment, then the config's slurm.setup lines
+        *request.setup,
     ]
     return _replace_block(text, "setup", setup)

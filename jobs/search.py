@@ -40,8 +40,9 @@ from ddp_core.search.study import (
     write_spec,  # fmt: skip
 )
 from jobs import snapshot
+from jobs.request import SlurmRequest
 from jobs.search_spec import SearchSpec
-from jobs.submit import check_cluster, cpus_per_task, entry_module, reason, sbatch_parameters, task_python, withdraw
+from jobs.submit import check_cluster, reason, withdraw
 
 
 def is_search(path: Optional[str | Path]) -> bool:
@@ -62,14 +63,14 @@ def check(spec: SearchSpec, local_check: bool = True) -> Config:
     check_task(cfg.task)
     if local_check:
         check_cluster(cfg)
-    cfg.slurm.cpus_per_task = cpus_per_task(cfg)
+    cfg.slurm.cpus_per_task = SlurmRequest.resolve(cfg).cpus_per_rank
     return cfg
 
 
 def step(cfg: Config) -> dict[str, list[str]]:
     """The srun line each trial runs, from the request ``jobs.submit`` renders for every job (never recomputed)."""
-    return {"srun": ["srun", *sbatch_parameters(cfg)["srun_args"]],
-            "command": [*task_python(cfg), "-u", "-m", entry_module(cfg)]}  # fmt: skip
+    request = SlurmRequest.resolve(cfg)
+    return {"srun": ["srun", *request.srun_args], "command": request.task_command()}
 
 
 def start(spec: SearchSpec, cfg: Config) -> tuple[Path, Optional[str]]:
@@ -151,8 +152,8 @@ def submit_workers(root: Path, cfg: Config) -> Optional[str]:
             storage.set_trial_user_attr(trial_id, WORKER_ATTR, worker)
         folder = root / "slurm"
         folder.mkdir(parents=True, exist_ok=True)
-        params = sbatch_parameters(cfg) | {"job_name": cfg.slurm.job_name or spec["name"], "use_srun": False,
-                                           "array_parallelism": tasks}  # fmt: skip
+        params = SlurmRequest.resolve(cfg).submitit_parameters()
+        params |= {"job_name": cfg.slurm.job_name or spec["name"], "use_srun": False, "array_parallelism": tasks}
         params.pop("srun_args")  # each trial's srun line is search.json's step (the worker runs it)
         executor = submitit.SlurmExecutor(folder=folder)
         executor.update_parameters(**params)

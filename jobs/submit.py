@@ -15,135 +15,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ddp_core.cluster import signals
 from ddp_core.cluster.slurm import GATEWAY
-from ddp_core.config import DEFAULT_CPUS_PER_GPU, Config, ranks_per_node
+from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir, atomic_write_text
 from jobs import cluster, snapshot
-
-# Each rank gets the CPUs Slurm gave its task: oversubscribed OpenMP threads cost 3x on small nodes.
-THREADS_SETUP = "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"
-
-
-def environment(cfg: Config) -> list[str]:
-    """``export`` lines for every rank, set in the batch script (the trainer reads its environment, never writes
-    it). A value the user exported before submitting wins (``${VAR:-default}``)."""
-    lines = [THREADS_SETUP]
-    ranks = task_layout(cfg).ranks_per_task
-    if ranks > 1:
-        # A torchrun agent's task holds the CPUs of all of its node's ranks: each rank's threads get their share.
-        lines = [f"export OMP_NUM_THREADS=$(( ${{SLURM_CPUS_PER_TASK:-{ranks}}} / {ranks} ))"]
-    if cfg.slurm.gpus_per_node:
-        # NCCL errors and timeouts abort the communicator and raise on every rank instead of hanging (torch's
-        # default since 2.2; explicit, so an older torch or a site profile cannot turn it off unnoticed).
-        lines.append("export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}")
-        if cfg.train.deterministic:
-            # cuBLAS is deterministic only with a fixed workspace; without it use_deterministic_algorithms raises.
-            lines.append("export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}")
-    return lines
-
-
-def srun_args(cfg: Config) -> list[str]:
-    # --kill-on-bad-exit: a rank that exits non-zero takes the whole step down instead of leaving peers blocked
-    # in a collective. --cpu-bind: each rank runs on the CPUs Slurm allocated to its task.
-    return ["--kill-on-bad-exit=1", f"--cpu-bind={cfg.slurm.cpu_bind}"]
-
-
-def cpus_per_task(cfg: Config, part: Optional[cluster.Partition] = None) -> int:
-    """``slurm.cpus_per_task``, or its default: 1 on CPU clusters; on GPU clusters the node's CPUs per GPU
-    (times the GPUs each rank drives), from ``part`` when the partition is known, else 4 per GPU."""
-    s = cfg.slurm
-    if s.cpus_per_task is not None:
-        return s.cpus_per_task
-    if s.gpus_per_node == 0:
-        return 1
-    per_gpu = DEFAULT_CPUS_PER_GPU
-    if part is not None and part.gpus_per_node > 0:
-        per_gpu = max(1, part.cpus_per_node // part.gpus_per_node)
-    return per_gpu * max(1, s.gpus_per_node // ranks_per_node(cfg))
-
-
-@dataclass(frozen=True)
-class TaskLayout:
-    """How a node's ranks map onto Slurm tasks."""
-
-    tasks_per_node: int  # Slurm tasks per node (--ntasks-per-node)
-    cpus_per_task: int  # CPUs of each task (--cpus-per-task)
-    ranks_per_task: int  # processes each task runs: 1 (srun), or the node's ranks (a torchrun agent's workers)
-
-
-def task_layout(cfg: Config, part: Optional[cluster.Partition] = None) -> TaskLayout:
-    """One task per rank (srun: each task is a rank), or with ``script.launcher: torchrun`` one task per node that
-    holds the CPUs of all of the node's ranks (its torchrun agent starts them). ``slurm.cpus_per_task`` stays the
-    CPUs of one rank either way, so a node's request is the same size in both."""
-    ranks, per_rank = ranks_per_node(cfg), cpus_per_task(cfg, part)
-    if cfg.script.enabled and cfg.script.launcher == "torchrun":
-        return TaskLayout(tasks_per_node=1, cpus_per_task=ranks * per_rank, ranks_per_task=ranks)
-    return TaskLayout(tasks_per_node=ranks, cpus_per_task=per_rank, ranks_per_task=1)
+from jobs.request import SlurmRequest, entry_module
 
 
 def sbatch_parameters(cfg: Config) -> dict[str, Any]:
-    """The job's one Slurm request (submitit SlurmExecutor parameters, Slurm's own names): one task per rank, or one
-    per node for a torchrun agent (``task_layout``). The submitit path, the sbatch template, ``--dry-run`` and sweeps
-    all render from it."""
-    s = cfg.slurm
-    ranks = ranks_per_node(cfg)
-    layout = task_layout(cfg)
-    params: dict[str, Any] = {
-        "job_name": s.job_name or cfg.run.name,
-        "nodes": s.nodes,
-        "ntasks_per_node": layout.tasks_per_node,
-        "cpus_per_task": layout.cpus_per_task,
-        "time": s.time_min,
-        "setup": [*environment(cfg), *s.setup],
-        "srun_args": srun_args(cfg),
-    }
-    gpus: dict[str, Any] = {}
-    if s.gpus_per_node and s.gpu_bind == "task":
-        assert layout.ranks_per_task == 1, "validate_config refuses gpu_bind=task with one task per node"
-        gpus["gpus_per_task"] = s.gpus_per_node // ranks  # each task sees only its own GPU(s)
-    elif s.gpus_per_node:
-        gpus["gpus_per_node"] = s.gpus_per_node  # every task sees all of its node's GPUs
-    optional = {
-        "partition": s.partition,
-        "account": s.account,
-        "qos": s.qos,
-        "mem": f"{s.mem_gb:g}GB" if s.mem_gb else None,
-        **gpus,
-    }
-    params.update({k: v for k, v in optional.items() if v is not None})
-    extra: dict[str, Any] = {
-        # To every task, not only the batch shell (no "B:"): each rank sets its flag and they agree.
-        "signal": f"{s.signal.upper().removeprefix('SIG')}@{s.signal_lead_s}",
-        "requeue": True,
-    }
-    extra.update({k.replace("_", "-"): v for k, v in s.additional.items()})
-    params["additional_parameters"] = extra
-    return params
+    """submitit's executor parameters for the job's request (``jobs.request.SlurmRequest``)."""
+    return SlurmRequest.resolve(cfg).submitit_parameters()
 
 
-def task_python(cfg: Config, python: str = sys.executable) -> list[str]:
-    """The interpreter every task starts, ``python`` behind the prefix that makes it hold the warning signal and
-    SIGTERM from its first instruction (``ddp_core.cluster.signals``). Every renderer's task command starts with it."""
-    return [*signals.task_prefix(cfg.slurm.signal, python), python]
-
-
-def submitit_python(cfg: Config, python: str = sys.executable) -> str:
-    """``task_python`` as submitit's ``python`` parameter: the start of its task command, a shell word list."""
-    return shlex.join(task_python(cfg, python))
-
-
-def submitit_command(cfg: Config, folder: Path, python: str = sys.executable) -> str:
+def submitit_command(request: SlurmRequest, folder: Path) -> str:
     """The task command submitit puts on its srun line (its executor builds the same from ``submitit_python``):
     what ``--dry-run`` shows for a run and for a sweep's array."""
-    return f"{submitit_python(cfg, python)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
-
-
-def entry_module(cfg: Config) -> str:
-    """What every task runs, ``python -m MODULE RUN_DIR``: the one place that picks the trainer or the user's script.
-    The template's srun line runs it; the submitit path calls the same module's ``run(RUN_DIR)`` (task_function)."""
-    return "ddp_core.script" if cfg.script.enabled else "ddp_core"
+    return f"{request.submitit_python()} -u -m submitit.core._submit {shlex.quote(str(folder))}"
 
 
 def task_function(cfg: Config) -> Callable[[str], Any]:
@@ -159,18 +47,19 @@ def task_function(cfg: Config) -> Callable[[str], Any]:
 
 def render_submitit_script(cfg: Config, run_dir: RunDir, python: str = sys.executable) -> str:
     """The exact sbatch script ``submit`` would hand to sbatch (submitit's own renderer)."""
-    from submitit.slurm.slurm import _make_sbatch_string
+    from submitit.slurm.slurm import _make_sbatch_string  # pinned: pyproject.toml, and a real job's test compares
 
-    command = submitit_command(cfg, run_dir.slurm, python)
-    return _make_sbatch_string(command=command, folder=run_dir.slurm, **sbatch_parameters(cfg))
+    request = SlurmRequest.resolve(cfg, python=python)
+    return _make_sbatch_string(command=submitit_command(request, run_dir.slurm), folder=run_dir.slurm,
+                               **request.submitit_parameters())  # fmt: skip
 
 
 def check_cluster(cfg: Config) -> cluster.Partition:
     """Check the request against the partition; fills ``slurm.cpus_per_task`` (when null) from its nodes."""
     part = cluster.pick_partition(cluster.query_partitions(), cfg.slurm.partition)
-    cfg.slurm.cpus_per_task = cpus_per_task(cfg, part)
-    layout = task_layout(cfg, part)
-    cluster.check_request(cfg.slurm, part, ranks_per_node(cfg), layout.tasks_per_node * layout.cpus_per_task)
+    request = SlurmRequest.resolve(cfg, part)
+    cfg.slurm.cpus_per_task = request.cpus_per_rank
+    request.check_fits(part)
     return part
 
 
@@ -191,7 +80,7 @@ def validate_for_submit(cfg: Config, local: bool, cluster_check: bool = True) ->
         raise DdpJobError("config key 'slurm.nodes' > 1 cannot run with --local", "drop --local or set slurm.nodes=1")
     if not local and cluster_check:
         check_cluster(cfg)
-    cfg.slurm.cpus_per_task = cpus_per_task(cfg)  # the request's value, recorded in the run's config.yaml
+    cfg.slurm.cpus_per_task = SlurmRequest.resolve(cfg).cpus_per_rank  # the request's, recorded in config.yaml
 
 
 @dataclass
@@ -211,14 +100,14 @@ class Submitted:
 def make_executor(cfg: Config, run_dir: RunDir, local: bool) -> Any:
     import submitit
 
+    request = SlurmRequest.resolve(cfg)
     if local:
         executor: submitit.Executor = submitit.LocalExecutor(folder=run_dir.slurm)
-        executor.update_parameters(
-            tasks_per_node=task_layout(cfg).tasks_per_node, timeout_min=cfg.slurm.time_min, setup=environment(cfg)
-        )
+        executor.update_parameters(tasks_per_node=request.tasks_per_node, timeout_min=request.time_min,
+                                   setup=list(request.environment))  # fmt: skip
         return executor
-    executor = submitit.SlurmExecutor(folder=run_dir.slurm, python=submitit_python(cfg))
-    executor.update_parameters(**sbatch_parameters(cfg))
+    executor = submitit.SlurmExecutor(folder=run_dir.slurm, python=request.submitit_python())
+    executor.update_parameters(**request.submitit_parameters())
     return executor
 
 

@@ -23,17 +23,8 @@ from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import CODE_RECORD, RunDir, atomic_write_text
 from jobs import snapshot
-from jobs.submit import (
-    check_cluster,
-    cpus_per_task,
-    entry_module,
-    reason,
-    sbatch_parameters,
-    submitit_command,
-    submitit_python,
-    task_function,
-    withdraw,
-)
+from jobs.request import SlurmRequest
+from jobs.submit import check_cluster, reason, submitit_command, task_function, withdraw
 from jobs.sweep_spec import Sweep, Trial
 
 SWEEP_FILE = "sweep.json"
@@ -72,7 +63,7 @@ def check_sweep(sweep: Sweep, local_check: bool = True) -> None:
             f"sweep key '{shared[0]}' cannot vary: the trials of one array share its resources and run root",
             "set it once for the whole sweep (a plain key=value)",
         )
-    if len({entry_module(cfg) for cfg in sweep.configs}) > 1:
+    if len({cfg.script.enabled for cfg in sweep.configs}) > 1:
         # One array pickles one task function for all of its tasks.
         raise DdpJobError("sweep mixes trials that run a script with trials that run the built-in trainer",
                           "sweep scripts and trainer settings separately")  # fmt: skip
@@ -87,8 +78,9 @@ def check_sweep(sweep: Sweep, local_check: bool = True) -> None:
                 check_task(cfg.task)
     if local_check:
         check_cluster(sweep.configs[0])
+    cpus = SlurmRequest.resolve(sweep.configs[0]).cpus_per_rank
     for cfg in sweep.configs:  # one array, one request: every trial records the resolved CPUs per rank
-        cfg.slurm.cpus_per_task = cpus_per_task(sweep.configs[0])
+        cfg.slurm.cpus_per_task = cpus
 
 
 def _resolve_scripts(configs: Sequence[Config]) -> None:
@@ -143,21 +135,24 @@ def chunks(items: list[Any], size: int) -> list[list[Any]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def array_parameters(sweep: Sweep, parallelism: int) -> dict[str, Any]:
+def array_request(sweep: Sweep, python: str = sys.executable) -> SlurmRequest:
+    """The request every task of the sweep's arrays makes: the first trial's (check_sweep: the trials share it),
+    named after the sweep."""
     cfg = sweep.configs[0]
-    params = sbatch_parameters(cfg)
-    params["job_name"] = cfg.slurm.job_name or sweep.name
-    params["array_parallelism"] = parallelism
-    return params
+    return dataclasses.replace(SlurmRequest.resolve(cfg, python=python), job_name=cfg.slurm.job_name or sweep.name)
+
+
+def array_parameters(request: SlurmRequest, parallelism: int) -> dict[str, Any]:
+    return request.submitit_parameters() | {"array_parallelism": parallelism}
 
 
 def render_array_script(sweep: Sweep, count: int, parallelism: int, python: str = sys.executable) -> str:
-    from submitit.slurm.slurm import _make_sbatch_string
+    from submitit.slurm.slurm import _make_sbatch_string  # pinned: pyproject.toml, and a real array's test compares
 
     folder = sweep_dir(sweep) / "slurm"
-    params = array_parameters(sweep, parallelism)
-    command = submitit_command(sweep.configs[0], folder, python)
-    return _make_sbatch_string(command=command, folder=folder, map_count=count, **params)
+    request = array_request(sweep, python)
+    return _make_sbatch_string(command=submitit_command(request, folder), folder=folder, map_count=count,
+                               **array_parameters(request, parallelism))  # fmt: skip
 
 
 def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int) -> list[str]:
@@ -178,8 +173,9 @@ def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int) -> list
         p.run_dir.initialize(p.cfg)
         if shared is not None and p.action == "submit" and p.cfg.snapshot.enabled:
             snapshot.write_record(p.run_dir.path, shared)
-    executor = submitit.SlurmExecutor(folder=folder, python=submitit_python(sweep.configs[0]))
-    executor.update_parameters(**array_parameters(sweep, parallelism))
+    request = array_request(sweep)
+    executor = submitit.SlurmExecutor(folder=folder, python=request.submitit_python())
+    executor.update_parameters(**array_parameters(request, parallelism))
     arrays: list[str] = []
     for chunk in chunks(todo, max_array_size()):
         before = set(GATEWAY.queued_from(folder))  # earlier arrays of this sweep may still be queued

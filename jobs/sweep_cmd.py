@@ -48,7 +48,7 @@ def add_parser(sub: Any) -> None:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from jobs import sweep as sw
-    from jobs.submit import entry_module
+    from jobs.request import entry_module
     from jobs.sweep_spec import load_sweep
 
     started = time.monotonic()

@@ -24,8 +24,9 @@ from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
 from ddp_core.script.torchrun import Rendezvous, exit_code, rendezvous, torchrun_argv, worker_pids
 from jobs import cluster, logs
+from jobs.request import SlurmRequest
 from jobs.sbatch_template import render
-from jobs.submit import check_cluster, environment, make_executor, sbatch_parameters, task_layout
+from jobs.submit import check_cluster, make_executor, sbatch_parameters
 from tests.conftest import ROOT, run_cli
 from tests.helpers import events
 from tests.test_rendering import RUN, check_golden
@@ -63,9 +64,9 @@ def test_gpu_request_gives_the_one_task_all_gpus():
     assert "gpus_per_task" not in params
     one = sbatch_parameters(load_config(None, [*TORCHRUN, "slurm.gpus_per_node=4", "strategy.name=dp"]))
     assert (one["ntasks_per_node"], one["cpus_per_task"]) == (1, 16)  # dp: one rank per node drives the 4 GPUs
-    assert environment(load_config(None, [*TORCHRUN, "slurm.gpus_per_node=4", "strategy.name=dp"]))[0] == (
-        "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"
-    )
+    assert SlurmRequest.resolve(
+        load_config(None, [*TORCHRUN, "slurm.gpus_per_node=4", "strategy.name=dp"])
+    ).environment[0] == ("export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}")
 
 
 def test_dry_run_prints_the_torchrun_request(tmp_path):
@@ -97,7 +98,7 @@ def test_cluster_check_and_local_executor_use_the_layout(tmp_path, monkeypatch):
     monkeypatch.setattr(cluster, "query_partitions", lambda: [part])
     cfg = load_config(None, [*TORCHRUN, "slurm.gpus_per_node=4", "slurm.cpus_per_task=null"])
     check_cluster(cfg)  # 12 CPUs / 4 GPUs: 3 per rank
-    assert cfg.slurm.cpus_per_task == 3 and task_layout(cfg).cpus_per_task == 12
+    assert cfg.slurm.cpus_per_task == 3 and SlurmRequest.resolve(cfg).cpus_per_task == 12
     too_big = load_config(None, [*TORCHRUN, "slurm.tasks_per_node=4", "slurm.cpus_per_task=4"])
     with pytest.raises(DdpJobError, match="needs 16 CPUs per node; partition 'gpu' nodes have 12"):
         check_cluster(too_big)

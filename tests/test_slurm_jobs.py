@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from ddp_core.run.rundir import RunDir
+from jobs.submit import render_submitit_script
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import digests, rank_logs, sacct_state, wait_gone
 
@@ -44,6 +46,11 @@ def test_ddp_job_completes_with_two_ranks(slurm_cluster, tmp_path):
     run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
     assert list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
     assert sacct_state(job_id) == "COMPLETED"
+    # What `ddpjob submit --dry-run` renders (through submitit's private renderer, at its pinned version) is the
+    # script the installed submitit wrote for this job.
+    run = RunDir((tmp_path / run_dir).resolve())
+    (submitted,) = run.slurm.glob(f"{job_id}_submission.sh")
+    assert render_submitit_script(run.load_config(), run) == submitted.read_text()
 
 
 def test_two_node_job(slurm_cluster, tmp_path):

@@ -22,6 +22,7 @@ from ddp_core.strategies.model_parallel import StagedModel, balanced_split
 from ddp_core.tasks.charlm import CharLMTask, Windows
 from ddp_core.trainer.optim import build_optimizer
 from jobs import cluster
+from jobs.request import SlurmRequest
 from jobs.submit import sbatch_parameters
 from tests.conftest import ROOT
 
@@ -158,9 +159,9 @@ def test_one_task_per_node_with_all_gpus_for_dp_and_model_parallel():
     part = cluster.Partition("p", nodes=1, cpus_per_node=4, gpus_per_node=0)
     wide = cfg("slurm.tasks_per_node=4", "slurm.cpus_per_task=2")
     with pytest.raises(DdpJobError, match=re.escape("4 ranks x slurm.cpus_per_task = 2 needs 8 CPUs")):
-        cluster.check_request(wide.slurm, part, ranks_per_node(wide))
+        SlurmRequest.resolve(wide).check_fits(part)
     dp = cfg("strategy.name=dp", "slurm.tasks_per_node=4", "slurm.cpus_per_task=2")
-    cluster.check_request(dp.slurm, part, ranks_per_node(dp))  # one process x 2 CPUs fits
+    SlurmRequest.resolve(dp).check_fits(part)  # one process x 2 CPUs fits
 
 
 def test_charlm_windows_are_fixed_shifted_and_disjoint():

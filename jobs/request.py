@@ -1,0 +1,188 @@
+"""A job's Slurm request, derived once from a config: ``SlurmRequest.resolve(cfg, partition)``.
+
+Everything Slurm is asked for is decided here and nowhere else: the task layout (one task per rank, or one per node
+for a torchrun agent), CPUs per task (``slurm.cpus_per_task``, or its default from the partition's CPUs per GPU),
+GPUs (per node, or per task with ``slurm.gpu_bind=task``), the warning signal and requeue, the srun arguments, the
+environment every rank starts with, and the command each task starts (behind the prefix that holds the warning
+signal). The renderers only lay it out: submitit's executor (``submitit_parameters``), the sbatch template
+(``jobs.sbatch_template``), ``--dry-run``, sweeps' arrays, an adaptive search's workers and its trial step, and the
+check against the partition (``jobs.cluster.check_request``).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ddp_core.cluster import signals
+from ddp_core.config import DEFAULT_CPUS_PER_GPU, Config, ranks_per_node
+from ddp_core.errors import DdpJobError
+from jobs import cluster
+
+# Each rank gets the CPUs Slurm gave its task: oversubscribed OpenMP threads cost 3x on small nodes.
+THREADS_SETUP = "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"
+
+
+def cpus_per_rank(cfg: Config, part: Optional[cluster.Partition] = None) -> int:
+    """``slurm.cpus_per_task``, or its default: 1 on CPU clusters; on GPU clusters the node's CPUs per GPU (times the
+    GPUs each rank drives), from ``part`` when the partition is known, else 4 per GPU."""
+    s = cfg.slurm
+    if s.cpus_per_task is not None:
+        return s.cpus_per_task
+    if s.gpus_per_node == 0:
+        return 1
+    per_gpu = DEFAULT_CPUS_PER_GPU
+    if part is not None and part.gpus_per_node > 0:
+        per_gpu = max(1, part.cpus_per_node // part.gpus_per_node)
+    return per_gpu * max(1, s.gpus_per_node // ranks_per_node(cfg))
+
+
+def environment(cfg: Config, ranks_per_task: int) -> list[str]:
+    """``export`` lines for every rank, set in the batch script (the trainer reads its environment, never writes
+    it). A value the user exported before submitting wins (``${VAR:-default}``)."""
+    lines = [THREADS_SETUP]
+    if ranks_per_task > 1:
+        # A torchrun agent's task holds the CPUs of all of its node's ranks: each rank's threads get their share.
+        lines = [f"export OMP_NUM_THREADS=$(( ${{SLURM_CPUS_PER_TASK:-{ranks_per_task}}} / {ranks_per_task} ))"]
+    if cfg.slurm.gpus_per_node:
+        # NCCL errors and timeouts abort the communicator and raise on every rank instead of hanging (torch's
+        # default since 2.2; explicit, so an older torch or a site profile cannot turn it off unnoticed).
+        lines.append("export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}")
+        if cfg.train.deterministic:
+            # cuBLAS is deterministic only with a fixed workspace; without it use_deterministic_algorithms raises.
+            lines.append("export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}")
+    return lines
+
+
+def entry_module(cfg: Config) -> str:
+    """What every task runs, ``python -m MODULE RUN_DIR``: the one place that picks the trainer or the user's script.
+    The template's srun line runs it; the submitit path calls the same module's ``run(RUN_DIR)``."""
+    return "ddp_core.script" if cfg.script.enabled else "ddp_core"
+
+
+@dataclass(frozen=True)
+class SlurmRequest:
+    """One job's request, in Slurm's terms. ``resolve`` builds it; nothing else derives these numbers."""
+
+    job_name: str
+    nodes: int
+    ranks_per_node: int  # processes per node: one per GPU or CPU task, one for dp/model_parallel
+    tasks_per_node: int  # Slurm tasks per node (--ntasks-per-node)
+    cpus_per_task: int  # CPUs of each task (--cpus-per-task)
+    ranks_per_task: int  # processes each task runs: 1 (srun), or the node's ranks (a torchrun agent's workers)
+    cpus_per_rank: int  # what the run's config.yaml records as slurm.cpus_per_task
+    time_min: int
+    gpus_per_node: int  # slurm.gpus_per_node
+    signal: str  # --signal, to every task (no "B:"): each rank sets its flag and they agree
+    gpus: dict[str, int] = field(default_factory=dict)  # gpus_per_node, or gpus_per_task with gpu_bind=task
+    where: dict[str, str] = field(default_factory=dict)  # partition, account, qos, mem: those that are set
+    additional: dict[str, Any] = field(default_factory=dict)  # slurm.additional, as sbatch options
+    environment: tuple[str, ...] = ()  # export lines every rank starts with
+    setup: tuple[str, ...] = ()  # slurm.setup: the config's own lines, after the environment
+    srun_args: tuple[str, ...] = ()
+    task_python: tuple[str, ...] = ()  # the interpreter each task starts, behind the signal-holding prefix
+    entry_module: str = "ddp_core"
+
+    @classmethod
+    def resolve(
+        cls, cfg: Config, part: Optional[cluster.Partition] = None, python: str = sys.executable
+    ) -> SlurmRequest:
+        s = cfg.slurm
+        ranks, per_rank = ranks_per_node(cfg), cpus_per_rank(cfg, part)
+        torchrun = cfg.script.enabled and cfg.script.launcher == "torchrun"
+        tasks, per_task = (1, ranks) if torchrun else (ranks, 1)
+        gpus: dict[str, int] = {}
+        if s.gpus_per_node and s.gpu_bind == "task":
+            assert per_task == 1, "config validation refuses gpu_bind=task with one task per node"
+            gpus["gpus_per_task"] = s.gpus_per_node // ranks  # each task sees only its own GPU(s)
+        elif s.gpus_per_node:
+            gpus["gpus_per_node"] = s.gpus_per_node  # every task sees all of its node's GPUs
+        where = {"partition": s.partition, "account": s.account, "qos": s.qos,
+                 "mem": f"{s.mem_gb:g}GB" if s.mem_gb else None}  # fmt: skip
+        return cls(
+            job_name=s.job_name or cfg.run.name,
+            nodes=s.nodes,
+            ranks_per_node=ranks,
+            tasks_per_node=tasks,
+            cpus_per_task=per_rank * per_task,  # a torchrun agent's task holds the CPUs of all of its ranks
+            ranks_per_task=per_task,
+            cpus_per_rank=per_rank,
+            time_min=s.time_min,
+            gpus_per_node=s.gpus_per_node,
+            signal=f"{s.signal.upper().removeprefix('SIG')}@{s.signal_lead_s}",
+            gpus=gpus,
+            where={k: v for k, v in where.items() if v is not None},
+            additional={k.replace("_", "-"): v for k, v in s.additional.items()},
+            environment=tuple(environment(cfg, per_task)),
+            setup=tuple(s.setup),
+            # --kill-on-bad-exit: a rank that exits non-zero takes the whole step down instead of leaving peers
+            # blocked in a collective. --cpu-bind: each rank runs on the CPUs Slurm allocated to its task.
+            srun_args=("--kill-on-bad-exit=1", f"--cpu-bind={s.cpu_bind}"),
+            task_python=(*signals.task_prefix(s.signal, python), python),
+            entry_module=entry_module(cfg),
+        )
+
+    @property
+    def cpus_per_node(self) -> int:
+        return self.tasks_per_node * self.cpus_per_task
+
+    def check_fits(self, part: cluster.Partition) -> None:
+        """Raise ``DdpJobError`` naming the key when this request can never be scheduled on ``part``."""
+        if self.nodes > part.nodes:
+            raise DdpJobError(
+                f"config key 'slurm.nodes' = {self.nodes} exceeds partition '{part.name}' ({part.nodes} nodes)",
+                f"use slurm.nodes<={part.nodes}",
+            )
+        if self.gpus_per_node > part.gpus_per_node:
+            raise DdpJobError(
+                f"config key 'slurm.gpus_per_node' = {self.gpus_per_node} exceeds partition '{part.name}' "
+                f"({part.gpus_per_node} GPUs per node)",
+                f"use slurm.gpus_per_node<={part.gpus_per_node}, or a GPU partition via slurm.partition",
+            )
+        if self.cpus_per_node > part.cpus_per_node:
+            key = "slurm.gpus_per_node" if self.gpus_per_node else "slurm.tasks_per_node"
+            raise DdpJobError(
+                f"config key '{key}' = {self.ranks_per_node} ranks x slurm.cpus_per_task = {self.cpus_per_rank} needs "
+                f"{self.cpus_per_node} CPUs per node; partition '{part.name}' nodes have {part.cpus_per_node}",
+                "lower tasks_per_node or cpus_per_task, or add nodes",
+            )
+
+    def sbatch_options(self) -> dict[str, Any]:
+        """The #SBATCH options, by their sbatch names (the template's lines)."""
+        return {
+            "job-name": self.job_name,
+            "nodes": self.nodes,
+            "ntasks-per-node": self.tasks_per_node,
+            "cpus-per-task": self.cpus_per_task,
+            "time": self.time_min,
+            **{k.replace("_", "-"): v for k, v in {**self.where, **self.gpus}.items()},
+            "signal": self.signal,
+            "requeue": True,
+            **self.additional,
+        }
+
+    def submitit_parameters(self) -> dict[str, Any]:
+        """submitit ``SlurmExecutor`` parameters (Slurm's names, underscores), ``setup`` and ``srun_args`` included."""
+        params: dict[str, Any] = {
+            "job_name": self.job_name,
+            "nodes": self.nodes,
+            "ntasks_per_node": self.tasks_per_node,
+            "cpus_per_task": self.cpus_per_task,
+            "time": self.time_min,
+            "setup": [*self.environment, *self.setup],
+            "srun_args": list(self.srun_args),
+            **self.where,
+            **self.gpus,
+        }
+        params["additional_parameters"] = {"signal": self.signal, "requeue": True, **self.additional}
+        return params
+
+    def submitit_python(self) -> str:
+        """``task_python`` as submitit's ``python`` parameter: the start of its task command, a shell word list."""
+        return shlex.join(self.task_python)
+
+    def task_command(self) -> list[str]:
+        """What each task runs, before its run directory: ``python -u -m MODULE`` behind the prefix."""
+        return [*self.task_python, "-u", "-m", self.entry_module]
