@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 
 from ddp_core.cluster.env import expand_nodelist
 from ddp_core.config import Config, load_config, load_saved, to_yaml, validate
-from ddp_core.config.input import SavedLoader, from_plain, read_yaml
+from ddp_core.config.input import SavedLoader, read_yaml
+from ddp_core.config.shapes import from_plain
 from ddp_core.config.trials import load_trial_config
 from ddp_core.errors import DdpJobError
 from ddp_core.tasks.base import check_task

@@ -1,7 +1,7 @@
 """config: the one config tree of a run. Torch-free; imports nothing of ddp_core but ``errors``.
 
 Both sides use it: the login node (``jobs``) validates a config before submitting, the compute node reloads the
-resolved copy saved in the run directory. Only ``load`` and ``input`` touch OmegaConf; everything past
+resolved copy saved in the run directory. Only ``load``, ``input`` and ``trials`` touch OmegaConf; everything past
 ``load_config`` works with plain dataclass instances.
 
 - ``schema``: the training sections (run, task, data, optim, train, checkpoint, wandb, strategy, dist, slurm);
@@ -9,8 +9,9 @@ resolved copy saved in the run directory. Only ``load`` and ``input`` touch Omeg
   ``Config``, the root, and ``ranks_per_node``.
 - ``load``: ``load_config`` (YAML + overrides), ``load_saved``, ``check_override``, ``to_yaml``/``to_dict``.
 - ``validate``: ranges and combinations, one error line naming the key and the fix.
-- ``input``: how user text is read before OmegaConf sees it (YAML reader, override syntax, shape checks, one-line
-  errors).
+- ``input``: how user text is read before OmegaConf sees it (YAML reader, override syntax, one-line errors);
+  ``shapes``: values checked against the dataclass tree.
+- ``trials``: a sweep's trial configs (one base, each trial's overrides), loaded fast.
 - ``reference``: docs/configuration.md, rendered from the sections' fields and their comments (not imported here).
 
 The names most code needs are re-exported here.

@@ -16,18 +16,14 @@ from ddp_core.config.input import (
     OVERRIDE_HINT,
     CheckLoader,
     Dumper,
-    NotPlain,
     SavedLoader,
-    check_value,
     explain,
-    from_plain,
-    hint_at,
-    list_prefix,
     omegaconf_load,
     parse_override,
     read_yaml,
     yaml_problem,
 )
+from ddp_core.config.shapes import NotPlain, check_value, from_plain, hint_at, list_prefix
 from ddp_core.config.tree import Config, to_dict
 from ddp_core.config.validate import validate
 from ddp_core.errors import DdpJobError
