@@ -61,8 +61,16 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
             if lock is not None:
                 lock.close()
     except BaseException as err:
-        log.error("rank %d/%d on %s failed: %s: %s%s", env.rank, env.world_size, socket.gethostname(),
-                  type(err).__name__, err, failure_hint(err), exc_info=True)  # fmt: skip
+        log.error(
+            "rank %d/%d on %s failed: %s: %s%s",
+            env.rank,
+            env.world_size,
+            socket.gethostname(),
+            type(err).__name__,
+            err,
+            failure_hint(err),
+            exc_info=True,
+        )
         raise
 
 
@@ -184,7 +192,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         code = _finish(cfg, run_dir, env, stop_flag, outcome)
     except BaseException as err:
-        log.error("rank %d/%d on %s failed after training, at step %d: %s: %s", env.rank, env.world_size,
-                  socket.gethostname(), outcome.step, type(err).__name__, err, exc_info=True)  # fmt: skip
+        log.error(
+            "rank %d/%d on %s failed after training, at step %d: %s: %s",
+            env.rank,
+            env.world_size,
+            socket.gethostname(),
+            outcome.step,
+            type(err).__name__,
+            err,
+            exc_info=True,
+        )
         leave(ExitCode.FAILED)
     leave(code)

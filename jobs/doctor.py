@@ -286,8 +286,11 @@ def _max_submit_jobs(c: Cluster, qos: str) -> Finding:
 
 
 def _cluster_facts(c: Cluster, e: Exposure) -> list[Finding]:
-    kinds = {"none": "nothing is preempted", "partition_prio": "a higher PriorityTier partition preempts",
-             "qos": "a QOS preempts the QOS it lists (sacctmgr Preempt)"}  # fmt: skip
+    kinds = {
+        "none": "nothing is preempted",
+        "partition_prio": "a higher PriorityTier partition preempts",
+        "qos": "a QOS preempts the QOS it lists (sacctmgr Preempt)",
+    }
     cluster = f"{c.config.get('ClusterName', '?')} (Slurm {c.config.get('SLURM_VERSION', '?')})"
     return [
         Finding("partition", "info", f"partition {c.name} of cluster {cluster}", value=c.name),
@@ -375,8 +378,12 @@ def add_parser(sub: Any) -> None:
         metavar="PARTITION",
         help="drill: also preempt the job by submitting to this higher-priority partition",
     )
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="drill: settings for its jobs, e.g. slurm.gpus_per_node=2 slurm.account=x")  # fmt: skip
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="drill: settings for its jobs, e.g. slurm.gpus_per_node=2 slurm.account=x",
+    )
 
 
 COMMANDS = {"doctor": cmd_doctor}

@@ -27,11 +27,20 @@ from jobs.findings import Finding
 DIGEST = re.compile(r"final weights sha256 ([0-9a-f]{64})")
 # Long enough that the job is still training after three interruptions, short enough for a drill.
 DRILL_SETTINGS = [
-    "run.name=doctor-drill", "task.target=ddp_core.tasks.digits:DigitsTask", "task.model.hidden=256",
-    "task.model.depth=3", "train.max_steps=1500", "train.log_every=1", "train.eval_every=0",
-    "checkpoint.every_steps=100000", "data.batch_size=32", "wandb.mode=disabled", "slurm.nodes=1",
-    "slurm.tasks_per_node=2", "slurm.time_min=20",
-]  # fmt: skip
+    "run.name=doctor-drill",
+    "task.target=ddp_core.tasks.digits:DigitsTask",
+    "task.model.hidden=256",
+    "task.model.depth=3",
+    "train.max_steps=1500",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "checkpoint.every_steps=100000",
+    "data.batch_size=32",
+    "wandb.mode=disabled",
+    "slurm.nodes=1",
+    "slurm.tasks_per_node=2",
+    "slurm.time_min=20",
+]
 WAIT_S = 300  # for any one thing to happen (a requeued job may queue behind others)
 
 
@@ -87,19 +96,23 @@ class Drill:
         do()
         stop = _wait(f"the job to save after {how}", lambda: self.events("interrupted")[n:])[0]
         if failed := self.events("requeue_failed")[-1:]:
-            raise DrillFailed(f"rank 0 could not requeue the job after {how} (at step {failed[0]['step']}: "
-                              f"{failed[0]['error']})")  # fmt: skip
+            raise DrillFailed(
+                f"rank 0 could not requeue the job after {how} (at step {failed[0]['step']}: {failed[0]['error']})"
+            )
         if stop["kind"] != expect_kind:
             raise DrillFailed(f"{how} was taken for a {stop['kind']}, not a {expect_kind}")
         start = _wait(f"the job to come back after {how}", lambda: self.events("start")[starts:])[0]
         stopped = _step(stop)
         if _step(start) != stopped or str(start["job_id"]) != self.job_id:
-            raise DrillFailed(f"after {how} the job resumed at step {start.get('step')} (job {start['job_id']}), "
-                              f"not at its checkpoint of step {stopped} (job {self.job_id})")  # fmt: skip
+            raise DrillFailed(
+                f"after {how} the job resumed at step {start.get('step')} (job {start['job_id']}), "
+                f"not at its checkpoint of step {stopped} (job {self.job_id})"
+            )
         first = _wait(f"a step after {how}", lambda: self.trained_past(stopped))
         requeued = self.events("requeued")[-1:] if expect_kind != "terminated" else []
-        return Timing(how, stopped, stop["t"] - sent, requeued[0]["t"] - sent if requeued else None,
-                      first["time"] - sent)  # fmt: skip
+        return Timing(
+            how, stopped, stop["t"] - sent, requeued[0]["t"] - sent if requeued else None, first["time"] - sent
+        )
 
     def final_digest(self, job_id: str, run: RunDir) -> str:
         _wait(f"job {job_id} to end", lambda: not self.gateway.squeue_ids([job_id]))
@@ -136,22 +149,38 @@ def run_drill(
         jobs = [job_id, twin_id]
         drill = Drill(cfg, run, job_id, gateway)
         sig = cfg.slurm.signal
-        timings.append(drill.interrupt(f"the warning signal (SIG{sig})", lambda: _check(gateway.signal(job_id, sig)),
-                                       "preemption"))  # fmt: skip
-        timings.append(drill.interrupt("scontrol requeue (SIGTERM)", lambda: _check(gateway.requeue(job_id)),
-                                       "terminated"))  # fmt: skip
+        timings.append(
+            drill.interrupt(f"the warning signal (SIG{sig})", lambda: _check(gateway.signal(job_id, sig)), "preemption")
+        )
+        timings.append(
+            drill.interrupt("scontrol requeue (SIGTERM)", lambda: _check(gateway.requeue(job_id)), "terminated")
+        )
         if preempt_from:
             # The drill job's nodes, whole: Slurm must preempt it (and only what shares those nodes) to start this.
             info = gateway.show_job(job_id)
             nodes = info.raw.get("NodeList", "") if info else ""
-            hold = ["-p", preempt_from, "-N", str(cfg.slurm.nodes), "--exclusive", "-o", "/dev/null",
-                    *([f"--nodelist={nodes}"] if nodes else [])]  # fmt: skip
-            timings.append(drill.interrupt(f"preemption from {preempt_from}", lambda: _check_id(
-                gateway.sbatch_wrap(hold, "sleep 2"), jobs), "preemption"))  # fmt: skip
+            hold = [
+                "-p",
+                preempt_from,
+                "-N",
+                str(cfg.slurm.nodes),
+                "--exclusive",
+                "-o",
+                "/dev/null",
+                *([f"--nodelist={nodes}"] if nodes else []),
+            ]
+            timings.append(
+                drill.interrupt(
+                    f"preemption from {preempt_from}",
+                    lambda: _check_id(gateway.sbatch_wrap(hold, "sleep 2"), jobs),
+                    "preemption",
+                )
+            )
         mine, theirs = drill.final_digest(job_id, run), drill.final_digest(twin_id, twin)
         if mine != theirs:
-            raise DrillFailed(f"the interrupted job's weights differ from its uninterrupted twin's ({mine[:12]} vs "
-                              f"{theirs[:12]})")  # fmt: skip
+            raise DrillFailed(
+                f"the interrupted job's weights differ from its uninterrupted twin's ({mine[:12]} vs {theirs[:12]})"
+            )
         findings = [
             Finding(
                 "drill",

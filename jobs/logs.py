@@ -169,8 +169,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     for hang in (e for e in run.events() if e["event"] == "hang"):  # after the log, where a reader's eye is
-        print(f"ddpjob: attempt of job {hang.get('job_id')} hung after step {hang.get('step')}: "
-              f"{cause(str(hang.get('summary', '')))}", file=sys.stderr)  # fmt: skip
+        print(
+            f"ddpjob: attempt of job {hang.get('job_id')} hung after step {hang.get('step')}: "
+            f"{cause(str(hang.get('summary', '')))}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -200,8 +203,12 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new output until the job ends")
     p.add_argument("--rank", type=int, default=0, help="which rank's log (default 0)")
     p.add_argument("--attempt", default="all", help="N (1 = first, across requeues and resumes), last or all")
-    p.add_argument("--stream", choices=("err", "out", "batch"), default="err",
-                   help="err: the trainer's log; out: stdout; batch: the sbatch script's own log")  # fmt: skip
+    p.add_argument(
+        "--stream",
+        choices=("err", "out", "batch"),
+        default="err",
+        help="err: the trainer's log; out: stdout; batch: the sbatch script's own log",
+    )
 
     p = sub.add_parser("cancel", help="scancel every queued or running job of runs or sweeps")
     p.add_argument("paths", nargs="+", metavar="RUN|SWEEP", help="run directories or sweep folders")

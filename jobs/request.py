@@ -99,8 +99,12 @@ class SlurmRequest:
             gpus["gpus_per_task"] = s.gpus_per_node // ranks  # each task sees only its own GPU(s)
         elif s.gpus_per_node:
             gpus["gpus_per_node"] = s.gpus_per_node  # every task sees all of its node's GPUs
-        where = {"partition": s.partition, "account": s.account, "qos": s.qos,
-                 "mem": f"{s.mem_gb:g}GB" if s.mem_gb else None}  # fmt: skip
+        where = {
+            "partition": s.partition,
+            "account": s.account,
+            "qos": s.qos,
+            "mem": f"{s.mem_gb:g}GB" if s.mem_gb else None,
+        }
         return cls(
             job_name=s.job_name or cfg.run.name,
             nodes=s.nodes,

@@ -31,8 +31,15 @@ class Job:
 def run_jobs(run: RunDir) -> list[Job]:
     """The run's jobs in submission order: run.json's, then the ones only attempts.jsonl or a
     ``<job>_batch.out`` names (plain ``sbatch`` submissions record no job in run.json)."""
-    jobs = [Job(str(j["job_id"]), Path(str(j.get("log_dir") or run.slurm)), str(j.get("submitted", "")),
-                j.get("via") != "local") for j in run.jobs()]  # fmt: skip
+    jobs = [
+        Job(
+            str(j["job_id"]),
+            Path(str(j.get("log_dir") or run.slurm)),
+            str(j.get("submitted", "")),
+            j.get("via") != "local",
+        )
+        for j in run.jobs()
+    ]
     if any("_" in j.job_id for j in jobs):
         return jobs  # an array task logs its raw SLURM_JOB_ID in attempts.jsonl: the same job, not another one
     seen = [str(e.get("job_id") or "") for e in run.events()]

@@ -37,7 +37,7 @@ from ddp_core.search.study import (
     read_spec,
     reassign,
     state_name,
-    write_spec,  # fmt: skip
+    write_spec,
 )
 from jobs import snapshot
 from jobs.request import SlurmRequest
@@ -136,8 +136,11 @@ def submit_workers(root: Path, cfg: Config) -> Optional[str]:
         alive = alive_workers(spec)
         storage, study = open_study(root)
         trials = study.get_trials(deepcopy=False)
-        running = {t.number: str(t.user_attrs.get(WORKER_ATTR)) for t in trials
-                   if t.state in (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)}  # fmt: skip
+        running = {
+            t.number: str(t.user_attrs.get(WORKER_ATTR))
+            for t in trials
+            if t.state in (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)
+        }
         orphans = sum(1 for worker in running.values() if worker not in alive)
         unasked = max(0, spec["budget"] - len(trials))
         tasks = min(max(0, spec["parallelism"] - len(alive)), orphans + unasked)
@@ -162,11 +165,18 @@ def submit_workers(root: Path, cfg: Config) -> Optional[str]:
             jobs = executor.map_array(search_worker.run, [str(root)] * tasks, [generation] * tasks)
         except Exception as err:
             withdraw(folder, before, err)
-            raise DdpJobError(f"search submission failed: {reason(err)}", "fix the cause and rerun the same command: "
-                              "the study continues") from err  # fmt: skip
+            raise DdpJobError(
+                f"search submission failed: {reason(err)}",
+                "fix the cause and rerun the same command: the study continues",
+            ) from err
         array = str(jobs[0].job_id).split("_")[0]
-        entry = {"generation": generation, "job_id": array, "tasks": tasks, "rebound": sorted(moved),
-                 "submitted": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
+        entry = {
+            "generation": generation,
+            "job_id": array,
+            "tasks": tasks,
+            "rebound": sorted(moved),
+            "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
         write_spec(root, spec | {"generations": [*spec["generations"], entry]})
     return array
 
@@ -193,13 +203,16 @@ def summary(root: Path) -> dict[str, Any]:
 def status_lines(info: dict[str, Any]) -> list[str]:
     spec, counts, best = info["spec"], info["counts"], info["best"]
     how = "min" if spec["direction"] == "minimize" else "max"
-    lines = [f"search:  {spec['sampler']} on {how}:{spec['metric']}, pruner {spec['pruner']}, "
-             f"{len(info['trials'])}/{spec['budget']} trials asked",
-             "trials:  " + ", ".join(f"{counts.get(s, 0)} {s}" for s in STATES)]  # fmt: skip
+    lines = [
+        f"search:  {spec['sampler']} on {how}:{spec['metric']}, pruner {spec['pruner']}, "
+        f"{len(info['trials'])}/{spec['budget']} trials asked",
+        "trials:  " + ", ".join(f"{counts.get(s, 0)} {s}" for s in STATES),
+    ]
     if best is not None:
         params = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in best.params.items())
-        lines.append(f"best:    trial {best.number} ({best.user_attrs.get(RUN_DIR_ATTR, '-')}) = {best.value:.6g}: "
-                     f"{params}")  # fmt: skip
+        lines.append(
+            f"best:    trial {best.number} ({best.user_attrs.get(RUN_DIR_ATTR, '-')}) = {best.value:.6g}: {params}"
+        )
     lines += [f"failed:  {line}" for line in info["fails"][-3:]]
     return lines
 
@@ -213,8 +226,10 @@ def start_lines(root: Path, array: Optional[str]) -> list[str]:
     else:
         rebound = gens[-1]["rebound"]
         lines.append(f"arrays:  {array}")
-        lines.append(f"workers: {gens[-1]['tasks']} (generation {gens[-1]['generation']}"
-                     + (f"; resumes trials {', '.join(map(str, rebound))})" if rebound else ")"))  # fmt: skip
+        lines.append(
+            f"workers: {gens[-1]['tasks']} (generation {gens[-1]['generation']}"
+            + (f"; resumes trials {', '.join(map(str, rebound))})" if rebound else ")")
+        )
     return lines
 
 
@@ -252,6 +267,8 @@ def report_section(root: Path, out: Path) -> str:
     image = base64.b64encode(buf.getvalue()).decode()
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.3f}</td></tr>" for k, v in importances.items())
     lines = "<br>".join(html.escape(line) for line in status_lines(info))
-    return (f'<h2>Search</h2><p>{lines}</p><img alt="optimisation history" src="data:image/png;base64,{image}">'
-            f"<table><thead><tr><th>param</th><th>importance</th></tr></thead><tbody>{rows}</tbody></table>"
-            f"<pre>{html.escape(json.dumps([[n, v] for n, v in best_so_far]))}</pre>")  # fmt: skip
+    return (
+        f'<h2>Search</h2><p>{lines}</p><img alt="optimisation history" src="data:image/png;base64,{image}">'
+        f"<table><thead><tr><th>param</th><th>importance</th></tr></thead><tbody>{rows}</tbody></table>"
+        f"<pre>{html.escape(json.dumps([[n, v] for n, v in best_so_far]))}</pre>"
+    )

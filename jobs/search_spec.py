@@ -146,12 +146,24 @@ def load_search_file(path: Path, extra: Sequence[str] = (), name: Optional[str] 
 @one_line_errors
 def parse_cli_search(config: Path, args: Sequence[str], name: Optional[str] = None, **cli: Any) -> SearchSpec:
     """``ddpjob sweep CONFIG --search SAMPLER ...``: CONFIG is a base config."""
-    return build(name or f"{Path(config).stem}-search", Path(config), {}, {}, args, {k: v for k, v in cli.items()
-                                                                                  if v is not None})  # fmt: skip
+    return build(
+        name or f"{Path(config).stem}-search",
+        Path(config),
+        {},
+        {},
+        args,
+        {k: v for k, v in cli.items() if v is not None},
+    )
 
 
-def build(name: str, base: Path, fixed: dict[str, str], params: dict[str, dict[str, Any]], extra: Sequence[str],
-          options: Mapping[str, Any]) -> SearchSpec:  # fmt: skip
+def build(
+    name: str,
+    base: Path,
+    fixed: dict[str, str],
+    params: dict[str, dict[str, Any]],
+    extra: Sequence[str],
+    options: Mapping[str, Any],
+) -> SearchSpec:
     fixed, params = dict(fixed), dict(params)
     for arg in extra:
         key, eq, text = (part.strip() for part in arg.partition("="))
@@ -189,16 +201,30 @@ def build(name: str, base: Path, fixed: dict[str, str], params: dict[str, dict[s
     metric, direction = parse_metric(options.get("metric", "min:eval/loss"), options.get("direction"))
     cfg = _check_keys(base, fixed, params)
     if cfg.script.enabled:
-        raise DdpJobError("an adaptive search runs the built-in trainer, not a script", "sweep a script with grid: "
-                          "or random:; its trials report no intermediate values to a study")  # fmt: skip
+        raise DdpJobError(
+            "an adaptive search runs the built-in trainer, not a script",
+            "sweep a script with grid: or random:; its trials report no intermediate values to a study",
+        )
     if sampler == "grid":
         size = 1
         for values in grid_space(params).values():
             size *= len(values)
         if ints["trials"] > size:
             raise bad("search.trials", f"= {ints['trials']} is more than the grid's {size} points", f"trials: {size}")
-    return SearchSpec(name, base, fixed, params, sampler, metric, direction, ints["trials"], ints["parallelism"],
-                      pruner, ints["seed"], cfg)  # fmt: skip
+    return SearchSpec(
+        name,
+        base,
+        fixed,
+        params,
+        sampler,
+        metric,
+        direction,
+        ints["trials"],
+        ints["parallelism"],
+        pruner,
+        ints["seed"],
+        cfg,
+    )
 
 
 def candidates(dist: Mapping[str, Any]) -> list[Any]:

@@ -33,12 +33,31 @@ log = logging.getLogger(__name__)
 SACCT_FIELDS = "JobID,JobIDRaw,State,ExitCode,Start,End"
 # A job in one of these states may still produce output or run again; anything else is final.
 ACTIVE_STATES = frozenset(
-    {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED", "COMPLETING",
-     "CONFIGURING", "SIGNALING", "STAGE_OUT", "STOPPED"}
-)  # fmt: skip
-EVENT_STATES = {"start": "STARTED", "interrupted": "INTERRUPTED", "requeued": "INTERRUPTED",
-                "completed": "COMPLETED", "budget_exhausted": "BUDGET_EXHAUSTED", "preempted": "PREEMPTED",
-                "hang": "HUNG", "pruned": "PRUNED"}  # fmt: skip
+    {
+        "PENDING",
+        "RUNNING",
+        "REQUEUED",
+        "REQUEUE_HOLD",
+        "REQUEUE_FED",
+        "RESIZING",
+        "SUSPENDED",
+        "COMPLETING",
+        "CONFIGURING",
+        "SIGNALING",
+        "STAGE_OUT",
+        "STOPPED",
+    }
+)
+EVENT_STATES = {
+    "start": "STARTED",
+    "interrupted": "INTERRUPTED",
+    "requeued": "INTERRUPTED",
+    "completed": "COMPLETED",
+    "budget_exhausted": "BUDGET_EXHAUSTED",
+    "preempted": "PREEMPTED",
+    "hang": "HUNG",
+    "pruned": "PRUNED",
+}
 ACCOUNTING_LAG_S = 120  # a job this young with no sacct record yet is queued, not lost
 SCRIPT_WIDTH = 48  # characters of a script's command line in the table
 # Every Slurm command goes through the gateway (cluster.slurm); ``runner=`` hands it fabricated output in tests.
@@ -253,11 +272,20 @@ def render(rows: Sequence[Row], metric_key: str, best: Optional[Row], now: float
     ]
     right = {3, 4, 5, 6}
     table = [head] + [
-        ["*" if r is best else "", r.job_label, r.history(now) + " (early stop)" * r.early_stopped, str(r.restarts),
-         "-" if r.last_step is None else str(r.last_step), fmt(r.loss), fmt(r.metric),
-         age(r.checkpoint_mtime, now), *([script_label(r.script)] * scripts), shown_path(r.run.path)]
+        [
+            "*" if r is best else "",
+            r.job_label,
+            r.history(now) + " (early stop)" * r.early_stopped,
+            str(r.restarts),
+            "-" if r.last_step is None else str(r.last_step),
+            fmt(r.loss),
+            fmt(r.metric),
+            age(r.checkpoint_mtime, now),
+            *([script_label(r.script)] * scripts),
+            shown_path(r.run.path),
+        ]
         for r in rows
-    ]  # fmt: skip
+    ]
     widths = [max(len(line[i]) for line in table) for i in range(len(head))]
     lines = [
         "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
@@ -265,8 +293,11 @@ def render(rows: Sequence[Row], metric_key: str, best: Optional[Row], now: float
     ]
     # The newest hang of each run, with the rank suspected and where its stacks are (ddp_core/trainer/watchdog.py).
     hangs = [(r, [e for e in r.events if e["event"] == "hang"]) for r in rows]
-    notes = [f"hang in {r.run.name} after step {found[-1].get('step')}: {cause(str(found[-1].get('summary', '')))}"
-             for r, found in hangs if found]  # fmt: skip
+    notes = [
+        f"hang in {r.run.name} after step {found[-1].get('step')}: {cause(str(found[-1].get('summary', '')))}"
+        for r, found in hangs
+        if found
+    ]
     notes += [_straggler_note(r) for r in rows if r.straggler is not None]
     return "\n".join([*(line.rstrip() for line in lines), *notes])
 
@@ -286,8 +317,10 @@ def _straggler_note(row: Row) -> str:
     median, slowest = s.get("work_ms_median") or 0, s.get("work_ms_max") or 0
     ratio = f" (x{slowest / median:.1f})" if median else ""
     who = f"rank {s.get('straggler_rank')} on {s.get('slowest_host')}"
-    return (f"straggler in {row.run.name}: {who}, {slowest:.1f} ms of its own work per step vs median "
-            f"{median:.1f}{ratio} (step {s.get('step')})")  # fmt: skip
+    return (
+        f"straggler in {row.run.name}: {who}, {slowest:.1f} ms of its own work per step vs median "
+        f"{median:.1f}{ratio} (step {s.get('step')})"
+    )
 
 
 def status_text(
@@ -345,10 +378,17 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "path", nargs="?", help=f"a run directory or a sweep folder (default: newest runs in ./{DEFAULT_ROOT})"
     )
-    p.add_argument("--watch", nargs="?", type=float, const=10.0, metavar="SECONDS",
-                   help="refresh every SECONDS (default 10) until all rows end; put it after PATH")  # fmt: skip
-    p.add_argument("--metric", help="sweeps: ranks trials (default eval/accuracy, a search's own metric); prefix min: "
-                   "to minimise")  # fmt: skip
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=10.0,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 10) until all rows end; put it after PATH",
+    )
+    p.add_argument(
+        "--metric", help="sweeps: ranks trials (default eval/accuracy, a search's own metric); prefix min: to minimise"
+    )
     p.add_argument("--limit", type=int, default=20, help="without PATH: how many of the newest runs")
 
 

@@ -50,8 +50,9 @@ def render_submitit_script(cfg: Config, run_dir: RunDir, python: str = sys.execu
     from submitit.slurm.slurm import _make_sbatch_string  # pinned: pyproject.toml, and a real job's test compares
 
     request = SlurmRequest.resolve(cfg, python=python)
-    return _make_sbatch_string(command=submitit_command(request, run_dir.slurm), folder=run_dir.slurm,
-                               **request.submitit_parameters())  # fmt: skip
+    return _make_sbatch_string(
+        command=submitit_command(request, run_dir.slurm), folder=run_dir.slurm, **request.submitit_parameters()
+    )
 
 
 def check_cluster(cfg: Config) -> cluster.Partition:
@@ -103,8 +104,9 @@ def make_executor(cfg: Config, run_dir: RunDir, local: bool) -> Any:
     request = SlurmRequest.resolve(cfg)
     if local:
         executor: submitit.Executor = submitit.LocalExecutor(folder=run_dir.slurm)
-        executor.update_parameters(tasks_per_node=request.tasks_per_node, timeout_min=request.time_min,
-                                   setup=list(request.environment))  # fmt: skip
+        executor.update_parameters(
+            tasks_per_node=request.tasks_per_node, timeout_min=request.time_min, setup=list(request.environment)
+        )
         return executor
     executor = submitit.SlurmExecutor(folder=run_dir.slurm, python=request.submitit_python())
     executor.update_parameters(**request.submitit_parameters())

@@ -65,8 +65,10 @@ def check_sweep(sweep: Sweep, local_check: bool = True) -> None:
         )
     if len({cfg.script.enabled for cfg in sweep.configs}) > 1:
         # One array pickles one task function for all of its tasks.
-        raise DdpJobError("sweep mixes trials that run a script with trials that run the built-in trainer",
-                          "sweep scripts and trainer settings separately")  # fmt: skip
+        raise DdpJobError(
+            "sweep mixes trials that run a script with trials that run the built-in trainer",
+            "sweep scripts and trainer settings separately",
+        )
     if sweep.configs[0].script.enabled:
         _resolve_scripts(sweep.configs)
     else:
@@ -151,8 +153,12 @@ def render_array_script(sweep: Sweep, count: int, parallelism: int, python: str 
 
     folder = sweep_dir(sweep) / "slurm"
     request = array_request(sweep, python)
-    return _make_sbatch_string(command=submitit_command(request, folder), folder=folder, map_count=count,
-                               **array_parameters(request, parallelism))  # fmt: skip
+    return _make_sbatch_string(
+        command=submitit_command(request, folder),
+        folder=folder,
+        map_count=count,
+        **array_parameters(request, parallelism),
+    )
 
 
 def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int) -> list[str]:

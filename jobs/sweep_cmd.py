@@ -38,8 +38,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dry-run", action="store_true", help="list the trials and print the array script only")
     p.add_argument("--no-snapshot", action="store_true", help="do not copy the code into the sweep (snapshot.enabled)")
     p.add_argument("--no-cluster-check", action="store_true", help="skip checking the request against sinfo")
-    p.add_argument("--search", metavar="SAMPLER", help="adaptive search (Optuna): tpe, random, grid or cmaes; "
-                   "params as key=loguniform(1e-5,1e-2), key=choice(a,b), key=range(32,257,32)")  # fmt: skip
+    p.add_argument(
+        "--search",
+        metavar="SAMPLER",
+        help="adaptive search (Optuna): tpe, random, grid or cmaes; "
+        "params as key=loguniform(1e-5,1e-2), key=choice(a,b), key=range(32,257,32)",
+    )
     p.add_argument("--parallel", type=int, help="adaptive search: workers (array tasks) at once")
     p.add_argument("--pruner", help="adaptive search: median, asha, hyperband or none")
     p.add_argument("--metric", help="adaptive search: what to optimise, e.g. min:eval/loss (default)")
@@ -60,8 +64,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         config = None
     if args.no_snapshot:
         overrides.append("snapshot.enabled=false")
-    spec = load_sweep(None if config is None else Path(config), overrides, trials=args.trials, seed=args.seed,
-                      name=args.name, script=args.script, script_args=args.script_args)  # fmt: skip
+    spec = load_sweep(
+        None if config is None else Path(config),
+        overrides,
+        trials=args.trials,
+        seed=args.seed,
+        name=args.name,
+        script=args.script,
+        script_args=args.script_args,
+    )
     no_sinfo = args.dry_run and shutil.which("sinfo") is None
     sw.check_sweep(spec, local_check=not (args.no_cluster_check or no_sinfo))
     plans = sw.plan(spec)
@@ -73,8 +84,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 print(f"{'':18}runs: {shlex.join(p.cfg.script.command())}")
         count = sum(1 for p in plans if p.action in ("submit", "resume"))
         entry = entry_module(spec.configs[0])
-        print(f"# array script for {count} trials (nothing submitted); each task runs {entry}.run(RUN_DIR) on its "
-              f"trial's run directory, as python -m {entry} RUN_DIR would")  # fmt: skip
+        print(
+            f"# array script for {count} trials (nothing submitted); each task runs {entry}.run(RUN_DIR) on its "
+            f"trial's run directory, as python -m {entry} RUN_DIR would"
+        )
         print(sw.render_array_script(spec, max(1, count), parallelism))
         return 0
     arrays = sw.submit_sweep(spec, plans, parallelism)
@@ -120,8 +133,14 @@ def _cmd_search(args: argparse.Namespace, started: float) -> int:
             raise DdpJobError("--more extends an existing search", "pass its directory: ddpjob sweep DIR --more N")
         if args.config is None:
             raise DdpJobError("an adaptive search needs a base config or a sweep YAML", "sweep CONFIG --search tpe")
-        flags = {"sampler": args.search, "trials": args.trials, "parallelism": args.parallel, "pruner": args.pruner,
-                 "seed": args.seed, "metric": args.metric}  # fmt: skip
+        flags = {
+            "sampler": args.search,
+            "trials": args.trials,
+            "parallelism": args.parallel,
+            "pruner": args.pruner,
+            "seed": args.seed,
+            "metric": args.metric,
+        }
         overrides = [*args.overrides, *(["snapshot.enabled=false"] if args.no_snapshot else [])]
         if Path(args.config).is_file() and _has_search(Path(args.config)):
             spec = load_search_file(Path(args.config), overrides, name=args.name, **flags)
@@ -129,8 +148,10 @@ def _cmd_search(args: argparse.Namespace, started: float) -> int:
             spec = parse_cli_search(Path(args.config), overrides, name=args.name, **flags)
         cfg = search.check(spec, local_check=not (args.no_cluster_check or args.dry_run))
         if args.dry_run:
-            print(f"search:  {spec.sampler} {spec.direction} {spec.metric}, {spec.trials} trials, "
-                  f"{spec.parallelism} workers, pruner {spec.pruner} (nothing submitted)")  # fmt: skip
+            print(
+                f"search:  {spec.sampler} {spec.direction} {spec.metric}, {spec.trials} trials, "
+                f"{spec.parallelism} workers, pruner {spec.pruner} (nothing submitted)"
+            )
             for key, dist in spec.params.items():
                 print(f"param:   {key} {json.dumps(dist)}")
             print(f"step:    {shlex.join([*search.step(cfg)['srun'], *search.step(cfg)['command'], 'RUN_DIR'])}")

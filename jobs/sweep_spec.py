@@ -179,8 +179,12 @@ def load_sweep_file(
     fixed.update(cli_fixed)
     grid.update(cli_grid)
     if base is None and not _scripted(fixed, grid, params):
-        raise bad("base", "is missing", "add base: ../digits.yaml (relative to the sweep file) or pass a config; "
-                   "a script's sweep needs none (script.path in overrides:, or --script train.py)")  # fmt: skip
+        raise bad(
+            "base",
+            "is missing",
+            "add base: ../digits.yaml (relative to the sweep file) or pass a config; "
+            "a script's sweep needs none (script.path in overrides:, or --script train.py)",
+        )
     return _build(name or str(data.get("name", path.stem)), base, fixed, grid, params, trials, seed)
 
 

@@ -70,8 +70,10 @@ class FullWriter:
         # (the one a signal triggers), whether or not it ran in the background. None before the first one.
         self.last_write_s: Optional[float] = None
         if checkpoint.CHECKSUM == "sha256":
-            log.warning("the Python package xxhash is not installed: full checkpoints are checksummed with sha256, "
-                        "which adds ~1 s per GB to each save (pip install xxhash)")  # fmt: skip
+            log.warning(
+                "the Python package xxhash is not installed: full checkpoints are checksummed with sha256, "
+                "which adds ~1 s per GB to each save (pip install xxhash)"
+            )
 
     @property
     def async_save(self) -> bool:
@@ -98,8 +100,7 @@ class FullWriter:
         self.fence_s = 0.0
         self._pending = self._background.submit(self._write, step, snapshot, self._copying, began)
         self._pending_step = step
-        log.info("checkpoint step %d: training blocked %.3f s for the copy, writing in the background", step,
-                 blocked)  # fmt: skip
+        log.info("checkpoint step %d: training blocked %.3f s for the copy, writing in the background", step, blocked)
         return blocked
 
     def _later(self) -> set[StorageKey]:

@@ -50,9 +50,18 @@ DCP_METADATA = ".metadata"  # the file FileSystemWriter's coordinator writes las
 # compared whole. No module is allowed wholesale: protocol 4 resolves a dotted name by walking attributes, so
 # ('torch.distributed.checkpoint.metadata', 'torch.os.system') would be os.system.
 _METADATA_GLOBALS = frozenset(
-    {("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "TensorProperties",
-        "StorageMeta", "_MEM_FORMAT_ENCODING")}
+    {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "ChunkStorageMetadata",
+            "TensorStorageMetadata",
+            "TensorProperties",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
     | {
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("torch", "Size"),
@@ -61,7 +70,7 @@ _METADATA_GLOBALS = frozenset(
         ("pathlib", "PurePosixPath"),
         ("collections", "OrderedDict"),
     }
-)  # fmt: skip
+)
 _DTYPES = frozenset(name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype))
 _BYTES_ENTRY = ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata")
 _REFUSED_HINT = "load only checkpoints as ddpjob wrote them: restore this one from a trusted copy or delete it"
@@ -258,8 +267,15 @@ class ShardedWriter:
         atomic_write_text(manifest, json.dumps(meta, indent=1) + "\n")
         fsync_dir(self.directory)
         took = time.perf_counter() - started
-        log.info("checkpoint step %d saved (%d files, %.1f MB, %.2f s, training blocked %.2f s): %s", step,
-                 len(files), meta["size"] / 1e6, took, took if blocked is None else blocked, final)  # fmt: skip
+        log.info(
+            "checkpoint step %d saved (%d files, %.1f MB, %.2f s, training blocked %.2f s): %s",
+            step,
+            len(files),
+            meta["size"] / 1e6,
+            took,
+            took if blocked is None else blocked,
+            final,
+        )
         prune(self.directory, self.keep_last)
 
 

@@ -140,8 +140,9 @@ class Staging:
                 else:
                     _bytes(buffer).copy_(_bytes(source))
                 staged[key] = buffer
-            view = torch.empty(0, dtype=tensor.dtype).set_(buffer, tensor.storage_offset(), tensor.size(),
-                                                           tensor.stride())  # fmt: skip
+            view = torch.empty(0, dtype=tensor.dtype).set_(
+                buffer, tensor.storage_offset(), tensor.size(), tensor.stride()
+            )
             view.requires_grad_(tensor.requires_grad)
             memo[id(tensor)] = nn.Parameter(view, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else view
         self._copy_host(now)

@@ -219,8 +219,13 @@ def _verify_sharded(manifest: Path, meta: dict[str, Any]) -> Optional[Checkpoint
             log.warning("skipping checkpoint %s: shard file %s is missing", folder.name, name)
             return None
         if size != expected["size"]:
-            log.warning("skipping checkpoint %s: %s has %d bytes, not %d (truncated?)", folder.name, name, size,
-                        expected["size"])  # fmt: skip
+            log.warning(
+                "skipping checkpoint %s: %s has %d bytes, not %d (truncated?)",
+                folder.name,
+                name,
+                size,
+                expected["size"],
+            )
             return None
         if sha256_file(path) != expected["sha256"]:
             log.warning("skipping checkpoint %s: sha256 mismatch in %s (corrupt)", folder.name, name)
@@ -244,8 +249,9 @@ def _read_manifest(manifest: Path) -> dict[str, Any]:
         raise ValueError(f"names the file {meta.get('file')!r}, not {expected!r}")
     if kind == SHARDED:
         files = meta.get("files")
-        if not isinstance(files, dict) or any(not isinstance(f, dict) or "/" in n or n in ("", ".", "..")
-                                              for n, f in files.items()):  # fmt: skip
+        if not isinstance(files, dict) or any(
+            not isinstance(f, dict) or "/" in n or n in ("", ".", "..") for n, f in files.items()
+        ):
             raise ValueError("its file list is not a mapping of plain file names")
     elif not isinstance(meta.get("size"), int):
         raise ValueError("size missing")

@@ -54,8 +54,12 @@ class Carried:
         if ranks is None:
             return
         if len(ranks) != env.world_size:
-            log.warning("checkpoint was written by %d ranks, now %d: %s start afresh (a stream restarts its epoch)",
-                        len(ranks), env.world_size, ", ".join(self.per_rank))  # fmt: skip
+            log.warning(
+                "checkpoint was written by %d ranks, now %d: %s start afresh (a stream restarts its epoch)",
+                len(ranks),
+                env.world_size,
+                ", ".join(self.per_rank),
+            )
             return
         for name, part in self.per_rank.items():
             if name in ranks[env.rank]:
@@ -100,5 +104,8 @@ class TrainState:
         if state["world_size"] == env.world_size:
             distributed.set_rng_state(state["rng"][env.rank])
         else:
-            log.warning("checkpoint was written at world size %d, now %d: RNG streams restart", state["world_size"],
-                        env.world_size)  # fmt: skip
+            log.warning(
+                "checkpoint was written at world size %d, now %d: RNG streams restart",
+                state["world_size"],
+                env.world_size,
+            )

@@ -79,14 +79,20 @@ def after_stop(
     log.info("stopped at step %s: %s", step, decision.why)
     if decision.ends_preempted:
         run_dir.log_event("preempted", job_id=env.job_id, step=step)
-        log.warning("preempted at step %s and not requeued by this partition; continue with: ddpjob resume %s",
-                    step, run_dir.path)  # fmt: skip
+        log.warning(
+            "preempted at step %s and not requeued by this partition; continue with: ddpjob resume %s",
+            step,
+            run_dir.path,
+        )
         return ExitCode.TERMINATED
     if not decision.requeue:
         return code
     limit = cfg.slurm.max_timeouts if kind is Interruption.timeout else cfg.slurm.max_preemptions
-    spent = sum(1 for e in run_dir.events() if e["event"] == "interrupted" and e.get("kind") == kind.value
-                and e.get("job_id") == env.job_id)  # fmt: skip
+    spent = sum(
+        1
+        for e in run_dir.events()
+        if e["event"] == "interrupted" and e.get("kind") == kind.value and e.get("job_id") == env.job_id
+    )
     return requeue_within(run_dir, env, kind.value, spent, limit, step, f"its checkpoint at step {step}")
 
 
@@ -105,8 +111,12 @@ def requeue_within(
     run_dir.log_event("requeued", kind=kind, job_id=env.job_id, step=step, count=spent)
     if (refused := preemption.requeue(env)) is not None:
         run_dir.log_event("requeue_failed", kind=kind, job_id=env.job_id, step=step, error=refused)
-        log.error("the job could not requeue itself after %s (%s); continue with: ddpjob resume %s", after, refused,
-                  run_dir.path)  # fmt: skip
+        log.error(
+            "the job could not requeue itself after %s (%s); continue with: ddpjob resume %s",
+            after,
+            refused,
+            run_dir.path,
+        )
         return ExitCode.REQUEUE_FAILED
     return ExitCode.REQUEUED
 

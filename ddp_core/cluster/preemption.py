@@ -162,8 +162,12 @@ def decide(
     """
     if job is not None and job.preempt_time:
         if mode == "CANCEL" or (mode is None and not job.requeue):
-            return Decision(Interruption.preemption, False, f"preempted (PreemptMode={mode or '?'}): the job ends "
-                            "here", ends_preempted=True)  # fmt: skip
+            return Decision(
+                Interruption.preemption,
+                False,
+                f"preempted (PreemptMode={mode or '?'}): the job ends here",
+                ends_preempted=True,
+            )
         return Decision(Interruption.preemption, True, f"preempted (PreemptMode={mode or 'REQUEUE'})")
     if signum != warning:
         if job is None:
@@ -220,10 +224,19 @@ def requeue(env: DistEnv, gateway: SlurmGateway = NODE_GATEWAY, tries: int = 3, 
             log.info("requeued job %s", env.slurm_job_id)
             return None
         why = proc.stderr.strip() or f"scontrol requeue exited {proc.returncode}"
-        final = (attempt == tries or proc.returncode in (MISSING, TIMED_OUT)
-                 or any(word in why.lower() for word in _PERMANENT))  # fmt: skip
-        log.log(logging.ERROR if final else logging.WARNING, "scontrol requeue %s failed (try %d of %d): %s",
-                env.slurm_job_id, attempt, tries, why)  # fmt: skip
+        final = (
+            attempt == tries
+            or proc.returncode in (MISSING, TIMED_OUT)
+            or any(word in why.lower() for word in _PERMANENT)
+        )
+        log.log(
+            logging.ERROR if final else logging.WARNING,
+            "scontrol requeue %s failed (try %d of %d): %s",
+            env.slurm_job_id,
+            attempt,
+            tries,
+            why,
+        )
         if final:
             break
     return why

@@ -161,8 +161,10 @@ def validate_watchdog(cfg: WatchdogConfig, collective_timeout_s: float) -> None:
     for key in ("stall_s", "first_step_s"):
         value = getattr(cfg, key)
         if not (value >= 0 and value < float("inf")):
-            raise DdpJobError(f"config key 'watchdog.{key}' = {value} is invalid: must be >= 0 and finite",
-                              f"fix it in the YAML or with watchdog.{key}=...")  # fmt: skip
+            raise DdpJobError(
+                f"config key 'watchdog.{key}' = {value} is invalid: must be >= 0 and finite",
+                f"fix it in the YAML or with watchdog.{key}=...",
+            )
     if cfg.stall_s and cfg.stall_s >= collective_timeout_s:
         raise DdpJobError(
             f"config key 'watchdog.stall_s' = {cfg.stall_s:g} is invalid: must be below dist.timeout_s "

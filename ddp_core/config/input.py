@@ -222,8 +222,11 @@ def _check_nodes(where: str, root: yaml.Node) -> None:
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
     while stack:  # depth first, each node's children finished before the node itself
         node, finished = stack.pop()
-        children = [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else (
-            node.value if isinstance(node, yaml.SequenceNode) else [])  # fmt: skip
+        children = (
+            [c for pair in node.value for c in pair]
+            if isinstance(node, yaml.MappingNode)
+            else (node.value if isinstance(node, yaml.SequenceNode) else [])
+        )
         if finished:
             if any(id(c) not in size for c in children):  # a child still open is an ancestor: a cycle
                 raise DdpJobError(f"{where} has a YAML alias that contains itself", "write the values out")

@@ -78,8 +78,10 @@ def check_override(item: str) -> None:
     if inside is not None:
         hint = f"set the whole list: {inside}=[a, b]"
         if key.startswith(SWEPT_ARG_PREFIX):  # a sweep's script.args.NAME key given to a single run
-            hint = (f"{key}=v1,v2 is a sweep key (ddpjob sweep); for one run, put the argument after --: "
-                    f"ddpjob submit --script train.py -- --{key[len(SWEPT_ARG_PREFIX):]}=VALUE")  # fmt: skip
+            hint = (
+                f"{key}=v1,v2 is a sweep key (ddpjob sweep); for one run, put the argument after --: "
+                f"ddpjob submit --script train.py -- --{key[len(SWEPT_ARG_PREFIX) :]}=VALUE"
+            )
         raise DdpJobError(f"config key '{inside}' is a list: '{key}' names no part of it", hint)
     hint = hint_at(Config, key)
     if hint is not None:

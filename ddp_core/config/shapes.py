@@ -114,8 +114,9 @@ def check_value(value: Any, hint: Any, key: str) -> None:
             for name, item in value.items() if isinstance(value, dict) else enumerate(value):
                 check_value(item, Any, f"{key}.{name}" if isinstance(value, dict) else f"{key}[{name}]")
         elif not isinstance(value, (str, int, float, bool)):
-            raise _bad_value(key, value, f"a config holds strings, numbers, booleans, lists and mappings, not "
-                                         f"{type(value).__name__}")  # fmt: skip
+            raise _bad_value(
+                key, value, f"a config holds strings, numbers, booleans, lists and mappings, not {type(value).__name__}"
+            )
     elif hint is bool:
         if not (isinstance(value, bool) or (isinstance(value, str) and value.lower() in ("true", "false"))):
             raise _bad_value(key, value, "use true or false")

@@ -98,8 +98,12 @@ def _validate_ranges(cfg: Config) -> None:
             _require(value <= limit, key, value, f"must be at most {limit}")
     _require(0 <= cfg.train.seed < 2**63, "train.seed", cfg.train.seed, "must be in [0, 2**63)")
     _require(0 <= cfg.optim.momentum < 1, "optim.momentum", cfg.optim.momentum, "must be in [0, 1)")
-    _require(cfg.checkpoint.sigterm_budget_s >= 0, "checkpoint.sigterm_budget_s", cfg.checkpoint.sigterm_budget_s,
-             "must be >= 0 (0: never save on SIGTERM)")  # fmt: skip
+    _require(
+        cfg.checkpoint.sigterm_budget_s >= 0,
+        "checkpoint.sigterm_budget_s",
+        cfg.checkpoint.sigterm_budget_s,
+        "must be >= 0 (0: never save on SIGTERM)",
+    )
     if cfg.slurm.mem_gb is not None:
         _require(cfg.slurm.mem_gb > 0, "slurm.mem_gb", cfg.slurm.mem_gb, "must be > 0, or null for the default")
     positive = {
@@ -163,9 +167,13 @@ def _validate_trainer_extras(cfg: Config) -> None:
     if cfg.train.precision is Precision.fp16:
         # A skipped step (inf/NaN gradients) must be skipped on every rank: with gradients sharded (fsdp) or split
         # into stages (pipeline), each rank's scaler would see only its own part and could decide differently.
-        _require(cfg.strategy.name in (StrategyName.ddp, StrategyName.dp, StrategyName.model_parallel),
-                 "train.precision", "fp16", f"is supported with strategy.name ddp, dp or model_parallel, not "
-                 f"{cfg.strategy.name.value!r}; use bf16 there")  # fmt: skip
+        _require(
+            cfg.strategy.name in (StrategyName.ddp, StrategyName.dp, StrategyName.model_parallel),
+            "train.precision",
+            "fp16",
+            f"is supported with strategy.name ddp, dp or model_parallel, not "
+            f"{cfg.strategy.name.value!r}; use bf16 there",
+        )
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -180,8 +188,14 @@ def _validate_script_strings(cfg: Config) -> None:
     newline would start a shell line (and end the directives sbatch reads), whitespace another option. Setup
     lines are shell code by design, but one item is one line."""
     s = cfg.slurm
-    words = {"run.name": cfg.run.name, "run.root": cfg.run.root, "slurm.job_name": s.job_name,
-             "slurm.partition": s.partition, "slurm.account": s.account, "slurm.qos": s.qos}  # fmt: skip
+    words = {
+        "run.name": cfg.run.name,
+        "run.root": cfg.run.root,
+        "slurm.job_name": s.job_name,
+        "slurm.partition": s.partition,
+        "slurm.account": s.account,
+        "slurm.qos": s.qos,
+    }
     for key, value in words.items():
         if value is not None:
             _require(not _UNSAFE_WORD.search(value), key, value, _WORD_RULE)
@@ -189,10 +203,18 @@ def _validate_script_strings(cfg: Config) -> None:
         _require(not _CONTROL.search(line), f"slurm.setup[{i}]", line, "one line per item: no newlines")
     for name, value in s.additional.items():
         option = str(name).replace("_", "-")
-        _require(bool(_OPTION.fullmatch(option)), "slurm.additional", name,
-                 "option names are sbatch's long options without '--', e.g. constraint or mail-type")  # fmt: skip
-        _require(isinstance(value, (str, bool, int, float)), f"slurm.additional.{name}", value,
-                 "one value per option: a word, a number, or true for a flag")  # fmt: skip
+        _require(
+            bool(_OPTION.fullmatch(option)),
+            "slurm.additional",
+            name,
+            "option names are sbatch's long options without '--', e.g. constraint or mail-type",
+        )
+        _require(
+            isinstance(value, (str, bool, int, float)),
+            f"slurm.additional.{name}",
+            value,
+            "one value per option: a word, a number, or true for a flag",
+        )
         if isinstance(value, str):
             _require(not _UNSAFE_WORD.search(value), f"slurm.additional.{name}", value, _WORD_RULE)
 
@@ -278,8 +300,12 @@ def _validate_model_options(cfg: Config) -> None:
     s, name = cfg.strategy, cfg.strategy.name.value
     _require(s.single_unit in SINGLE_UNIT, "strategy.single_unit", s.single_unit, f"must be one of {SINGLE_UNIT}")
     if s.wrap_classes is not None:
-        _require(all(c.isidentifier() for c in s.wrap_classes), "strategy.wrap_classes", s.wrap_classes,
-                 "must be a list of class names, e.g. [GPT2Block]")  # fmt: skip
+        _require(
+            all(c.isidentifier() for c in s.wrap_classes),
+            "strategy.wrap_classes",
+            s.wrap_classes,
+            "must be a list of class names, e.g. [GPT2Block]",
+        )
         why = f"applies to strategy.name=fsdp or strategy.activation_checkpointing=true (this is {name!r})"
         _require(
             s.name is StrategyName.fsdp or s.activation_checkpointing, "strategy.wrap_classes", s.wrap_classes, why
@@ -288,8 +314,12 @@ def _validate_model_options(cfg: Config) -> None:
         ("strategy.activation_checkpointing", s.activation_checkpointing),
         ("train.compile", cfg.train.compile),
     ):
-        _require(not on or s.name in MODEL_OPTION_STRATEGIES, key, on,
-                 f"works with strategy.name=ddp or fsdp (this is {name!r})")  # fmt: skip
+        _require(
+            not on or s.name in MODEL_OPTION_STRATEGIES,
+            key,
+            on,
+            f"works with strategy.name=ddp or fsdp (this is {name!r})",
+        )
 
 
 def _validate_pipeline(cfg: Config) -> None:
@@ -324,8 +354,10 @@ def parse_monitor(spec: str) -> tuple[str, str]:
     mode, _, key = spec.partition(":")
     split, _, name = key.partition("/")
     if mode not in MODES or split != "eval" or not name:
-        raise DdpJobError(f"config key 'checkpoint.monitor' = {spec!r} is invalid: expected MODE:eval/NAME with "
-                          "MODE min or max", MONITOR_HINT)  # fmt: skip
+        raise DdpJobError(
+            f"config key 'checkpoint.monitor' = {spec!r} is invalid: expected MODE:eval/NAME with MODE min or max",
+            MONITOR_HINT,
+        )
     return mode, name
 
 
@@ -334,21 +366,35 @@ def validate_monitor(spec: Optional[str], patience: int, eval_every: int) -> Non
     if spec is not None:
         parse_monitor(spec)
     if patience < 0:
-        raise DdpJobError(f"config key 'train.early_stop_patience' = {patience} is invalid: must be >= 0 (0: off)",
-                          "fix it in the YAML or with train.early_stop_patience=...")  # fmt: skip
+        raise DdpJobError(
+            f"config key 'train.early_stop_patience' = {patience} is invalid: must be >= 0 (0: off)",
+            "fix it in the YAML or with train.early_stop_patience=...",
+        )
     if patience > 0 and spec is None:
-        raise DdpJobError("config key 'train.early_stop_patience' is set, but checkpoint.monitor is not: nothing to "
-                          "watch", MONITOR_HINT)  # fmt: skip
+        raise DdpJobError(
+            "config key 'train.early_stop_patience' is set, but checkpoint.monitor is not: nothing to watch",
+            MONITOR_HINT,
+        )
     if patience > 0 and eval_every == 0:
-        raise DdpJobError("config key 'train.early_stop_patience' is set, but train.eval_every = 0 evaluates only at "
-                          "the end", "set train.eval_every to the steps between evaluations")  # fmt: skip
+        raise DdpJobError(
+            "config key 'train.early_stop_patience' is set, but train.eval_every = 0 evaluates only at the end",
+            "set train.eval_every to the steps between evaluations",
+        )
 
 
 def validate_optim(cfg: OptimConfig, max_steps: int) -> None:
     """The optimizer's keys beyond their ranges."""
-    _require(len(cfg.betas) == 2 and all(0 <= b < 1 for b in cfg.betas), "optim.betas", cfg.betas,
-             "must be two numbers in [0, 1), e.g. [0.9, 0.95]")  # fmt: skip
+    _require(
+        len(cfg.betas) == 2 and all(0 <= b < 1 for b in cfg.betas),
+        "optim.betas",
+        cfg.betas,
+        "must be two numbers in [0, 1), e.g. [0.9, 0.95]",
+    )
     _require(cfg.eps > 0, "optim.eps", cfg.eps, "must be > 0")
     _require(0 <= cfg.min_lr <= cfg.lr, "optim.min_lr", cfg.min_lr, f"must be in [0, optim.lr] ({cfg.lr})")
-    _require(all(isinstance(p, str) and p for p in cfg.no_decay), "optim.no_decay", cfg.no_decay,
-             "must be a list of non-empty name fragments, e.g. [bias, norm]")  # fmt: skip
+    _require(
+        all(isinstance(p, str) and p for p in cfg.no_decay),
+        "optim.no_decay",
+        cfg.no_decay,
+        "must be a list of non-empty name fragments, e.g. [bias, norm]",
+    )

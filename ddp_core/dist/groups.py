@@ -118,7 +118,7 @@ def setup(env: DistEnv, cfg: Optional[DistConfig] = None) -> torch.device:
         env.source, socket.gethostname(), env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank,
         env.num_nodes, env.master_addr, env.master_port, backend if env.source != "single" else "none",
         device, env.cpus_per_rank,
-    )  # fmt: skip
+    )
     log.info("gpu binding: %s", describe_binding(env, cuda))
     return device
 

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 _TENSOR_COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
     "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv",
-)  # fmt: skip
+)
 _OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list")
 
 _state: dict[str, Any] = {"gpu_spec": None, "sim_spec": None, "counts": None, "rank": 0}

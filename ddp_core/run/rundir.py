@@ -234,8 +234,12 @@ class RunDir:
     def log_event(self, event: str, **fields: Any) -> None:
         """Append one attempt event (rank 0 only). Append-only, so the login node never races with it."""
         now = time.time()  # "t": to the millisecond, for timings (doctor --drill); "time" for people
-        record = {"event": event, "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)), "t": round(now, 3),
-                  **fields}  # fmt: skip
+        record = {
+            "event": event,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now)),
+            "t": round(now, 3),
+            **fields,
+        }
         with open(self.attempts_file, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
@@ -247,8 +251,11 @@ class RunDir:
 
     def metrics(self) -> list[dict[str, Any]]:
         """The records of ``metrics.jsonl`` in file order (each has an int ``step`` and a str ``split``)."""
-        return [r for r in read_jsonl(self.metrics_file) if isinstance(r.get("step"), int)
-                and isinstance(r.get("split"), str)]  # fmt: skip
+        return [
+            r
+            for r in read_jsonl(self.metrics_file)
+            if isinstance(r.get("step"), int) and isinstance(r.get("split"), str)
+        ]
 
     def script_command(self) -> list[str] | None:
         """A script-mode run's command line, ``[PATH, *args]`` or ``["-m", MODULE, *args]``, from config.yaml read as

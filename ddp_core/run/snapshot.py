@@ -38,8 +38,9 @@ def read_record(run_dir: RunDir) -> Optional[dict[str, Any]]:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as err:
-        raise DdpJobError(f"{run_dir.code_record} is damaged ({err})",
-                          "resubmit, or delete it to run without the snapshot") from None  # fmt: skip
+        raise DdpJobError(
+            f"{run_dir.code_record} is damaged ({err})", "resubmit, or delete it to run without the snapshot"
+        ) from None
     if not isinstance(record, dict) or not isinstance(record.get("path"), str):
         raise DdpJobError(f"{run_dir.code_record} is damaged (no 'path')", "resubmit, or delete it")
     return record
@@ -76,8 +77,9 @@ def script_in_snapshot(record: Optional[dict[str, Any]], script_path: str) -> st
         return script_path
     copy = Path(record["path"]) / script.name
     if not copy.is_file():
-        raise DdpJobError(f"the run's code snapshot {record['path']} has no {script.name}",
-                          "resubmit to take a new snapshot")  # fmt: skip
+        raise DdpJobError(
+            f"the run's code snapshot {record['path']} has no {script.name}", "resubmit to take a new snapshot"
+        )
     return str(copy)
 
 

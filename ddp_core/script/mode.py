@@ -104,12 +104,15 @@ def spec_from_config(
             )
         path = snapshot.script_in_snapshot(code, script.path)
         if not Path(path).is_file():
-            raise DdpJobError(f"script {path} does not exist on {socket.gethostname()}",
-                              "run directories and scripts must be on a filesystem every node sees")  # fmt: skip
+            raise DdpJobError(
+                f"script {path} does not exist on {socket.gethostname()}",
+                "run directories and scripts must be on a filesystem every node sees",
+            )
         if script.sha256 and sha256_of(Path(path), "script.path") != script.sha256:
             # Without a snapshot (--no-snapshot) a requeued attempt may run after the user edited the script.
-            log.warning("%s changed since it was submitted (sha256 %s...): running it as it is now", path,
-                        script.sha256[:12])  # fmt: skip
+            log.warning(
+                "%s changed since it was submitted (sha256 %s...): running it as it is now", path, script.sha256[:12]
+            )
         return ScriptSpec(path, None, tuple(script.args))
     return ScriptSpec(script.path, script.module, tuple(script.args))
 
@@ -200,8 +203,16 @@ def _failed(env: DistEnv, err: BaseException) -> None:
         from ddp_core.dist.groups import failure_hint  # torch: loaded by now
 
         hint = failure_hint(err)
-    log.error("rank %d/%d on %s failed: %s: %s%s", env.rank, env.world_size, socket.gethostname(),
-              type(err).__name__, err, hint, exc_info=True)  # fmt: skip
+    log.error(
+        "rank %d/%d on %s failed: %s: %s%s",
+        env.rank,
+        env.world_size,
+        socket.gethostname(),
+        type(err).__name__,
+        err,
+        hint,
+        exc_info=True,
+    )
 
 
 @after_submitit
@@ -229,9 +240,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _start_logging(env: DistEnv) -> None:
     setup_logging(env)
     # Every rank's first line of every attempt, as the trainer's banner: `ddpjob logs` splits attempts at it.
-    log.info("%s on %s: rank %d/%d local %d/%d node %d/%d restart %d", env.source, socket.gethostname(), env.rank,
-             env.world_size, env.local_rank, env.local_world_size, env.node_rank, env.num_nodes,
-             env.restart_count)  # fmt: skip
+    log.info(
+        "%s on %s: rank %d/%d local %d/%d node %d/%d restart %d",
+        env.source,
+        socket.gethostname(),
+        env.rank,
+        env.world_size,
+        env.local_rank,
+        env.local_world_size,
+        env.node_rank,
+        env.num_nodes,
+        env.restart_count,
+    )
 
 
 def _run(run_dir_arg: str) -> int:
@@ -263,8 +283,14 @@ def _run(run_dir_arg: str) -> int:
             # The previous attempt of this Slurm job may still be exiting when its requeued successor starts.
             holder = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.job_id or "-"}
             lock = run_dir.hold_trainer_lock(holder, wait_s=60.0 if env.restart_count else 0.0)
-            run_dir.log_event("start", job_id=env.job_id, restart_count=env.restart_count, step=None,
-                              world_size=env.world_size, script=spec.describe())  # fmt: skip
+            run_dir.log_event(
+                "start",
+                job_id=env.job_id,
+                restart_count=env.restart_count,
+                step=None,
+                world_size=env.world_size,
+                script=spec.describe(),
+            )
             log.info("running %s", shlex.join([spec.describe(), *spec.args]))
         signals.release(signal.SIGTERM)  # a plain script's default: it ends the process
         run_script(spec)
@@ -300,8 +326,15 @@ def _run_agent(run_dir: RunDir, cfg: Config, env: DistEnv) -> int:
 
     setup_logging(env, label=f"agent node {env.node_rank}/{env.num_nodes}")
     # The attempt's first line in the node's log (its workers' banners follow): `ddpjob logs` splits attempts at it.
-    log.info("%s on %s: torchrun agent node %d/%d, %d ranks per node, restart %d", env.source, socket.gethostname(),
-             env.node_rank, env.num_nodes, ranks_per_node(cfg), env.restart_count)  # fmt: skip
+    log.info(
+        "%s on %s: torchrun agent node %d/%d, %d ranks per node, restart %d",
+        env.source,
+        socket.gethostname(),
+        env.node_rank,
+        env.num_nodes,
+        ranks_per_node(cfg),
+        env.restart_count,
+    )
     try:
         # Checked once here rather than by every worker: a missing script is one error line, not one per rank.
         spec_from_config(cfg.script, str(run_dir.config_file), snapshot.read_record(run_dir))

@@ -262,12 +262,23 @@ def requeue(step: Optional[int] = None) -> NoReturn:
         else:
             code = ExitCode.STOPPED
             if env.is_main:
-                _log.warning("stopped at step %s outside ddpjob (%s is not set): nothing requeues this script; run "
-                             "it again to continue from its checkpoint", step, RUN_DIR_VAR)  # fmt: skip
+                _log.warning(
+                    "stopped at step %s outside ddpjob (%s is not set): nothing requeues this script; run "
+                    "it again to continue from its checkpoint",
+                    step,
+                    RUN_DIR_VAR,
+                )
         _teardown()  # its barrier keeps every rank alive until rank 0 has requeued
     except BaseException as err:
-        _log.error("rank %d/%d on %s failed in runtime.requeue(): %s: %s", env.rank, env.world_size,
-                   socket.gethostname(), type(err).__name__, err, exc_info=True)  # fmt: skip
+        _log.error(
+            "rank %d/%d on %s failed in runtime.requeue(): %s: %s",
+            env.rank,
+            env.world_size,
+            socket.gethostname(),
+            type(err).__name__,
+            err,
+            exc_info=True,
+        )
         code = ExitCode.FAILED
     leave(code)  # no interpreter teardown: the script's own code after this must not run, nor exit 0
 

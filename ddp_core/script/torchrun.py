@@ -244,8 +244,15 @@ def exit_code(error: Optional[BaseException], host: str, world_size: int) -> int
     code = first.exitcode if first.exitcode >= 0 else 128 - first.exitcode
     how = f"was killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0 else f"exited with code {code}"
     others = len(error.failures) - 1
-    log.warning("rank %d/%d on %s %s first%s: the agent exits %d", rank, world_size, host, how,
-                f" ({others} more of this node's ranks exited non-zero)" if others else "", code)  # fmt: skip
+    log.warning(
+        "rank %d/%d on %s %s first%s: the agent exits %d",
+        rank,
+        world_size,
+        host,
+        how,
+        f" ({others} more of this node's ranks exited non-zero)" if others else "",
+        code,
+    )
     return code
 
 

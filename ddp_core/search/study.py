@@ -130,16 +130,23 @@ def create_study(storage: optuna.storages.BaseStorage, spec: Mapping[str, Any]) 
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return optuna.create_study(storage=storage, study_name=STUDY_NAME, direction=spec["direction"],
-                               sampler=make_sampler(spec), pruner=make_pruner(spec), load_if_exists=True)  # fmt: skip
+    return optuna.create_study(
+        storage=storage,
+        study_name=STUDY_NAME,
+        direction=spec["direction"],
+        sampler=make_sampler(spec),
+        pruner=make_pruner(spec),
+        load_if_exists=True,
+    )
 
 
 def load_study(storage: optuna.storages.BaseStorage, spec: Mapping[str, Any], seed_offset: int = 0) -> optuna.Study:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return optuna.load_study(study_name=STUDY_NAME, storage=storage, sampler=make_sampler(spec, seed_offset),
-                             pruner=make_pruner(spec))  # fmt: skip
+    return optuna.load_study(
+        study_name=STUDY_NAME, storage=storage, sampler=make_sampler(spec, seed_offset), pruner=make_pruner(spec)
+    )
 
 
 def open_study(sweep: Path, seed_offset: int = 0) -> tuple[optuna.storages.BaseStorage, optuna.Study]:

@@ -160,8 +160,12 @@ def run(sweep_dir: str, generation: int) -> dict[str, int]:
             time.sleep(REQUEUE_WAIT_S)  # Slurm ends this step; the requeued task starts the worker again
             raise RuntimeError(f"trial {trial.number} requeued the job, but the job was not requeued")
         if outcome == "ending":
-            log.info("trial %d: the job is ending (SIGTERM); the trial stays bound to worker %s: rerun the sweep "
-                     "to continue it", trial.number, worker)  # fmt: skip
+            log.info(
+                "trial %d: the job is ending (SIGTERM); the trial stays bound to worker %s: rerun the sweep "
+                "to continue it",
+                trial.number,
+                worker,
+            )
             break
         done[outcome] = done.get(outcome, 0) + 1
     return done

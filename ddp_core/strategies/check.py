@@ -55,8 +55,12 @@ def meta_model(cfg: Config) -> tuple[Task, nn.Module | None]:
     except DdpJobError:
         raise
     except Exception as err:  # e.g. a build_model that loads weights from a file: checked on the compute node
-        log.warning("login-node model check skipped: %s.build_model failed on the meta device (%s: %s)",
-                    type(task).__name__, type(err).__name__, err)  # fmt: skip
+        log.warning(
+            "login-node model check skipped: %s.build_model failed on the meta device (%s: %s)",
+            type(task).__name__,
+            type(err).__name__,
+            err,
+        )
         return task, None
 
 

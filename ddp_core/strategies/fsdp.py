@@ -65,8 +65,15 @@ class FSDPStrategy(Strategy):
             fully_shard(unit, **options)
         fully_shard(model, **options)
         mixed, reshard = self.cfg.mixed_precision or "off", self.cfg.reshard_after_forward
-        log.info("fsdp: %d blocks + root sharded over %d ranks (units from %s), mixed precision %s, reshard after "
-                 "forward %s", len(units), mesh.size(), source, mixed, reshard)  # fmt: skip
+        log.info(
+            "fsdp: %d blocks + root sharded over %d ranks (units from %s), mixed precision %s, reshard after "
+            "forward %s",
+            len(units),
+            mesh.size(),
+            source,
+            mixed,
+            reshard,
+        )
         return model
 
     def _single_unit(self, model: nn.Module) -> None:

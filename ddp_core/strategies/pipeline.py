@@ -59,9 +59,17 @@ class PipelineStrategy(Strategy):
         keep_only(model, [blocks[i] for i in owned])  # the other stages' weights are dropped, names kept
         stage_module = StageModule(model, [blocks[i] for i in owned]).to(self.device)
         self.stage = PipelineStage(stage_module, self.stage_index, stages, self.device, group=self.pp_group)
-        log.info("pipeline: stage %d/%d holds layers %d-%d; replica %d/%d; %s schedule, %d micro-batches",
-                 self.stage_index, stages, owned.start, owned.stop - 1, self.replica, world // stages,
-                 self.cfg.schedule, self.cfg.microbatches)  # fmt: skip
+        log.info(
+            "pipeline: stage %d/%d holds layers %d-%d; replica %d/%d; %s schedule, %d micro-batches",
+            self.stage_index,
+            stages,
+            owned.start,
+            owned.stop - 1,
+            self.replica,
+            world // stages,
+            self.cfg.schedule,
+            self.cfg.microbatches,
+        )
         self._schedule: Optional[Any] = None
         self._scored: list[Output] = []  # what loss_fn scored during the current step (train/<name> metrics)
         return stage_module

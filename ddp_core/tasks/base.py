@@ -168,8 +168,9 @@ def _resolve(target: str) -> type[Task]:
             "check the module path and that it is importable on the compute nodes (installed or on PYTHONPATH)",
         ) from None
     except SystemExit as err:  # what the source check cannot see (an exit inside a function called at import)
-        raise DdpJobError(f"task.target '{target}': importing '{module_name}' exited (code {err.code})",
-                          _MAIN_GUARD_HINT) from None  # fmt: skip
+        raise DdpJobError(
+            f"task.target '{target}': importing '{module_name}' exited (code {err.code})", _MAIN_GUARD_HINT
+        ) from None
     obj = getattr(module, attr, None)
     if not (isinstance(obj, type) and issubclass(obj, Task)):
         raise DdpJobError(
@@ -178,8 +179,10 @@ def _resolve(target: str) -> type[Task]:
         )
     if inspect.isabstract(obj):  # it would fail only on the compute node, at Task(...)
         missing = ", ".join(sorted(obj.__abstractmethods__))
-        raise DdpJobError(f"task.target '{target}' is abstract: it does not implement {missing}",
-                          "name your Task subclass, which implements build_model and build_datasets")  # fmt: skip
+        raise DdpJobError(
+            f"task.target '{target}' is abstract: it does not implement {missing}",
+            "name your Task subclass, which implements build_model and build_datasets",
+        )
     return obj
 
 

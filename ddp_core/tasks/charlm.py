@@ -124,8 +124,12 @@ class CharLMTask(Task):
         _require(model["n_layers"] >= 0, "task.model.n_layers", model["n_layers"], "must be >= 0")
         _require(0 <= model["dropout"] < 1, "task.model.dropout", model["dropout"], "must be in [0, 1)")
         # Checked again in build_model (a task built without the config); here it fails before the queue wait.
-        _require(model["d_model"] % model["n_heads"] == 0, "task.model.n_heads", model["n_heads"],
-                 f"must divide task.model.d_model = {model['d_model']}")  # fmt: skip
+        _require(
+            model["d_model"] % model["n_heads"] == 0,
+            "task.model.n_heads",
+            model["n_heads"],
+            f"must divide task.model.d_model = {model['d_model']}",
+        )
 
     def __init__(self, seq_len: int = 64, max_chars: int = 1_000_000, eval_fraction: float = 0.05) -> None:
         self.seq_len, self.max_chars, self.eval_fraction = seq_len, max_chars, eval_fraction

@@ -70,8 +70,12 @@ class HFGPT2Task(Task):
         _require(0 < data["eval_fraction"] < 1, "task.data.eval_fraction", data["eval_fraction"], "must be in (0, 1)")
         for name in ("n_layer", "n_embd", "n_head"):
             _require(model[name] >= 1, f"task.model.{name}", model[name], "must be >= 1")
-        _require(model["n_embd"] % model["n_head"] == 0, "task.model.n_head", model["n_head"],
-                 f"must divide task.model.n_embd = {model['n_embd']}")  # fmt: skip
+        _require(
+            model["n_embd"] % model["n_head"] == 0,
+            "task.model.n_head",
+            model["n_head"],
+            f"must divide task.model.n_embd = {model['n_embd']}",
+        )
         _require(0 <= model["dropout"] < 1, "task.model.dropout", model["dropout"], "must be in [0, 1)")
 
     def __init__(self, seq_len: int = 64, max_chars: int = 1_000_000, eval_fraction: float = 0.05) -> None:

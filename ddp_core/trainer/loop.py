@@ -93,19 +93,35 @@ class Trainer:
         train_set, eval_set = task.build_datasets()
         pin = device.type == "cuda"  # page-locked host batches: the copy to the GPU runs without blocking the host
         collate = task.collate_fn if type(task).collate_fn is not Task.collate_fn else None  # None: the loader's own
-        self.data = TrainData(train_set, strategy.data_rank, strategy.data_world, cfg.data, cfg.train.grad_accum,
-                              cfg.train.seed, pin, collate)  # fmt: skip
+        self.data = TrainData(
+            train_set,
+            strategy.data_rank,
+            strategy.data_world,
+            cfg.data,
+            cfg.train.grad_accum,
+            cfg.train.seed,
+            pin,
+            collate,
+        )
         self.evals = eval_loader(eval_set, strategy.data_rank, strategy.data_world, cfg.data, pin, collate)
         distributed.seed_all(cfg.train.seed * 1000 + env.rank + 1)
         self.train_sums = TrainSums()  # train/<name> from the task's Output.sums, train/grad_norm
         strategy.on_train_output = self.train_sums.add
         strategy.scaler = torch.amp.GradScaler(device.type) if cfg.train.precision is Precision.fp16 else None
-        self.step_optimizer = OptimizerStep(optimizer, scheduler, cfg.optim.grad_clip, cfg.train.log_grad_norm,
-                                            strategy.scaler, self.train_sums.add_grad_norm,
-                                            functools.partial(strategy.clip_grad_norm, model))  # fmt: skip
+        self.step_optimizer = OptimizerStep(
+            optimizer,
+            scheduler,
+            cfg.optim.grad_clip,
+            cfg.train.log_grad_norm,
+            strategy.scaler,
+            self.train_sums.add_grad_norm,
+            functools.partial(strategy.clip_grad_norm, model),
+        )
         self.monitor = Monitor(cfg.checkpoint.monitor, cfg.train.early_stop_patience)
-        carried = Carried(shared={"monitor": self.monitor, "scaler": self.step_optimizer},
-                          per_rank={"data": self.data, "train_sums": self.train_sums})  # fmt: skip
+        carried = Carried(
+            shared={"monitor": self.monitor, "scaler": self.step_optimizer},
+            per_rank={"data": self.data, "train_sums": self.train_sums},
+        )
         self.log_loss = RunningLoss()
         self.state = TrainState(scheduler, self.log_loss, carried, to_dict(cfg))
         self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir, env, strategy, model, optimizer)
@@ -121,14 +137,28 @@ class Trainer:
         """The attempt's start event, its records and progress lines."""
         step = self.state.pos.step
         if self.env.is_main:
-            self.run_dir.log_event("start", job_id=self.env.job_id, restart_count=self.env.restart_count, step=step,
-                                   world_size=self.env.world_size)  # fmt: skip
+            self.run_dir.log_event(
+                "start",
+                job_id=self.env.job_id,
+                restart_count=self.env.restart_count,
+                step=step,
+                world_size=self.env.world_size,
+            )
         self.records = Records(self.cfg, self.run_dir, self.env, step)
         samples_per_step = self.cfg.data.batch_size * self.cfg.train.grad_accum * self.strategy.data_world
         scheduler = self.state.scheduler
-        self.lines = ProgressLines(self.cfg, self.env, self.device, samples_per_step, step, self.log_loss,
-                                   self.train_sums, self.strategy.work, lambda: scheduler.get_last_lr()[0],
-                                   self.records)  # fmt: skip
+        self.lines = ProgressLines(
+            self.cfg,
+            self.env,
+            self.device,
+            samples_per_step,
+            step,
+            self.log_loss,
+            self.train_sums,
+            self.strategy.work,
+            lambda: scheduler.get_last_lr()[0],
+            self.records,
+        )
         self.started = time.perf_counter()
 
     def train(self) -> Outcome:
@@ -167,8 +197,9 @@ class Trainer:
         for i, batch in enumerate(group):
             with amp:
                 sync = i == len(group) - 1  # gradients are communicated on the last micro-batch only
-                loss = self.strategy.forward_backward(self.task, self.model, to_device(batch, self.device),
-                                                      self.cfg.train.grad_accum, sync)  # fmt: skip
+                loss = self.strategy.forward_backward(
+                    self.task, self.model, to_device(batch, self.device), self.cfg.train.grad_accum, sync
+                )
             self.log_loss.add(loss, counts=self.strategy.reports_loss and i == 0)
         self.step_optimizer()
         pos.step += 1
@@ -222,8 +253,14 @@ class Trainer:
         final: Optional[dict[str, float]] = None  # a pruned trial has none: its study already has its evals
         if self.monitor.should_stop and last_eval is not None:
             final = last_eval
-            log.info("early stop at step %d: %s has not improved on %.6g (step %d) for %d evaluations", step,
-                     cfg.checkpoint.monitor, self.monitor.best, self.monitor.best_step, self.monitor.stale)  # fmt: skip
+            log.info(
+                "early stop at step %d: %s has not improved on %.6g (step %d) for %d evaluations",
+                step,
+                cfg.checkpoint.monitor,
+                self.monitor.best,
+                self.monitor.best_step,
+                self.monitor.stale,
+            )
         elif not pruned:
             final = self.evaluate()
         self.save(sync=True)

@@ -62,8 +62,9 @@ def keeps_implementation(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Around loading a checkpoint's optimizer state: ``load_state_dict`` restores every param group's ``foreach``
     and ``fused`` flags as they were saved (a checkpoint from before ``optim.implementation``, or written under
     another value). How this attempt steps is how its optimizer was built."""
-    built: list[dict[str, Any]] = [{k: group[k] for k in ("foreach", "fused") if k in group}
-                                   for group in optimizer.param_groups]  # fmt: skip
+    built: list[dict[str, Any]] = [
+        {k: group[k] for k in ("foreach", "fused") if k in group} for group in optimizer.param_groups
+    ]
     yield
     for group, flags in zip(optimizer.param_groups, built, strict=True):
         group.update(flags)

@@ -58,9 +58,19 @@ class ProgressLines:
     """The progress lines of one attempt: ``start`` at a step that has one, ``finish`` at the next step (or before
     anything that reads the metrics log or the loss: an evaluation, a checkpoint, the end)."""
 
-    def __init__(self, cfg: Config, env: DistEnv, device: torch.device, samples_per_step: int, step: int,
-                 log_loss: RunningLoss, train_sums: TrainSums, work: Any, lr: Callable[[], float],
-                 records: Records) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: Config,
+        env: DistEnv,
+        device: torch.device,
+        samples_per_step: int,
+        step: int,
+        log_loss: RunningLoss,
+        train_sums: TrainSums,
+        work: Any,
+        lr: Callable[[], float],
+        records: Records,
+    ) -> None:
         self.cfg, self.env, self.device = cfg, env, device
         self.log_loss, self.train_sums, self.work, self.lr, self.records = log_loss, train_sums, work, lr, records
         self.progress = Progress(step, cfg.train.max_steps, samples_per_step, enabled=env.is_main)
@@ -79,8 +89,12 @@ class ProgressLines:
         # The loss read-back synchronises with the device first: the forward timings' events have completed.
         state = self.log_loss.state().tolist()  # the interval's only host-device sync
         steps = max(1, step - self.logged_step)
-        values = [*state, distributed.peak_memory_gb(self.device) or 0, self.work.take_ms() / steps,
-                  *self.train_sums.take()]  # fmt: skip
+        values = [
+            *state,
+            distributed.peak_memory_gb(self.device) or 0,
+            self.work.take_ms() / steps,
+            *self.train_sums.take(),
+        ]
         self.log_loss.reset()
         now = time.perf_counter()
         known = {"lr": self.lr(), "step_ms": 1000 * (now - self.logged_at) / steps}
@@ -125,8 +139,13 @@ class ProgressLines:
             if slow is not None:
                 spread["straggler_rank"] = slow
             if slow is not None and self.env.is_main:
-                log.warning("rank %d on %s is a straggler: %.1f ms of its own work per step, median %.1f",
-                            slow, self.hosts[slow], spread["work_ms_max"], spread["work_ms_median"])  # fmt: skip
+                log.warning(
+                    "rank %d on %s is a straggler: %.1f ms of its own work per step, median %.1f",
+                    slow,
+                    self.hosts[slow],
+                    spread["work_ms_max"],
+                    spread["work_ms_median"],
+                )
         return spread
 
     def close(self) -> None:

@@ -61,11 +61,17 @@ class WandbRun:
         try:
             run = cls._init(wandb, cfg, "offline", run_dir, run_id, config)
         except Exception as err2:
-            log.warning("W&B online init failed (%s), and offline too (%s): W&B disabled for this run",
-                        _one_line(err), _one_line(err2))  # fmt: skip
+            log.warning(
+                "W&B online init failed (%s), and offline too (%s): W&B disabled for this run",
+                _one_line(err),
+                _one_line(err2),
+            )
             return None
-        log.warning("W&B online init failed (%s); logging offline instead: upload later with `ddpjob sync %s`",
-                    _one_line(err), run_dir.path)  # fmt: skip
+        log.warning(
+            "W&B online init failed (%s); logging offline instead: upload later with `ddpjob sync %s`",
+            _one_line(err),
+            run_dir.path,
+        )
         return run
 
     @staticmethod

@@ -171,8 +171,14 @@ class Watchdog:
             faulthandler.dump_traceback_later(after_s, exit=True, file=self._backstop)
 
     def _publish(self, stalled: float, frame: str = "") -> None:
-        record = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step,
-                  "stalled_s": round(stalled, 1), "frame": frame or _main_frame()}  # fmt: skip
+        record = {
+            "rank": self.rank,
+            "host": self.host,
+            "pid": os.getpid(),
+            "step": self.step,
+            "stalled_s": round(stalled, 1),
+            "frame": frame or _main_frame(),
+        }
         atomic_write_text(self.folder / f"rank{self.rank}.json", json.dumps(record) + "\n")
 
     def _hang(self, stalled: float) -> None:
@@ -180,10 +186,17 @@ class Watchdog:
         self._publish(stalled, frame)
         faulthandler.cancel_dump_traceback_later()
         with open(self.folder / f"rank{self.rank}.txt", "w") as f:
-            f.write(f"rank {self.rank}/{self.world_size} on {self.host} pid {os.getpid()}: no progress for "
-                    f"{stalled:.0f} s after step {self.step}\n\n{_all_stacks()}")  # fmt: skip
-        log.error("no progress for %.0f s after step %s (in %s): stacks in %s", stalled, self.step, frame,
-                  self.folder / f"rank{self.rank}.txt")  # fmt: skip
+            f.write(
+                f"rank {self.rank}/{self.world_size} on {self.host} pid {os.getpid()}: no progress for "
+                f"{stalled:.0f} s after step {self.step}\n\n{_all_stacks()}"
+            )
+        log.error(
+            "no progress for %.0f s after step %s (in %s): stacks in %s",
+            stalled,
+            self.step,
+            frame,
+            self.folder / f"rank{self.rank}.txt",
+        )
         if not self._claim():
             # Another rank coordinates (it requeues or ends the job); leave if that does not end this process.
             time.sleep(COLLECT_S + 120)
