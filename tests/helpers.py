@@ -46,8 +46,10 @@ def run_trainer(
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc-per-node={nproc}"]  # fmt: skip
     # A hang fails in a minute and a half with every rank's stacks (the watchdog's summary in the log, the stacks
-    # in RUN/hangs/), not after the 300 s timeout with nothing to read; a test's own watchdog.* overrides win.
-    cmd = [*launcher, "-m", "ddp_core", config, "--run-dir", str(run_dir), "watchdog.stall_s=90", *overrides]
+    # in RUN/hangs/), not after the 300 s timeout with nothing to read; a test's own watchdog.* overrides win. (A
+    # run directory takes no overrides: it was created from a YAML config that had it.)
+    hang = ["watchdog.stall_s=90"] if Path(config).is_file() else []
+    cmd = [*launcher, "-m", "ddp_core", config, "--run-dir", str(run_dir), *hang, *overrides]
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env=clean | {"OMP_NUM_THREADS": "1"} | (env or {})
