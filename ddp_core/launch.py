@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from ddp_core.cluster import exits, signals
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.exits import ExitCode, after_submitit, leave, without_result
-from ddp_core.cluster.log import setup_logging
+from ddp_core.cluster.log import log_failure, setup_logging
 from ddp_core.cluster.preemption import StopFlag
 from ddp_core.config import Config, load_config
 from ddp_core.dist import groups as distributed
@@ -61,16 +61,7 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
             if lock is not None:
                 lock.close()
     except BaseException as err:
-        log.error(
-            "rank %d/%d on %s failed: %s: %s%s",
-            env.rank,
-            env.world_size,
-            socket.gethostname(),
-            type(err).__name__,
-            err,
-            failure_hint(err),
-            exc_info=True,
-        )
+        log_failure(log, env, err, failure_hint(err))
         raise
 
 

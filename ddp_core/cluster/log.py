@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 from typing import Optional
 
@@ -24,3 +25,18 @@ def setup_logging(env: DistEnv, level: int = logging.INFO, label: Optional[str] 
     # Third-party chatter (wandb's setup, submitit's polling) stays out of training logs unless it matters.
     for noisy in ("wandb", "submitit", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def log_failure(log: logging.Logger, env: DistEnv, err: BaseException, hint: str = "") -> None:
+    """The line a failing rank leaves, naming its rank, host and error (``hint``: what to try next), with the
+    traceback: the trainer's and script mode's alike."""
+    log.error(
+        "rank %d/%d on %s failed: %s: %s%s",
+        env.rank,
+        env.world_size,
+        socket.gethostname(),
+        type(err).__name__,
+        err,
+        hint,
+        exc_info=True,
+    )

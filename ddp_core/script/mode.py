@@ -59,7 +59,7 @@ from typing import IO, TYPE_CHECKING, Any, Optional, Sequence
 from ddp_core.cluster import signals
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.exits import ExitCode, after_submitit, leave, without_result
-from ddp_core.cluster.log import setup_logging
+from ddp_core.cluster.log import log_failure, setup_logging
 from ddp_core.cluster.preemption import back_in_queue
 from ddp_core.cluster.slurm import NODE_GATEWAY
 from ddp_core.config import ScriptConfig
@@ -203,16 +203,7 @@ def _failed(env: DistEnv, err: BaseException) -> None:
         from ddp_core.dist.groups import failure_hint  # torch: loaded by now
 
         hint = failure_hint(err)
-    log.error(
-        "rank %d/%d on %s failed: %s: %s%s",
-        env.rank,
-        env.world_size,
-        socket.gethostname(),
-        type(err).__name__,
-        err,
-        hint,
-        exc_info=True,
-    )
+    log_failure(log, env, err, hint)
 
 
 @after_submitit
