@@ -23,11 +23,6 @@ from jobs import cluster, snapshot
 from jobs.request import SlurmRequest, entry_module
 
 
-def sbatch_parameters(cfg: Config) -> dict[str, Any]:
-    """submitit's executor parameters for the job's request (``jobs.request.SlurmRequest``)."""
-    return SlurmRequest.resolve(cfg).submitit_parameters()
-
-
 def submitit_command(request: SlurmRequest, folder: Path) -> str:
     """The task command submitit puts on its srun line (its executor builds the same from ``submitit_python``):
     what ``--dry-run`` shows for a run and for a sweep's array."""

@@ -195,3 +195,10 @@ def wandb_records(path: Path) -> list[Any]:
         elif kind == 4:
             payloads.append(partial + chunk)
     return [wandb_internal_pb2.Record.FromString(p) for p in payloads]
+
+
+def submitit_parameters(cfg: Any) -> dict[str, Any]:
+    """submitit's executor parameters for a config's one request (``jobs.request.SlurmRequest``)."""
+    from jobs.request import SlurmRequest
+
+    return SlurmRequest.resolve(cfg).submitit_parameters()

@@ -14,8 +14,9 @@ import yaml
 
 from ddp_core.config import load_config
 from ddp_core.run.rundir import RunDir
-from jobs.submit import render_submitit_script, sbatch_parameters
+from jobs.submit import render_submitit_script
 from tests.conftest import ROOT, run_cli
+from tests.helpers import submitit_parameters
 
 TUTORIAL = str(ROOT / "examples" / "ddp_tutorial.py")
 DIGITS = str(ROOT / "configs" / "digits.yaml")
@@ -92,7 +93,7 @@ def test_dry_run_runs_the_script_with_the_trainers_request(tmp_path):
     # Derive once, render many: the same slurm.* keys make the same request, script or trainer.
     trainer = load_config(DIGITS, ["run.name=ddp_tutorial"])
     script = load_config(None, ["run.name=ddp_tutorial", *slurm, f"script.path={TUTORIAL}"])
-    assert sbatch_parameters(script) == sbatch_parameters(trainer)
+    assert submitit_parameters(script) == submitit_parameters(trainer)
     run = RunDir(Path(re.search(r"ddp_core\.script\.run\('([^']+)'\)", proc.stdout).group(1)))
 
     def sbatch_lines(text: str) -> list[str]:

@@ -26,9 +26,9 @@ from ddp_core.script.torchrun import Rendezvous, exit_code, rendezvous, torchrun
 from jobs import cluster, logs
 from jobs.request import SlurmRequest
 from jobs.sbatch_template import render
-from jobs.submit import check_cluster, make_executor, sbatch_parameters
+from jobs.submit import check_cluster, make_executor
 from tests.conftest import ROOT, run_cli
-from tests.helpers import events
+from tests.helpers import events, submitit_parameters
 from tests.test_rendering import RUN, check_golden
 from tests.test_script_mode import clean_env, free_port
 
@@ -44,8 +44,8 @@ EXIT_STOPPED = ExitCode.STOPPED
 
 def test_request_is_one_task_per_node_with_all_its_ranks_cpus():
     slurm = ["slurm.nodes=2", "slurm.tasks_per_node=2", "slurm.cpus_per_task=3"]
-    srun = sbatch_parameters(load_config(None, [*TORCHRUN[1:], *slurm]))
-    tr = sbatch_parameters(load_config(None, [*TORCHRUN, *slurm]))
+    srun = submitit_parameters(load_config(None, [*TORCHRUN[1:], *slurm]))
+    tr = submitit_parameters(load_config(None, [*TORCHRUN, *slurm]))
     assert (srun["nodes"], srun["ntasks_per_node"], srun["cpus_per_task"]) == (2, 2, 3)
     assert (tr["nodes"], tr["ntasks_per_node"], tr["cpus_per_task"]) == (2, 1, 6)  # the node's CPUs: the same
     # The agent's task holds 6 CPUs: each of its 2 ranks gets 3 threads, not 6.
@@ -58,11 +58,11 @@ def test_request_is_one_task_per_node_with_all_its_ranks_cpus():
 
 def test_gpu_request_gives_the_one_task_all_gpus():
     cfg = load_config(None, [*TORCHRUN, "slurm.gpus_per_node=4", "slurm.nodes=2", "slurm.cpus_per_task=null"])
-    params = sbatch_parameters(cfg)
+    params = submitit_parameters(cfg)
     # 4 ranks (one per GPU) x 4 CPUs per GPU (the default without a known partition), every GPU of the node.
     assert (params["ntasks_per_node"], params["cpus_per_task"], params["gpus_per_node"]) == (1, 16, 4)
     assert "gpus_per_task" not in params
-    one = sbatch_parameters(load_config(None, [*TORCHRUN, "slurm.gpus_per_node=4", "strategy.name=dp"]))
+    one = submitit_parameters(load_config(None, [*TORCHRUN, "slurm.gpus_per_node=4", "strategy.name=dp"]))
     assert (one["ntasks_per_node"], one["cpus_per_task"]) == (1, 16)  # dp: one rank per node drives the 4 GPUs
     assert SlurmRequest.resolve(
         load_config(None, [*TORCHRUN, "slurm.gpus_per_node=4", "strategy.name=dp"])

@@ -23,8 +23,8 @@ from ddp_core.tasks.charlm import CharLMTask, Windows
 from ddp_core.trainer.optim import build_optimizer
 from jobs import cluster
 from jobs.request import SlurmRequest
-from jobs.submit import sbatch_parameters
 from tests.conftest import ROOT
+from tests.helpers import submitit_parameters
 
 CPU = torch.device("cpu")
 MODEL_ARGS = {"d_model": 32, "n_layers": 2, "n_heads": 2, "dropout": 0.1}  # 4 top-level layers
@@ -154,7 +154,7 @@ def test_one_task_per_node_with_all_gpus_for_dp_and_model_parallel():
     assert ranks_per_node(cfg("slurm.tasks_per_node=3")) == cfg("slurm.tasks_per_node=3").slurm.ranks_per_node == 3
     for name in ("dp", "model_parallel"):
         dp = cfg(f"strategy.name={name}", "slurm.gpus_per_node=4", "slurm.cpus_per_task=8")
-        params = sbatch_parameters(dp)
+        params = submitit_parameters(dp)
         assert ranks_per_node(dp) == 1 and params["ntasks_per_node"] == 1 and params["gpus_per_node"] == 4
     part = cluster.Partition("p", nodes=1, cpus_per_node=4, gpus_per_node=0)
     wide = cfg("slurm.tasks_per_node=4", "slurm.cpus_per_task=2")
