@@ -3,8 +3,11 @@ strategy="ddp")``): Lightning picks its ``SLURMEnvironment``, whose handler for 
 requeues the job, and whose next attempt resumes from that checkpoint. Nothing here knows ddpjob.
 
 The test's one addition, ``WarnAt``: at step ``--warn-at`` of the first attempt, rank 0 asks Slurm for the warning
-signal (``scancel --signal=USR1 JOB``, delivered to every task as Slurm's timer would), so the interruption comes at a
-chosen step instead of a raced moment. Steps take ``--step-s`` each, so the signal arrives long before the end.
+signal (``scancel --signal=USR1 JOB``, delivered to every task as Slurm's timer would), and every rank waits for it in
+interruptible Python at that same step, until Lightning's handler has saved on that rank. The interruption comes at a
+chosen step instead of a raced moment, and it has to: Lightning saves inside its signal handler, whose barriers
+deadlock when the signal finds one rank in a step's gradient all-reduce and another in Python (Lightning issue 21406,
+seen here when the warning reached the ranks more than a step after rank 0 asked for it).
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ class Regression(L.LightningModule):
 class WarnAt(L.Callback):
     def __init__(self, step: int) -> None:
         self.step = step
+        self.saved = False
+
+    def on_save_checkpoint(self, *args: object) -> None:
+        self.saved = True  # every rank builds the checkpoint in Lightning's handler (rank 0 writes it)
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         restart = os.environ.get("SLURM_RESTART_COUNT", "0")
@@ -44,8 +51,15 @@ class WarnAt(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
         first = os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
-        if first and trainer.is_global_zero and trainer.global_step == self.step:
+        if not first or trainer.global_step != self.step:
+            return
+        if trainer.is_global_zero:
             subprocess.run(["scancel", "--signal=USR1", os.environ["SLURM_JOB_ID"]], check=True)
+        deadline = time.monotonic() + 120
+        while not self.saved:  # the handler runs inside this sleep, at the same step on every rank
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no USR1 within 120 s of step {self.step}")
+            time.sleep(0.05)
 
 
 def main() -> None:
