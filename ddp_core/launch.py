@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from ddp_core.cluster import exits, signals
+from ddp_core.cluster import exits, failures, signals
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.exits import ExitCode, after_submitit, leave, without_result
 from ddp_core.cluster.log import log_failure, setup_logging
@@ -37,8 +37,9 @@ log = logging.getLogger("ddp_core")
 
 
 def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> Outcome:
-    from ddp_core.trainer.loop import train  # torch is imported here, after logging and signal handlers are up
+    from ddp_core.trainer.loop import Trainer  # torch is imported here, after logging and signal handlers are up
 
+    trainer: Optional[Trainer] = None
     try:
         snapshot.activate(run_dir)  # before the task's module is imported: the code that was submitted
         lock = None
@@ -55,13 +56,16 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
 
             suspend.on_change(watchdog.suspended)  # a suspended job makes no progress and is not hung
         try:
-            return train(cfg, run_dir, env, stop_flag, watchdog)
+            trainer = Trainer(cfg, run_dir, env, stop_flag, watchdog)
+            return trainer.fit()
         finally:
             watchdog.stop()
             if lock is not None:
                 lock.close()
     except BaseException as err:
         log_failure(log, env, err, failure_hint(err))
+        if isinstance(err, Exception):  # not a SystemExit or KeyboardInterrupt: those end the attempt on purpose
+            failures.record(run_dir, env, err, trainer.at_step() if trainer is not None else None)
         raise
 
 

@@ -22,6 +22,7 @@ from ddp_core.cluster.slurm import Runner, gateway_for
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
 from ddp_core.trainer.watchdog import cause
+from jobs import notes
 from jobs.runs import Job, query_ids, run_jobs, runs_to_show, shown_path
 
 # The first line of an attempt: the trainer's or script mode's rank banner (stderr), submitit's start line (stdout),
@@ -168,12 +169,12 @@ def cmd_logs(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # `ddpjob logs RUN | head`: Python's recipe, so exiting does not raise again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    for hang in (e for e in run.events() if e["event"] == "hang"):  # after the log, where a reader's eye is
-        print(
-            f"ddpjob: attempt of job {hang.get('job_id')} hung after step {hang.get('step')}: "
-            f"{cause(str(hang.get('summary', '')))}",
-            file=sys.stderr,
-        )
+    for e in run.events():  # hangs and failures after the log, where a reader's eye is
+        if e["event"] == "hang":
+            why = f"hung after step {e.get('step')}: {cause(str(e.get('summary', '')))}"
+            print(f"ddpjob: attempt of job {e.get('job_id')} {why}", file=sys.stderr)
+        elif e["event"] == "failure":
+            print(f"ddpjob: attempt of job {e.get('job_id')}: {notes.failure_note(run.name, e)}", file=sys.stderr)
     return 0
 
 

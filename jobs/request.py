@@ -14,9 +14,11 @@ from __future__ import annotations
 import shlex
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from ddp_core.cluster import signals
+from ddp_core.cluster.supervise import MARKER
 from ddp_core.config import DEFAULT_CPUS_PER_GPU, Config, ranks_per_node
 from ddp_core.errors import DdpJobError
 from jobs import cluster
@@ -167,15 +169,33 @@ class SlurmRequest:
             **self.additional,
         }
 
-    def submitit_parameters(self) -> dict[str, Any]:
-        """submitit ``SlurmExecutor`` parameters (Slurm's names, underscores), ``setup`` and ``srun_args`` included."""
+    def watch_lines(self, run_dir: str, batch_log: str, python: Optional[str] = None) -> list[str]:
+        """The batch script's first lines: this attempt's marker in its log, and the EXIT trap that hands srun's status
+        to the attempt's watcher (``ddp_core.cluster.supervise``), which requeues an infrastructure failure.
+        ``run_dir``, ``batch_log`` and ``python``: shell words (quoted paths, or expansions evaluated when the trap
+        runs); ``python`` defaults to the tasks' interpreter."""
+        marker = MARKER.format(restart="${SLURM_RESTART_COUNT:-0}", job="${SLURM_JOB_ID}")
+        python = python or shlex.quote(self.task_python[-1])
+        return [
+            f'echo "{marker} on $(hostname)" >&2',
+            f'ddpjob_watch() {{ {python} -m ddp_core.cluster.supervise {run_dir} {batch_log} "$1"; exit $?; }}',
+            "trap 'ddpjob_watch $?' EXIT",
+        ]
+
+    def submitit_parameters(self, run_dir: Optional[Path] = None) -> dict[str, Any]:
+        """submitit ``SlurmExecutor`` parameters (Slurm's names, underscores), ``setup`` and ``srun_args`` included.
+        ``run_dir``: one run's job, whose batch script watches its attempts (``watch_lines``); an array's is not."""
+        watch = []
+        if run_dir is not None:
+            batch_log = shlex.quote(str(run_dir / "slurm")) + '/"${SLURM_JOB_ID}_0_log.err"'  # submitit's --error
+            watch = self.watch_lines(shlex.quote(str(run_dir)), batch_log)
         params: dict[str, Any] = {
             "job_name": self.job_name,
             "nodes": self.nodes,
             "ntasks_per_node": self.tasks_per_node,
             "cpus_per_task": self.cpus_per_task,
             "time": self.time_min,
-            "setup": [*self.environment, *self.setup],
+            "setup": [*watch, *self.environment, *self.setup],
             "srun_args": list(self.srun_args),
             **self.where,
             **self.gpus,

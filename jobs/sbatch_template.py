@@ -44,6 +44,8 @@ def render(cfg: Config, run_dir: RunDir, python: str = sys.executable, template:
         f"HOLD=({shlex.join(request.task_python[:-1])})",  # the prefix before the interpreter: see the srun line
         f"SRUN_ARGS=({' '.join(shlex.quote(a) for a in request.srun_args)})",
         f"ENTRY={request.entry_module}",  # the srun line runs `python -m $ENTRY RUN_DIR`
+        # RUN_DIR is set below; the trap reads it when the script exits (empty if it ended before that).
+        *request.watch_lines('"${RUN_DIR:-}"', '"${RUN_DIR:-}/slurm/${SLURM_JOB_ID}_batch.out"', '"$PYTHON"'),
         *request.environment,  # the request's environment, then the config's slurm.setup lines
         *request.setup,
     ]

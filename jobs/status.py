@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ddp_core.cluster.slurm import Runner, gateway_for
 from ddp_core.errors import DdpJobError
-from ddp_core.trainer.watchdog import cause
+from jobs import notes
 from jobs.report import parse_metric
 from jobs.runs import DEFAULT_ROOT, Job, query_ids, run_jobs, runs_to_show, shown_path
 
@@ -57,6 +57,7 @@ EVENT_STATES = {
     "preempted": "PREEMPTED",
     "hang": "HUNG",
     "pruned": "PRUNED",
+    "failed": "FAILED",  # a user error (ddp_core.cluster.failures): not retried
 }
 ACCOUNTING_LAG_S = 120  # a job this young with no sacct record yet is queued, not lost
 SCRIPT_WIDTH = 48  # characters of a script's command line in the table
@@ -291,15 +292,12 @@ def render(rows: Sequence[Row], metric_key: str, best: Optional[Row], now: float
         "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
         for line in table
     ]
-    # The newest hang of each run, with the rank suspected and where its stacks are (ddp_core/trainer/watchdog.py).
-    hangs = [(r, [e for e in r.events if e["event"] == "hang"]) for r in rows]
-    notes = [
-        f"hang in {r.run.name} after step {found[-1].get('step')}: {cause(str(found[-1].get('summary', '')))}"
-        for r, found in hangs
-        if found
-    ]
-    notes += [_straggler_note(r) for r in rows if r.straggler is not None]
-    return "\n".join([*(line.rstrip() for line in lines), *notes])
+    return "\n".join(
+        [
+            *(line.rstrip() for line in lines),
+            *(n for r in rows for n in notes.for_run(r.run.name, r.events, r.straggler)),
+        ]
+    )
 
 
 def _code_line(run: RunDir) -> str:
@@ -310,17 +308,6 @@ def _code_line(run: RunDir) -> str:
         return snapshot.describe(snapshot.read_record(run))
     except DdpJobError as err:
         return str(err)
-
-
-def _straggler_note(row: Row) -> str:
-    s = row.straggler or {}
-    median, slowest = s.get("work_ms_median") or 0, s.get("work_ms_max") or 0
-    ratio = f" (x{slowest / median:.1f})" if median else ""
-    who = f"rank {s.get('straggler_rank')} on {s.get('slowest_host')}"
-    return (
-        f"straggler in {row.run.name}: {who}, {slowest:.1f} ms of its own work per step vs median "
-        f"{median:.1f}{ratio} (step {s.get('step')})"
-    )
 
 
 def status_text(

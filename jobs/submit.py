@@ -46,7 +46,9 @@ def render_submitit_script(cfg: Config, run_dir: RunDir, python: str = sys.execu
 
     request = SlurmRequest.resolve(cfg, python=python)
     return _make_sbatch_string(
-        command=submitit_command(request, run_dir.slurm), folder=run_dir.slurm, **request.submitit_parameters()
+        command=submitit_command(request, run_dir.slurm),
+        folder=run_dir.slurm,
+        **request.submitit_parameters(run_dir.path),
     )
 
 
@@ -104,7 +106,7 @@ def make_executor(cfg: Config, run_dir: RunDir, local: bool) -> Any:
         )
         return executor
     executor = submitit.SlurmExecutor(folder=run_dir.slurm, python=request.submitit_python())
-    executor.update_parameters(**request.submitit_parameters())
+    executor.update_parameters(**request.submitit_parameters(run_dir.path))
     return executor
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import os
 import re
 import signal
@@ -17,18 +18,22 @@ from ddp_core.tasks.hf_gpt2 import HFGPT2Task
 
 
 class CrashingTask(DigitsTask):
-    """Digits, but rank ``crash_rank`` raises at its ``crash_at``-th training batch."""
+    """Digits, but rank ``crash_rank`` fails at its ``crash_at``-th training batch of every attempt: ``error`` names
+    the builtin exception it raises, or ``SIGKILL``, which it sends itself (what the OOM killer or a segfault in a
+    library look like from outside)."""
 
-    def __init__(self, crash_rank: int = 1, crash_at: int = 20, **kwargs: object) -> None:
+    def __init__(self, crash_rank: int = 1, crash_at: int = 20, error: str = "RuntimeError", **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
-        self.crash_rank, self.crash_at, self.batches = crash_rank, crash_at, 0
+        self.crash_rank, self.crash_at, self.error, self.batches = crash_rank, crash_at, error, 0
 
     def compute(self, model: nn.Module, batch: tuple) -> Output:
         if model.training:
             self.batches += 1
             rank = dist.get_rank() if dist.is_initialized() else 0
             if rank == self.crash_rank and self.batches == self.crash_at:
-                raise RuntimeError(f"injected failure at batch {self.batches}")
+                if self.error == "SIGKILL":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise getattr(builtins, self.error)(f"injected failure at batch {self.batches}")
         return super().compute(model, batch)
 
 

@@ -225,3 +225,27 @@ def test_cancelled_script_run_resumes_from_its_checkpoint(slurm_cluster, tmp_pat
     out = rank_output(run_dir, new_job)[0]
     assert f"rank 0: resumed from step_{stop['step']:08d}.pt" in out and "final weights sha256" in out
     assert events(run_dir)[-1]["event"] == "completed" and metric_steps(run_dir)[-1] == 400
+
+
+def test_a_plain_script_with_resume_args_survives_a_requeue_and_a_kill(slurm_cluster, tmp_path):
+    """script.resume_args: a plain script that saves its own checkpoints, requeued from outside on its first attempt
+    and with a rank killed by SIGKILL on its second (tests/resume_script.py), finishes in the same job, resuming
+    from its own checkpoint each time, with the weights of an uninterrupted run."""
+    script = str(ROOT / "tests" / "resume_script.py")
+    proc = run_cli("submit", "--script", script, "slurm.tasks_per_node=2", "script.resume_args=[--resume]",
+                   "wandb.mode=disabled", "--wait", "--", "--interrupt", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+    out = rank_output(run_dir, job_id)
+    for rank in (0, 1):
+        assert re.findall(r"resumed from step (\d+) of its own checkpoint", out[rank]) == ["5", "12"], out[rank]
+    finished = {re.search(r"finished at step 20, weights (\w+)", out[rank])[1] for rank in (0, 1)}  # type: ignore[index]
+    failures = [(e["kind"], e["rank"], e["error"]) for e in events(run_dir, "failure")]
+    assert failures == [("infrastructure", 1, "killed by a signal (Killed)")], failures
+    assert [e["restart_count"] for e in events(run_dir, "start")] == [0, 1, 2]
+    # The same script and steps, uninterrupted, in the same job layout.
+    plain = run_cli("submit", "--script", script, "slurm.tasks_per_node=2", "wandb.mode=disabled", "--wait",
+                    cwd=tmp_path)  # fmt: skip
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    ref = rank_output(Path(field(plain.stdout, "run dir")), field(plain.stdout, "job"))[0]
+    assert "resumed" not in ref and finished == {re.search(r"weights (\w+)", ref)[1]}, (finished, ref)  # type: ignore[index]

@@ -372,3 +372,24 @@ def test_a_script_changed_since_submit_is_run_with_a_warning(tmp_path, caplog):
         spec = read_script_spec(RunDir(run))
     assert spec.path == str(script) and spec.args == ()
     assert f"{script} changed since it was submitted" in caplog.text
+
+
+def test_resume_args_are_appended_after_the_runs_first_attempt(tmp_path):
+    from ddp_core.config.features import ScriptConfig
+    from ddp_core.script.mode import resumed_attempt, spec_from_config
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    cfg = ScriptConfig(path=str(script), args=["--steps", "9"], resume_args=["--init_from=resume"])
+    assert spec_from_config(cfg).args == ("--steps", "9")
+    assert spec_from_config(cfg, resumed=True).args == ("--steps", "9", "--init_from=resume")
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    first = DistEnv(job_id="7", slurm_job_id="7", restart_count=0)
+    assert not resumed_attempt(run, first)
+    run.log_event("start", job_id="7", restart_count=0)
+    assert not resumed_attempt(run, first)  # its own start, whichever rank reads it after rank 0 wrote it
+    assert resumed_attempt(run, DistEnv(job_id="7", slurm_job_id="7", restart_count=1))  # requeued
+    assert resumed_attempt(run, DistEnv(job_id="8", slurm_job_id="8"))  # ddpjob resume: a new job
+    with pytest.raises(DdpJobError, match=r"'script\.resume_args' is set but no script is"):
+        load_config(None, ["run.name=x", "script.resume_args=[--resume]"])

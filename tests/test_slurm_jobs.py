@@ -16,7 +16,7 @@ import pytest
 from ddp_core.run.rundir import RunDir
 from jobs.submit import render_submitit_script
 from tests.conftest import ROOT, field, run_cli
-from tests.helpers import digests, rank_logs, sacct_state, wait_gone
+from tests.helpers import digests, events, rank_logs, sacct_state, wait_gone
 
 pytestmark = [pytest.mark.slurm, pytest.mark.cluster_shared("a")]  # 2-CPU jobs: see tests/cluster_guard.py
 DIGITS = str(ROOT / "configs" / "digits.yaml")
@@ -66,11 +66,12 @@ def test_two_node_job(slurm_cluster, tmp_path):
     assert d[0] == d[1]
 
 
-def test_crashing_rank_ends_job_fast(slurm_cluster, tmp_path):
+def test_a_user_error_fails_fast_and_says_where(slurm_cluster, tmp_path):
+    # A bug: rank 1 raises ValueError at its 30th batch, and would on every attempt. Never retried.
     started = time.monotonic()
     proc = run_cli(
         "submit", DIGITS, "--wait", *QUICK, "train.max_steps=100000", "task.target=tests.tasks:CrashingTask",
-        "task.data.crash_rank=1", "task.data.crash_at=30", cwd=tmp_path,
+        "task.data.crash_rank=1", "task.data.crash_at=30", "task.data.error=ValueError", cwd=tmp_path,
     )  # fmt: skip
     elapsed = time.monotonic() - started
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -78,8 +79,41 @@ def test_crashing_rank_ends_job_fast(slurm_cluster, tmp_path):
     run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
     logs = rank_logs(run_dir, job_id)
     # The error line names the rank and the host it ran on.
-    assert re.search(r"rank 1/2 on n[12] failed: RuntimeError: injected failure at batch 30", logs[1]), logs[1][-2000:]
-    assert sacct_state(job_id) in {"FAILED", "CANCELLED"}, sacct_state(job_id)
+    assert re.search(r"rank 1/2 on n[12] failed: ValueError: injected failure at batch 30", logs[1]), logs[1][-2000:]
+    assert sacct_state(job_id) == "FAILED", sacct_state(job_id)
+    (failure,) = [e for e in events(run_dir) if e["event"] == "failure"]
+    # the 30th call of compute: the attempt's priming batch, then 29 batches; the failing step follows step 28
+    assert failure["kind"] == "user" and failure["rank"] == 1 and failure["step"] == 28, failure
+    assert events(run_dir)[-1]["event"] == "failed" and not [e for e in events(run_dir) if e["event"] == "requeued"]
+    first_raise = next(e for e in events(run_dir) if e["event"] == "rank_failed")["t"]
+    assert events(run_dir)[-1]["t"] - first_raise < 30
+    status = run_cli("status", str(run_dir), cwd=tmp_path)
+    host = failure["host"]
+    line = f"failure in {run_dir.name} at step 28: rank 1 on {host}: ValueError: injected failure at batch 30"
+    assert f"{line} (a user error, not retried)" in status.stdout, status.stdout
+    shown = run_cli("logs", str(run_dir), "--rank", "1", cwd=tmp_path)
+    assert "ValueError: injected failure at batch 30" in shown.stdout and line in shown.stderr, shown.stderr
+
+
+def test_infrastructure_failures_requeue_within_max_failures(slurm_cluster, tmp_path):
+    # Rank 1 is killed by SIGKILL at its 10th batch of every attempt: one requeue (slurm.max_failures=1), then the
+    # budget is spent and the job ends FAILED, saying so.
+    proc = run_cli(
+        "submit", DIGITS, "--wait", *QUICK, "train.max_steps=100000", "task.target=tests.tasks:CrashingTask",
+        "task.data.crash_rank=1", "task.data.crash_at=10", "task.data.error=SIGKILL", "slurm.max_failures=1",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
+    seen = [(e["event"], e.get("kind")) for e in events(run_dir) if e["event"] != "rank_failed"]
+    assert seen == [
+        ("start", None), ("failure", "infrastructure"), ("requeued", "failure"),
+        ("start", None), ("failure", "infrastructure"), ("budget_exhausted", None),
+    ], seen  # fmt: skip
+    assert {e["job_id"] for e in events(run_dir)} == {job_id}
+    reason = events(run_dir)[-1]["reason"]
+    assert reason == "requeue budget exhausted after 2 failures (slurm.max_failures=1)", reason
+    assert sacct_state(job_id) == "FAILED"
 
 
 def test_resubmitted_run_resumes_from_checkpoint(slurm_cluster, tmp_path):

@@ -45,6 +45,9 @@ class ScriptConfig:
     # The script's command-line arguments, passed as they are (sys.argv[1:]; `ddpjob submit --script train.py --
     # ARGS`). Sweeps append one per swept script.args.NAME key.
     args: List[str] = field(default_factory=list)
+    # Appended to script.args on every attempt after the run's first (a requeue, a `ddpjob resume`), for a script that
+    # saves its own checkpoints: [--init_from=resume] (nanoGPT), [--resume_from_checkpoint=True] (a HF Trainer script).
+    resume_args: List[str] = field(default_factory=list)
     # Recorded at submit: sha256 of the script's content, so a run names exactly what it trained with (not set by
     # hand).
     sha256: Optional[str] = None
@@ -85,8 +88,9 @@ def validate_script(script: ScriptConfig, slurm: Optional[SlurmConfig] = None) -
             f"config key 'script.sha256' = {script.sha256!r} is invalid: not a sha256 hex digest",
             "leave it out: ddpjob records it at submit",
         )
-    if script.args and not script.enabled:
-        raise DdpJobError("config key 'script.args' is set but no script is", "set script.path or script.module")
+    for key in ("args", "resume_args"):
+        if getattr(script, key) and not script.enabled:
+            raise DdpJobError(f"config key 'script.{key}' is set but no script is", "set script.path or script.module")
     if script.arg_style != "flag" and not script.enabled:
         raise DdpJobError("config key 'script.arg_style' is set but no script is", "set script.path or script.module")
     if script.arg_style not in ARG_STYLES:

@@ -272,6 +272,9 @@ class SlurmConfig:
     max_preemptions: int = 20  # requeue budget, per submission: attempts ended by a preemption that requeue the job
     # Requeue budget, per submission: attempts ended by the hang watchdog (watchdog.stall_s) that requeue the job.
     max_hangs: int = 3
+    # Requeue budget, per submission: attempts that failed on infrastructure (a rank killed by a signal, a broken
+    # collective, a device error) that requeue the job; a user error is never retried (docs/failures.md).
+    max_failures: int = 3
     array_parallelism: int = 32  # sweeps: at most this many trials of an array run at once (%N)
     # Shell lines run in the batch script before the ranks start (module load cuda, conda activate,
     # source venv/bin/activate, ...).

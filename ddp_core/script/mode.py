@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Optional, Sequence
 
-from ddp_core.cluster import signals
+from ddp_core.cluster import failures, signals
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.exits import ExitCode, after_submitit, leave, without_result
 from ddp_core.cluster.log import log_failure, setup_logging
@@ -87,10 +87,12 @@ class ScriptSpec:
 
 
 def spec_from_config(
-    script: ScriptConfig, where: str = "config.yaml", code: Optional[dict[str, Any]] = None
+    script: ScriptConfig, where: str = "config.yaml", code: Optional[dict[str, Any]] = None, resumed: bool = False
 ) -> ScriptSpec:
     """Compute node: what the run's ``script`` section says to run, checked where the ranks run; with the run's code
-    snapshot record ``code`` (``ddp_core.run.snapshot.activate``), the snapshot's copy of the script."""
+    snapshot record ``code`` (``ddp_core.run.snapshot.activate``), the snapshot's copy of the script. ``resumed``:
+    an attempt after the run's first, whose arguments end with ``script.resume_args``."""
+    args = (*script.args, *script.resume_args) if resumed else tuple(script.args)
     if not script.enabled:
         raise DdpJobError(
             f"{where} has no script section (script.path or script.module): this run has no script to run",
@@ -113,8 +115,15 @@ def spec_from_config(
             log.warning(
                 "%s changed since it was submitted (sha256 %s...): running it as it is now", path, script.sha256[:12]
             )
-        return ScriptSpec(path, None, tuple(script.args))
-    return ScriptSpec(script.path, script.module, tuple(script.args))
+        return ScriptSpec(path, None, args)
+    return ScriptSpec(script.path, script.module, args)
+
+
+def resumed_attempt(run_dir: RunDir, env: DistEnv) -> bool:
+    """Whether an earlier attempt of the run started: the same answer on every rank, whenever rank 0 records this
+    attempt's own start."""
+    this = (env.job_id, env.restart_count)
+    return any(e["event"] == "start" and (e.get("job_id"), e.get("restart_count")) != this for e in run_dir.events())
 
 
 def read_script_spec(run_dir: RunDir) -> ScriptSpec:
@@ -197,13 +206,15 @@ def _requeued_meanwhile(env: DistEnv, tries: int = 3, pause_s: float = 0.3) -> b
     return False
 
 
-def _failed(env: DistEnv, err: BaseException) -> None:
+def _failed(run_dir: RunDir, env: DistEnv, err: BaseException) -> None:
     hint = ""
     if "torch.distributed" in sys.modules:  # a communication failure can only come from torch.distributed
         from ddp_core.dist.groups import failure_hint  # torch: loaded by now
 
         hint = failure_hint(err)
     log_failure(log, env, err, hint)
+    if isinstance(err, Exception):  # the batch script's watcher reads it (cluster.failures: user or infrastructure)
+        failures.record(run_dir, env, err, None)
 
 
 @after_submitit
@@ -259,7 +270,7 @@ def _run(run_dir_arg: str) -> int:
     _start_logging(env)
     try:
         record = snapshot.activate(run_dir)  # first on sys.path: the script's siblings / package as submitted
-        spec = spec_from_config(cfg.script, str(run_dir.config_file), record)
+        spec = spec_from_config(cfg.script, str(run_dir.config_file), record, resumed_attempt(run_dir, env))
     except DdpJobError as err:
         log.error("%s", err)
         return ExitCode.USAGE
@@ -293,7 +304,7 @@ def _run(run_dir_arg: str) -> int:
             print(exit_.code, file=sys.stderr)  # sys.exit("message"): what Python itself would do
             code = 1
     except BaseException as err:
-        _failed(env, err)
+        _failed(run_dir, env, err)
         leave(ExitCode.FAILED)  # skip interpreter teardown: a half-open gloo group can abort (rc 134) or hang there
     try:
         if code == 0:
@@ -301,7 +312,7 @@ def _run(run_dir_arg: str) -> int:
         else:
             log.warning("the script exited with code %d", code)
     except BaseException as err:
-        _failed(env, err)
+        _failed(run_dir, env, err)
         leave(ExitCode.FAILED)
     finally:
         if lock is not None:

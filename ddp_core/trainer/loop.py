@@ -74,6 +74,11 @@ class Trainer:
             self.close(failed)
         return outcome
 
+    def at_step(self) -> Optional[int]:
+        """The step this rank has reached; None before its train state exists (a failure in build or resume)."""
+        state = getattr(self, "state", None)
+        return None if state is None else state.pos.step
+
     def build(self) -> None:
         """Device, model, optimizer, schedule, data and the components around them, on every rank."""
         cfg, env = self.cfg, self.env

@@ -1,0 +1,180 @@
+"""What an attempt's failure was, and whether another attempt is worth it. Torch-free: read by the batch script's
+watcher (``cluster.supervise``) as well as by the ranks.
+
+**The failure table.** A rank that raises records a ``rank_failed`` event (its rank, host, step, error and kind);
+a rank that dies by a signal records nothing, and srun's own line (``srun: error: n2: task 1: Killed``) names it.
+
+- **infrastructure**, requeued: a rank killed by a signal (SIGKILL: the OOM killer; SIGSEGV, SIGBUS, SIGABRT from
+  a library); a broken collective (a peer gone, a connection reset or closed, a NCCL or gloo error or timeout); a
+  CUDA device error (ECC, a device lost or unavailable); an I/O error of the node (EIO, a stale file handle).
+- **user**, fails at once: an exception from the task's or the script's own code (ValueError, KeyError, ...), a
+  non-finite loss, a bad config or import.
+- **unknown**, requeued once: anything else (an unrecognised RuntimeError, an attempt that ended with no record);
+  the same failure at the same step again is a user error.
+
+Infrastructure and unknown failures requeue the same job within ``slurm.max_failures`` (``exits.requeue_within``);
+a user error ends the job FAILED, and ``ddpjob resume`` continues it from its newest checkpoint after the fix.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import re
+import socket
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ddp_core.cluster.env import DistEnv
+from ddp_core.run.rundir import RunDir
+
+
+class Kind(str, enum.Enum):
+    infrastructure = "infrastructure"
+    user = "user"
+    unknown = "unknown"
+
+
+# Exceptions raised by the user's own Python code, or by ddpjob for the user's input (DdpJobError: a config, a
+# non-finite loss): the same next time, so a retry only wastes the allocation.
+_USER_TYPES = frozenset(
+    {
+        "DdpJobError",
+        "ValueError",
+        "TypeError",
+        "KeyError",
+        "IndexError",
+        "LookupError",
+        "AttributeError",
+        "NameError",
+        "ImportError",
+        "SyntaxError",
+        "AssertionError",
+        "ArithmeticError",
+        "NotImplementedError",
+        "FileNotFoundError",
+        "IsADirectoryError",
+        "NotADirectoryError",
+        "PermissionError",
+        "RecursionError",
+    }
+)
+# torch.distributed's own errors and the OS's connection errors: a peer or the network, not this rank's code.
+_INFRA_TYPES = frozenset({"DistError", "DistBackendError", "DistNetworkError", "DistStoreError", "ConnectionError"})
+_INFRA_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.ECONNRESET, errno.ECONNREFUSED, errno.EPIPE, errno.ENETDOWN})
+_INFRA_WORDS = re.compile(
+    r"connection (?:reset|closed|refused)|broken pipe|by peer|nccl|gloo|socket timeout|timed out .*collective"
+    r"|ecc error|uncorrectable|device lost|fallen off the bus|gpu is lost|cuda-capable device|devices unavailable"
+    r"|cuda driver|input/output error|stale file handle",
+    re.IGNORECASE,
+)
+
+
+def classify(err: BaseException) -> Kind:
+    """The kind of a failure a rank raised (the table in the module docstring)."""
+    names = {t.__name__ for t in type(err).__mro__}
+    if names & _INFRA_TYPES or (isinstance(err, OSError) and err.errno in _INFRA_ERRNOS):
+        return Kind.infrastructure
+    if names & _USER_TYPES:
+        return Kind.user
+    if _INFRA_WORDS.search(str(err)):
+        return Kind.infrastructure
+    return Kind.unknown
+
+
+def describe(err: BaseException, limit: int = 300) -> str:
+    """``Type: message``, the message's first line, cut to ``limit`` characters."""
+    text = str(err).strip().splitlines()
+    first = text[0] if text else ""
+    line = f"{type(err).__name__}: {first}" if first else type(err).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def record(run_dir: RunDir, env: DistEnv, err: BaseException, step: Optional[int]) -> None:
+    """A failing rank's ``rank_failed`` event. Any rank writes it (an append of one short line), never raising: the
+    failure itself is what the rank's log must show."""
+    try:
+        run_dir.log_event(
+            "rank_failed",
+            job_id=env.job_id,
+            restart_count=env.restart_count,
+            rank=env.rank,
+            host=socket.gethostname(),
+            step=step,
+            kind=classify(err).value,
+            error=describe(err),
+        )
+    except OSError:
+        pass
+
+
+# srun's own report of a task that did not end well: "srun: error: n2: task 1: Killed", "... tasks 0-1: Exited with
+# exit code 1", "... task 0: Segmentation fault (core dumped)".
+_SRUN_TASK = re.compile(r"^srun: error: (?P<host>\S+): tasks? (?P<tasks>[\d,-]+): (?P<what>.+)$")
+
+
+@dataclass(frozen=True)
+class TaskEnd:
+    """One line of srun's report: a task (or several) on a host, and how it ended."""
+
+    host: str
+    rank: int  # the first task the line names
+    what: str
+
+    @property
+    def by_signal(self) -> bool:
+        """Killed by a signal of its own, not an exit code, and not the SIGTERM srun sends the others."""
+        return not self.what.startswith("Exited with exit code") and self.what != "Terminated"
+
+
+def srun_task_ends(lines: list[str]) -> list[TaskEnd]:
+    ends = []
+    for line in lines:
+        if m := _SRUN_TASK.match(line.strip()):
+            first = re.split(r"[,-]", m["tasks"])[0]
+            ends.append(TaskEnd(m["host"].rstrip(":"), int(first), m["what"].strip()))
+    return ends
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What ended an attempt: the ``failure`` event the watcher records."""
+
+    kind: Kind
+    rank: Optional[int]
+    host: Optional[str]
+    step: Optional[int]
+    error: str
+
+    def fields(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "rank": self.rank, "host": self.host, "step": self.step, "error": self.error}
+
+    def same_as(self, event: dict[str, Any]) -> bool:
+        """The same failure as an earlier attempt's ``failure`` event: same error, same step."""
+        return event.get("error") == self.error and event.get("step") == self.step
+
+
+def diagnose(
+    rank_failures: list[dict[str, Any]], ends: list[TaskEnd], status: int, last_step: Optional[int]
+) -> Failure:
+    """The attempt's failure from its ranks' ``rank_failed`` events and srun's report. A user error any rank raised
+    comes first; else a task killed by a signal (the others' errors follow from it); else the first rank's error."""
+    by_time = sorted(rank_failures, key=lambda e: e.get("t", 0))
+    steps = [e["step"] for e in by_time if isinstance(e.get("step"), int)]
+    step = max(steps) if steps else last_step
+    user = [e for e in by_time if e.get("kind") == Kind.user.value]
+    if user:
+        first = user[0]
+        return Failure(Kind.user, first.get("rank"), first.get("host"), first.get("step"), str(first.get("error")))
+    killed = [e for e in ends if e.by_signal]
+    if killed:
+        end = killed[0]
+        return Failure(Kind.infrastructure, end.rank, end.host, step, f"killed by a signal ({end.what})")
+    if by_time:
+        first = by_time[0]
+        kind = Kind(first.get("kind", Kind.unknown.value))
+        return Failure(kind, first.get("rank"), first.get("host"), first.get("step"), str(first.get("error")))
+    if ends:
+        end = ends[0]
+        return Failure(Kind.unknown, end.rank, end.host, step, f"task ended: {end.what}")
+    return Failure(Kind.unknown, None, None, step, f"the job step ended with status {status} and no rank said why")

@@ -1,0 +1,116 @@
+"""The batch script's watcher of its attempt: ``python -m ddp_core.cluster.supervise RUN_DIR BATCH_LOG STATUS``.
+
+The batch script runs it from its EXIT trap once srun has returned (``jobs.request.SlurmRequest.watch_lines``), so it
+sees every way an attempt can fail, including the ones no rank lives to report: a rank killed by a signal, a node
+gone. With srun's status 0, or when the ranks decided the attempt's end themselves (a requeue after a signal, a
+spent budget, a hang), or when Slurm is ending the job anyway (cancelled, timed out, preempted, requeued), it does
+nothing. Otherwise it diagnoses the failure (``failures.diagnose``: the ranks' ``rank_failed`` events and srun's
+report in BATCH_LOG after this attempt's marker), records one ``failure`` event, and then:
+
+- a user error: records ``failed`` and leaves srun's status, so the job ends FAILED within seconds;
+- infrastructure or unknown: requeues the same job within ``slurm.max_failures`` (``exits.requeue_within``); the
+  next attempt resumes from the newest checkpoint. An unknown failure seen again at the same step is a user error.
+
+Its exit code is the batch script's: 0 once the job is requeued, else srun's status. Torch-free, and it never
+raises: a watcher that fails leaves the job as srun left it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from ddp_core.cluster import exits
+from ddp_core.cluster.env import DistEnv
+from ddp_core.cluster.failures import Failure, Kind, diagnose, srun_task_ends
+from ddp_core.cluster.slurm import NODE_GATEWAY, SlurmGateway
+from ddp_core.errors import DdpJobError
+from ddp_core.run.rundir import RunDir
+
+log = logging.getLogger("ddp_core")
+
+MARKER = "ddpjob: attempt {restart} of job {job} started"  # the batch script echoes it to BATCH_LOG first
+# Events by which the ranks ended the attempt themselves: the watcher leaves such an end alone.
+DECIDED = frozenset({"requeued", "requeue_failed", "budget_exhausted", "preempted", "interrupted", "hang", "completed"})
+TAIL_BYTES = 256 * 1024
+
+
+def attempt_events(events: list[dict[str, Any]], env: DistEnv) -> list[dict[str, Any]]:
+    """This attempt's events: from its ``start`` on; without one (it failed before its first step), its ranks'
+    ``rank_failed`` events."""
+    mine = [e for e in events if e.get("job_id") == env.job_id]
+    starts = [i for i, e in enumerate(mine) if e["event"] == "start" and e.get("restart_count") == env.restart_count]
+    if starts:
+        return mine[starts[-1] :]
+    return [e for e in mine if e["event"] == "rank_failed" and e.get("restart_count") == env.restart_count]
+
+
+def srun_lines(batch_log: Path, env: DistEnv) -> list[str]:
+    """BATCH_LOG's lines after this attempt's marker (srun writes its report there, the batch script's stderr)."""
+    try:
+        with open(batch_log, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - TAIL_BYTES))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    marker = MARKER.format(restart=env.restart_count, job=env.job_id)
+    return text.rpartition(marker)[2].splitlines() if marker in text else []
+
+
+def decide(run_dir: RunDir, batch_log: Path, status: int, env: DistEnv, gateway: SlurmGateway) -> int:
+    """What the batch script exits with (see the module docstring)."""
+    if status == 0 or not env.slurm_job_id:
+        return status
+    job = gateway.show_job(env.slurm_job_id)
+    if job is not None and job.state != "RUNNING":  # cancelled, timed out, preempted, requeued: Slurm's to end
+        return status
+    cfg = run_dir.load_config()
+    events = run_dir.events()
+    attempt = attempt_events(events, env)
+    if any(e["event"] in DECIDED for e in attempt):
+        return status
+    metric_steps = [r["step"] for r in run_dir.metrics()]
+    failure = diagnose(
+        [e for e in attempt if e["event"] == "rank_failed"],
+        srun_task_ends(srun_lines(batch_log, env)),
+        status,
+        max(metric_steps) if metric_steps else None,
+    )
+    earlier = [e for e in events if e["event"] == "failure" and e.get("job_id") == env.job_id]
+    if failure.kind is Kind.unknown and any(failure.same_as(e) for e in earlier):
+        failure = Failure(Kind.user, failure.rank, failure.host, failure.step, failure.error + " (again, same step)")
+    run_dir.log_event("failure", job_id=env.job_id, restart_count=env.restart_count, **failure.fields())
+    where = f"rank {failure.rank} on {failure.host}" if failure.rank is not None else "the job step"
+    if failure.kind is Kind.user:
+        reason = f"{where} failed at step {failure.step}: {failure.error}"
+        run_dir.log_event("failed", job_id=env.job_id, step=failure.step, reason=reason)
+        log.error("%s; a user error, not retried: fix it, then continue with: ddpjob resume %s", reason, run_dir.path)
+        return status
+    spent = sum(1 for e in earlier if e.get("kind") != Kind.user.value) + 1
+    after = f"{failure.kind.value} failure of {where} at step {failure.step} ({failure.error})"
+    log.warning("%s", after)
+    code = exits.requeue_within(run_dir, env, "failure", spent, cfg.slurm.max_failures, failure.step, after)
+    return 0 if code == exits.ExitCode.REQUEUED else status
+
+
+def main(argv: Optional[Sequence[str]] = None, gateway: SlurmGateway = NODE_GATEWAY) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(format="%(asctime)s [batch] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("ddp_core").setLevel(logging.INFO)
+    if len(args) != 3 or not args[2].lstrip("-").isdigit():
+        log.error("usage: python -m ddp_core.cluster.supervise RUN_DIR BATCH_LOG STATUS")
+        return 2
+    status = int(args[2])
+    if not args[0]:  # the template's batch script ended before it had a run directory
+        return status
+    try:
+        return decide(RunDir(Path(args[0])), Path(args[1]), status, DistEnv.from_env(), gateway)
+    except (DdpJobError, OSError, ValueError) as err:
+        log.error("the attempt's watcher could not decide (%s): the job ends as srun left it", err)
+        return status
+
+
+if __name__ == "__main__":
+    exits.leave(main(), teardown=True)  # no torch.distributed here: the interpreter's own exit

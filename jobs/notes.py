@@ -1,0 +1,36 @@
+"""The lines under ``ddpjob status``'s table, one run at a time: its newest hang (the rank suspected and why,
+``ddp_core.trainer.watchdog``), its newest failure (who, where, what, and whether it was retried,
+``ddp_core.cluster.failures``) and a persistent straggler."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ddp_core.trainer.watchdog import cause
+
+
+def for_run(name: str, events: list[dict[str, Any]], straggler: Optional[dict[str, Any]]) -> list[str]:
+    notes = []
+    if hangs := [e for e in events if e["event"] == "hang"]:
+        notes.append(f"hang in {name} after step {hangs[-1].get('step')}: {cause(str(hangs[-1].get('summary', '')))}")
+    if found := [e for e in events if e["event"] == "failure"]:
+        notes.append(failure_note(name, found[-1]))
+    if straggler is not None:
+        notes.append(straggler_note(name, straggler))
+    return notes
+
+
+def failure_note(name: str, e: dict[str, Any]) -> str:
+    who = f"rank {e.get('rank')} on {e.get('host')}" if e.get("rank") is not None else "the job step"
+    retried = "a user error, not retried" if e.get("kind") == "user" else f"{e.get('kind')}: requeued"
+    return f"failure in {name} at step {e.get('step')}: {who}: {e.get('error')} ({retried})"
+
+
+def straggler_note(name: str, s: dict[str, Any]) -> str:
+    median, slowest = s.get("work_ms_median") or 0, s.get("work_ms_max") or 0
+    ratio = f" (x{slowest / median:.1f})" if median else ""
+    who = f"rank {s.get('straggler_rank')} on {s.get('slowest_host')}"
+    return (
+        f"straggler in {name}: {who}, {slowest:.1f} ms of its own work per step vs median "
+        f"{median:.1f}{ratio} (step {s.get('step')})"
+    )

@@ -1,0 +1,125 @@
+"""The failure table (ddp_core.cluster.failures) and what the batch script's watcher reads (cluster.supervise).
+
+The jobs that fail for real, requeue and resume are in tests/test_preemption.py and tests/test_slurm_jobs.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from ddp_core.cluster import supervise
+from ddp_core.cluster.env import DistEnv
+from ddp_core.cluster.failures import Kind, TaskEnd, classify, describe, diagnose, srun_task_ends
+from ddp_core.errors import DdpJobError
+from tests.conftest import ROOT
+
+GLOO_PEER = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.1.2]:29500"
+
+
+@pytest.mark.parametrize(
+    ("err", "kind"),
+    [
+        (ValueError("bad batch"), Kind.user),
+        (KeyError("labels"), Kind.user),
+        (ModuleNotFoundError("No module named 'mytask'"), Kind.user),
+        (DdpJobError("the training loss became nan by step 40", "lower optim.lr"), Kind.user),
+        (FileNotFoundError(errno.ENOENT, "No such file", "/data/train.bin"), Kind.user),
+        (RuntimeError(GLOO_PEER), Kind.infrastructure),
+        (dist.DistBackendError("NCCL communicator was aborted on rank 3"), Kind.infrastructure),
+        (ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"), Kind.infrastructure),
+        (OSError(errno.EIO, "Input/output error"), Kind.infrastructure),
+        (RuntimeError("CUDA error: uncorrectable ECC error encountered"), Kind.infrastructure),
+        (RuntimeError("something odd in a C++ extension"), Kind.unknown),
+        (MemoryError(), Kind.unknown),
+    ],
+)
+def test_classify(err, kind):
+    assert classify(err) is kind
+
+
+def test_describe_keeps_the_first_line_and_cuts_long_messages():
+    assert describe(ValueError("first\nsecond")) == "ValueError: first"
+    assert describe(RuntimeError()) == "RuntimeError"
+    long = describe(RuntimeError("x" * 1000), limit=50)
+    assert len(long) == 50 and long.endswith("...")
+
+
+SRUN = """\
+12:01:02 [rank 0/2] INFO ddp_core: step 40
+srun: error: n2: task 1: Killed
+srun: launch/slurm: _step_signal: Terminating StepId=57.0
+srun: error: n1: tasks 0,2-3: Exited with exit code 1
+srun: error: n1: task 4: Terminated
+"""
+
+
+def test_srun_report_names_the_task_killed_by_a_signal():
+    ends = srun_task_ends(SRUN.splitlines())
+    assert ends == [
+        TaskEnd("n2", 1, "Killed"),
+        TaskEnd("n1", 0, "Exited with exit code 1"),
+        TaskEnd("n1", 4, "Terminated"),
+    ]
+    assert [e.by_signal for e in ends] == [True, False, False]
+
+
+def rank_failed(rank, kind, error, step=40, t=1.0, host="n1"):
+    return {"event": "rank_failed", "rank": rank, "host": host, "kind": kind, "error": error, "step": step, "t": t}
+
+
+def test_diagnose_prefers_a_user_error_then_a_signal_death_then_the_first_error():
+    peer = rank_failed(0, "infrastructure", f"RuntimeError: {GLOO_PEER}", t=1.0)
+    user = rank_failed(1, "user", "ValueError: bad batch", step=50, t=2.0, host="n2")
+    killed = TaskEnd("n2", 1, "Killed")
+    assert diagnose([peer, user], [killed], 1, None).fields() == {
+        "kind": "user", "rank": 1, "host": "n2", "step": 50, "error": "ValueError: bad batch"
+    }  # fmt: skip
+    got = diagnose([peer], [TaskEnd("n1", 0, "Exited with exit code 1"), killed], 1, 12)
+    assert (got.kind, got.rank, got.host, got.step, got.error) == (
+        Kind.infrastructure, 1, "n2", 40, "killed by a signal (Killed)"
+    )  # fmt: skip
+    assert diagnose([peer], [], 1, None).kind is Kind.infrastructure
+    nothing = diagnose([], [], 137, 12)
+    assert (nothing.kind, nothing.rank, nothing.step) == (Kind.unknown, None, 12)
+    assert "status 137 and no rank said why" in nothing.error
+
+
+def test_the_watcher_reads_only_its_own_attempt(tmp_path):
+    env = DistEnv(job_id="57", slurm_job_id="57", restart_count=1)
+    events = [
+        {"event": "start", "job_id": "57", "restart_count": 0},
+        {"event": "requeued", "job_id": "57", "kind": "timeout"},
+        {"event": "start", "job_id": "57", "restart_count": 1},
+        rank_failed(1, "unknown", "RuntimeError: x") | {"job_id": "57", "restart_count": 1},
+    ]
+    assert [e["event"] for e in supervise.attempt_events(events, env)] == ["start", "rank_failed"]
+    # An attempt that failed before its start event: only its own ranks' records.
+    early = DistEnv(job_id="57", slurm_job_id="57", restart_count=2)
+    failed = rank_failed(0, "user", "ImportError: x") | {"job_id": "57", "restart_count": 2}
+    assert supervise.attempt_events([*events, failed], early) == [failed]
+    log = tmp_path / "57_0_log.err"
+    marker = supervise.MARKER.format
+    log.write_text(
+        f"{marker(restart=0, job=57)} on n1\nsrun: error: n1: task 0: Killed\n"
+        f"{marker(restart=1, job=57)} on n1\nsrun: error: n2: task 1: Killed\n"
+    )
+    assert srun_task_ends(supervise.srun_lines(log, env)) == [TaskEnd("n2", 1, "Killed")]
+    assert supervise.srun_lines(log, early) == []  # no marker of that attempt: nothing of another one
+
+
+def test_the_watcher_leaves_a_success_and_anything_outside_slurm_alone(tmp_path):
+    outside = subprocess.run(
+        [sys.executable, "-m", "ddp_core.cluster.supervise", str(tmp_path), str(tmp_path / "log"), "137"],
+        capture_output=True, text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert outside.returncode == 137 and outside.stderr == ""
+    assert supervise.main(["", "log", "1"]) == 1  # the template's script ended before it had a run directory
+    assert supervise.main([str(tmp_path), "log", "0"]) == 0
+    assert supervise.main([str(tmp_path), "log"]) == 2
+    assert not Path(tmp_path / "attempts.jsonl").exists()
