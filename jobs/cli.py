@@ -27,6 +27,7 @@ from jobs import status as status_cmds
 
 if TYPE_CHECKING:
     from ddp_core.config import Config
+    from ddp_core.run.rundir import RunDir
 
 log = logging.getLogger("ddpjob")
 
@@ -112,6 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="changes, e.g. train.max_steps=2000")
     p.add_argument("--wait", action="store_true", help="follow the job and exit with its status")
     p.add_argument("--local", action="store_true", help="run here without Slurm (waits)")
+    p.add_argument("--include-node", action="append", default=[], metavar="HOST",
+                   help="take back a node the run excluded after failures (repeatable)")  # fmt: skip
 
     sweep_cmd.add_parser(sub)
 
@@ -240,6 +243,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
             "resume cannot change task.target or task.model.*: the checkpoint's weights have the old model's shape",
             "start a new run with `ddpjob submit` instead",
         )
+    keep_off_excluded(run_dir, cfg, args.include_node)
     validate_for_submit(cfg, local=args.local)
     with run_dir.submit_lock():  # from "not active" to "job recorded": concurrent resumes queue up here
         recorded = [str(j["job_id"]) for j in run_dir.jobs() if j.get("via") != "local"]
@@ -252,6 +256,29 @@ def cmd_resume(args: argparse.Namespace) -> int:
         sub = submit(cfg, run_dir, local=args.local, fresh=False)
     _print_submitted(sub)
     return _follow(sub) if (args.wait or args.local) else 0
+
+
+def keep_off_excluded(run_dir: RunDir, cfg: Config, include: Sequence[str]) -> None:
+    """A resumed run stays off the nodes it excluded after failures (``ddp_core.cluster.failures``), as its requeued
+    attempts did: ``--exclude``, beside any the config sets. ``include``: hosts taken back (an ``included`` event)."""
+    from ddp_core.cluster.failures import excluded_hosts
+
+    excluded = excluded_hosts(run_dir.events())
+    for host in include:
+        if host not in excluded:
+            shown = ", ".join(excluded) or "none"
+            raise DdpJobError(f"--include-node {host}: the run has not excluded it (excluded: {shown})", "drop it")
+        run_dir.log_event("included", host=host)
+        excluded.pop(host)
+    for host, why in excluded.items():
+        print(f"excluding {host}: {why} (take it back with --include-node {host})")
+    # The resumed config records the list (slurm.additional.exclude): a host taken back leaves it too.
+    own = [h for h in str(cfg.slurm.additional.get("exclude", "")).split(",") if h and h not in include]
+    hosts = ",".join(dict.fromkeys([*own, *excluded]))
+    if hosts:
+        cfg.slurm.additional["exclude"] = hosts
+    else:
+        cfg.slurm.additional.pop("exclude", None)
 
 
 def cmd_sync(args: argparse.Namespace) -> int:

@@ -1,11 +1,12 @@
 """The lines under ``ddpjob status``'s table, one run at a time: its newest hang (the rank suspected and why,
 ``ddp_core.trainer.watchdog``), its newest failure (who, where, what, and whether it was retried,
-``ddp_core.cluster.failures``) and a persistent straggler."""
+``ddp_core.cluster.failures``), the nodes it excluded after failures, and a persistent straggler."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+from ddp_core.cluster.failures import excluded_hosts
 from ddp_core.trainer.watchdog import cause
 
 
@@ -15,6 +16,8 @@ def for_run(name: str, events: list[dict[str, Any]], straggler: Optional[dict[st
         notes.append(f"hang in {name} after step {hangs[-1].get('step')}: {cause(str(hangs[-1].get('summary', '')))}")
     if found := [e for e in events if e["event"] == "failure"]:
         notes.append(failure_note(name, found[-1]))
+    if excluded := excluded_hosts(events):
+        notes.append(f"excluded in {name}: " + "; ".join(f"{host} ({why})" for host, why in excluded.items()))
     if straggler is not None:
         notes.append(straggler_note(name, straggler))
     return notes

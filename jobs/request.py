@@ -178,7 +178,9 @@ class SlurmRequest:
         python = python or shlex.quote(self.task_python[-1])
         return [
             f'echo "{marker} on $(hostname)" >&2',
-            f'ddpjob_watch() {{ {python} -m ddp_core.cluster.supervise {run_dir} {batch_log} "$1"; exit $?; }}',
+            # Python starts only after a failure: a job that trained to its end ends as srun did, whatever happens.
+            f'ddpjob_watch() {{ [ "$1" = 0 ] && exit 0; {python} -m ddp_core.cluster.supervise {run_dir} {batch_log} '
+            '"$1"; exit $?; }',
             "trap 'ddpjob_watch $?' EXIT",
         ]
 

@@ -118,7 +118,9 @@ class Row:
     def state(self, now: float) -> str:
         if self.trial_state is not None:  # its worker's job says nothing about the trial: the study does
             return self.trial_state
-        last_event = self.events[-1]["event"] if self.events else ""
+        # A rank's own failure record (rank_failed) may follow the attempt's end: the watcher's or the ranks' decision.
+        decided = [e for e in self.events if e["event"] != "rank_failed"]
+        last_event = decided[-1]["event"] if decided else ""
         if self.attempts:
             last = self.attempts[-1]
             if last_event == "preempted" and last.state not in ACTIVE_STATES:

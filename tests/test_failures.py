@@ -6,6 +6,7 @@ The jobs that fail for real, requeue and resume are in tests/test_preemption.py 
 from __future__ import annotations
 
 import errno
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -123,3 +124,49 @@ def test_the_watcher_leaves_a_success_and_anything_outside_slurm_alone(tmp_path)
     assert supervise.main([str(tmp_path), "log", "0"]) == 0
     assert supervise.main([str(tmp_path), "log"]) == 2
     assert not Path(tmp_path / "attempts.jsonl").exists()
+
+
+def failure_event(host, kind="infrastructure"):
+    return {"event": "failure", "host": host, "kind": kind, "error": "killed by a signal (Killed)"}
+
+
+def test_a_node_is_excluded_after_a_failed_health_check_or_its_second_infrastructure_failure():
+    from ddp_core.cluster.failures import Failure, excluded_hosts, to_exclude
+
+    killed = Failure(Kind.infrastructure, 1, "n2", 40, "killed by a signal (Killed)")
+    assert to_exclude([failure_event("n2")], killed) == {}  # once may be bad luck
+    twice = [failure_event("n2"), failure_event("n1"), failure_event("n2")]
+    assert to_exclude(twice, killed) == {
+        "n2": "2 infrastructure failures in this run, the last: killed by a signal (Killed)"
+    }
+    taken_back = [failure_event("n2"), {"event": "included", "host": "n2"}, failure_event("n2")]
+    assert to_exclude(taken_back, killed) == {}  # counted again from `ddpjob resume --include-node n2`
+    sick = Failure(Kind.health, 0, "n3", None, "HealthCheckFailed: health check on n3: slurm.health_check failed: x")
+    assert to_exclude([], sick) == {"n3": f"failed a health check: {sick.error}"}
+    assert to_exclude([], Failure(Kind.user, 1, "n2", 3, "ValueError: x")) == {}
+    events = [{"event": "excluded", "host": "n3", "reason": "r3"}, {"event": "excluded", "host": "n2", "reason": "r2"},
+              {"event": "included", "host": "n3"}]  # fmt: skip
+    assert excluded_hosts(events) == {"n2": "r2"}
+    assert to_exclude([*events, *twice], killed) == {}  # already excluded
+
+
+def test_health_check_of_a_node(tmp_path):
+    from ddp_core.cluster.health import HealthCheckFailed, check_node
+    from ddp_core.run.rundir import RunDir
+
+    run, env = RunDir(tmp_path), DistEnv(rank=0, local_rank=0)
+    check_node(run, env, "echo fine")
+    with pytest.raises(HealthCheckFailed, match=r"slurm\.health_check failed: GPU 0 fell off the bus"):
+        check_node(run, env, "echo checking; echo 'GPU 0 fell off the bus' >&2; exit 3")
+    check_node(run, DistEnv(rank=1, local_rank=1), "exit 1")  # a node's first rank runs the site's command
+    with pytest.raises(HealthCheckFailed, match=r"did not finish within 0.5 s"):
+        check_node(run, env, "sleep 5", timeout_s=0.5)
+    assert classify(HealthCheckFailed("x")) is Kind.health
+    tmp_path.chmod(0o500)
+    try:
+        if os.access(tmp_path, os.W_OK):  # root writes anyway: the check is for an ordinary user
+            return
+        with pytest.raises(HealthCheckFailed, match="the run directory is not writable"):
+            check_node(run, env, None)
+    finally:
+        tmp_path.chmod(0o700)

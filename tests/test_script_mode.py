@@ -247,7 +247,10 @@ def test_failing_rank_exits_1_naming_itself(tmp_path):
     err = ranks.err[1].read_text()
     assert f"[rank 1/2] ERROR ddp_core.script: rank 1/2 on {HOST} failed: RuntimeError: boom on purpose" in err, err
     assert "Traceback" in err  # the user's own frames, for the fix
-    assert [e["event"] for e in events(run)] == ["start", "completed"]  # rank 0's own part went fine
+    # rank 0's own part went fine; rank 1 recorded its failure for the batch script's watcher (cluster.failures)
+    assert [e["event"] for e in events(run) if e["event"] != "rank_failed"] == ["start", "completed"]
+    (failed,) = events(run, "rank_failed")
+    assert (failed["rank"], failed["kind"], failed["error"]) == (1, "unknown", "RuntimeError: boom on purpose")
 
 
 def test_module_mode_argv_and_exit_codes(tmp_path):

@@ -227,3 +227,41 @@ def test_a_submission_that_fails_after_sbatch_leaves_no_job_behind(slurm_cluster
     again = run_cli("sweep", DIGITS, "optim.lr=0.1,0.2", *QUICK, f"run.root={root}", "--name", "s", "--dry-run",
                     cwd=tmp_path)  # fmt: skip
     assert again.returncode == 0 and again.stdout.count(" resume ") == 2, again.stdout
+
+
+def test_a_node_failing_its_health_check_is_excluded_and_the_run_completes_elsewhere(slurm_cluster, tmp_path):
+    # A site's health check (slurm.health_check) that fails on one node: the first node to run it marks itself bad,
+    # as a node whose GPU fell off the bus would. The same job is requeued off that node and completes on the other;
+    # a later `ddpjob resume` stays off it until --include-node takes it back.
+    bad = tmp_path / "bad-node"
+    check = (f'[ -s {bad} ] || hostname > {bad}; [ "$(hostname)" != "$(cat {bad})" ] '
+             '|| { echo "GPU 0 fell off the bus" >&2; exit 1; }')  # fmt: skip
+    proc = run_cli("submit", DIGITS, "--wait", *QUICK, f"slurm.health_check={check!r}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
+    host = bad.read_text().strip()
+    seen = [(e["event"], e.get("kind"), e.get("host")) for e in events(run_dir) if e["event"] != "rank_failed"]
+    assert seen == [
+        ("failure", "health", host), ("excluded", None, host), ("requeued", "health_failure", None),
+        ("start", None, None), ("completed", None, None),
+    ], seen  # fmt: skip
+    failure = events(run_dir)[[e["event"] for e in events(run_dir)].index("failure")]
+    said = f"health check on {host}: slurm.health_check failed: GPU 0 fell off the bus"
+    assert failure["error"] == f"HealthCheckFailed: {said}", failure
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    assert f"ExcNodeList={host}" in shown and "JobState=COMPLETED" in shown, shown
+    assert "GPU 0 fell off the bus" in rank_logs(run_dir, job_id)[0]
+    status = run_cli("status", str(run_dir), cwd=tmp_path).stdout
+    assert f"excluded in {run_dir.name}: {host} (failed a health check: {failure['error']})" in status, status
+    # resume: off the node, as the requeued attempt was; --include-node takes it back (and only an excluded one)
+    again = run_cli("resume", str(run_dir), "train.max_steps=80", "slurm.health_check=null", cwd=tmp_path)
+    assert again.returncode == 0 and f"excluding {host}: failed a health check" in again.stdout, again.stdout
+    resumed = field(again.stdout, "job")
+    shown = subprocess.run(["scontrol", "show", "job", resumed], capture_output=True, text=True).stdout
+    assert f"ExcNodeList={host}" in shown, shown
+    assert wait_gone(resumed, 120) == "COMPLETED"
+    wrong = run_cli("resume", str(run_dir), "--include-node", "n9", cwd=tmp_path)
+    assert f"--include-node n9: the run has not excluded it (excluded: {host})" in wrong.stderr, wrong.stderr
+    taken_back = run_cli("resume", str(run_dir), "train.max_steps=100", "--include-node", host, "--wait", cwd=tmp_path)
+    assert taken_back.returncode == 0 and "excluding" not in taken_back.stdout, taken_back.stdout
+    assert events(run_dir)[-1]["event"] == "completed" and "excluded in" not in run_cli("status", str(run_dir)).stdout

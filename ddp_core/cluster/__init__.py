@@ -3,6 +3,8 @@
 Owns the rank/world view (``env.DistEnv``, read once from Slurm's, torchrun's or a lone process's environment), the
 Slurm gateway (``slurm``: every ``scontrol``/``sacct`` call, one injectable runner), the warning and termination
 signals (``signals``, ``preemption.StopFlag``), the preemption decisions (``preemption.decide``), the exit policy
-(``exits``: named exit codes and the only place a compute-side process ends) and rank-prefixed logging (``log``).
-Imports ``config``, ``run`` and ``errors`` only.
+(``exits``: named exit codes and the only place a compute-side process ends), what an attempt's failure was
+(``failures``: the failure table, excluded nodes), the node checks before an attempt's first step (``health``), the
+batch script's watcher of its attempt (``supervise``: requeue or fail after srun returns) and rank-prefixed logging
+(``log``). Imports ``config``, ``run`` and ``errors`` only.
 """

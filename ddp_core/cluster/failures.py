@@ -9,6 +9,8 @@ a rank that dies by a signal records nothing, and srun's own line (``srun: error
   CUDA device error (ECC, a device lost or unavailable); an I/O error of the node (EIO, a stale file handle).
 - **user**, fails at once: an exception from the task's or the script's own code (ValueError, KeyError, ...), a
   non-finite loss, a bad config or import.
+- **health**, the node excluded and the job requeued: a failed health check (``cluster.health``), within
+  ``slurm.max_health_failures``.
 - **unknown**, requeued once: anything else (an unrecognised RuntimeError, an attempt that ended with no record);
   the same failure at the same step again is a user error.
 
@@ -31,6 +33,7 @@ from ddp_core.run.rundir import RunDir
 
 class Kind(str, enum.Enum):
     infrastructure = "infrastructure"
+    health = "health"  # a failed health check (``cluster.health``): the node is excluded
     user = "user"
     unknown = "unknown"
 
@@ -73,6 +76,8 @@ _INFRA_WORDS = re.compile(
 def classify(err: BaseException) -> Kind:
     """The kind of a failure a rank raised (the table in the module docstring)."""
     names = {t.__name__ for t in type(err).__mro__}
+    if "HealthCheckFailed" in names:
+        return Kind.health
     if names & _INFRA_TYPES or (isinstance(err, OSError) and err.errno in _INFRA_ERRNOS):
         return Kind.infrastructure
     if names & _USER_TYPES:
@@ -157,15 +162,16 @@ class Failure:
 def diagnose(
     rank_failures: list[dict[str, Any]], ends: list[TaskEnd], status: int, last_step: Optional[int]
 ) -> Failure:
-    """The attempt's failure from its ranks' ``rank_failed`` events and srun's report. A user error any rank raised
-    comes first; else a task killed by a signal (the others' errors follow from it); else the first rank's error."""
+    """The attempt's failure from its ranks' ``rank_failed`` events and srun's report. A failed health check comes
+    first (the others' errors follow from its rank leaving), then a user error any rank raised; else a task killed by
+    a signal (likewise); else the first rank's error."""
     by_time = sorted(rank_failures, key=lambda e: e.get("t", 0))
     steps = [e["step"] for e in by_time if isinstance(e.get("step"), int)]
     step = max(steps) if steps else last_step
-    user = [e for e in by_time if e.get("kind") == Kind.user.value]
-    if user:
-        first = user[0]
-        return Failure(Kind.user, first.get("rank"), first.get("host"), first.get("step"), str(first.get("error")))
+    for kind in (Kind.health, Kind.user):
+        if found := [e for e in by_time if e.get("kind") == kind.value]:
+            first = found[0]
+            return Failure(kind, first.get("rank"), first.get("host"), first.get("step"), str(first.get("error")))
     killed = [e for e in ends if e.by_signal]
     if killed:
         end = killed[0]
@@ -178,3 +184,34 @@ def diagnose(
         end = ends[0]
         return Failure(Kind.unknown, end.rank, end.host, step, f"task ended: {end.what}")
     return Failure(Kind.unknown, None, None, step, f"the job step ended with status {status} and no rank said why")
+
+
+def excluded_hosts(events: list[dict[str, Any]]) -> dict[str, str]:
+    """The hosts a run's later attempts stay off, with why: its ``excluded`` events, less the hosts an ``included``
+    event took back (``ddpjob resume --include-node``)."""
+    hosts: dict[str, str] = {}
+    for e in events:
+        if e["event"] == "excluded" and e.get("host"):
+            hosts[str(e["host"])] = str(e.get("reason", ""))
+        elif e["event"] == "included":
+            hosts.pop(str(e.get("host")), None)
+    return hosts
+
+
+def to_exclude(events: list[dict[str, Any]], failure: Failure) -> dict[str, str]:
+    """The host to exclude after ``failure`` (whose ``failure`` event ``events`` already holds): one that failed a
+    health check, or had its second infrastructure failure in this run (since it was last taken back)."""
+    host = failure.host
+    if host is None or host in excluded_hosts(events):
+        return {}
+    if failure.kind is Kind.health:
+        return {host: f"failed a health check: {failure.error}"}
+    if failure.kind is not Kind.infrastructure:
+        return {}
+    count = 0
+    for e in events:
+        if e["event"] == "included" and e.get("host") == host:
+            count = 0
+        elif e["event"] == "failure" and e.get("host") == host and e.get("kind") == Kind.infrastructure.value:
+            count += 1
+    return {host: f"{count} infrastructure failures in this run, the last: {failure.error}"} if count >= 2 else {}

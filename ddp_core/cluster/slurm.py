@@ -170,6 +170,11 @@ class SlurmGateway:
     def requeue(self, job_id: str) -> subprocess.CompletedProcess[str]:
         return self.run("scontrol", "requeue", job_id)
 
+    def exclude_nodes(self, job_id: str, hosts: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        """Keep the job off ``hosts`` (its whole exclusion list). Slurm takes it once the job is back in the queue
+        (a requeued job, even while it completes), not while it runs."""
+        return self.run("scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(hosts)}")
+
     # Login side (``jobs``). A missing client answers 127 like the shell: each caller says what that means to it.
 
     def partitions(self) -> subprocess.CompletedProcess[str]:

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ddp_core.cluster import exits
-from ddp_core.cluster.env import DistEnv
-from ddp_core.cluster.failures import Failure, Kind, diagnose, srun_task_ends
+from ddp_core.cluster.env import DistEnv, expand_nodelist
+from ddp_core.cluster.failures import Failure, Kind, diagnose, excluded_hosts, srun_task_ends, to_exclude
 from ddp_core.cluster.slurm import NODE_GATEWAY, SlurmGateway
+from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
 
@@ -88,11 +90,68 @@ def decide(run_dir: RunDir, batch_log: Path, status: int, env: DistEnv, gateway:
         run_dir.log_event("failed", job_id=env.job_id, step=failure.step, reason=reason)
         log.error("%s; a user error, not retried: fix it, then continue with: ddpjob resume %s", reason, run_dir.path)
         return status
-    spent = sum(1 for e in earlier if e.get("kind") != Kind.user.value) + 1
+    return requeue(run_dir, cfg, env, gateway, failure, earlier, status)
+
+
+def requeue(
+    run_dir: RunDir,
+    cfg: Config,
+    env: DistEnv,
+    gateway: SlurmGateway,
+    failure: Failure,
+    earlier: list[dict[str, Any]],
+    status: int,
+) -> int:
+    """After an infrastructure, health or unknown failure: exclude its node where ``failures.to_exclude`` says so
+    (unless too few nodes would be left), then requeue within the failure's budget."""
+    job_id = env.slurm_job_id
+    assert job_id is not None, "decide returns before this outside Slurm"
+    health = failure.kind is Kind.health  # a budget of its own: its node is excluded each time
+    budget, limit = ("health_failure", cfg.slurm.max_health_failures) if health else ("failure", cfg.slurm.max_failures)
+    spent = 1 + sum(1 for e in earlier if e.get("kind") != Kind.user.value and (e.get("kind") == "health") == health)
+    where = f"rank {failure.rank} on {failure.host}" if failure.rank is not None else "the job step"
     after = f"{failure.kind.value} failure of {where} at step {failure.step} ({failure.error})"
     log.warning("%s", after)
-    code = exits.requeue_within(run_dir, env, "failure", spent, cfg.slurm.max_failures, failure.step, after)
-    return 0 if code == exits.ExitCode.REQUEUED else status
+    events = run_dir.events()
+    new = to_exclude(events, failure)
+    if new and not room_for(gateway, job_id, {**excluded_hosts(events), **new}):
+        reason = f"excluding {', '.join(new)} would leave too few nodes for this job ({after})"
+        run_dir.log_event("failed", job_id=env.job_id, step=failure.step, reason=reason)
+        log.error("%s; free nodes or take one back, then: ddpjob resume %s --include-node HOST", reason, run_dir.path)
+        return status
+    for host, why in new.items():
+        run_dir.log_event("excluded", job_id=env.job_id, host=host, reason=why)
+        log.warning("excluding %s from this run's later attempts: %s", host, why)
+    code = exits.requeue_within(run_dir, env, budget, spent, limit, failure.step, after)
+    if code != exits.ExitCode.REQUEUED:
+        return status
+    if hosts := sorted(excluded_hosts(run_dir.events())):
+        keep_off(gateway, job_id, hosts)
+    return 0
+
+
+def room_for(gateway: SlurmGateway, job_id: str, excluded: dict[str, str]) -> bool:
+    """Whether the job's partition keeps enough nodes for it without ``excluded`` (True when Slurm cannot say)."""
+    job = gateway.show_job(job_id)
+    part = gateway.show_partition(job.partition) if job is not None else None
+    if job is None or part is None:
+        return True
+    needed = job.raw.get("NumNodes", "1").split("-")[0]
+    nodes = set(expand_nodelist(part.get("Nodes", ""))) if part.get("Nodes") else set()
+    return not needed.isdigit() or not nodes or len(nodes - set(excluded)) >= int(needed)
+
+
+def keep_off(gateway: SlurmGateway, job_id: str, hosts: list[str], tries: int = 10, pause_s: float = 0.5) -> None:
+    """The requeued job's ``ExcNodeList``: Slurm takes it once the job is back in the queue, which the requeue's
+    reply may precede by a moment."""
+    for attempt in range(tries):
+        proc = gateway.exclude_nodes(job_id, hosts)
+        if proc.returncode == 0:
+            log.info("job %s excludes %s", job_id, ",".join(hosts))
+            return
+        if attempt + 1 < tries:
+            time.sleep(pause_s)
+    log.error("job %s could not exclude %s: %s", job_id, ",".join(hosts), proc.stderr.strip())
 
 
 def main(argv: Optional[Sequence[str]] = None, gateway: SlurmGateway = NODE_GATEWAY) -> int:

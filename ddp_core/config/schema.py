@@ -275,6 +275,11 @@ class SlurmConfig:
     # Requeue budget, per submission: attempts that failed on infrastructure (a rank killed by a signal, a broken
     # collective, a device error) that requeue the job; a user error is never retried (docs/failures.md).
     max_failures: int = 3
+    # A shell command each node's first rank runs before an attempt's first step (e.g. a site's node check); a
+    # non-zero exit excludes the node and requeues the job (docs/failures.md). Its output goes to the rank's log.
+    health_check: Optional[str] = None
+    # Requeue budget, per submission: attempts ended by a failed health check (excluding the node each time).
+    max_health_failures: int = 3
     array_parallelism: int = 32  # sweeps: at most this many trials of an array run at once (%N)
     # Shell lines run in the batch script before the ranks start (module load cuda, conda activate,
     # source venv/bin/activate, ...).

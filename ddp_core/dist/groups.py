@@ -46,6 +46,7 @@ from ddp_core.dist.guard import CPU_BACKEND, GPU_BACKEND
 from ddp_core.dist import suspend
 from ddp_core.config import DistConfig
 from ddp_core.cluster.env import DistEnv
+from ddp_core.cluster.health import HealthCheckFailed
 from ddp_core.errors import DdpJobError
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,28 @@ def setup(env: DistEnv, cfg: Optional[DistConfig] = None) -> torch.device:
     )
     log.info("gpu binding: %s", describe_binding(env, cuda))
     return device
+
+
+def check_health(device: torch.device, env: DistEnv, min_free: float = 0.05) -> None:
+    """The GPU and collective part of an attempt's health check (``cluster.health``): on a GPU, free memory (at
+    least ``min_free`` of it) and a small matrix product with an exact answer; then a one-element all-reduce over
+    every rank. Raises ``HealthCheckFailed`` naming the host."""
+    host = socket.gethostname()
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        if free < min_free * total:
+            raise HealthCheckFailed(
+                f"health check on {host}: {device} has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB "
+                "(another process holds it?)"
+            )
+        a = (torch.arange(64 * 64, dtype=torch.float32) % 7).reshape(64, 64)  # small integers: exact in TF32 too
+        if not torch.equal((a.to(device) @ a.to(device)).cpu(), a @ a):
+            raise HealthCheckFailed(f"health check on {host}: a matrix product on {device} gave a wrong answer")
+    if dist.is_initialized():
+        total_ranks = torch.ones(1, device=device)
+        dist.all_reduce(total_ranks)
+        if int(total_ranks.item()) != env.world_size:
+            raise HealthCheckFailed(f"health check on {host}: an all-reduce over {env.world_size} ranks gave a wrong sum")
 
 
 def _rendezvous_store(env: DistEnv, cfg: DistConfig) -> dist.TCPStore:

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Optional, Sequence
 
-from ddp_core.cluster import failures, signals
+from ddp_core.cluster import failures, health, signals
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.exits import ExitCode, after_submitit, leave, without_result
 from ddp_core.cluster.log import log_failure, setup_logging
@@ -281,6 +281,7 @@ def _run(run_dir_arg: str) -> int:
 
     lock: Optional[IO[str]] = None
     try:
+        health.check_node(run_dir, env, cfg.slurm.health_check)  # a bad node: this rank fails, srun ends the others
         if env.is_main:
             # The previous attempt of this Slurm job may still be exiting when its requeued successor starts.
             holder = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.job_id or "-"}

@@ -23,6 +23,7 @@ import torch
 
 from ddp_core.checkpoint.manager import CheckpointManager
 from ddp_core.checkpoint.train_state import Carried, TrainState
+from ddp_core.cluster import health
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.preemption import StopFlag
 from ddp_core.config import Config, Precision, to_dict
@@ -82,7 +83,10 @@ class Trainer:
     def build(self) -> None:
         """Device, model, optimizer, schedule, data and the components around them, on every rank."""
         cfg, env = self.cfg, self.env
+        # Before the rendezvous: a rank on a bad node leaves at once, and srun's --kill-on-bad-exit ends the others.
+        health.check_node(self.run_dir, env, cfg.slurm.health_check)
         self.device = device = distributed.setup(env, cfg.dist)
+        distributed.check_health(device, env)
         apply_determinism(cfg, device)
         self.amp = autocast(cfg, device)  # one context, entered once per micro-batch (never nested)
         # Same seed on every rank for the model's initial weights; per-rank seeds for dropout etc. after.
