@@ -105,11 +105,14 @@ def test_infrastructure_failures_requeue_within_max_failures(slurm_cluster, tmp_
     )  # fmt: skip
     assert proc.returncode != 0, proc.stdout + proc.stderr
     run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
-    seen = [(e["event"], e.get("kind")) for e in events(run_dir) if e["event"] != "rank_failed"]
+    seen = [(e["event"], e.get("kind")) for e in events(run_dir) if e["event"] not in ("rank_failed", "excluded")]
     assert seen == [
         ("start", None), ("failure", "infrastructure"), ("requeued", "failure"),
         ("start", None), ("failure", "infrastructure"), ("budget_exhausted", None),
     ], seen  # fmt: skip
+    # Both failures on one node (each attempt may land on either): that node is excluded, for a later resume.
+    hosts = [e["host"] for e in events(run_dir, "failure")]
+    assert [e["host"] for e in events(run_dir, "excluded")] == ([hosts[0]] if hosts[0] == hosts[1] else [])
     assert {e["job_id"] for e in events(run_dir)} == {job_id}
     reason = events(run_dir)[-1]["reason"]
     assert reason == "requeue budget exhausted after 2 failures (slurm.max_failures=1)", reason
@@ -264,4 +267,5 @@ def test_a_node_failing_its_health_check_is_excluded_and_the_run_completes_elsew
     assert f"--include-node n9: the run has not excluded it (excluded: {host})" in wrong.stderr, wrong.stderr
     taken_back = run_cli("resume", str(run_dir), "train.max_steps=100", "--include-node", host, "--wait", cwd=tmp_path)
     assert taken_back.returncode == 0 and "excluding" not in taken_back.stdout, taken_back.stdout
-    assert events(run_dir)[-1]["event"] == "completed" and "excluded in" not in run_cli("status", str(run_dir)).stdout
+    assert events(run_dir)[-1]["event"] == "completed"
+    assert "excluded in" not in run_cli("status", str(run_dir), cwd=tmp_path).stdout

@@ -18,6 +18,7 @@ raises: a watcher that fails leaves the job as srun left it.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -164,6 +165,9 @@ def main(argv: Optional[Sequence[str]] = None, gateway: SlurmGateway = NODE_GATE
     status = int(args[2])
     if not args[0]:  # the template's batch script ended before it had a run directory
         return status
+    # Once it requeues the job, Slurm sends the batch step SIGTERM (SIGKILL after KillWait): the requeued job's
+    # ExcNodeList is set after the requeue, and the job stays completing, not schedulable, until this process ends.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         return decide(RunDir(Path(args[0])), Path(args[1]), status, DistEnv.from_env(), gateway)
     except (DdpJobError, OSError, ValueError) as err:
