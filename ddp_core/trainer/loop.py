@@ -300,8 +300,3 @@ class Trainer:
                 self.lines.close()
             if self.records is not None:
                 self.records.finish(failed)
-
-
-def train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, watchdog: Watchdog) -> Outcome:
-    """One attempt of the run in ``run_dir`` on this rank (``launch`` calls it on every rank)."""
-    return Trainer(cfg, run_dir, env, stop_flag, watchdog).fit()
