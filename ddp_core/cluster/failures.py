@@ -151,6 +151,15 @@ class Failure:
     step: Optional[int]
     error: str
 
+    @property
+    def where(self) -> str:
+        return f"rank {self.rank} on {self.host}" if self.rank is not None else "the job step"
+
+    @classmethod
+    def of_rank(cls, kind: Kind, event: dict[str, Any]) -> Failure:
+        """The failure a rank's ``rank_failed`` event tells."""
+        return cls(kind, event.get("rank"), event.get("host"), event.get("step"), str(event.get("error")))
+
     def fields(self) -> dict[str, Any]:
         return {"kind": self.kind.value, "rank": self.rank, "host": self.host, "step": self.step, "error": self.error}
 
@@ -170,16 +179,13 @@ def diagnose(
     step = max(steps) if steps else last_step
     for kind in (Kind.health, Kind.user):
         if found := [e for e in by_time if e.get("kind") == kind.value]:
-            first = found[0]
-            return Failure(kind, first.get("rank"), first.get("host"), first.get("step"), str(first.get("error")))
+            return Failure.of_rank(kind, found[0])
     killed = [e for e in ends if e.by_signal]
     if killed:
         end = killed[0]
         return Failure(Kind.infrastructure, end.rank, end.host, step, f"killed by a signal ({end.what})")
     if by_time:
-        first = by_time[0]
-        kind = Kind(first.get("kind", Kind.unknown.value))
-        return Failure(kind, first.get("rank"), first.get("host"), first.get("step"), str(first.get("error")))
+        return Failure.of_rank(Kind(by_time[0].get("kind", Kind.unknown.value)), by_time[0])
     if ends:
         end = ends[0]
         return Failure(Kind.unknown, end.rank, end.host, step, f"task ended: {end.what}")

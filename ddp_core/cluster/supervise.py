@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 from ddp_core.cluster import exits
 from ddp_core.cluster.env import DistEnv, expand_nodelist
 from ddp_core.cluster.failures import Failure, Kind, diagnose, excluded_hosts, srun_task_ends, to_exclude
-from ddp_core.cluster.slurm import NODE_GATEWAY, SlurmGateway
+from ddp_core.cluster.slurm import NODE_GATEWAY, JobInfo, SlurmGateway
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
@@ -85,13 +85,12 @@ def decide(run_dir: RunDir, batch_log: Path, status: int, env: DistEnv, gateway:
     if failure.kind is Kind.unknown and any(failure.same_as(e) for e in earlier):
         failure = Failure(Kind.user, failure.rank, failure.host, failure.step, failure.error + " (again, same step)")
     run_dir.log_event("failure", job_id=env.job_id, restart_count=env.restart_count, **failure.fields())
-    where = f"rank {failure.rank} on {failure.host}" if failure.rank is not None else "the job step"
     if failure.kind is Kind.user:
-        reason = f"{where} failed at step {failure.step}: {failure.error}"
+        reason = f"{failure.where} failed at step {failure.step}: {failure.error}"
         run_dir.log_event("failed", job_id=env.job_id, step=failure.step, reason=reason)
         log.error("%s; a user error, not retried: fix it, then continue with: ddpjob resume %s", reason, run_dir.path)
         return status
-    return requeue(run_dir, cfg, env, gateway, failure, earlier, status)
+    return requeue(run_dir, cfg, env, gateway, job, failure, earlier, status)
 
 
 def requeue(
@@ -99,6 +98,7 @@ def requeue(
     cfg: Config,
     env: DistEnv,
     gateway: SlurmGateway,
+    job: Optional[JobInfo],
     failure: Failure,
     earlier: list[dict[str, Any]],
     status: int,
@@ -110,12 +110,12 @@ def requeue(
     health = failure.kind is Kind.health  # a budget of its own: its node is excluded each time
     budget, limit = ("health_failure", cfg.slurm.max_health_failures) if health else ("failure", cfg.slurm.max_failures)
     spent = 1 + sum(1 for e in earlier if e.get("kind") != Kind.user.value and (e.get("kind") == "health") == health)
-    where = f"rank {failure.rank} on {failure.host}" if failure.rank is not None else "the job step"
-    after = f"{failure.kind.value} failure of {where} at step {failure.step} ({failure.error})"
+    after = f"{failure.kind.value} failure of {failure.where} at step {failure.step} ({failure.error})"
     log.warning("%s", after)
-    events = run_dir.events()
+    events = run_dir.events()  # with this failure's event: to_exclude counts it
     new = to_exclude(events, failure)
-    if new and not room_for(gateway, job_id, {**excluded_hosts(events), **new}):
+    excluded = {**excluded_hosts(events), **new}
+    if new and not room_for(gateway, job, excluded):
         reason = f"excluding {', '.join(new)} would leave too few nodes for this job ({after})"
         run_dir.log_event("failed", job_id=env.job_id, step=failure.step, reason=reason)
         log.error("%s; free nodes or take one back, then: ddpjob resume %s --include-node HOST", reason, run_dir.path)
@@ -126,14 +126,13 @@ def requeue(
     code = exits.requeue_within(run_dir, env, budget, spent, limit, failure.step, after)
     if code != exits.ExitCode.REQUEUED:
         return status
-    if hosts := sorted(excluded_hosts(run_dir.events())):
-        keep_off(gateway, job_id, hosts)
+    if excluded:
+        keep_off(gateway, job_id, sorted(excluded))
     return 0
 
 
-def room_for(gateway: SlurmGateway, job_id: str, excluded: dict[str, str]) -> bool:
+def room_for(gateway: SlurmGateway, job: Optional[JobInfo], excluded: dict[str, str]) -> bool:
     """Whether the job's partition keeps enough nodes for it without ``excluded`` (True when Slurm cannot say)."""
-    job = gateway.show_job(job_id)
     part = gateway.show_partition(job.partition) if job is not None else None
     if job is None or part is None:
         return True
