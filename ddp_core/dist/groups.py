@@ -125,23 +125,25 @@ def setup(env: DistEnv, cfg: Optional[DistConfig] = None) -> torch.device:
 
 
 def check_health(device: torch.device, env: DistEnv, min_free: float = 0.05) -> None:
-    """The GPU part of an attempt's health check (``cluster.health``): free memory (at least ``min_free`` of it), a
-    small matrix product with an exact answer, then a one-element all-reduce on the device over every rank (the
-    path the gradients take, NCCL's; a CPU group's path was proven by the rendezvous). Raises ``HealthCheckFailed``
-    naming the host. Nothing to check on a CPU."""
-    if device.type != "cuda":
-        return
+    """The device part of an attempt's health check (``cluster.health``): on a GPU, free memory (at least
+    ``min_free`` of it) and a small matrix product with an exact answer; then a one-element all-reduce on the
+    training device over every rank (on GPUs, NCCL's path, the gradients'). Raises ``HealthCheckFailed`` naming
+    the host."""
     host = socket.gethostname()
-    free, total = torch.cuda.mem_get_info(device)
-    if free < min_free * total:
-        raise HealthCheckFailed(
-            f"health check on {host}: {device} has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB "
-            "(another process holds it?)"
-        )
-    a = (torch.arange(64 * 64, dtype=torch.float32) % 7).reshape(64, 64)  # small integers: exact in TF32 too
-    if not torch.equal((a.to(device) @ a.to(device)).cpu(), a @ a):
-        raise HealthCheckFailed(f"health check on {host}: a matrix product on {device} gave a wrong answer")
-    if dist.is_initialized():
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        if free < min_free * total:
+            raise HealthCheckFailed(
+                f"health check on {host}: {device} has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB "
+                "(another process holds it?)"
+            )
+        a = (torch.arange(64 * 64, dtype=torch.float32) % 7).reshape(64, 64)  # small integers: exact in TF32 too
+        if not torch.equal((a.to(device) @ a.to(device)).cpu(), a @ a):
+            raise HealthCheckFailed(f"health check on {host}: a matrix product on {device} gave a wrong answer")
+    # A guard rehearsal on a CPU machine stands the CPU in for the GPU, and its table may serve no CPU tensor: the
+    # GPU node would run this collective on its GPU, so the rehearsal has nothing true to say about it.
+    rehearsing_gpu = device.type == "cpu" and collective_guard.active_spec() is not None
+    if dist.is_initialized() and not rehearsing_gpu:
         total_ranks = torch.ones(1, device=device)
         dist.all_reduce(total_ranks)
         if int(total_ranks.item()) != env.world_size:
