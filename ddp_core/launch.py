@@ -71,7 +71,7 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
 
 def _after_stop(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, outcome: Outcome) -> int:
     rerun = f"python -m ddp_core {run_dir.path}"
-    return exits.after_stop(cfg, run_dir, env, stop_flag, outcome.signum, outcome.step, rerun)
+    return exits.after_stop(cfg, run_dir, env, outcome.signum, outcome.step, rerun, stop_flag.received_at)
 
 
 def _finish(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, outcome: Outcome) -> int:

@@ -1,10 +1,10 @@
 """A plain torchrun-style script that saves its own checkpoint after every step and loads it when given ``--resume``
 (what ``script.resume_args`` appends after the run's first attempt). Nothing here imports ddp_core.
 
-With ``--interrupt``, the test's interruptions come at chosen steps, from inside: on the first attempt rank 0
-requeues the job itself at step 5 (``scontrol requeue``, as a preemption would: SIGTERM ends both ranks); on the
-second, rank 1 is killed by SIGKILL at step 12 (the OOM killer), which the batch script's watcher requeues. The third
-attempt finishes.
+With ``--interrupt``, the test's interruptions come at chosen steps, from inside: on the first attempt rank 0 sends
+the job Slurm's warning signal at step 5 (``scancel --signal=USR2``, as the time limit's warning does), which this
+script has no handler for, so ddpjob requeues the job (SIGTERM ends both ranks); on the second, rank 1 is killed by
+SIGKILL at step 12 (the OOM killer), which the batch script's watcher requeues. The third attempt finishes.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def main() -> None:
             os.replace(ckpt.with_suffix(".tmp"), ckpt)
         dist.barrier()
         if args.interrupt and restart == 0 and done == 5 and rank == 0:
-            subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True)
-            time.sleep(120)  # Slurm's SIGTERM ends this attempt
+            subprocess.run(["scancel", "--signal=USR2", os.environ["SLURM_JOB_ID"]], check=True)
+            time.sleep(120)  # the requeue's SIGTERM ends this attempt
         if args.interrupt and restart == 1 and done == 12 and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()

@@ -228,9 +228,10 @@ def test_cancelled_script_run_resumes_from_its_checkpoint(slurm_cluster, tmp_pat
 
 
 def test_a_plain_script_with_resume_args_survives_a_requeue_and_a_kill(slurm_cluster, tmp_path):
-    """script.resume_args: a plain script that saves its own checkpoints, requeued from outside on its first attempt
-    and with a rank killed by SIGKILL on its second (tests/resume_script.py), finishes in the same job, resuming
-    from its own checkpoint each time, with the weights of an uninterrupted run."""
+    """script.resume_args: a plain script that saves its own checkpoints, given the warning signal on its first
+    attempt (it has no handler: ddpjob requeues it) and with a rank killed by SIGKILL on its second
+    (tests/resume_script.py), finishes in the same job, resuming from its own checkpoint each time, with the weights of
+    an uninterrupted run."""
     script = str(ROOT / "tests" / "resume_script.py")
     proc = run_cli("submit", "--script", script, "slurm.tasks_per_node=2", "script.resume_args=[--resume]",
                    "wandb.mode=disabled", "--wait", "--", "--interrupt", cwd=tmp_path)  # fmt: skip
@@ -243,6 +244,8 @@ def test_a_plain_script_with_resume_args_survives_a_requeue_and_a_kill(slurm_clu
     failures = [(e["kind"], e["rank"], e["error"]) for e in events(run_dir, "failure")]
     assert failures == [("infrastructure", 1, "killed by a signal (Killed)")], failures
     assert [e["restart_count"] for e in events(run_dir, "start")] == [0, 1, 2]
+    assert [e["kind"] for e in events(run_dir, "requeued")] == ["preemption", "failure"]
+    assert "the warning signal (SIGUSR2) came and the script has no handler for it" in out[0]
     # The same script and steps, uninterrupted, in the same job layout.
     plain = run_cli("submit", "--script", script, "slurm.tasks_per_node=2", "wandb.mode=disabled", "--wait",
                     cwd=tmp_path)  # fmt: skip

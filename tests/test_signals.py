@@ -96,3 +96,26 @@ def test_after_the_outcome_a_signal_is_ignored_to_the_end(sig):
         "print('survived', flag.received)\n"
     )], capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 0 and proc.stdout == "survived 0\n", proc.stderr
+
+
+def test_a_held_warning_with_no_handler_is_acted_on_once_after_the_grace():
+    """when_held (script mode, a plain script that resumes itself): the held warning is acted on once it has stayed
+    pending for the grace with no handler; a framework that installs its handler within the grace gets it instead."""
+    out = run_held(
+        "signals.release_when_handled(signal.SIGUSR2)\n"
+        "acted = []\n"
+        "signals.when_held(signal.SIGUSR2, lambda: acted.append(time.monotonic()), grace_s=0.3, poll_s=0.05)\n"
+        "time.sleep(1.0)\n"
+        "print('acted', len(acted), 'still held', signal.SIGUSR2 in signal.sigpending(), flush=True)"
+    )
+    assert "acted 1 still held True\n" in out
+    out = run_held(
+        "signals.release_when_handled(signal.SIGUSR2)\n"
+        "acted, got = [], []\n"
+        "signals.when_held(signal.SIGUSR2, lambda: acted.append(1), grace_s=0.5, poll_s=0.05)\n"
+        "time.sleep(0.1)\n"
+        "signal.signal(signal.SIGUSR2, lambda s, f: got.append(s))\n"
+        "time.sleep(0.8)\n"
+        "print('acted', len(acted), 'handled', len(got), flush=True)"
+    )
+    assert "acted 0 handled 1\n" in out

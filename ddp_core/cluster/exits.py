@@ -32,9 +32,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, NoReturn, Optional, TypeVar
 
-from ddp_core.cluster import preemption
+from ddp_core.cluster import preemption, signals
 from ddp_core.cluster.env import DistEnv
-from ddp_core.cluster.preemption import Interruption, StopFlag
+from ddp_core.cluster.preemption import Interruption
 from ddp_core.cluster.slurm import NODE_GATEWAY
 from ddp_core.config import Config
 from ddp_core.run.rundir import RunDir
@@ -57,25 +57,27 @@ class ExitCode(enum.IntEnum):
 
 
 def after_stop(
-    cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, signum: int, step: Optional[int], rerun: str
+    cfg: Config, run_dir: RunDir, env: DistEnv, signum: int, step: Optional[int], rerun: str, received_at: float
 ) -> int:
-    """Rank 0 decides what an attempt interrupted by ``signum`` after ``step`` (its checkpoint) leads to
-    (``preemption.decide``): requeue, or leave. Returns the exit code. Every rank returns the same code for a signal;
-    rank 0's tells Slurm whether its requeue failed. ``rerun``: the command that continues it outside Slurm. Shared
-    by the trainer and ``ddp_core.runtime.requeue`` (script mode): one set of budgets and events."""
+    """Rank 0 decides what an attempt interrupted by ``signum`` (received at ``received_at``, epoch seconds) after
+    ``step`` (its checkpoint) leads to (``preemption.decide``): requeue, or leave. Returns the exit code. Every rank
+    returns the same code for a signal; rank 0's tells Slurm whether its requeue failed. ``rerun``: the command that
+    continues it outside Slurm. Shared by the trainer, ``ddp_core.runtime.requeue`` and a plain script's held warning
+    (script mode): one set of budgets and events."""
+    warning = signals.warning_signal(cfg.slurm.signal)
     if not env.slurm_job_id:
         # Outside Slurm nothing requeues: not a timeout or a preemption, and not a success either.
         if env.is_main:
             run_dir.log_event("interrupted", kind=Interruption.stopped.value, job_id=env.job_id, step=step)
             log.warning("stopped at step %s by a signal outside Slurm; continue with: %s", step, rerun)
         return ExitCode.STOPPED
-    code = ExitCode.TERMINATED if signum != stop_flag.warning else ExitCode.REQUEUED
+    code = ExitCode.TERMINATED if signum != warning else ExitCode.REQUEUED
     if not env.is_main:
         return code  # rank 0 decides; the teardown barrier keeps this rank until it has requeued
     job = NODE_GATEWAY.show_job(env.slurm_job_id)
     mode = NODE_GATEWAY.preempt_mode(job) if job is not None and job.preempt_time else None
-    left = preemption.time_left(job, stop_flag.received_at or time.time())
-    decision = preemption.decide(signum, stop_flag.warning, job, mode, env.restart_count, left, cfg.slurm.signal_lead_s)
+    left = preemption.time_left(job, received_at or time.time())
+    decision = preemption.decide(signum, warning, job, mode, env.restart_count, left, cfg.slurm.signal_lead_s)
     kind = decision.kind
     run_dir.log_event("interrupted", kind=kind.value, job_id=env.job_id, step=step)
     log.info("stopped at step %s: %s", step, decision.why)

@@ -15,11 +15,12 @@ real interpreter starts (a window of its start: 20 ms there, against 73 ms for a
 Who releases them, once a handler is up (a pending signal is then delivered at once, to that handler):
 
 - the trainer and ``ddp_core.runtime``: ``preemption.StopFlag``, right after installing its handlers;
-- script mode: ``release_when_handled``: a plain script keeps the warning signal held (it runs on to the time limit,
-  instead of dying of an early warning), and a framework that installs its own handler (Lightning's requeue on USR1,
-  a submitit-style handler) gets it. A held signal's disposition stays the default, so a framework that registers its
-  handler only where none is set (Lightning's ``_has_already_handler``) still does. SIGTERM keeps its default for a
-  plain script: released just before the script runs.
+- script mode: ``release_when_handled``: a plain script keeps the warning signal held (instead of dying of an early
+  warning it runs on to the time limit, or, if it resumes itself, ``when_held`` requeues it), and a framework that
+  installs its own handler (Lightning's requeue on USR1, a submitit-style handler) gets it. A held signal's
+  disposition stays the default, so a framework that registers its handler only where none is set (Lightning's
+  ``_has_already_handler``) still does. SIGTERM keeps its default for a plain script: released just before the script
+  runs.
 
 At the other end, ``ignore_from_now``: once an attempt's outcome is recorded, a signal is ignored until the process
 exits (Python's teardown would otherwise restore the default action for its last milliseconds).
@@ -35,6 +36,8 @@ import functools
 import shutil
 import signal
 import subprocess
+import threading
+import time
 from typing import Any, Callable, Union
 
 Handler = Union[Callable[[int, Any], Any], int, signal.Handlers, None]
@@ -106,3 +109,27 @@ def release_when_handled(sig: int) -> None:
         return previous
 
     signal.signal = signal_
+
+
+def when_held(sig: int, act: Callable[[], None], grace_s: float = 2.0, poll_s: float = 0.5) -> threading.Thread:
+    """Script mode, rank 0 of a plain script that resumes itself (``script.resume_args``): calls ``act`` once, from a
+    daemon thread, when ``sig`` has stayed pending for ``grace_s`` with no handler of the script's (held by
+    ``release_when_handled``: the script would run on into the time limit). The grace lets a framework that installs
+    its handler late take the signal first. Start it from a thread that holds ``sig`` (and SIGTERM): the thread
+    inherits the mask, so the kernel never delivers either to it."""
+
+    def watch() -> None:
+        since = None
+        while True:
+            time.sleep(poll_s)
+            if sig not in signal.sigpending() or callable(signal.getsignal(sig)):
+                since = None
+                continue
+            since = since if since is not None else time.monotonic()
+            if time.monotonic() - since >= grace_s:
+                act()
+                return
+
+    thread = threading.Thread(target=watch, name="held-warning", daemon=True)
+    thread.start()
+    return thread

@@ -21,10 +21,11 @@ that look for ``LOCAL_RANK``, the DataLoader workers it forks).
 
 **Signals.** The task started with the warning signal and SIGTERM held (``ddp_core.cluster.signals``). While the script
 runs, the warning signal stays held until the script or its framework installs a handler for it: a plain script (one
-that never imports ``ddp_core.runtime``) runs on to the time limit instead of being killed by an early warning, and a
-framework that handles Slurm's signal itself (Lightning's requeue on USR1) gets it, also one that came before its
-handler was up. SIGTERM keeps its default (the process ends), released just before the script runs. Importing
-``ddp_core.runtime`` replaces both with handlers that record them.
+that never imports ``ddp_core.runtime``) is not killed by an early warning but runs on to the time limit, or, when it
+resumes itself (``script.resume_args``), rank 0 requeues the job a moment after the warning (``signals.when_held``;
+srun launcher), and a framework that handles Slurm's signal itself (Lightning's requeue on USR1) gets it, also one
+that came before its handler was up. SIGTERM keeps its default (the process ends), released just before the script
+runs. Importing ``ddp_core.runtime`` replaces both with handlers that record them.
 
 **Exits.** The script returns (or ``sys.exit(0)``): rank 0 records ``completed``, exit 0. ``SystemExit`` with another
 code: that code. An exception: ``rank R/W on HOST failed: ...`` is logged and the process exits 1 at once (``srun
@@ -56,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Optional, Sequence
 
-from ddp_core.cluster import failures, health, signals
+from ddp_core.cluster import exits, failures, health, signals
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.exits import ExitCode, after_submitit, leave, without_result
 from ddp_core.cluster.log import log_failure, setup_logging
@@ -277,7 +278,10 @@ def _run(run_dir_arg: str) -> int:
     os.environ.update(script_environment(env, run_dir, cfg.slurm.signal))
     # One thread per core the rank was given, as the trainer does, unless the job says otherwise.
     os.environ.setdefault("OMP_NUM_THREADS", str(env.cpus_per_rank))
-    signals.release_when_handled(signals.warning_signal(cfg.slurm.signal))  # see the module docstring
+    warning = signals.warning_signal(cfg.slurm.signal)
+    signals.release_when_handled(warning)  # see the module docstring
+    if env.is_main and env.slurm_job_id and cfg.script.resume_args:
+        signals.when_held(warning, lambda: _requeue_held_warning(cfg, run_dir, env))
 
     lock: Optional[IO[str]] = None
     try:
@@ -320,6 +324,19 @@ def _run(run_dir_arg: str) -> int:
             lock.close()
     signals.ignore_from_now(cfg.slurm.signal)  # the script's exit handlers still run before the process leaves
     return code
+
+
+def _requeue_held_warning(cfg: Config, run_dir: RunDir, env: DistEnv) -> None:
+    """A plain script that resumes itself got the warning signal and has no handler for it: rank 0 requeues the job
+    now, within the run's budgets (``exits.after_stop``), rather than let the time limit end it. Slurm's SIGTERM then
+    ends the script, and the next attempt continues from its own newest checkpoint with ``script.resume_args``."""
+    warning = signals.warning_signal(cfg.slurm.signal)
+    log.warning(
+        "the warning signal (%s) came and the script has no handler for it; it resumes itself (script.resume_args): "
+        "requeueing the job",
+        warning.name,
+    )
+    exits.after_stop(cfg, run_dir, env, warning, None, f"python -m ddp_core.script {run_dir.path}", time.time())
 
 
 def _run_agent(run_dir: RunDir, cfg: Config, env: DistEnv) -> int:

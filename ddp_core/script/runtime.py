@@ -258,7 +258,7 @@ def requeue(step: Optional[int] = None) -> NoReturn:
         if in_ddpjob():
             rd = RunDir(run_dir())
             rerun = f"python -m ddp_core.script {rd.path}"
-            code = after_stop(_config(), rd, env, flag, signum, step, rerun)
+            code = after_stop(_config(), rd, env, signum, step, rerun, flag.received_at)
         else:
             code = ExitCode.STOPPED
             if env.is_main:
