@@ -6,6 +6,7 @@ import builtins
 import os
 import re
 import signal
+import socket
 import time
 
 import torch
@@ -18,19 +19,28 @@ from ddp_core.tasks.hf_gpt2 import HFGPT2Task
 
 
 class CrashingTask(DigitsTask):
-    """Digits, but rank ``crash_rank`` fails at its ``crash_at``-th training batch of every attempt: ``error`` names
-    the builtin exception it raises, or ``SIGKILL``, which it sends itself (what the OOM killer or a segfault in a
-    library look like from outside)."""
+    """Digits, but rank ``crash_rank`` (or, with ``crash_host``, every rank on that host: a bad node) fails at its
+    ``crash_at``-th training batch of every attempt: ``error`` names the builtin exception it raises, or
+    ``SIGKILL``, which it sends itself (what the OOM killer or a segfault in a library look like from outside)."""
 
-    def __init__(self, crash_rank: int = 1, crash_at: int = 20, error: str = "RuntimeError", **kwargs: object) -> None:
+    def __init__(
+        self,
+        crash_rank: int = 1,
+        crash_at: int = 20,
+        error: str = "RuntimeError",
+        crash_host: str = "",
+        **kwargs: object,
+    ) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.crash_rank, self.crash_at, self.error, self.batches = crash_rank, crash_at, error, 0
+        self.crash_host = crash_host
 
     def compute(self, model: nn.Module, batch: tuple) -> Output:
         if model.training:
             self.batches += 1
             rank = dist.get_rank() if dist.is_initialized() else 0
-            if rank == self.crash_rank and self.batches == self.crash_at:
+            chosen = socket.gethostname() == self.crash_host if self.crash_host else rank == self.crash_rank
+            if chosen and self.batches == self.crash_at:
                 if self.error == "SIGKILL":
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise getattr(builtins, self.error)(f"injected failure at batch {self.batches}")
