@@ -1,5 +1,6 @@
-"""Pipeline and FSDP jobs on the real local cluster: sharded checkpoints through a signal and requeue, a
-reload at world size 1, and export to a plain state dict."""
+"""An FSDP job on the real local cluster: sharded checkpoints through a signal and requeue, a reload at world size 1,
+and export to a plain state dict. A pipeline's are the same on Slurm as under torchrun, where tests/test_pipeline.py
+and tests/test_trainer.py prove them (resume, reload at world size 1, export, interrupted at 4 ranks)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,7 @@ DIGITS = str(ROOT / "configs" / "digits.yaml")
 COMMON = ["task.target=tests.tasks:SlowDigitsTask", "train.max_steps=200", "train.log_every=5",
           "train.eval_every=100", "checkpoint.every_steps=50", "data.batch_size=16", "task.model.dropout=0.2",
           "wandb.mode=disabled"]  # fmt: skip
-STRATEGIES = {
-    "pipeline": ["strategy.name=pipeline", "strategy.stages=2", "strategy.microbatches=4"],
-    "fsdp": ["strategy.name=fsdp"],
-}
+STRATEGIES = {"fsdp": ["strategy.name=fsdp"]}
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
