@@ -280,6 +280,9 @@ def _run(run_dir_arg: str) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(env.cpus_per_rank))
     warning = signals.warning_signal(cfg.slurm.signal)
     signals.release_when_handled(warning)  # see the module docstring
+    # submitit's worker set its own handler for USR2 (checkpoint the pickled call, requeue): in script mode the warning
+    # is the script's, held with the default disposition until the script or its framework takes it.
+    signal.signal(warning, signal.SIG_DFL)
     if env.is_main and env.slurm_job_id and cfg.script.resume_args:
         signals.when_held(warning, lambda: _requeue_held_warning(cfg, run_dir, env))
 
