@@ -20,11 +20,13 @@ from tests.helpers import digests, events, rank_logs, sacct_state, wait_gone
 
 pytestmark = [pytest.mark.slurm, pytest.mark.cluster_shared("a")]  # 2-CPU jobs: see tests/cluster_guard.py
 DIGITS = str(ROOT / "configs" / "digits.yaml")
-QUICK = ["train.max_steps=60", "checkpoint.every_steps=20", "train.eval_every=0", "train.log_every=20"]
+# W&B offline costs a job seconds (its service process): only the test that checks its records keeps it.
+QUICK = ["train.max_steps=60", "checkpoint.every_steps=20", "train.eval_every=0", "train.log_every=20",
+         "wandb.mode=disabled"]  # fmt: skip
 
 
 def test_ddp_job_completes_with_two_ranks(slurm_cluster, tmp_path):
-    proc = run_cli("submit", DIGITS, "--wait", *QUICK, cwd=tmp_path)
+    proc = run_cli("submit", DIGITS, "--wait", *QUICK, "wandb.mode=offline", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
     assert "final eval: accuracy" in proc.stdout
@@ -179,7 +181,7 @@ def test_sbatch_template_job(slurm_cluster, tmp_path):
 def test_concurrent_resumes_submit_one_job(slurm_cluster, tmp_path):
     """Four `ddpjob resume RUN` at once: one submits, the others wait for it at the run's submit lock and then
     see its job queued; run.json keeps every job id."""
-    first = run_cli("submit", DIGITS, "--wait", *QUICK, "wandb.mode=disabled", cwd=tmp_path)
+    first = run_cli("submit", DIGITS, "--wait", *QUICK, cwd=tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
     run_dir = Path(field(first.stdout, "run dir"))
     cmd = [sys.executable, "-m", "jobs", "resume", str(run_dir), "train.max_steps=100"]

@@ -344,7 +344,7 @@ def test_parsers():
 def test_status_logs_and_cancel_on_real_jobs(slurm_cluster, tmp_path):
     digits = str(ROOT / "configs" / "digits.yaml")
     proc = run_cli("submit", digits, "--wait", "train.max_steps=30", "train.eval_every=0", "checkpoint.every_steps=10",
-                   cwd=tmp_path)  # fmt: skip
+                   "wandb.mode=disabled", cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
     (row,) = status.collect([run_dir], "eval/accuracy")
@@ -357,7 +357,7 @@ def test_status_logs_and_cancel_on_real_jobs(slurm_cluster, tmp_path):
     assert f"==> job {job_id}" in out.getvalue() and "finished at step 30" in out.getvalue()
 
     slow = run_cli("submit", digits, "task.target=tests.tasks:SlowDigitsTask", "task.data.pause_s=0.05",
-                   "train.max_steps=100000", cwd=tmp_path)  # fmt: skip
+                   "train.max_steps=100000", "wandb.mode=disabled", cwd=tmp_path)  # fmt: skip
     assert slow.returncode == 0, slow.stdout + slow.stderr
     slow_dir, slow_job = Path(field(slow.stdout, "run dir")), field(slow.stdout, "job")
     wait_for(lambda: events(slow_dir, "start"), 120, "the slow job to start training")

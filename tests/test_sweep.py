@@ -19,7 +19,13 @@ from tests.helpers import digests, events, in_queue, rank_logs, wait_for, wait_g
 pytestmark = pytest.mark.slurm
 GRID = str(ROOT / "configs" / "sweeps" / "digits-grid.yaml")
 DIGITS = str(ROOT / "configs" / "digits.yaml")
-QUICK = ["train.max_steps=40", "train.eval_every=0", "train.log_every=10", "checkpoint.every_steps=20"]
+QUICK = [
+    "train.max_steps=40",
+    "train.eval_every=0",
+    "train.log_every=10",
+    "checkpoint.every_steps=20",
+    "wandb.mode=disabled",
+]
 
 
 def trial_dirs(sweep_dir: Path) -> list[Path]:
