@@ -10,13 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, field, run_cli
+from tests.conftest import field, run_cli
 from tests.helpers import digests, events, rank_logs
+from tests.test_slurm_jobs import DIGITS, QUICK
 
 pytestmark = pytest.mark.slurm
-DIGITS = str(ROOT / "configs" / "digits.yaml")
-QUICK = ["train.max_steps=60", "checkpoint.every_steps=20", "train.eval_every=0", "train.log_every=20",
-         "wandb.mode=disabled"]  # fmt: skip
 
 
 def test_a_node_whose_ranks_keep_dying_is_excluded_and_the_run_completes_exactly_on_the_others(slurm_cluster, tmp_path):

@@ -96,9 +96,11 @@ def release_when_handled(sig: int) -> None:
     """Script mode: keep ``sig`` held while it has no handler of the script's, and deliver it to the handler the
     script (or its framework) installs. Wraps ``signal.signal`` for the rest of the process: installing a callable
     handler for ``sig`` releases it; putting back ``SIG_DFL`` or ``SIG_IGN`` holds it again (an ignored signal that
-    is pending is discarded, as the kernel does for any)."""
+    is pending is discarded, as the kernel does for any). A handler set before (submitit's worker sets its own on
+    USR2) is put back to the default: held, the signal must look unhandled to the script and to ``when_held``."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {sig})  # held already in a task ddpjob started; not if started by hand
     install = signal.signal
+    install(sig, signal.SIG_DFL)  # blocked: a pending one stays pending
 
     @functools.wraps(install)
     def signal_(signalnum: int, handler: Handler) -> Handler:

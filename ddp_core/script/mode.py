@@ -280,11 +280,8 @@ def _run(run_dir_arg: str) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(env.cpus_per_rank))
     warning = signals.warning_signal(cfg.slurm.signal)
     signals.release_when_handled(warning)  # see the module docstring
-    # submitit's worker set its own handler for USR2 (checkpoint the pickled call, requeue): in script mode the warning
-    # is the script's, held with the default disposition until the script or its framework takes it.
-    signal.signal(warning, signal.SIG_DFL)
     if env.is_main and env.slurm_job_id and cfg.script.resume_args:
-        signals.when_held(warning, lambda: _requeue_held_warning(cfg, run_dir, env))
+        signals.when_held(warning, lambda: _requeue_held_warning(cfg, run_dir, env, warning))
 
     lock: Optional[IO[str]] = None
     try:
@@ -329,11 +326,10 @@ def _run(run_dir_arg: str) -> int:
     return code
 
 
-def _requeue_held_warning(cfg: Config, run_dir: RunDir, env: DistEnv) -> None:
+def _requeue_held_warning(cfg: Config, run_dir: RunDir, env: DistEnv, warning: signal.Signals) -> None:
     """A plain script that resumes itself got the warning signal and has no handler for it: rank 0 requeues the job
     now, within the run's budgets (``exits.after_stop``), rather than let the time limit end it. Slurm's SIGTERM then
     ends the script, and the next attempt continues from its own newest checkpoint with ``script.resume_args``."""
-    warning = signals.warning_signal(cfg.slurm.signal)
     log.warning(
         "the warning signal (%s) came and the script has no handler for it; it resumes itself (script.resume_args): "
         "requeueing the job",
