@@ -27,11 +27,14 @@ def test_lightning_requeues_on_its_signal_and_resumes_from_its_checkpoint(slurm_
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
     # Slurm's requeue ends the first attempt by SIGTERM (which Lightning bypasses), then SIGKILL: if the script returned
-    # in between, its attempt is recorded as requeued by the script, never as the run completed.
+    # in between, its attempt is recorded as requeued by the script, never as the run completed. Rank 0 returning
+    # first also breaks rank 1's next collective: rank 1 may then record its own failure (a peer gone, infrastructure)
+    # of that first attempt, which Slurm is ending anyway; the watcher decides nothing for a job no longer running.
     seen = [(e["event"], e.get("restart_count"), e.get("kind")) for e in events(run_dir)]
     attempts = [("start", 0, None), ("start", 1, None), ("completed", None, None)]
-    assert [e for e in seen if e[0] != "requeued"] == attempts, seen
-    assert seen[1:-2] in ([], [("requeued", None, "script")]), seen
+    assert [e for e in seen if e[0] not in ("requeued", "rank_failed")] == attempts, seen
+    assert [e for e in seen[1:-2] if e[0] != "rank_failed"] in ([], [("requeued", None, "script")]), seen
+    assert all(e[1:] == (0, "infrastructure") for e in seen if e[0] == "rank_failed"), seen
     assert {e["job_id"] for e in events(run_dir)} == {job_id}
     out = {rank: (run_dir / "slurm" / f"{job_id}_{rank}_log.out").read_text() for rank in (0, 1)}
     err = rank_logs(run_dir, job_id)
