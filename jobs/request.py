@@ -182,6 +182,10 @@ class SlurmRequest:
             f'ddpjob_watch() {{ [ "$1" = 0 ] && exit 0; {python} -m ddp_core.cluster.supervise {run_dir} {batch_log} '
             '"$1"; exit $?; }',
             "trap 'ddpjob_watch $?' EXIT",
+            # A requeued attempt first accounts for a previous one that a node's death ended (node_loss); a non-zero
+            # answer ends this attempt before srun, already decided: the watcher has nothing to add.
+            f'ddpjob_begin() {{ [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] && return 0; {python} -m ddp_core.cluster.supervise '
+            f"--begin {run_dir} && return 0; set -- $?; trap - EXIT; exit $1; }}",
         ]
 
     def submitit_parameters(self, run_dir: Optional[Path] = None) -> dict[str, Any]:
@@ -190,7 +194,7 @@ class SlurmRequest:
         watch = []
         if run_dir is not None:
             batch_log = shlex.quote(str(run_dir / "slurm")) + '/"${SLURM_JOB_ID}_0_log.err"'  # submitit's --error
-            watch = self.watch_lines(shlex.quote(str(run_dir)), batch_log)
+            watch = [*self.watch_lines(shlex.quote(str(run_dir)), batch_log), "ddpjob_begin"]
         params: dict[str, Any] = {
             "job_name": self.job_name,
             "nodes": self.nodes,

@@ -8,6 +8,7 @@ import re
 import signal
 import socket
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,9 @@ from ddp_core.tasks.hf_gpt2 import HFGPT2Task
 class CrashingTask(DigitsTask):
     """Digits, but rank ``crash_rank`` (or, with ``crash_host``, every rank on that host: a bad node) fails at its
     ``crash_at``-th training batch of every attempt: ``error`` names the builtin exception it raises, or
-    ``SIGKILL``, which it sends itself (what the OOM killer or a segfault in a library look like from outside)."""
+    ``SIGKILL``, which it sends itself (what the OOM killer or a segfault in a library look like from outside), or
+    ``HALT``: it writes ``halt_file`` and waits there for the test to take its whole node down from outside
+    (``scripts/slurm-local kill-node``), so the node dies at a chosen step rather than at a raced moment."""
 
     def __init__(
         self,
@@ -29,11 +32,12 @@ class CrashingTask(DigitsTask):
         crash_at: int = 20,
         error: str = "RuntimeError",
         crash_host: str = "",
+        halt_file: str = "",
         **kwargs: object,
     ) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.crash_rank, self.crash_at, self.error, self.batches = crash_rank, crash_at, error, 0
-        self.crash_host = crash_host
+        self.crash_host, self.halt_file = crash_host, halt_file
 
     def compute(self, model: nn.Module, batch: tuple) -> Output:
         if model.training:
@@ -43,6 +47,10 @@ class CrashingTask(DigitsTask):
             if chosen and self.batches == self.crash_at:
                 if self.error == "SIGKILL":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if self.error == "HALT":
+                    Path(self.halt_file).write_text(f"{socket.gethostname()} rank {rank} at batch {self.batches}\n")
+                    while True:
+                        time.sleep(1)
                 raise getattr(builtins, self.error)(f"injected failure at batch {self.batches}")
         return super().compute(model, batch)
 

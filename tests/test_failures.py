@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ddp_core.cluster import supervise
+from ddp_core.cluster import failures, supervise
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.failures import Kind, TaskEnd, classify, describe, diagnose, srun_task_ends
 from ddp_core.errors import DdpJobError
@@ -99,11 +99,11 @@ def test_the_watcher_reads_only_its_own_attempt(tmp_path):
         {"event": "start", "job_id": "57", "restart_count": 1},
         rank_failed(1, "unknown", "RuntimeError: x") | {"job_id": "57", "restart_count": 1},
     ]
-    assert [e["event"] for e in supervise.attempt_events(events, env)] == ["start", "rank_failed"]
+    assert [e["event"] for e in failures.attempt_events(events, env)] == ["start", "rank_failed"]
     # An attempt that failed before its start event: only its own ranks' records.
     early = DistEnv(job_id="57", slurm_job_id="57", restart_count=2)
     failed = rank_failed(0, "user", "ImportError: x") | {"job_id": "57", "restart_count": 2}
-    assert supervise.attempt_events([*events, failed], early) == [failed]
+    assert failures.attempt_events([*events, failed], early) == [failed]
     log = tmp_path / "57_0_log.err"
     marker = supervise.MARKER.format
     log.write_text(

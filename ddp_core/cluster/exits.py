@@ -53,6 +53,7 @@ class ExitCode(enum.IntEnum):
     STOPPED = 4  # a signal outside Slurm: checkpointed, nobody requeues; continue by starting it on the run dir
     REQUEUE_FAILED = 5  # inside Slurm, but `scontrol requeue` was refused: the job must not look COMPLETED
     HUNG = 6  # the watchdog ended a stalled attempt outside Slurm (stacks in RUN/hangs/): nobody requeues
+    NOT_STARTED = 7  # the batch script's check before srun requeued the job off a node the run excludes (node_loss)
     TERMINATED = 143  # 128 + SIGTERM, the shell convention
 
 

@@ -22,13 +22,21 @@ from __future__ import annotations
 
 import enum
 import errno
+import logging
 import re
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from ddp_core.cluster.env import DistEnv
+from ddp_core.cluster.slurm import SlurmGateway
 from ddp_core.run.rundir import RunDir
+
+log = logging.getLogger("ddp_core")
+
+# Events by which the ranks ended the attempt themselves: the watcher leaves such an end alone.
+DECIDED = frozenset({"requeued", "requeue_failed", "budget_exhausted", "preempted", "interrupted", "hang", "completed"})
 
 
 class Kind(str, enum.Enum):
@@ -221,3 +229,26 @@ def to_exclude(events: list[dict[str, Any]], failure: Failure) -> dict[str, str]
         elif e["event"] == "failure" and e.get("host") == host and e.get("kind") == Kind.infrastructure.value:
             count += 1
     return {host: f"{count} infrastructure failures in this run, the last: {failure.error}"} if count >= 2 else {}
+
+
+def attempt_events(events: list[dict[str, Any]], env: DistEnv) -> list[dict[str, Any]]:
+    """This attempt's events: from its ``start`` on; without one (it failed before its first step), its ranks'
+    ``rank_failed`` events."""
+    mine = [e for e in events if e.get("job_id") == env.job_id]
+    starts = [i for i, e in enumerate(mine) if e["event"] == "start" and e.get("restart_count") == env.restart_count]
+    if starts:
+        return mine[starts[-1] :]
+    return [e for e in mine if e["event"] == "rank_failed" and e.get("restart_count") == env.restart_count]
+
+
+def keep_off(gateway: SlurmGateway, job_id: str, hosts: list[str], tries: int = 10, pause_s: float = 0.5) -> None:
+    """The requeued job's ``ExcNodeList``: Slurm takes it once the job is back in the queue, which the requeue's
+    reply may precede by a moment."""
+    for attempt in range(tries):
+        proc = gateway.exclude_nodes(job_id, hosts)
+        if proc.returncode == 0:
+            log.info("job %s excludes %s", job_id, ",".join(hosts))
+            return
+        if attempt + 1 < tries:
+            time.sleep(pause_s)
+    log.error("job %s could not exclude %s: %s", job_id, ",".join(hosts), proc.stderr.strip())

@@ -242,6 +242,29 @@ class SlurmGateway:
         lines = proc.stdout.splitlines() if proc.returncode == 0 else []
         return [parse_fields(line) for line in lines if line.startswith("PartitionName=")]
 
+    def show_node(self, name: str) -> Optional[dict[str, str]]:
+        """``scontrol show node -o NAME``'s fields; None when scontrol cannot answer."""
+        proc = self.run("scontrol", "show", "node", "-o", name)
+        return parse_fields(proc.stdout.splitlines()[0]) if proc.returncode == 0 and proc.stdout.strip() else None
+
+    def nodes_down_between(self, nodes: Sequence[str], start: str, end: str) -> Optional[list[str]]:
+        """The ``nodes`` accounting saw go down (not responding, failed) between ``start`` and ``end`` (ISO times),
+        in the order they went; None without accounting."""
+        rows = self._sacctmgr(
+            "event",
+            ["NodeName", "TimeStart", "State"],
+            "where",
+            f"nodes={','.join(nodes)}",
+            f"start={start}",
+            f"end={end}",
+        )
+        if rows is None:
+            return None
+        down = sorted(
+            (r["TimeStart"], r["NodeName"]) for r in rows if r.get("NodeName") and "DOWN" in r.get("State", "")
+        )
+        return list(dict.fromkeys(name for _, name in down))
+
     def qos_records(self, fields: Sequence[str]) -> Optional[list[dict[str, str]]]:
         """Every QOS in accounting, ``fields`` each (sacctmgr's names); None without a working slurmdbd."""
         return self._sacctmgr("qos", fields)

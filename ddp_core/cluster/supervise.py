@@ -13,20 +13,33 @@ report in BATCH_LOG after this attempt's marker), records one ``failure`` event,
 
 Its exit code is the batch script's: 0 once the job is requeued, else srun's status. Torch-free, and it never
 raises: a watcher that fails leaves the job as srun left it.
+
+A node that dies whole leaves nobody to decide: Slurm ends that attempt itself (``NODE_FAIL``) and requeues the job.
+``--begin RUN_DIR``, run by the next attempt's batch script before srun, records that failure (``node_loss``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ddp_core.cluster import exits
+from ddp_core.cluster import exits, node_loss
 from ddp_core.cluster.env import DistEnv, expand_nodelist
-from ddp_core.cluster.failures import Failure, Kind, diagnose, excluded_hosts, srun_task_ends, to_exclude
+from ddp_core.cluster.failures import (
+    DECIDED,
+    Failure,
+    Kind,
+    attempt_events,
+    diagnose,
+    excluded_hosts,
+    keep_off,
+    srun_task_ends,
+    to_exclude,
+)
 from ddp_core.cluster.slurm import NODE_GATEWAY, JobInfo, SlurmGateway
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
@@ -35,19 +48,7 @@ from ddp_core.run.rundir import RunDir
 log = logging.getLogger("ddp_core")
 
 MARKER = "ddpjob: attempt {restart} of job {job} started"  # the batch script echoes it to BATCH_LOG first
-# Events by which the ranks ended the attempt themselves: the watcher leaves such an end alone.
-DECIDED = frozenset({"requeued", "requeue_failed", "budget_exhausted", "preempted", "interrupted", "hang", "completed"})
 TAIL_BYTES = 256 * 1024
-
-
-def attempt_events(events: list[dict[str, Any]], env: DistEnv) -> list[dict[str, Any]]:
-    """This attempt's events: from its ``start`` on; without one (it failed before its first step), its ranks'
-    ``rank_failed`` events."""
-    mine = [e for e in events if e.get("job_id") == env.job_id]
-    starts = [i for i, e in enumerate(mine) if e["event"] == "start" and e.get("restart_count") == env.restart_count]
-    if starts:
-        return mine[starts[-1] :]
-    return [e for e in mine if e["event"] == "rank_failed" and e.get("restart_count") == env.restart_count]
 
 
 def srun_lines(batch_log: Path, env: DistEnv) -> list[str]:
@@ -141,25 +142,14 @@ def room_for(gateway: SlurmGateway, job: Optional[JobInfo], excluded: dict[str, 
     return not needed.isdigit() or not nodes or len(nodes - set(excluded)) >= int(needed)
 
 
-def keep_off(gateway: SlurmGateway, job_id: str, hosts: list[str], tries: int = 10, pause_s: float = 0.5) -> None:
-    """The requeued job's ``ExcNodeList``: Slurm takes it once the job is back in the queue, which the requeue's
-    reply may precede by a moment."""
-    for attempt in range(tries):
-        proc = gateway.exclude_nodes(job_id, hosts)
-        if proc.returncode == 0:
-            log.info("job %s excludes %s", job_id, ",".join(hosts))
-            return
-        if attempt + 1 < tries:
-            time.sleep(pause_s)
-    log.error("job %s could not exclude %s: %s", job_id, ",".join(hosts), proc.stderr.strip())
-
-
 def main(argv: Optional[Sequence[str]] = None, gateway: SlurmGateway = NODE_GATEWAY) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(format="%(asctime)s [batch] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("ddp_core").setLevel(logging.INFO)
+    if len(args) == 2 and args[0] == "--begin":
+        return main_begin(args[1], gateway)
     if len(args) != 3 or not args[2].lstrip("-").isdigit():
-        log.error("usage: python -m ddp_core.cluster.supervise RUN_DIR BATCH_LOG STATUS")
+        log.error("usage: python -m ddp_core.cluster.supervise RUN_DIR BATCH_LOG STATUS | --begin RUN_DIR")
         return 2
     status = int(args[2])
     if not args[0]:  # the template's batch script ended before it had a run directory
@@ -172,6 +162,19 @@ def main(argv: Optional[Sequence[str]] = None, gateway: SlurmGateway = NODE_GATE
     except (DdpJobError, OSError, ValueError) as err:
         log.error("the attempt's watcher could not decide (%s): the job ends as srun left it", err)
         return status
+
+
+def main_begin(run_dir: str, gateway: SlurmGateway) -> int:
+    """``--begin RUN_DIR``: before a requeued attempt's srun, the previous attempt's node failure (``node_loss``)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as above: it may requeue the job itself
+    try:
+        rd = RunDir(Path(run_dir))
+        env = DistEnv.from_env()
+        max_failures = rd.load_config().slurm.max_failures
+        return node_loss.begin(rd, env, os.environ.get("SLURM_JOB_NODELIST", ""), max_failures, gateway)
+    except (DdpJobError, OSError, ValueError) as err:
+        log.error("the attempt's start check could not decide (%s): the attempt runs", err)
+        return node_loss.GO_ON
 
 
 if __name__ == "__main__":

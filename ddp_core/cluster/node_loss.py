@@ -1,0 +1,91 @@
+"""A whole node lost: the failure nobody lived to record, accounted at the start of the next attempt.
+
+When a node dies (power, kernel, its slurmd gone with every process on it), no rank there records anything, and the
+batch script's watcher (``cluster.supervise``) cannot decide either: srun waits on the dead node until slurmctld marks
+it DOWN (``SlurmdTimeout``), then Slurm itself ends the attempt (``NODE_FAIL``) and, with ``--requeue``, queues the
+same job again. The batch script of that next attempt runs ``python -m ddp_core.cluster.supervise --begin RUN_DIR``
+before srun (``jobs.request.SlurmRequest.watch_lines``), which comes here when the previous attempt ended with no
+decision recorded (no ``requeued``, ``failure``, ...):
+
+- accounting says how it ended (``sacct -D``); for ``NODE_FAIL``, which of its nodes went down (the controller's node
+  events, else the nodes down now), recorded as one infrastructure ``failure`` event naming that host;
+- that failure counts against ``slurm.max_failures`` like any other: once spent, the attempt ends here (exit code
+  ``BUDGET_SPENT``) and the run reads FAILED with the reason;
+- a host with its second infrastructure failure is excluded (``failures.to_exclude``); if this attempt was placed on
+  it again, the job is requeued off it now, before srun starts a rank there.
+
+Torch-free; it never raises (a question Slurm cannot answer leaves the attempt to run).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Optional
+
+from ddp_core.cluster import exits
+from ddp_core.cluster.env import DistEnv, expand_nodelist
+from ddp_core.cluster.failures import DECIDED, Failure, Kind, attempt_events, excluded_hosts, keep_off, to_exclude
+from ddp_core.cluster.slurm import SlurmGateway
+from ddp_core.run.rundir import RunDir
+
+log = logging.getLogger("ddp_core")
+
+# Accounting records a node's DOWN event when slurmctld ends the job for it: a little slack past the attempt's End.
+EVENT_SLACK_S = 60
+GO_ON = 0  # the batch script runs srun
+
+
+def node_failure(gateway: SlurmGateway, job_id: str, step: Optional[int]) -> Optional[Failure]:
+    """The failure of the job's previous attempt if Slurm ended it for a node failure, naming the node that went
+    down (None for any other end, or when accounting cannot say)."""
+    rows = [r for r in gateway.sacct([job_id], "State,NodeList,Start,End", attempts=True) if len(r) == 4]
+    ended = [r for r in rows if r[0].split()[:1] not in (["RUNNING"], ["PENDING"])]
+    if not ended or ended[-1][0].split()[0] != "NODE_FAIL":
+        return None
+    _, nodelist, start, end = ended[-1]
+    nodes = expand_nodelist(nodelist)
+    until = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.mktime(time.strptime(end, "%Y-%m-%dT%H:%M:%S"))
+                                                                     + EVENT_SLACK_S))  # fmt: skip
+    down = gateway.nodes_down_between(nodes, start, until) or [
+        n for n in nodes if any(w in (gateway.show_node(n) or {}).get("State", "") for w in ("DOWN", "NOT_RESPONDING"))
+    ]
+    host = down[0] if down else None
+    what = f"{', '.join(down)} stopped responding" if down else f"a node of {nodelist} failed"
+    return Failure(Kind.infrastructure, None, host, step, f"node failure: {what} (Slurm ended the attempt: NODE_FAIL)")
+
+
+def begin(run_dir: RunDir, env: DistEnv, nodelist: str, max_failures: int, gateway: SlurmGateway) -> int:
+    """Before a requeued attempt's srun (see the module docstring): ``GO_ON``, or the batch script's exit code when
+    this attempt must not start (a spent budget, or a requeue off an excluded node it was placed on)."""
+    if not env.restart_count or not env.slurm_job_id:
+        return GO_ON
+    events = run_dir.events()
+    previous = attempt_events(events, replace(env, restart_count=env.restart_count - 1))
+    if any(e["event"] in DECIDED or e["event"] in ("failure", "failed") for e in previous):
+        return GO_ON
+    steps = [r["step"] for r in run_dir.metrics()]
+    failure = node_failure(gateway, env.slurm_job_id, max(steps) if steps else None)
+    if failure is None:
+        return GO_ON
+    earlier = [e for e in events if e["event"] == "failure" and e.get("job_id") == env.job_id]
+    spent = 1 + sum(1 for e in earlier if e.get("kind") not in (Kind.user.value, Kind.health.value))
+    run_dir.log_event("failure", job_id=env.job_id, restart_count=env.restart_count - 1, **failure.fields())
+    log.warning("the previous attempt ended by a %s", failure.error)
+    events = run_dir.events()
+    for host, why in to_exclude(events, failure).items():
+        run_dir.log_event("excluded", job_id=env.job_id, host=host, reason=why)
+        log.warning("excluding %s from this run's later attempts: %s", host, why)
+    excluded = excluded_hosts(run_dir.events())
+    placed_on = sorted(set(expand_nodelist(nodelist)) & set(excluded)) if nodelist else []
+    if spent <= max_failures and not placed_on:
+        return GO_ON
+    if placed_on:
+        log.warning("this attempt was placed on %s, which the run excludes: requeueing it off", ", ".join(placed_on))
+    after = f"the node failure of the previous attempt ({failure.error})"
+    code = exits.requeue_within(run_dir, env, "failure", spent, max_failures, failure.step, after)
+    if code != exits.ExitCode.REQUEUED:
+        return code
+    keep_off(gateway, env.slurm_job_id, sorted(excluded))
+    return exits.ExitCode.NOT_STARTED
