@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ddp_core.cluster import failures, supervise
+from ddp_core.cluster import failures, node_loss, supervise
 from ddp_core.cluster.env import DistEnv
+from ddp_core.cluster.exits import ExitCode
 from ddp_core.cluster.failures import Kind, TaskEnd, classify, describe, diagnose, srun_task_ends
+from ddp_core.cluster.slurm import SlurmGateway, gateway_for
 from ddp_core.errors import DdpJobError
+from ddp_core.run.rundir import RunDir
 from tests.conftest import ROOT
 
 GLOO_PEER = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.1.2]:29500"
@@ -170,3 +173,48 @@ def test_health_check_of_a_node(tmp_path):
             check_node(run, env, None)
     finally:
         tmp_path.chmod(0o700)
+
+
+def node_fail_gateway(down: str) -> SlurmGateway:
+    """Slurm's answers after a node failure ended attempt 0 of job 57 on n[1-2], ``down`` the node that went."""
+
+    def runner(cmd):
+        answers = {
+            "sacct": "NODE_FAIL|n[1-2]|2026-11-26T21:13:26|2026-11-26T21:14:08\n"
+            "RUNNING|n[2-3]|2026-11-26T21:14:15|Unknown\n",
+            "sacctmgr": f"{down}|2026-11-26T21:14:08|DOWN*\n",
+        }
+        return subprocess.CompletedProcess(cmd, 0, answers.get(cmd[0], ""), "")
+
+    return gateway_for(runner)
+
+
+def test_a_node_failure_nobody_recorded_is_counted_before_the_next_attempt(tmp_path):
+    run = RunDir(tmp_path)
+    run.log_event("start", job_id="57", restart_count=0)
+    second = DistEnv(job_id="57", slurm_job_id="57", restart_count=1)
+    assert node_loss.begin(run, second, "n[2-3]", 3, node_fail_gateway("n1")) == node_loss.GO_ON
+    [failure] = [e for e in run.events() if e["event"] == "failure"]
+    assert (failure["kind"], failure["host"], failure["rank"], failure["restart_count"]) == (
+        "infrastructure",
+        "n1",
+        None,
+        0,
+    )
+    assert failure["error"] == "node failure: n1 stopped responding (Slurm ended the attempt: NODE_FAIL)"
+    assert node_loss.begin(run, second, "n[2-3]", 3, node_fail_gateway("n1")) == node_loss.GO_ON  # decided already
+    assert len([e for e in run.events() if e["event"] == "failure"]) == 1
+    # n1 dies again under attempt 1: its second infrastructure failure excludes it, and a budget of one is spent.
+    run.log_event("start", job_id="57", restart_count=1)
+    third = DistEnv(job_id="57", slurm_job_id="57", restart_count=2)
+    assert node_loss.begin(run, third, "n[2-3]", 1, node_fail_gateway("n1")) == ExitCode.BUDGET_SPENT
+    assert [(e["event"], e.get("host")) for e in run.events()][-3:] == [
+        ("failure", "n1"), ("excluded", "n1"), ("budget_exhausted", None)
+    ]  # fmt: skip
+    assert "slurm.max_failures=1" in run.events()[-1]["reason"]
+    # Any other end of the previous attempt is not a node's loss: nothing to add.
+    run.log_event("start", job_id="57", restart_count=2)
+    fourth = DistEnv(job_id="57", slurm_job_id="57", restart_count=3)
+    timeout = gateway_for(lambda cmd: subprocess.CompletedProcess(cmd, 0, "TIMEOUT|n[1-2]|a|b\n", ""))
+    assert node_loss.begin(run, fourth, "n[1-2]", 3, timeout) == node_loss.GO_ON
+    assert run.events()[-1]["event"] == "start"
