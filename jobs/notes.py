@@ -24,7 +24,10 @@ def for_run(name: str, events: list[dict[str, Any]], straggler: Optional[dict[st
 
 
 def failure_note(name: str, e: dict[str, Any]) -> str:
-    who = f"rank {e.get('rank')} on {e.get('host')}" if e.get("rank") is not None else "the job step"
+    if e.get("rank") is not None:
+        who = f"rank {e.get('rank')} on {e.get('host')}"
+    else:  # srun's report named no rank, or the whole node was lost (cluster.node_loss)
+        who = f"node {e.get('host')}" if e.get("host") else "the job step"
     retried = "a user error, not retried" if e.get("kind") == "user" else f"{e.get('kind')}: requeued"
     return f"failure in {name} at step {e.get('step')}: {who}: {e.get('error')} ({retried})"
 

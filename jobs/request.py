@@ -184,8 +184,9 @@ class SlurmRequest:
             "trap 'ddpjob_watch $?' EXIT",
             # A requeued attempt first accounts for a previous one that a node's death ended (node_loss); a non-zero
             # answer ends this attempt before srun, already decided: the watcher has nothing to add.
-            f'ddpjob_begin() {{ [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] && return 0; {python} -m ddp_core.cluster.supervise '
-            f"--begin {run_dir} && return 0; set -- $?; trap - EXIT; exit $1; }}",
+            'ddpjob_begin() { [ "${SLURM_RESTART_COUNT:-0}" = 0 ] && return 0; '
+            f"{python} -m ddp_core.cluster.supervise --begin {run_dir} && return 0; "
+            "set -- $?; trap - EXIT; exit $1; }",
         ]
 
     def submitit_parameters(self, run_dir: Optional[Path] = None) -> dict[str, Any]:

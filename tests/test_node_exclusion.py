@@ -92,3 +92,5 @@ def test_a_node_that_dies_whole_is_replaced_and_the_run_completes_exactly(slurm_
     assert rows == ["NODE_FAIL|n[1-2]", "COMPLETED|n[2-3]"], rows
     logs = rank_logs(run_dir, job_id)
     assert "resumed from step_00000020.pt" in logs[0] and digests(logs) == reference, logs
+    status = run_cli("status", str(run_dir), cwd=tmp_path)
+    assert f"at step 20: node n1: {failure['error']} (infrastructure: requeued)" in status.stdout, status.stdout
