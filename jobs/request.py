@@ -189,13 +189,20 @@ class SlurmRequest:
             "set -- $?; trap - EXIT; exit $1; }",
         ]
 
-    def submitit_parameters(self, run_dir: Optional[Path] = None) -> dict[str, Any]:
+    def submitit_parameters(self, run_dir: Optional[Path] = None, array_runs: Optional[Path] = None) -> dict[str, Any]:
         """submitit ``SlurmExecutor`` parameters (Slurm's names, underscores), ``setup`` and ``srun_args`` included.
-        ``run_dir``: one run's job, whose batch script watches its attempts (``watch_lines``); an array's is not."""
+        ``run_dir``: one run's job, whose batch script watches its attempts (``watch_lines``). ``array_runs``: an
+        array's, a file beside submitit's logs with one run directory per line, task ``i``'s on line ``i + 1``: each
+        task's batch script watches its own run's attempts the same way."""
         watch = []
         if run_dir is not None:
             batch_log = shlex.quote(str(run_dir / "slurm")) + '/"${SLURM_JOB_ID}_0_log.err"'  # submitit's --error
             watch = [*self.watch_lines(shlex.quote(str(run_dir)), batch_log), "ddpjob_begin"]
+        elif array_runs is not None:
+            folder = shlex.quote(str(array_runs.parent))
+            batch_log = folder + '/"${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}_0_log.err"'  # submitit's, for arrays
+            pick = f'RUN_DIR=$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {shlex.quote(str(array_runs))})'
+            watch = [pick, *self.watch_lines('"$RUN_DIR"', batch_log), "ddpjob_begin"]
         params: dict[str, Any] = {
             "job_name": self.job_name,
             "nodes": self.nodes,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from ddp_core.cluster.failures import excluded_hosts
 from ddp_core.cluster.slurm import GATEWAY
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
@@ -144,8 +145,9 @@ def array_request(sweep: Sweep, python: str = sys.executable) -> SlurmRequest:
     return dataclasses.replace(SlurmRequest.resolve(cfg, python=python), job_name=cfg.slurm.job_name or sweep.name)
 
 
-def array_parameters(request: SlurmRequest, parallelism: int) -> dict[str, Any]:
-    return request.submitit_parameters() | {"array_parallelism": parallelism}
+def array_parameters(request: SlurmRequest, parallelism: int, runs: Path) -> dict[str, Any]:
+    """``runs``: the file naming each task's run directory, one per line (``SlurmRequest.submitit_parameters``)."""
+    return request.submitit_parameters(array_runs=runs) | {"array_parallelism": parallelism}
 
 
 def render_array_script(sweep: Sweep, count: int, parallelism: int, python: str = sys.executable) -> str:
@@ -157,8 +159,16 @@ def render_array_script(sweep: Sweep, count: int, parallelism: int, python: str 
         command=submitit_command(request, folder),
         folder=folder,
         map_count=count,
-        **array_parameters(request, parallelism),
+        **array_parameters(request, parallelism, folder / "runs-TIMESTAMP-0.txt"),
     )
+
+
+def excluded_by_trials(plans: list[TrialPlan]) -> dict[str, str]:
+    """The hosts the sweep's trials excluded after failures (``ddp_core.cluster.failures``), with why."""
+    hosts: dict[str, str] = {}
+    for p in plans:
+        hosts.update(excluded_hosts(p.run_dir.events()))
+    return hosts
 
 
 def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int) -> list[str]:
@@ -180,10 +190,20 @@ def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int) -> list
         if shared is not None and p.action == "submit" and p.cfg.snapshot.enabled:
             snapshot.write_record(p.run_dir.path, shared)
     request = array_request(sweep)
+    if excluded := excluded_by_trials(plans):
+        # The nodes a trial excluded after its failures: the trials submitted now stay off them as well.
+        for host, why in excluded.items():
+            print(f"excluding {host}: {why} (a trial of this sweep excluded it)")
+        own = [h for h in str(request.additional.get("exclude", "")).split(",") if h]
+        hosts = ",".join(dict.fromkeys([*own, *excluded]))
+        request = dataclasses.replace(request, additional={**request.additional, "exclude": hosts})
     executor = submitit.SlurmExecutor(folder=folder, python=request.submitit_python())
-    executor.update_parameters(**array_parameters(request, parallelism))
     arrays: list[str] = []
-    for chunk in chunks(todo, max_array_size()):
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for number, chunk in enumerate(chunks(todo, max_array_size())):
+        runs = folder / f"runs-{stamp}-{number}.txt"  # each task's run directory: its batch script watches it
+        runs.write_text("".join(f"{p.run_dir.path}\n" for p in chunk))
+        executor.update_parameters(**array_parameters(request, parallelism, runs))
         before = set(GATEWAY.queued_from(folder))  # earlier arrays of this sweep may still be queued
         try:
             jobs = executor.map_array(run, [str(p.run_dir.path) for p in chunk])  # one sbatch per chunk

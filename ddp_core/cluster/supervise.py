@@ -63,8 +63,11 @@ def srun_lines(batch_log: Path, env: DistEnv) -> list[str]:
     return text.rpartition(marker)[2].splitlines() if marker in text else []
 
 
-def decide(run_dir: RunDir, batch_log: Path, status: int, env: DistEnv, gateway: SlurmGateway) -> int:
-    """What the batch script exits with (see the module docstring)."""
+def decide(
+    run_dir: RunDir, batch_log: Path, status: int, env: DistEnv, gateway: SlurmGateway, array_job_id: str = ""
+) -> int:
+    """What the batch script exits with (see the module docstring). ``array_job_id``: a sweep's array, whose tasks
+    still pending (the sweep's later trials) stay off the nodes this run excludes."""
     if status == 0 or not env.slurm_job_id:
         return status
     job = gateway.show_job(env.slurm_job_id)
@@ -91,7 +94,7 @@ def decide(run_dir: RunDir, batch_log: Path, status: int, env: DistEnv, gateway:
         run_dir.log_event("failed", job_id=env.job_id, step=failure.step, reason=reason)
         log.error("%s; a user error, not retried: fix it, then continue with: ddpjob resume %s", reason, run_dir.path)
         return status
-    return requeue(run_dir, cfg, env, gateway, job, failure, earlier, status)
+    return requeue(run_dir, cfg, env, gateway, job, failure, earlier, status, array_job_id)
 
 
 def requeue(
@@ -103,6 +106,7 @@ def requeue(
     failure: Failure,
     earlier: list[dict[str, Any]],
     status: int,
+    array_job_id: str = "",
 ) -> int:
     """After an infrastructure, health or unknown failure: exclude its node where ``failures.to_exclude`` says so
     (unless too few nodes would be left), then requeue within the failure's budget."""
@@ -129,6 +133,10 @@ def requeue(
         return status
     if excluded:
         keep_off(gateway, job_id, sorted(excluded))
+    if new and array_job_id:
+        # The array's pending tasks take it; its running ones refuse (scontrol exits 1), each their own to decide.
+        gateway.exclude_nodes(array_job_id, sorted(excluded))
+        log.info("the pending tasks of array %s exclude %s", array_job_id, ",".join(sorted(excluded)))
     return 0
 
 
@@ -158,7 +166,8 @@ def main(argv: Optional[Sequence[str]] = None, gateway: SlurmGateway = NODE_GATE
     # ExcNodeList is set after the requeue, and the job stays completing, not schedulable, until this process ends.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        return decide(RunDir(Path(args[0])), Path(args[1]), status, DistEnv.from_env(), gateway)
+        array_job_id = os.environ.get("SLURM_ARRAY_JOB_ID", "")
+        return decide(RunDir(Path(args[0])), Path(args[1]), status, DistEnv.from_env(), gateway, array_job_id)
     except (DdpJobError, OSError, ValueError) as err:
         log.error("the attempt's watcher could not decide (%s): the job ends as srun left it", err)
         return status
