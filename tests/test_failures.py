@@ -89,6 +89,10 @@ def test_diagnose_prefers_a_user_error_then_a_signal_death_then_the_first_error(
         Kind.infrastructure, 1, "n2", 40, "killed by a signal (Killed)"
     )  # fmt: skip
     assert diagnose([peer], [], 1, None).kind is Kind.infrastructure
+    # A torchrun agent's report of its worker killed by a signal comes after its peers' errors, and explains them.
+    agent = rank_failed(1, "infrastructure", "killed by a signal (SIGKILL)", t=3.0) | {"signal": "SIGKILL"}
+    got = diagnose([peer, agent], [TaskEnd("n1", 0, "Exited with exit code 137")], 137, 12)
+    assert (got.kind, got.rank, got.error) == (Kind.infrastructure, 1, "killed by a signal (SIGKILL)")
     nothing = diagnose([], [], 137, 12)
     assert (nothing.kind, nothing.rank, nothing.step) == (Kind.unknown, None, 12)
     assert "status 137 and no rank said why" in nothing.error

@@ -227,28 +227,42 @@ def test_cancelled_script_run_resumes_from_its_checkpoint(slurm_cluster, tmp_pat
     assert events(run_dir)[-1]["event"] == "completed" and metric_steps(run_dir)[-1] == 400
 
 
-def test_a_plain_script_with_resume_args_survives_a_requeue_and_a_kill(slurm_cluster, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted_weights(slurm_cluster, tmp_path_factory) -> str:
+    """tests/resume_script.py's final weights, uninterrupted, in the layout of the tests below (2 ranks, one node)."""
+    script = str(ROOT / "tests" / "resume_script.py")
+    plain = run_cli("submit", "--script", script, "slurm.tasks_per_node=2", "wandb.mode=disabled", "--wait",
+                    cwd=tmp_path_factory.mktemp("uninterrupted"))  # fmt: skip
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    ref = rank_output(Path(field(plain.stdout, "run dir")), field(plain.stdout, "job"))[0]
+    assert "resumed" not in ref, ref
+    return re.search(r"finished at step 20, weights (\w+)", ref)[1]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+def test_a_plain_script_with_resume_args_survives_a_requeue_and_a_kill(
+    slurm_cluster, tmp_path, launcher, uninterrupted_weights
+):
     """script.resume_args: a plain script that saves its own checkpoints, given the warning signal on its first
     attempt (it has no handler: ddpjob requeues it) and with a rank killed by SIGKILL on its second
     (tests/resume_script.py), finishes in the same job, resuming from its own checkpoint each time, with the weights of
-    an uninterrupted run."""
+    an uninterrupted run. Under torchrun too: its rank 0 worker gets the warning from Slurm as an srun rank does, and
+    the agent reports the worker the signal killed."""
     script = str(ROOT / "tests" / "resume_script.py")
     proc = run_cli("submit", "--script", script, "slurm.tasks_per_node=2", "script.resume_args=[--resume]",
-                   "wandb.mode=disabled", "--wait", "--", "--interrupt", cwd=tmp_path)  # fmt: skip
+                   f"script.launcher={launcher}", "wandb.mode=disabled", "--wait", "--", "--interrupt",
+                   cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
     out = rank_output(run_dir, job_id)
+    ranks = "\n".join(out.values())  # under torchrun, the node's one task prints both ranks
     for rank in (0, 1):
-        assert re.findall(r"resumed from step (\d+) of its own checkpoint", out[rank]) == ["5", "12"], out[rank]
-    finished = {re.search(r"finished at step 20, weights (\w+)", out[rank])[1] for rank in (0, 1)}  # type: ignore[index]
+        resumed = re.findall(rf"rank {rank}: resumed from step (\d+) of its own checkpoint", ranks)
+        assert resumed == ["5", "12"], ranks
+        assert f"rank {rank}: finished at step 20, weights {uninterrupted_weights}" in ranks, ranks
     failures = [(e["kind"], e["rank"], e["error"]) for e in events(run_dir, "failure")]
-    assert failures == [("infrastructure", 1, "killed by a signal (Killed)")], failures
+    signal = {"srun": "Killed", "torchrun": "SIGKILL"}[launcher]
+    assert failures == [("infrastructure", 1, f"killed by a signal ({signal})")], failures
     assert [e["restart_count"] for e in events(run_dir, "start")] == [0, 1, 2]
     assert [e["kind"] for e in events(run_dir, "requeued")] == ["preemption", "failure"]
-    assert "the warning signal (SIGUSR2) came and the script has no handler for it" in out[0]
-    # The same script and steps, uninterrupted, in the same job layout.
-    plain = run_cli("submit", "--script", script, "slurm.tasks_per_node=2", "wandb.mode=disabled", "--wait",
-                    cwd=tmp_path)  # fmt: skip
-    assert plain.returncode == 0, plain.stdout + plain.stderr
-    ref = rank_output(Path(field(plain.stdout, "run dir")), field(plain.stdout, "job"))[0]
-    assert "resumed" not in ref and finished == {re.search(r"weights (\w+)", ref)[1]}, (finished, ref)  # type: ignore[index]
+    assert "the warning signal (SIGUSR2) came and the script has no handler for it" in ranks

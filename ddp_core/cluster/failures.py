@@ -181,7 +181,8 @@ def diagnose(
 ) -> Failure:
     """The attempt's failure from its ranks' ``rank_failed`` events and srun's report. A failed health check comes
     first (the others' errors follow from its rank leaving), then a user error any rank raised; else a task killed by
-    a signal (likewise); else the first rank's error."""
+    a signal (likewise: srun's report, or a torchrun agent's ``rank_failed`` with the ``signal``); else the first
+    rank's error."""
     by_time = sorted(rank_failures, key=lambda e: e.get("t", 0))
     steps = [e["step"] for e in by_time if isinstance(e.get("step"), int)]
     step = max(steps) if steps else last_step
@@ -192,6 +193,8 @@ def diagnose(
     if killed:
         end = killed[0]
         return Failure(Kind.infrastructure, end.rank, end.host, step, f"killed by a signal ({end.what})")
+    if by_signal := [e for e in by_time if e.get("signal")]:  # a torchrun agent's report of its worker (as srun's)
+        return Failure.of_rank(Kind.infrastructure, by_signal[0])
     if by_time:
         return Failure.of_rank(Kind(by_time[0].get("kind", Kind.unknown.value)), by_time[0])
     if ends:

@@ -362,4 +362,12 @@ def _run_agent(run_dir: RunDir, cfg: Config, env: DistEnv) -> int:
         return ExitCode.USAGE
     from ddp_core.script.torchrun import run_agent
 
-    return run_agent(run_dir.path, cfg, env)
+    warning = signals.warning_signal(cfg.slurm.signal)
+
+    def requeue() -> None:
+        # Rank 0's worker requeues the job itself where the warning reached it too (torchrun's module docstring).
+        if not any(e["event"] in ("interrupted", "requeued") for e in failures.attempt_events(run_dir.events(), env)):
+            _requeue_held_warning(cfg, run_dir, env, warning)
+
+    resumes = env.is_main and env.slurm_job_id and cfg.script.resume_args  # node 0's agent, as rank 0 in srun mode
+    return run_agent(run_dir.path, cfg, env, requeue if resumes else None)

@@ -34,7 +34,11 @@ torch's agent runs in a helper thread (so it installs no handlers) and the main 
   point after the signal arrived; never to one that has no handler (still starting, or a plain script:
   ``ddp_core.script`` holds the warning until a handler takes it, ``ddp_core.cluster.signals``). Workers start with the
   warning signal and SIGTERM held, as srun-mode ranks do: the agent thread that starts them holds both (see
-  ``run_agent``). torch starts every worker in a
+  ``run_agent``). A plain script that resumes itself (``script.resume_args``): where Slurm signals every process of
+  the step (proctrack/cgroup, linuxproc), rank 0's worker gets the warning itself and requeues the job, as in srun
+  mode (``cluster.signals.when_held``); where it signals only the task (proctrack/pgid: torch's workers have sessions
+  of their own), node 0's agent does, once no worker has taken the warning for a longer grace and the attempt has
+  not recorded a requeue (``on_unhandled_warning``). torch starts every worker in a
   session of its own (``start_new_session``), so a signal to the agent's process group would not reach them:
   each worker process is signalled by pid, its own children (DataLoader workers) are not.
 
@@ -54,15 +58,17 @@ import os
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from ddp_core.cluster import signals
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.exits import leave
 from ddp_core.errors import DdpJobError
+from ddp_core.run.rundir import RunDir
 
 if TYPE_CHECKING:
     from ddp_core.config import Config
@@ -70,6 +76,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("ddp_core.script")
 
 WORKER_MODULE = "ddp_core.script"
+# Twice cluster.signals.when_held's grace: a framework that installs its handler late, and then a worker that got the
+# warning itself (rank 0's when_held), take it first.
+HELD_WARNING_GRACE_S = 4.0
 # Signals that end a worker, passed on to every worker at once (the warning signal is passed on more carefully).
 TERMINATING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # How often torch's agent polls its workers, and the main thread looks for workers owed the warning signal.
@@ -184,6 +193,7 @@ class Forwarder:
     def __init__(self, warning: signal.Signals) -> None:
         self.warning = warning
         self.warning_pending = False
+        self.warning_at: Optional[float] = None  # time.monotonic() of its first arrival
         self.warned: set[int] = set()
         for sig in (*TERMINATING, warning):
             signal.signal(sig, self._handle)
@@ -191,6 +201,7 @@ class Forwarder:
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if signum == self.warning:
             self.warning_pending = True
+            self.warning_at = self.warning_at or time.monotonic()
             self.deliver_warning()
             return
         workers = worker_pids()
@@ -208,6 +219,10 @@ class Forwarder:
             if pid not in self.warned and handles(pid, self.warning):
                 _kill(pid, self.warning)
                 self.warned.add(pid)
+
+    def unhandled(self, grace_s: float) -> bool:
+        """Whether the warning came ``grace_s`` ago or more and no worker has taken it (none handles it)."""
+        return self.warning_at is not None and not self.warned and time.monotonic() - self.warning_at >= grace_s
 
 
 def _blame(exitcode: int) -> int:
@@ -231,8 +246,11 @@ def _kill(pid: int, sig: int) -> None:
         pass  # exited meanwhile
 
 
-def exit_code(error: Optional[BaseException], host: str, world_size: int) -> int:
-    """The agent's exit code for what torch's ``run`` raised (None: every worker exited 0)."""
+def exit_code(
+    error: Optional[BaseException], host: str, world_size: int, on_killed: Optional[Callable[[int, str], None]] = None
+) -> int:
+    """The agent's exit code for what torch's ``run`` raised (None: every worker exited 0). ``on_killed``: called with
+    the rank and the signal's name when the failure that explains the others is a worker killed by a signal."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if error is None:
@@ -253,11 +271,21 @@ def exit_code(error: Optional[BaseException], host: str, world_size: int) -> int
         f" ({others} more of this node's ranks exited non-zero)" if others else "",
         code,
     )
+    # A worker killed by a signal of its own (not the agent's SIGTERM to the rest) explains its peers' errors, whatever
+    # exit code the agent passes on.
+    signalled = [(f.timestamp, r, -f.exitcode) for r, f in error.failures.items() if f.exitcode < 0]
+    signalled = [s for s in signalled if s[2] != signal.SIGTERM]
+    if signalled and on_killed is not None:
+        _, killed_rank, signum = min(signalled)
+        on_killed(killed_rank, signal.Signals(signum).name)
     return code
 
 
-def run_agent(run_dir: Path, cfg: Config, env: DistEnv) -> int:
-    """Run this node's torchrun agent until its workers end; returns the agent's exit code (module docstring)."""
+def run_agent(
+    run_dir: Path, cfg: Config, env: DistEnv, on_unhandled_warning: Optional[Callable[[], None]] = None
+) -> int:
+    """Run this node's torchrun agent until its workers end; returns the agent's exit code (module docstring).
+    ``on_unhandled_warning``: called once when no worker takes the warning signal (``Forwarder.unhandled``)."""
     from torch.distributed import run as torchrun
 
     from ddp_core.config import ranks_per_node
@@ -294,4 +322,15 @@ def run_agent(run_dir: Path, cfg: Config, env: DistEnv) -> int:
     while thread.is_alive():
         thread.join(POLL_S)  # signal handlers run here, between waits
         forwarder.deliver_warning()
-    return exit_code(outcome[0] if outcome else None, host, rdzv.nnodes * nproc)
+        if on_unhandled_warning is not None and forwarder.unhandled(HELD_WARNING_GRACE_S):
+            on_unhandled_warning()
+            on_unhandled_warning = None
+
+    def killed(rank: int, name: str) -> None:
+        # What srun reports of a task killed by a signal, which it cannot see here (the agent is the task): the
+        # batch script's watcher reads it as the attempt's infrastructure failure (cluster.failures).
+        fields = {"job_id": env.job_id, "restart_count": env.restart_count, "rank": rank, "host": host, "step": None}
+        error = f"killed by a signal ({name})"
+        RunDir(run_dir).log_event("rank_failed", **fields, kind="infrastructure", error=error, signal=name)
+
+    return exit_code(outcome[0] if outcome else None, host, rdzv.nnodes * nproc, killed)
