@@ -203,6 +203,13 @@ def diagnose(
     return Failure(Kind.unknown, None, None, step, f"the job step ended with status {status} and no rank said why")
 
 
+def as_repeated(failure: Failure, earlier: list[dict[str, Any]]) -> Failure:
+    """An unknown failure seen before at the same step (``earlier``: the run's ``failure`` events) is a user error."""
+    if failure.kind is Kind.unknown and any(failure.same_as(e) for e in earlier):
+        return Failure(Kind.user, failure.rank, failure.host, failure.step, failure.error + " (again, same step)")
+    return failure
+
+
 def excluded_hosts(events: list[dict[str, Any]]) -> dict[str, str]:
     """The hosts a run's later attempts stay off, with why: its ``excluded`` events, less the hosts an ``included``
     event took back (``ddpjob resume --include-node``)."""

@@ -33,6 +33,7 @@ from ddp_core.cluster.failures import (
     DECIDED,
     Failure,
     Kind,
+    as_repeated,
     attempt_events,
     diagnose,
     excluded_hosts,
@@ -86,8 +87,7 @@ def decide(
         max(metric_steps) if metric_steps else None,
     )
     earlier = [e for e in events if e["event"] == "failure" and e.get("job_id") == env.job_id]
-    if failure.kind is Kind.unknown and any(failure.same_as(e) for e in earlier):
-        failure = Failure(Kind.user, failure.rank, failure.host, failure.step, failure.error + " (again, same step)")
+    failure = as_repeated(failure, earlier)
     run_dir.log_event("failure", job_id=env.job_id, restart_count=env.restart_count, **failure.fields())
     if failure.kind is Kind.user:
         reason = f"{failure.where} failed at step {failure.step}: {failure.error}"

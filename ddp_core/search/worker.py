@@ -18,7 +18,6 @@ import math
 import os
 import shutil
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 from ddp_core.config import escape_interpolations, load_config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import CODE_RECORD, RunDir
+from ddp_core.search import step
 from ddp_core.search.pruning import bound_trial, final_value
 from ddp_core.search.study import BASE_CONFIG, FAIL_ATTR, JOURNAL_FILE, ask, bound_running, open_study, read_spec
 
@@ -107,7 +107,8 @@ def settle(study: optuna.Study, trial: optuna.Trial, run: RunDir, metric: str, c
         study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         return "pruned"
     else:
-        reason = f"the trainer's step exited {code} (last event: {event or 'none'}); see {run.slurm}"
+        why = step.last_failure(run) or f"last event: {event or 'none'}"
+        reason = f"the trainer's step exited {code} ({why}); see {run.slurm}"
     trial.set_user_attr(FAIL_ATTR, reason)
     study.tell(trial, state=optuna.trial.TrialState.FAIL)
     return "fail"
@@ -130,7 +131,7 @@ def run_trial(sweep: Path, spec: Mapping[str, Any], study: optuna.Study, trial: 
     last = ended(run)
     if last is None or last["event"] == "requeued":  # a trial that finished before its worker died: tell
         log.info("trial %d: %s", trial.number, " ".join(step_command(spec, run)))
-        code = subprocess.call(step_command(spec, run))
+        code = step.run(step_command(spec, run), run, ENDING)  # an infrastructure failure: again (search.step)
     if ENDING.is_set() and (ended(run) or {}).get("event") != "requeued":  # a requeue's SIGTERM: see run()
         return "ending"
     outcome = settle(study, trial, run, spec["metric"].partition("/")[2], code)
