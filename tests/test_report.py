@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import re
 import struct
 import subprocess
@@ -356,9 +357,24 @@ def test_import_is_light_and_cli(sweep: Path):
     assert out.stdout.split() == [str(sweep / "report.png"), str(sweep / "report.html")]
 
 
-@pytest.mark.skipif(browser.chromium() is None, reason="chromium is not installed")
+def need_chromium() -> None:
+    if browser.chromium() is None and os.environ.get("DDPJOB_REQUIRE_SLURM") != "1":  # scripts/test: required
+        pytest.skip("chromium is not installed (scripts/slurm-local up installs it)")
+
+
+def test_grid_page_renders_in_headless_chromium(grid: Path, tmp_path: Path):
+    need_chromium()
+    _, page = write_report(grid)
+    rendered = browser.render(page, tmp_path / "browser")
+    assert rendered.errors == []
+    sections = browser.chart_sections(rendered.dom)
+    assert sorted(sections) == ["curve-train/loss", "importance", "parallel", "slice"]
+    assert [name for name, body in sections.items() if browser.drawn_marks(body) == 0] == []
+
+
 def test_browser_catches_a_broken_page(tmp_path: Path):
     """The check the real sweep's page goes through (tests/test_report_sweep.py) sees errors and blank charts."""
+    need_chromium()
     page = tmp_path / "broken.html"
     page.write_text('<html><head></head><body><section class="chart" data-chart="x"><div></div></section>'
                     "<script>undefinedFunction();</script></body></html>")  # fmt: skip

@@ -36,6 +36,8 @@ def _slice(ax: Axes, sweep: Sweep, key: str) -> None:
     for state, color in STATE_COLORS.items():
         group = [(t.params[key], t.value) for t in sweep.trials if t.state == state and key in t.params]
         shown = [(str(x) if choice else x, v) for x, v in group if v is not None and math.isfinite(v)]
+        if not shown:
+            continue  # a legend entry for a state no trial is in is noise
         ax.scatter([x for x, _ in shown], [v for _, v in shown], s=14, color=color, alpha=0.75, label=state)
     if best is not None and best.value is not None and key in best.params:
         x = str(best.params[key]) if choice else best.params[key]
