@@ -2,8 +2,8 @@
 the same commands on a 100-trial one (the baseline, measured in this script), each a fresh ``python -m jobs`` process.
 
 The sweeps are fabricated as ``ddpjob sweep`` and the trainer leave them (sweep.json with every trial's overrides,
-loaded values and scales; per trial config.yaml, run.json, attempts.jsonl and metrics.jsonl: train lines every 5
-steps and an eval at steps 10, 20 and 30; a tenth of the trials failed or pruned), so the bench needs no cluster.
+loaded values and scales; per trial the whole config.yaml, run.json, attempts.jsonl and metrics.jsonl: train lines
+every 5 steps and an eval at steps 10, 20 and 30; a tenth of the trials failed or pruned): no cluster needed.
 ``sacct`` is a stand-in first on PATH that answers nothing, as on a cluster whose accounting forgot the jobs: what is
 timed is ddpjob's own reading and drawing. Runs alternate 100 / 1,000, medians of ``--repeats``. Targets (issue 33):
 a 1,000-trial report under 10 s, its status under 2 s.
@@ -16,6 +16,7 @@ a 1,000-trial report under 10 s, its status under 2 s.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -34,7 +35,14 @@ TARGETS = {"report": 10.0, "status": 2.0}  # seconds, at 1,000 trials
 
 def fabricate(root: Path, trials: int, seed: int = 0) -> Path:
     """A finished grid-like sweep of ``trials`` trials over optim.lr (log), task.model.hidden and optim.name."""
+    import yaml
+
+    from ddp_core.config import load_config, to_yaml
+
     rng = random.Random(seed)
+    # Each trial's config.yaml as ddpjob writes it (the whole resolved config, ~120 lines), not a stub.
+    template = yaml.safe_load(to_yaml(load_config(ROOT / "configs" / "digits.yaml", ["train.max_steps=30"])))
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
     scales = {"optim.lr": "log", "task.model.hidden": "linear", "optim.name": "choice"}
     base = str(ROOT / "configs" / "digits.yaml")
     record: dict[str, Any] = {"name": root.name, "base_config": base, "trials": {}, "params": {}, "scales": scales}
@@ -43,9 +51,11 @@ def fabricate(root: Path, trials: int, seed: int = 0) -> Path:
         lr, hidden, name = 10 ** rng.uniform(-4, -2), rng.choice([32, 64, 128]), rng.choice(["adamw", "sgd"])
         run = root / tid
         run.mkdir(parents=True)
-        config = {"run": {"name": f"{root.name}-{tid}"}, "optim": {"lr": lr, "name": name},
-                  "task": {"model": {"hidden": hidden}}, "train": {"max_steps": 30}}  # fmt: skip
-        (run / "config.yaml").write_text(json.dumps(config))  # JSON is YAML: the readers parse it the same
+        config = copy.deepcopy(template)
+        config["run"]["name"] = f"{root.name}-{tid}"
+        config["optim"] |= {"lr": lr, "name": name}
+        config["task"]["model"]["hidden"] = hidden
+        (run / "config.yaml").write_text(yaml.dump(config, Dumper=dumper, sort_keys=False))
         (run / "run.json").write_text(json.dumps({"run_id": tid, "name": config["run"]["name"]}))
         record["trials"][tid] = ["train.max_steps=30", f"optim.lr={lr!r}", f"task.model.hidden={hidden}",
                                  f"optim.name={name}"]  # fmt: skip

@@ -381,3 +381,17 @@ def test_browser_catches_a_broken_page(tmp_path: Path):
     rendered = browser.render(page, tmp_path / "browser", height=400)
     assert any("undefinedFunction" in e for e in rendered.errors)
     assert browser.drawn_marks(browser.chart_sections(rendered.dom)["x"]) == 0
+
+
+def test_script_command_reads_a_trainer_config_without_parsing_it(tmp_path: Path):
+    """status reads every trial's script command: a trainer run's config.yaml (to_yaml's layout) is not parsed."""
+    from ddp_core.config import load_config, to_yaml
+
+    trainer, script = RunDir(tmp_path / "trainer"), RunDir(tmp_path / "script")
+    configs = ((trainer, ROOT / "configs" / "digits.yaml", []),
+               (script, None, ["run.name=s", "script.path=train.py", "script.args=[--lr, '0.1']"]))  # fmt: skip
+    for run, base, overrides in configs:
+        run.path.mkdir()
+        run.config_file.write_text(to_yaml(load_config(base, overrides)))
+    assert trainer.script_command() is None
+    assert script.script_command() == ["train.py", "--lr", "0.1"]
