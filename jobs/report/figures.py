@@ -15,6 +15,9 @@ from jobs.report.trials import Sweep, Trial
 
 # A trial's state, the same colour in every chart and in the PNG.
 STATE_COLORS = {"complete": "#1f77b4", "running": "#7f7f7f", "pruned": "#ff7f0e", "fail": "#d62728"}
+# Ended early (fail, pruned) or not ended (running) first, complete on top: a failed or pruned trial's value is
+# where it stopped, not where its hyperparameters lead, and a tenth of them must not hide the trend.
+DRAW_ORDER = ("fail", "pruned", "running", "complete")
 BEST_COLOR = "#d62728"
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 TOP_CURVES = 10  # curves drawn at first (the best ones); the rest are in the legend, one click away
@@ -61,12 +64,14 @@ def slice_figure(sweep: Sweep) -> dict[str, Any]:
     cols = min(SLICE_COLUMNS, len(sweep.keys))
     rows = math.ceil(len(sweep.keys) / cols)
     best = sweep.best
+    size = 8 if len(sweep.trials) <= 200 else 5  # a thousand markers of 8 px cover each other and the best region
     layout: dict[str, Any] = {"height": 320 * rows, "margin": {"t": 30}, "hovermode": "closest"}
     data: list[dict[str, Any]] = []
     for index, key in enumerate(sweep.keys):
         layout |= _slice_axes(sweep, index, rows, cols)
         axes = {"xaxis": f"x{index + 1 if index else ''}", "yaxis": f"y{index + 1 if index else ''}"}
-        for state, color in STATE_COLORS.items():
+        for state in DRAW_ORDER:
+            color = STATE_COLORS[state]
             group = [t for t in sweep.trials if t.state == state and finite(t.value) and key in t.params]
             data.append(
                 {
@@ -78,7 +83,7 @@ def slice_figure(sweep: Sweep) -> dict[str, Any]:
                     "x": [_x(t.params[key], sweep.scales.get(key)) for t in group],
                     "y": [t.value for t in group],
                     "text": [f"{t.name}: {label(t, sweep.keys)}" for t in group],
-                    "marker": {"color": color, "size": 8, "opacity": 0.75, "symbol": "x" if state == "fail" else 0},
+                    "marker": {"color": color, "size": size, "opacity": 0.7, "symbol": "x" if state == "fail" else 0},
                     "hovertemplate": f"%{{text}}<br>{sweep.metric}=%{{y}}<extra>{state}</extra>",
                     **axes,
                 }

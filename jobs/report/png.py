@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jobs.report.figures import BEST_COLOR, PALETTE, STATE_COLORS, curve_keys
+from jobs.report.figures import BEST_COLOR, DRAW_ORDER, PALETTE, STATE_COLORS, curve_keys
 from jobs.report.table import metric_keys
 from jobs.report.trials import NO_METRICS, Sweep
 
@@ -33,7 +33,8 @@ def _short(name: str, limit: int = 32) -> str:
 
 def _slice(ax: Axes, sweep: Sweep, key: str) -> None:
     best, choice = sweep.best, sweep.scales.get(key) == "choice"
-    for state, color in STATE_COLORS.items():
+    for state in DRAW_ORDER:
+        color = STATE_COLORS[state]
         group = [(t.params[key], t.value) for t in sweep.trials if t.state == state and key in t.params]
         shown = [(str(x) if choice else x, v) for x, v in group if v is not None and math.isfinite(v)]
         if not shown:
