@@ -19,8 +19,9 @@ from typing import Optional, Sequence
 
 from ddp_core.errors import DdpJobError
 from jobs.report.png import PNG_SIZE
+from jobs.report.sources import load
 from jobs.report.table import TABLE_FORMATS
-from jobs.report.trials import find_runs, load, parse_metric
+from jobs.report.trials import find_runs, parse_metric
 
 __all__ = ["PNG_SIZE", "find_runs", "main", "parse_metric", "write_report", "write_table"]
 

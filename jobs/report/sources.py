@@ -1,14 +1,29 @@
-"""Where a report learns what was swept: ``search.json`` and the Optuna study (adaptive sweeps), ``sweep.json``
-(grid and random sweeps: each trial's overrides, loaded values and each key's scale), or, for a plain folder of
-runs, the config keys whose values differ between runs.
+"""What a report is drawn from, put together (``load``), and where it learns what was swept: ``search.json`` and
+the Optuna study (adaptive sweeps), ``sweep.json`` (grid and random sweeps: each trial's overrides, loaded values and
+each key's scale), or, for a plain folder of runs, the config keys whose values differ between runs.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from jobs.report.trials import IDENTITY_KEYS, Sweep, Trial, override_value, read_config, scales_of, sweep_record
+from ddp_core.errors import DdpJobError
+from ddp_core.run.rundir import CONFIG_FILE, RunDir
+from jobs.report.trials import (
+    IDENTITY_KEYS,
+    Sweep,
+    Trial,
+    curves,
+    find_runs,
+    override_value,
+    parse_metric,
+    read_config,
+    scales_of,
+    state_of,
+    sweep_record,
+)
 
 DEFAULT_METRIC = "eval/accuracy"
 MAX_VARIED = 8  # a folder of unrelated runs: at most this many differing config keys become columns
@@ -87,3 +102,33 @@ def _search_scale(param: dict[str, Any]) -> str:
     if param["dist"] == "choice":
         return "choice"
     return "log" if param["dist"] == "loguniform" or param.get("log") else "linear"
+
+
+def load(path: Path, metric: Optional[str] = None) -> Sweep:
+    """Everything a report of ``path`` shows. ``metric`` None: an adaptive sweep's own, else the trials'
+    ``checkpoint.monitor``, else eval/accuracy."""
+    path = Path(path)
+    run_dirs = find_runs(path)
+    if not run_dirs:
+        raise DdpJobError(f"no run directories in '{path}' (no {CONFIG_FILE} in it or below it)", "pass a run or sweep")
+    if metric is not None:
+        parse_metric(metric)  # a typo fails before anything is read
+    base = path if run_dirs != [path] else path.parent  # names relative to the sweep: nested trial ids stay unique
+    trials = []
+    for d in run_dirs:
+        run = RunDir(d)
+        found = curves(run.metrics())
+        trials.append(Trial(d.relative_to(base).as_posix(), d, found, state=state_of(run, bool(found))))
+    sweep = describe(path, trials, run_dirs == [path])  # what the sweep recorded at submit: keys, values, scales
+    chosen = metric or sweep.metric
+    sweep.metric, sweep.minimise = parse_metric(chosen)
+    monitor = trials[0].config.get("checkpoint.monitor") if trials[0].config else None
+    if isinstance(monitor, str) and ":" in monitor and parse_metric(monitor) == (sweep.metric, sweep.minimise):
+        sweep.monitored = True
+    for t in trials:
+        points = [v for _, v in t.curves.get(sweep.metric, []) if math.isfinite(v)]
+        if sweep.monitored and points:
+            t.value = min(points) if sweep.minimise else max(points)
+        else:
+            t.value = t.final(sweep.metric)
+    return sweep

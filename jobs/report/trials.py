@@ -173,38 +173,6 @@ def override_value(text: str) -> Any:
         return text
 
 
-def load(path: Path, metric: Optional[str] = None) -> Sweep:
-    """Everything a report of ``path`` shows. ``metric`` None: an adaptive sweep's own, else the trials'
-    ``checkpoint.monitor``, else eval/accuracy."""
-    path = Path(path)
-    run_dirs = find_runs(path)
-    if not run_dirs:
-        raise DdpJobError(f"no run directories in '{path}' (no {CONFIG_FILE} in it or below it)", "pass a run or sweep")
-    if metric is not None:
-        parse_metric(metric)  # a typo fails before anything is read
-    base = path if run_dirs != [path] else path.parent  # names relative to the sweep: nested trial ids stay unique
-    trials = []
-    for d in run_dirs:
-        run = RunDir(d)
-        found = curves(run.metrics())
-        trials.append(Trial(d.relative_to(base).as_posix(), d, found, state=state_of(run, bool(found))))
-    from jobs.report import sources  # what the sweep recorded at submit: keys, values, scales, states
-
-    sweep = sources.describe(path, trials, run_dirs == [path])
-    chosen = metric or sweep.metric
-    sweep.metric, sweep.minimise = parse_metric(chosen)
-    monitor = trials[0].config.get("checkpoint.monitor") if trials[0].config else None
-    if isinstance(monitor, str) and ":" in monitor and parse_metric(monitor) == (sweep.metric, sweep.minimise):
-        sweep.monitored = True
-    for t in trials:
-        points = [v for _, v in t.curves.get(sweep.metric, []) if math.isfinite(v)]
-        if sweep.monitored and points:
-            t.value = min(points) if sweep.minimise else max(points)
-        else:
-            t.value = t.final(sweep.metric)
-    return sweep
-
-
 def sweep_record(path: Path) -> Optional[dict[str, Any]]:
     try:
         data = json.loads((path / SWEEP_FILE).read_text())
