@@ -270,6 +270,19 @@ def test_grid_sweep_report_answers_the_sweep(grid: Path):
     assert [p["title"] for p in panels] == titles
 
 
+def test_monitored_metric_ranks_by_each_trials_best_evaluation(tmp_path: Path):
+    """With checkpoint.monitor set, a trial's value is its best evaluation (the checkpoint it keeps), not its last."""
+    root = tmp_path / "monitored"
+    for name, lr, accuracy in (("peaked", 1e-3, [0.9, 0.6]), ("steady", 1e-2, [0.7, 0.8])):
+        run = make_run(root / name, lr, accuracy)
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        (run / "config.yaml").write_text(yaml.safe_dump(config | {"checkpoint": {"monitor": "max:eval/accuracy"}}))
+    page = write_report(root)[1].read_text()
+    assert "best by eval/accuracy (max, best value per checkpoint.monitor): <b>peaked</b> = 0.9" in page
+    rows = {r["trial"]: r for r in json.loads(write_table(root, "json", tmp_path).read_text())}
+    assert rows["peaked"]["eval/accuracy (best)"] == 0.9 and rows["steady"]["final eval/accuracy"] == 0.8
+
+
 def test_trial_table_csv_and_json(grid: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     path = write_table(grid, "csv", tmp_path)
     with open(path, newline="") as f:
