@@ -34,6 +34,7 @@ BENCHES = [
     ("data_loading", "data loading"),
     ("sweep_submit", "sweep submission"),
     ("search_overhead", "adaptive sweeps"),
+    ("sweep_report", "sweep reports"),
     ("strategies", "strategies"),
 ]
 

@@ -118,10 +118,15 @@ def _parser() -> argparse.ArgumentParser:
 
     sweep_cmd.add_parser(sub)
 
-    p = sub.add_parser("report", help="PNG + self-contained HTML of loss/metric curves of a run or sweep")
+    p = sub.add_parser("report", help="PNG + self-contained HTML of a run, or of a sweep's hyperparameters and outcome")
     p.add_argument("path", help="a run directory or a sweep directory")
     p.add_argument("--out", help="output directory (default: the path itself)")
-    p.add_argument("--metric", default="eval/accuracy", help="ranks runs; prefix min: to minimise (min:eval/loss)")
+    p.add_argument(
+        "--metric",
+        help="ranks trials (default: a search's own metric, else checkpoint.monitor, else eval/accuracy); "
+        "prefix min: to minimise (min:eval/loss)",
+    )
+    p.add_argument("--table", choices=("csv", "json"), help="write only the trial table, trials.csv|json, for pandas")
 
     status_cmds.add_parser(sub)
     logs_cmds.add_parsers(sub)
@@ -298,9 +303,13 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from jobs.report import write_report
+    from jobs.report import write_report, write_table
 
-    png, html = write_report(Path(args.path), Path(args.out) if args.out else None, metric=args.metric)
+    out = Path(args.out) if args.out else None
+    if args.table:
+        print(f"table: {write_table(Path(args.path), args.table, out, metric=args.metric)}")
+        return 0
+    png, html = write_report(Path(args.path), out, metric=args.metric)
     print(f"png:  {png}")
     print(f"html: {html}")
     return 0

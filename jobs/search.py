@@ -1,5 +1,5 @@
 """Adaptive sweeps on the login node: create the study, submit one job array of workers, continue or extend it, and
-say where it stands (``ddpjob status``/``report`` on a search's sweep directory).
+say where it stands (``ddpjob status`` on a search's sweep directory; ``ddpjob report`` reads its study too).
 
 ``ddpjob sweep`` validates the spec (``jobs.search_spec``), then writes the sweep directory (``ddp_core.search.study``
 documents its layout), creates the Optuna study on its journal and submits ONE array of ``parallelism`` tasks, each
@@ -11,11 +11,6 @@ generation's task indices before its array is submitted, so no trial is lost or 
 
 from __future__ import annotations
 
-import base64
-import html
-import io
-import json
-import math
 import time
 from pathlib import Path
 from typing import Any, Optional, cast
@@ -231,44 +226,3 @@ def start_lines(root: Path, array: Optional[str]) -> list[str]:
             + (f"; resumes trials {', '.join(map(str, rebound))})" if rebound else ")")
         )
     return lines
-
-
-def report_section(root: Path, out: Path) -> str:
-    """The search's part of the report: optimisation history and parameter importances (Optuna's own), as
-    ``search.png`` and an HTML section that embeds it."""
-    import optuna
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    info = summary(root)
-    done = [t for t in info["trials"] if state_name(t.state) == "complete" and t.value is not None]
-    minimise = info["spec"]["direction"] == "minimize"
-    best_so_far, best = [], math.inf if minimise else -math.inf
-    for t in sorted(done, key=lambda t: t.number):
-        best = min(best, t.value) if minimise else max(best, t.value)
-        best_so_far.append((t.number, best))
-    try:
-        importances = optuna.importance.get_param_importances(open_study(root)[1]) if len(done) >= 2 else {}
-    except (ValueError, RuntimeError):  # too few distinct values to fit the evaluator
-        importances = {}
-    fig = Figure(figsize=(12, 4), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
-    ax, bars = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    ax.scatter([t.number for t in done], [t.value for t in done], s=12, label="trial")
-    ax.step([n for n, _ in best_so_far], [v for _, v in best_so_far], where="post", color="#d62728", label="best")
-    ax.set_title(f"optimisation history ({info['spec']['metric']})")
-    ax.set_xlabel("trial")
-    ax.legend(fontsize="small")
-    bars.barh(list(importances)[::-1], list(importances.values())[::-1])
-    bars.set_title("parameter importances")
-    fig.savefig(out / "search.png", dpi=100)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    image = base64.b64encode(buf.getvalue()).decode()
-    rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.3f}</td></tr>" for k, v in importances.items())
-    lines = "<br>".join(html.escape(line) for line in status_lines(info))
-    return (
-        f'<h2>Search</h2><p>{lines}</p><img alt="optimisation history" src="data:image/png;base64,{image}">'
-        f"<table><thead><tr><th>param</th><th>importance</th></tr></thead><tbody>{rows}</tbody></table>"
-        f"<pre>{html.escape(json.dumps([[n, v] for n, v in best_so_far]))}</pre>"
-    )

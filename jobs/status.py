@@ -226,7 +226,8 @@ def sort_by_metric(rows: list[Row], metric: str) -> tuple[list[Row], Optional[Ro
         return row.metric if minimise else -row.metric
 
     scored.sort(key=score)
-    rest = sorted((r for r in rows if r not in scored), key=lambda r: r.run.name)
+    kept = {id(r) for r in scored}  # by identity: Row's dataclass equality compares every field, a thousand squared
+    rest = sorted((r for r in rows if id(r) not in kept), key=lambda r: r.run.name)
     return scored + rest, (scored[0] if scored else None)
 
 

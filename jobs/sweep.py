@@ -24,11 +24,10 @@ from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import CODE_RECORD, RunDir, atomic_write_text
 from jobs import snapshot
+from jobs.report.trials import SWEEP_FILE  # the report reads it without importing submitit
 from jobs.request import SlurmRequest
 from jobs.submit import check_cluster, reason, submitit_command, task_function, withdraw
 from jobs.sweep_spec import Sweep, Trial
-
-SWEEP_FILE = "sweep.json"
 
 
 @dataclass(frozen=True)
@@ -229,6 +228,9 @@ def _record_array(root: Path, sweep: Sweep, array_id: str, trial_ids: list[str])
     base = str(sweep.base_config.resolve()) if sweep.base_config is not None else None
     meta.update(name=sweep.name, sweep_id=sweep.sweep_id, base_config=base)
     meta.setdefault("trials", {t.trial_id: list(t.overrides) for t in sweep.trials})
+    # What a report plots each trial at (the loaded values: 1e-3 and 0.001 alike) and each key's axis scale.
+    meta.setdefault("params", {t.trial_id: t.params for t in sweep.trials})
+    meta.setdefault("scales", sweep.scales)
     meta.setdefault("arrays", []).append(
         {"job_id": array_id, "trials": trial_ids, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S")}
     )

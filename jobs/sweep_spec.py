@@ -40,6 +40,7 @@ from ddp_core.config.features import arg_value, swept_arg_name
 from ddp_core.config.input import is_file, read_yaml_mapping
 from ddp_core.config.trials import validated_configs, value_at
 from ddp_core.errors import DdpJobError
+from jobs.report.trials import infer_scale
 from jobs.sweep_values import (
     NAME,
     RANGE,
@@ -74,6 +75,8 @@ class Sweep:
     trials: tuple[Trial, ...]
     sweep_id: str  # over the name, the base config's contents and every trial
     configs: tuple[Config, ...] = field(default=(), compare=False, repr=False)  # trial i's validated config
+    # swept key -> log | linear | choice: how its axis is drawn in reports (random: the distribution; grid: its values)
+    scales: dict[str, str] = field(default_factory=dict, compare=False)
 
     def run_subdir(self, trial: Trial) -> Path:
         return Path(self.name) / trial.trial_id
@@ -322,7 +325,9 @@ def _build(
         trials_out.append(Trial(index, trial_id, overrides, {k: loaded[k] for k in combo}))
     listing = [[t.trial_id, *t.overrides] for t in trials_out]
     sweep_id = _digest({"name": name, "base": base.read_text() if base else None, "trials": listing})
-    return Sweep(name, base, tuple(trials_out), sweep_id, tuple(configs))
+    scales = {k: infer_scale([t.params[k] for t in trials_out]) for k in grid}
+    scales |= {k: {"choice": "choice", "loguniform": "log"}.get(p["dist"], "linear") for k, p in params.items()}
+    return Sweep(name, base, tuple(trials_out), sweep_id, tuple(configs), scales)
 
 
 def _loaded(cfg: Config, key: str, text: str) -> Any:

@@ -30,6 +30,7 @@ from jobs.report import write_report
 from jobs.sweep_spec import load_sweep
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import events, in_queue, wait_for
+from tests.test_report import figures as report_figures
 from tests.test_script_mode import clean_env
 from tests.test_status import FakeSlurm
 
@@ -308,8 +309,9 @@ def test_logs_split_a_script_runs_attempts(ran_sweep):
 def test_report_draws_what_runtime_log_wrote(ran_sweep, tmp_path):
     png, page = write_report(ran_sweep, tmp_path, metric="min:train/loss")
     html = page.read_text()
-    assert html.count('class="series"') == 2 and 'data-metric="train/loss"' in html  # one curve per trial
-    assert "<th>script.args</th>" in html  # the varied column: each trial's own arguments
+    curves = report_figures(html)["curve-train/loss"]["data"]
+    assert sorted(t["name"] for t in curves) == ["lr=0.1", "★ lr=0.2"]  # a curve per trial, named by its argument
+    assert "<th>script.args.lr</th>" in html  # the swept column: each trial's own argument
     assert png.stat().st_size > 10_000
     for trial in trials_of(ran_sweep):  # runtime.log's records are the trainer's MetricsLog records
         records = RunDir(trial).metrics()

@@ -65,7 +65,8 @@ def test_grid_sweep_runs_as_one_array_and_resubmits_nothing(slurm_cluster, tmp_p
     report = run_cli("report", str(sweep_dir), cwd=tmp_path)
     assert report.returncode == 0, report.stderr
     html = Path(field(report.stdout, "html")).read_text()
-    assert html.count('class="series"') >= 6 and Path(field(report.stdout, "png")).stat().st_size > 10_000
+    assert 'data-chart="curve-train/loss"' in html and html.count('class="state-complete"') >= 6
+    assert Path(field(report.stdout, "png")).stat().st_size > 10_000
     again = run_cli("sweep", GRID, *QUICK, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "0 new, 0 resumed, 6 completed" in again.stdout and "arrays:" not in again.stdout

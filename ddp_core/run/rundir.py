@@ -48,6 +48,7 @@ CODE_DIFF = "code.diff"  # uncommitted changes against that commit, when the cod
 TRAINER_LOCK = ".trainer.lock"  # rank 0 of the attempt training in this directory; holds who it is
 SUBMIT_LOCK = ".submit.lock"  # a CLI command between "is the run active?" and "job recorded"
 META_LOCK = ".meta.lock"  # run.json's read-modify-write
+NO_SCRIPT = b"\nscript:\n  path: null\n  module: null\n"  # config.yaml's script section of a trainer run (to_yaml)
 
 
 def new_run_id(length: int = 8) -> str:
@@ -265,7 +266,10 @@ class RunDir:
 
         loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: ~8x faster than the pure-Python loader
         try:
-            data = yaml.load(self.config_file.read_bytes(), Loader=loader)
+            text = self.config_file.read_bytes()
+            if NO_SCRIPT in text:  # a trainer run as to_yaml writes it: no need to parse (status of 1,000 trials)
+                return None
+            data = yaml.load(text, Loader=loader)
         except (OSError, ValueError, RecursionError, yaml.YAMLError):
             return None
         script = data.get("script") if isinstance(data, dict) else None

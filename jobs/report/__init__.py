@@ -1,0 +1,77 @@
+"""``ddpjob report``: offline ``report.png`` and a self-contained ``report.html`` of one run or a whole sweep, or the
+sweep's trial table as CSV or JSON (``--table``).
+
+Reads only what the runs and the sweep leave on disk (``jobs.report.trials``), so it works on a login node or a
+laptop with no W&B, no network and no torch. A sweep's page answers what it was for (``jobs.report.page``): the
+metric against each swept key, parallel coordinates and importances (Optuna's, ``jobs.report.study``), the best
+trial with the commands that rerun or resume it, curves over steps, and every trial with its state. The plotting
+libraries (Plotly, Optuna, matplotlib) are imported only when a report is drawn: ``import jobs.report`` stays cheap.
+
+    python -m jobs.report runs/my-sweep [--metric min:eval/loss] [--out DIR] [--table csv|json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ddp_core.errors import DdpJobError
+from jobs.report.png import PNG_SIZE
+from jobs.report.sources import load
+from jobs.report.table import TABLE_FORMATS
+from jobs.report.trials import find_runs, parse_metric
+
+__all__ = ["PNG_SIZE", "find_runs", "main", "parse_metric", "write_report", "write_table"]
+
+
+def write_report(path: Path, out_dir: Optional[Path] = None, metric: Optional[str] = None) -> tuple[Path, Path]:
+    """Write ``report.png`` and ``report.html`` for the run or sweep at ``path`` into ``out_dir`` (default
+    ``path``) and return their paths. ``metric`` ranks the trials (``eval/accuracy``, ``min:eval/loss``, ...); None:
+    an adaptive sweep's own metric, else the trials' checkpoint.monitor, else eval/accuracy."""
+    from jobs.report import page, png
+
+    path = Path(path)
+    sweep = load(path, metric)
+    out = Path(out_dir) if out_dir is not None else path
+    out.mkdir(parents=True, exist_ok=True)
+    title = f"ddpjob report: {path.resolve().name}"
+    png_path, html_path = out / "report.png", out / "report.html"
+    png.write_png(sweep, title, png_path)
+    search_lines: list[str] = []
+    if sweep.study is not None:
+        from jobs import search
+
+        search_lines = search.status_lines(sweep.study)
+    html_path.write_text(page.render(sweep, title, search_lines), encoding="utf-8")
+    return png_path, html_path
+
+
+def write_table(path: Path, fmt: str, out_dir: Optional[Path] = None, metric: Optional[str] = None) -> Path:
+    """``trials.csv`` or ``trials.json`` of the sweep at ``path`` (one row per trial, best first), for pandas."""
+    from jobs.report import table
+
+    if fmt not in TABLE_FORMATS:  # before reading a thousand run directories
+        raise DdpJobError(f"--table {fmt} is not a table format", f"use one of {', '.join(TABLE_FORMATS)}")
+    path = Path(path)
+    return table.write_table(load(path, metric), fmt, Path(out_dir) if out_dir is not None else path)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.report", description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("path", type=Path, help="a run directory or a sweep folder of run directories")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: PATH)")
+    parser.add_argument("--metric", default=None, help="ranks the trials; prefix min: to minimise")
+    parser.add_argument("--table", choices=TABLE_FORMATS, help="write the trial table only (trials.csv|json)")
+    args = parser.parse_args(argv)
+    try:
+        if args.table:
+            print(write_table(args.path, args.table, args.out, args.metric))
+        else:
+            for written in write_report(args.path, args.out, args.metric):
+                print(written)
+    except DdpJobError as err:
+        print(f"report: error: {err}", file=sys.stderr)
+        return 2
+    return 0
