@@ -50,6 +50,9 @@ def _slice_axes(sweep: Sweep, index: int, rows: int, cols: int) -> dict[str, Any
             "anchor": f"y{suffix}",
             "type": kind,
             "title": {"text": key + (" (log)" if kind == "log" else "")},
+            # A log axis labels 1, 2 and 5 of each decade in plain numbers: Plotly's default labels every digit and
+            # writes 100µ beside 0.001, which reads as clutter on a slice of a few values.
+            **({"dtick": "D2", "exponentformat": "power"} if kind == "log" else {}),
         },
         f"yaxis{suffix}": {
             "domain": [1 - (row + 1) / rows + gap_y, 1 - row / rows - gap_y],
