@@ -178,6 +178,11 @@ def wait(submitted: Submitted) -> tuple[bool, Optional[dict[str, float]], str]:
 
     job = submitted.job
     job.wait()
+    state = None
+    if isinstance(job, submitit.SlurmJob):
+        # submitit's watcher takes an attempt's end for the job's (NODE_FAIL, which Slurm then requeues), and result
+        # files appear before the ranks have torn down: --wait returns once Slurm says the job left the queue.
+        state = wait_until_gone(submitted.job_id)
     error: Optional[str] = None
     result = None
     try:
@@ -185,11 +190,8 @@ def wait(submitted: Submitted) -> tuple[bool, Optional[dict[str, float]], str]:
     except Exception as err:  # submitit raises its own errors for failed jobs
         lines = [line for line in str(err).strip().splitlines() if line.strip()]
         error = lines[-1] if lines else type(err).__name__
-    if isinstance(job, submitit.SlurmJob):
-        # Result files appear before the ranks have torn down: --wait returns once Slurm says the job ended.
-        state = wait_until_gone(submitted.job_id)
-        if error is None and state != "COMPLETED":
-            error = state
+    if error is None and state not in (None, "COMPLETED"):
+        error = state
     if error is not None:
         return False, None, error
     return True, result, "COMPLETED"

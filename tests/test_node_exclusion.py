@@ -10,10 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import optuna
 import pytest
 
-from ddp_core.search.study import open_study
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import digests, events, rank_logs, wait_for
 from tests.test_slurm_jobs import DIGITS, QUICK
@@ -96,67 +94,3 @@ def test_a_node_that_dies_whole_is_replaced_and_the_run_completes_exactly(slurm_
     assert "resumed from step_00000020.pt" in logs[0] and digests(logs) == reference, logs
     status = run_cli("status", str(run_dir), cwd=tmp_path)
     assert f"at step 20: node n1: {failure['error']} (infrastructure: requeued)" in status.stdout, status.stdout
-
-
-def test_a_node_a_trial_excluded_is_excluded_for_the_sweeps_later_trials(slurm_cluster, tmp_path):
-    """A sweep's array task watches its trial's attempts as a single run's batch script does: every rank on n2 dies at
-    its 25th batch, so trial 0 fails there twice, excludes n2 and completes on n1 and n3. Trial 1, held in the queue
-    meanwhile (``scontrol hold``: the array's order stays the test's), has taken the exclusion from the array and, once
-    released, runs on n1 and n3 with no failure."""
-    crash = ["task.target=tests.tasks:CrashingTask", "task.data.crash_host=n2", "task.data.crash_at=25",
-             "task.data.error=SIGKILL", "slurm.array_parallelism=1"]  # fmt: skip
-    proc = run_cli("sweep", DIGITS, *TWO, *crash, "train.seed=0,1", "--name", "bad-node", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    array = field(proc.stdout, "arrays").split()[0]
-    held = subprocess.run(["scontrol", "hold", f"{array}_1"], capture_output=True, text=True)
-    assert held.returncode == 0, held.stderr
-    sweep_dir = Path(field(proc.stdout, "dir"))
-    trials = {int(yaml_seed(p)): p.parent for p in sweep_dir.glob("*/config.yaml")}
-    first, second = trials[0], trials[1]
-    wait_for(lambda: any(e["event"] == "completed" for e in events(first)), 240, "trial 0 to complete", poll=1)
-    seen = [(e["event"], e.get("host")) for e in events(first) if e["event"] in ("failure", "excluded", "completed")]
-    assert seen == [("failure", "n2"), ("failure", "n2"), ("excluded", "n2"), ("completed", None)], seen
-    shown = subprocess.run(["scontrol", "show", "job", f"{array}_1"], capture_output=True, text=True).stdout
-    assert "ExcNodeList=n2" in shown and "JobState=PENDING" in shown, shown
-    subprocess.run(["scontrol", "release", f"{array}_1"], check=True)
-    wait_for(lambda: any(e["event"] == "completed" for e in events(second)), 240, "trial 1 to complete", poll=1)
-    assert [e["event"] for e in events(second)] == ["start", "completed"], events(second)
-    rows = subprocess.run(["sacct", "-n", "-P", "-X", "-o", "NodeList", "-j", f"{array}_1"],
-                          capture_output=True, text=True).stdout.split()  # fmt: skip
-    assert rows == ["n[1,3]"], rows
-
-
-def yaml_seed(config: Path) -> str:
-    return re.search(r"^  seed: (\d+)$", config.read_text(), re.M)[1]  # type: ignore[index]
-
-
-def test_a_search_trial_retries_its_step_then_moves_its_worker_off_the_bad_node(slurm_cluster, tmp_path):
-    """An adaptive search's worker runs each trial as an srun step of its allocation (n1, n2): every rank on n2 dies
-    at its 25th batch of each step. The worker runs the failed step again in place (one failure may be bad luck),
-    and after the second failure there excludes n2 and requeues itself off it; its next attempt, on n1 and n3,
-    resumes the trial from its checkpoint, and the search completes both trials."""
-    crash = ["task.target=tests.tasks:CrashingTask", "task.data.crash_host=n2", "task.data.crash_at=25",
-             "task.data.error=SIGKILL"]  # fmt: skip
-    proc = run_cli("sweep", DIGITS, *TWO, *crash, "optim.lr=loguniform(1e-3,1e-2)", "--search", "random",
-                   "--trials", "2", "--parallel", "1", "--name", "bad-node-search", cwd=tmp_path)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    sweep, array = Path(field(proc.stdout, "dir")), field(proc.stdout, "arrays").split()[0]
-
-    def trials() -> list[optuna.trial.FrozenTrial]:
-        return open_study(sweep)[1].get_trials()
-
-    wait_for(lambda: len(trials()) == 2 and all(t.state.is_finished() for t in trials()), 300, "2 trials", poll=2)
-    assert [t.state for t in trials()] == [optuna.trial.TrialState.COMPLETE] * 2, [t.user_attrs for t in trials()]
-    first = sweep / "t0000"
-    seen = [(e["event"], e.get("kind"), e.get("host")) for e in events(first) if e["event"] != "rank_failed"]
-    assert seen == [
-        ("start", None, None), ("failure", "infrastructure", "n2"), ("start", None, None),
-        ("failure", "infrastructure", "n2"), ("excluded", None, "n2"), ("requeued", "failure", None),
-        ("start", None, None), ("completed", None, None),
-    ], seen  # fmt: skip
-    assert [e["event"] for e in events(sweep / "t0001")] == ["start", "completed"]
-    worker_log = next((sweep / "slurm").glob(f"{array}_0_log.err")).read_text()
-    assert re.search(rf"job {array}\S* excludes n2", worker_log), worker_log
-    rows = subprocess.run(["sacct", "-n", "-P", "-D", "-X", "-o", "State,NodeList", "-j", array],
-                          capture_output=True, text=True).stdout.split()  # fmt: skip
-    assert rows == ["REQUEUED|n[1-2]", "COMPLETED|n[1,3]"], rows

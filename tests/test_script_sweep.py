@@ -392,4 +392,6 @@ def test_script_sweep_runs_as_one_array(slurm_cluster, tmp_path):
     report = run_cli("report", str(sweep_dir), "--metric", "min:train/loss", cwd=tmp_path)
     assert report.returncode == 0, report.stderr
     html = Path(field(report.stdout, "html")).read_text()
-    assert html.count('class="series"') == 4 and Path(field(report.stdout, "png")).stat().st_size > 10_000
+    curves = report_figures(html)["curve-train/loss"]["data"]  # a curve per trial, named by its swept argument
+    assert sorted(t["name"].lstrip("★ ") for t in curves) == [f"lr={lr}" for lr in ("0.05", "0.1", "0.2", "0.3")]
+    assert Path(field(report.stdout, "png")).stat().st_size > 10_000
