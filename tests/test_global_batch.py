@@ -1,0 +1,117 @@
+"""A fixed global batch (``data.global_batch_size``) and the data position in samples of the global stream: a run
+interrupted and resumed at other world sizes (torchrun, no Slurm) trains every sample of the stream once, in order,
+a global batch per step, and its loss curve goes on as an uninterrupted run's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+from tests.helpers import events, final_digests, run_trainer
+
+DIGITS = str(ROOT / "configs" / "digits.yaml")
+TRAIN_SIZE, SEED = 1438, 0  # digits: the training split's samples; train.seed (the epoch's permutation)
+COMMON = ["train.eval_every=0", "optim.warmup_steps=5", "train.log_every=1", "checkpoint.every_steps=1000",
+          "wandb.mode=disabled", "task.target=tests.tasks:SampleLogDigitsTask", "data.batch_size=16",
+          "task.model.dropout=0.0", "train.stop_check_ms=0"]  # fmt: skip
+
+
+def logged_steps(log_dir: Path, attempt: str, batch: int, global_batch: int) -> list[set[int]]:
+    """One attempt's optimizer steps as the sets of samples they trained, from every rank's log of its
+    micro-batches (tests.tasks.SampleLogDigitsTask): rank r's micro-batches k*A .. k*A+A-1 are its part of step k."""
+    ranks = {}
+    for path in sorted(log_dir.glob(f"{attempt}_*.jsonl")):
+        ranks[int(path.stem.split("_")[1])] = [json.loads(line) for line in path.read_text().splitlines()]
+    world = ranks[0][0]["world"]
+    assert sorted(ranks) == list(range(world)) and all(m["world"] == world for r in ranks.values() for m in r)
+    accum = global_batch // (batch * world)
+    lengths = {len(micro) for micro in ranks.values()}
+    assert len(lengths) == 1 and lengths.pop() % accum == 0, (attempt, {r: len(m) for r, m in ranks.items()})
+    steps = []
+    for k in range(len(ranks[0]) // accum):
+        samples = [i for r in range(world) for m in ranks[r][k * accum : (k + 1) * accum] for i in m["samples"]]
+        assert all(len(m["samples"]) == batch for r in range(world) for m in ranks[r][k * accum : (k + 1) * accum])
+        assert len(samples) == global_batch == len(set(samples)), (attempt, k, len(samples))
+        steps.append(set(samples))
+    return steps
+
+
+def expected_steps(count: int, global_batch: int) -> list[set[int]]:
+    """The global stream, a global batch per step: epoch e is the seeded permutation (train.seed + e), whole steps
+    only (its tail that makes no global batch is dropped)."""
+    per_epoch, steps = TRAIN_SIZE // global_batch, []
+    for t in range(count):
+        epoch, k = divmod(t, per_epoch)
+        order = torch.randperm(TRAIN_SIZE, generator=torch.Generator().manual_seed(SEED + epoch)).tolist()
+        steps.append(set(order[k * global_batch : (k + 1) * global_batch]))
+    return steps
+
+
+def train_losses(run: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "worlds", "signals"),
+    [("ddp", (2, 4, 1), ("1:13", "3:19")), ("fsdp", (4, 2, 1), ("3:6", "1:33"))],
+    ids=["ddp-2-4-1", "fsdp-4-2-1"],
+)
+def test_a_resume_at_another_world_size_trains_every_sample_once(tmp_path, strategy, worlds, signals):
+    """30 steps of a global batch of 64 (22 per epoch of 1438 samples): attempt 1 at ``worlds[0]`` ranks is stopped
+    by a signal, attempt 2 resumes at ``worlds[1]`` (full checkpoints for ddp, sharded DCP ones for fsdp) and is
+    stopped again after the epoch boundary, attempt 3 finishes at ``worlds[2]``. Every step trained exactly the
+    global stream's next 64 samples (no sample repeated or skipped, each rank's micro-batches of 16 accumulated 64 /
+    (16 x ranks) times), and the loss curve is an uninterrupted run's at ``worlds[0]`` ranks, to float rounding (a
+    different world size sums in another order)."""
+    logs, run = tmp_path / "samples", tmp_path / "run"
+    logs.mkdir()
+    common = [*COMMON, f"strategy.name={strategy}", "train.max_steps=30", "data.global_batch_size=64",
+              f"task.data.log_dir={logs}"]  # fmt: skip
+    ref = tmp_path / "ref"
+    ref_log = run_trainer(DIGITS, ref, common, worlds[0], {"DDPJOB_TEST_ATTEMPT": "ref"})
+    assert len(set(final_digests(ref_log))) == 1
+    run_trainer(DIGITS, run, common, worlds[0], {"DDPJOB_TEST_ATTEMPT": "a1", "DDPJOB_TEST_SIGNAL_AT": signals[0]},
+                stopped=True)  # fmt: skip
+    run_trainer(str(run), run, [], worlds[1], {"DDPJOB_TEST_ATTEMPT": "a2", "DDPJOB_TEST_SIGNAL_AT": signals[1]},
+                stopped=True)  # fmt: skip
+    log = run_trainer(str(run), run, [], worlds[2], {"DDPJOB_TEST_ATTEMPT": "a3"})
+    stops = [e["step"] for e in events(run, "interrupted")]
+    starts = [(e["step"], e["world_size"], e["global_batch"], e["grad_accum"]) for e in events(run, "start")]
+    assert len(stops) == 2 and 0 < stops[0] < 22 < stops[1] < 30, stops  # the second attempt crossed an epoch
+    assert starts == [(0, worlds[0], 64, 4 // worlds[0]), (stops[0], worlds[1], 64, 4 // worlds[1]),
+                      (stops[1], worlds[2], 64, 4 // worlds[2])], starts  # fmt: skip
+    attempts = [logged_steps(logs, a, 16, 64) for a in ("a1", "a2", "a3")]
+    assert [len(a) for a in attempts] == [stops[0], stops[1] - stops[0], 30 - stops[1]]
+    assert [s for a in attempts for s in a] == expected_steps(30, 64)
+    assert logged_steps(logs, "ref", 16, 64) == expected_steps(30, 64)
+    assert "finished at step 30" in log
+    resumed, uninterrupted = train_losses(run), train_losses(ref)
+    assert sorted(resumed) == list(range(1, 31)) == sorted(uninterrupted)
+    for step, loss in uninterrupted.items():
+        assert resumed[step] == pytest.approx(loss, rel=1e-4), (step, resumed[step], loss)
+    assert uninterrupted[30] < 0.8 * uninterrupted[1]  # it learns: the curve has a shape to follow
+
+
+def test_without_a_global_batch_a_resume_at_another_world_size_continues_the_stream(tmp_path):
+    """data.batch_size keeps its per-rank meaning: at 2 ranks a step trains 2 x 16 samples, resumed at 1 rank 16.
+    The position is in samples of the stream all the same, so the resumed attempt starts at the stream's next
+    sample, and its epoch ends where fewer than 16 samples are left."""
+    logs, run = tmp_path / "samples", tmp_path / "run"
+    logs.mkdir()
+    common = [*COMMON, "train.max_steps=100", f"task.data.log_dir={logs}"]
+    run_trainer(DIGITS, run, common, 2, {"DDPJOB_TEST_ATTEMPT": "a1", "DDPJOB_TEST_SIGNAL_AT": "1:10"}, stopped=True)
+    run_trainer(str(run), run, [], 1, {"DDPJOB_TEST_ATTEMPT": "a2"})
+    (stop,) = [e["step"] for e in events(run, "interrupted")]
+    first, second = logged_steps(logs, "a1", 16, 32), logged_steps(logs, "a2", 16, 16)
+    assert [len(first), len(second)] == [stop, 100 - stop]
+    epochs = [torch.randperm(TRAIN_SIZE, generator=torch.Generator().manual_seed(SEED + e)).tolist() for e in (0, 1)]
+    assert first == [set(epochs[0][32 * k : 32 * (k + 1)]) for k in range(stop)]
+    left = (TRAIN_SIZE - 32 * stop) // 16  # whole steps of 16 left in epoch 0 after attempt 1's samples
+    expected = [set(epochs[0][32 * stop + 16 * k :][:16]) for k in range(left)]
+    expected += [set(epochs[1][16 * k : 16 * (k + 1)]) for k in range(100 - stop - left)]
+    assert second == expected
