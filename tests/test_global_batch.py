@@ -115,3 +115,48 @@ def test_without_a_global_batch_a_resume_at_another_world_size_continues_the_str
     expected = [set(epochs[0][32 * stop + 16 * k :][:16]) for k in range(left)]
     expected += [set(epochs[1][16 * k : 16 * (k + 1)]) for k in range(100 - stop - left)]
     assert second == expected
+
+
+@pytest.mark.parametrize(
+    ("strategy", "nproc", "extra"),
+    [("ddp", 2, []), ("fsdp", 2, []), ("dp", 1, []),
+     ("pipeline", 2, ["strategy.stages=2", "strategy.microbatches=2", "task.target=tests.tasks:SlowDigitsTask"])],
+    ids=["ddp", "fsdp", "dp", "pipeline"],
+)  # fmt: skip
+def test_accumulated_micro_batches_step_as_one_global_batch(tmp_path, strategy, nproc, extra):
+    """The same global batch of 64 as 4 accumulated micro-batches per replica or as one: the gradient is the mean
+    over the global batch either way (each micro-batch's loss divided by the accumulation; DDP and FSDP communicate
+    on the last micro-batch only), so plain SGD (whose step is linear in the gradient, unlike Adam's) follows the
+    same loss curve, to float rounding."""
+    replicas = 1 if strategy in ("dp", "pipeline") else nproc
+    common = [*COMMON, "task.target=ddp_core.tasks.digits:DigitsTask", f"strategy.name={strategy}", *extra,
+              "optim.name=sgd", "optim.lr=0.3", "optim.warmup_steps=0", "train.max_steps=20",
+              "data.global_batch_size=64"]  # fmt: skip
+    curves, logs = [], []
+    for micro in (64 // (4 * replicas), 64 // replicas):
+        logs.append(run_trainer(DIGITS, tmp_path / f"b{micro}", [*common, f"data.batch_size={micro}"], nproc))
+        curves.append(train_losses(tmp_path / f"b{micro}"))
+    assert "x 4 micro-batches" in logs[0] and "x 1 micro-batches" in logs[1]
+    assert sorted(curves[0]) == list(range(1, 21)) == sorted(curves[1])
+    for step, loss in curves[1].items():
+        assert curves[0][step] == pytest.approx(loss, rel=1e-4), (step, curves[0][step], loss)
+    assert curves[1][20] < 0.8 * curves[1][1]
+
+
+def test_a_world_size_that_cannot_divide_the_global_batch_is_refused_at_start(tmp_path):
+    """Outside Slurm nothing checked the world size before the start: the trainer refuses it itself, one line."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", "-m", "ddp_core",
+           DIGITS, "--run-dir", str(tmp_path / "run"), *COMMON, "data.global_batch_size=64"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))} | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0
+    assert (
+        "config key 'data.global_batch_size' = 64 is invalid: this attempt has 3 data-parallel replicas, and the "
+        "global batch must be a multiple of data.batch_size x replicas (16 x 3 = 48) (hint: set "
+        "data.global_batch_size to a multiple of 48 (e.g. 48, 96)" in proc.stderr
+    ), proc.stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists() or not list((tmp_path / "run" / "checkpoints").iterdir())

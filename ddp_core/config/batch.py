@@ -44,9 +44,10 @@ def grad_accum(data: DataConfig, train: TrainConfig, data_world: int, where: str
     if data.global_batch_size % per_micro:
         lower = data.global_batch_size // per_micro * per_micro
         nearest = ", ".join(str(n) for n in (lower, lower + per_micro) if n > 0)
+        plural = "s" if data_world != 1 else ""
         raise DdpJobError(
             f"config key '{KEY}' = {data.global_batch_size} is invalid: {where} has {data_world} data-parallel "
-            f"replicas, and the global batch must be a multiple of data.batch_size x replicas "
+            f"replica{plural}, and the global batch must be a multiple of data.batch_size x replicas "
             f"({data.batch_size} x {data_world} = {per_micro})",
             f"set {KEY} to a multiple of {per_micro} (e.g. {nearest}), or change data.batch_size or the ranks",
         )
