@@ -112,8 +112,9 @@ def test_a_resume_at_another_world_size_trains_every_sample_once(tmp_path, strat
     by a signal, attempt 2 resumes at ``worlds[1]`` (full checkpoints for ddp, sharded DCP ones for fsdp and a
     2-stage pipeline, whose replicas go from 1 to 2 and back) and is stopped again after the epoch boundary, attempt
     3 finishes at ``worlds[2]``. Every step trained exactly the global stream's next 64 samples (no sample repeated
-    or skipped, each replica's micro-batches of 16 accumulated 64 / (16 x replicas) times), and the loss curve is an uninterrupted run's at ``worlds[0]`` ranks, to float rounding (a
-    different world size sums in another order)."""
+    or skipped, each replica's micro-batches of 16 accumulated 64 / (16 x replicas) times), and the loss curve is
+    an uninterrupted run's at ``worlds[0]`` ranks, to float rounding (a different world size sums in another order;
+    measured: within 1e-7 relative)."""
     logs, run = tmp_path / "samples", tmp_path / "run"
     logs.mkdir()
     common = [*COMMON, f"strategy.name={strategy}", "train.max_steps=30", "data.global_batch_size=64",
