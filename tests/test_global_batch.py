@@ -33,7 +33,7 @@ def test_the_sampler_deals_the_stream_from_any_offset():
             shards = []
             for rank in range(world):
                 sampler = ResumableShardSampler(size, rank, world, shuffle=True, seed=7)
-                sampler.set_epoch(2, offset)
+                sampler.set_epoch(2, start=offset)
                 shards.append(list(sampler))
                 assert len(sampler) == len(shards[-1]) == (size - offset) // world
                 if offset % world == 0:

@@ -54,11 +54,6 @@ def grad_accum(data: DataConfig, train: TrainConfig, data_world: int, where: str
     return data.global_batch_size // per_micro
 
 
-def global_batch(data: DataConfig, accum: int, data_world: int) -> int:
-    """Samples per optimizer step, all replicas together."""
-    return data.batch_size * accum * data_world
-
-
 def validate_batches(cfg: Config) -> None:
     """Login-node checks of how the batch is cut: a pipeline's micro-batches in ``data.batch_size``, and
     ``data.global_batch_size`` (a range, train.grad_accum left to it, a multiple of the micro-batch times the job's

@@ -26,34 +26,34 @@ log = logging.getLogger(__name__)
 
 
 class ResumableShardSampler(Sampler[int]):
-    """DistributedSampler's order (seeded shuffle per epoch, drop the tail so shards are equal), plus ``offset``:
+    """DistributedSampler's order (seeded shuffle per epoch, drop the tail so shards are equal), plus ``start``:
     the samples of the epoch's stream already consumed (by all ranks together), skipped without loading them.
 
-    From ``offset`` on, rank r takes the stream's samples ``offset + r``, ``offset + r + world``, ... (as many for
-    every rank). With ``offset`` a multiple of ``world`` these are DistributedSampler's shard minus its first
-    ``offset / world`` indices: the same order as a run that never stopped."""
+    From ``start`` on, rank r takes the stream's samples ``start + r``, ``start + r + world``, ... (as many for
+    every rank). With ``start`` a multiple of ``world`` these are DistributedSampler's shard minus its first
+    ``start / world`` indices: the same order as a run that never stopped."""
 
     def __init__(self, size: int, rank: int, world: int, shuffle: bool, seed: int) -> None:
         self.size, self.rank, self.world, self.shuffle, self.seed = size, rank, world, shuffle, seed
         self.epoch = 0
-        self.offset = 0
+        self.start = 0
 
-    def set_epoch(self, epoch: int, offset: int = 0) -> None:
-        self.epoch, self.offset = epoch, offset
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
 
     def shard(self) -> list[int]:
         if self.shuffle:
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
         else:
             order = list(range(self.size))
-        end = self.offset + (self.size - self.offset) // self.world * self.world  # equal shares: drop the tail
-        return order[self.offset + self.rank : end : self.world]
+        end = self.start + (self.size - self.start) // self.world * self.world  # equal shares: drop the tail
+        return order[self.start + self.rank : end : self.world]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.shard())
 
     def __len__(self) -> int:
-        return (self.size - self.offset) // self.world
+        return (self.size - self.start) // self.world
 
 
 def train_loader(
@@ -190,13 +190,14 @@ class TrainData:
             if self.size - pos.samples_in_epoch < self.step_samples:  # what is left makes no whole step
                 pos.epoch, pos.samples_in_epoch = pos.epoch + 1, 0
             # The loader (and its workers) lives for the whole attempt; each pass reads the sampler's epoch anew.
-            self.sampler.set_epoch(pos.epoch, offset=pos.samples_in_epoch)
+            self.sampler.set_epoch(pos.epoch, start=pos.samples_in_epoch)
             return self.loader
         if self.finished:
             if pos.samples_in_epoch == 0:  # a whole pass without one step: the loop would spin forever
                 raise DdpJobError(
                     f"the training stream gave no {self.grad_accum} batches of {self.batch_size} per rank in an epoch",
-                    "lower data.batch_size or train.grad_accum, or give the task's stream more samples",
+                    "lower data.batch_size, train.grad_accum or data.global_batch_size, or give the task's stream more "
+                    "samples",
                 )
             pos.epoch, pos.samples_in_epoch, self.finished = pos.epoch + 1, 0, False
         self.shard.set_epoch(pos.epoch)
