@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import json
 import os
 import re
 import signal
@@ -219,3 +220,44 @@ class HFGPT2NoBlocksTask(HFGPT2Task):
 
     def pipeline_blocks(self, model: nn.Module) -> None:
         return None
+
+
+class IndexedSet(torch.utils.data.Dataset):
+    """A dataset's samples with their index appended: (x, y, index)."""
+
+    def __init__(self, inner: torch.utils.data.Dataset) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> tuple:
+        return (*self.inner[i], i)
+
+
+class SampleLogDigitsTask(SignalledDigitsTask):
+    """SignalledDigitsTask whose training batches carry their samples' indices: each rank appends every trained
+    micro-batch (its indices, in order) as one JSON line to ``{log_dir}/{DDPJOB_TEST_ATTEMPT}_{rank}.jsonl``, with
+    the world size. A batch seen twice in a row (DDPStrategy.prime's discarded pass, then the step itself) is
+    logged once. Numerics unchanged."""
+
+    def __init__(self, log_dir: str = "", **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.log_dir = log_dir
+        self.last: object = None
+
+    def build_datasets(self) -> tuple:
+        train, evals = super().build_datasets()
+        return IndexedSet(train), evals
+
+    def split(self, batch: tuple) -> tuple:
+        if len(batch) == 3:
+            x, y, index = batch
+            if batch is not self.last:
+                self.last = batch
+                rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+                path = f"{self.log_dir}/{os.environ.get('DDPJOB_TEST_ATTEMPT', 'a')}_{rank}.jsonl"
+                with open(path, "a") as f:
+                    f.write(json.dumps({"world": world, "samples": index.tolist()}) + "\n")
+            batch = (x, y)
+        return super().split(batch)

@@ -150,6 +150,18 @@ ROWS: list[Row] = [
     accepted("lr_int", "optim.lr=1", "optim.lr", 1.0),
     accepted("mem_fraction", "slurm.mem_gb=0.5", "slurm.mem_gb", 0.5),
     accepted("pipeline", "strategy={name: pipeline, stages: 2, microbatches: 4}", "strategy.microbatches", 4),
+    # --- data.global_batch_size: a multiple of data.batch_size x the job's data-parallel replicas ---
+    refused("global_batch_zero", "data.global_batch_size=0", "'data.global_batch_size' = 0 is invalid"),
+    refused("global_batch_indivisible", "data.global_batch_size=100", "'data.global_batch_size' = 100 is invalid: the "
+            "job has 2 data-parallel replicas, and the global batch must be a multiple of data.batch_size x replicas "
+            "(32 x 2 = 64)"),
+    refused("global_batch_two_nodes", ("slurm.nodes=2", "data.global_batch_size=64"), "(32 x 4 = 128)"),
+    refused("global_batch_pipeline", ("strategy={name: pipeline, stages: 2, microbatches: 4}",
+                                      "data.global_batch_size=48"), "1 data-parallel replica, and"),
+    refused("global_batch_and_grad_accum", ("data.global_batch_size=128", "train.grad_accum=2"),
+            "'train.grad_accum' = 2 is set, but with data.global_batch_size = 128"),
+    accepted("global_batch", "data.global_batch_size=256", "data.global_batch_size", 256),
+    accepted("global_batch_dp", ("strategy.name=dp", "data.global_batch_size=96"), "data.global_batch_size", 96),
     # --- wrong types for a section or a key ---
     refused("section_int", "data=3", "bad value for config key 'data': 3"),
     refused("section_list", "optim=[1]", "bad value for config key 'optim': [1]"),

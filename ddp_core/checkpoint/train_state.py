@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Protocol
 
 from ddp_core.cluster.env import DistEnv
+from ddp_core.config.batch import replicas
 from ddp_core.dist import groups as distributed
 
 log = logging.getLogger(__name__)
@@ -22,11 +23,24 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Position:
-    """Where the run is: optimizer steps done, and the data position to resume the loader at."""
+    """Where the run is: optimizer steps done, and the data position to resume the loader at. The data position is
+    counted in samples of the epoch's global stream, not per rank, so it means the same at any world size."""
 
     step: int = 0  # optimizer steps done
     epoch: int = 0
-    micro_in_epoch: int = 0  # micro-batches of this epoch already consumed (per rank)
+    samples_in_epoch: int = 0  # samples of this epoch's stream already consumed, all ranks together
+
+
+def read_position(saved: Mapping[str, Any], world_size: int, config: Mapping[str, Any]) -> Position:
+    """A checkpoint's position. One written before positions were counted in samples holds ``micro_in_epoch``,
+    micro-batches per data-parallel replica: times the micro-batch and the replicas it was written with."""
+    position = dict(saved)
+    if "micro_in_epoch" in position:
+        strategy = config.get("strategy", {})
+        data_world = replicas(strategy.get("name", "ddp"), strategy.get("stages", 1), world_size)
+        batch_size = config.get("data", {}).get("batch_size", 0)
+        position["samples_in_epoch"] = position.pop("micro_in_epoch") * batch_size * data_world
+    return Position(**position)
 
 
 class Stateful(Protocol):
@@ -98,7 +112,7 @@ class TrainState:
 
     def load_state_dict(self, state: Mapping[str, Any], env: DistEnv) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
-        self.pos = Position(**state["position"])
+        self.pos = read_position(state["position"], state["world_size"], state["config"])
         self.log_loss.load(state["log_loss"])
         self.carried.load(state, env)
         if state["world_size"] == env.world_size:

@@ -9,6 +9,8 @@ resolved copy saved in the run directory. Only ``load``, ``input`` and ``trials`
   ``Config``, the root, and ``ranks_per_node``.
 - ``load``: ``load_config`` (YAML + overrides), ``load_saved``, ``check_override``, ``to_yaml``/``to_dict``.
 - ``validate``: ranges and combinations, one error line naming the key and the fix.
+- ``batch``: the global batch (``data.global_batch_size``), the accumulation each attempt derives from its
+  data-parallel replicas, and their checks.
 - ``input``: how user text is read before OmegaConf sees it (YAML reader, override syntax, one-line errors);
   ``shapes``: values checked against the dataclass tree.
 - ``trials``: a sweep's trial configs (one base, each trial's overrides), loaded fast.

@@ -94,8 +94,13 @@ class DataConfig:
     """The training and evaluation data loaders."""
 
     # Per data-parallel replica (per rank for DDP; per node for dp): global batch = batch_size x ranks x
-    # train.grad_accum.
+    # train.grad_accum. With data.global_batch_size set, the micro-batch: the samples of one forward on one replica.
     batch_size: int = 64
+    # Samples per optimizer step, all replicas together; null: data.batch_size x replicas x train.grad_accum. Set,
+    # it fixes the training whatever the world size: each attempt accumulates global_batch_size / (data.batch_size x
+    # its replicas) micro-batches per replica (train.grad_accum is derived, leave it at 1), so it must be a multiple
+    # of data.batch_size x replicas.
+    global_batch_size: Optional[int] = None
     eval_batch_size: int = 256  # per rank, for evaluation (each rank evaluates its own strided share of the set)
     num_workers: int = 0  # DataLoader workers per rank (0: the rank's own process loads the data)
     # Shuffle the training set, seeded per epoch (train.seed + epoch): the same order on every attempt.

@@ -9,6 +9,7 @@ import math
 import re
 from typing import Any, Optional
 
+from ddp_core.config.batch import validate_batches
 from ddp_core.config.features import validate_script, validate_snapshot, validate_trial, validate_watchdog
 from ddp_core.config.schema import (
     CPU_BIND,
@@ -164,6 +165,7 @@ def _validate_trainer_extras(cfg: Config) -> None:
     validate_optim(cfg.optim, cfg.train.max_steps)
     validate_monitor(cfg.checkpoint.monitor, cfg.train.early_stop_patience, cfg.train.eval_every)
     _require(cfg.train.eval_batches >= 0, "train.eval_batches", cfg.train.eval_batches, "must be >= 0 (0: all)")
+    validate_batches(cfg)
     if cfg.train.precision is Precision.fp16:
         # A skipped step (inf/NaN gradients) must be skipped on every rank: with gradients sharded (fsdp) or split
         # into stages (pipeline), each rank's scaler would see only its own part and could decide differently.
@@ -335,12 +337,6 @@ def _validate_pipeline(cfg: Config) -> None:
     )
     _require(s.schedule in PIPELINE_SCHEDULES, "strategy.schedule", s.schedule, f"must be one of {PIPELINE_SCHEDULES}")
     _require(s.microbatches >= 1, "strategy.microbatches", s.microbatches, "must be >= 1")
-    _require(
-        cfg.data.batch_size % s.microbatches == 0,
-        "strategy.microbatches",
-        s.microbatches,
-        f"must divide data.batch_size ({cfg.data.batch_size}): every micro-batch has the same shape",
-    )
     if s.split is not None:
         _require(len(s.split) == s.stages, "strategy.split", s.split, f"needs one entry per stage ({s.stages})")
 

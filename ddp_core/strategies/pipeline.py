@@ -106,15 +106,25 @@ class PipelineStrategy(Strategy):
     def reports_loss(self) -> bool:  # type: ignore[override]
         return self.stage.is_last
 
+    def _loss_divisor(self, grad_accum: int) -> int:
+        """What each micro-batch's loss is divided by, so that a step's gradient is the mean over its batches.
+        Without accumulation the schedule averages over its micro-batches itself (``scale_grads``). With it, the
+        loss is divided by every micro-batch of the step instead: the schedule divides all the gradients the stage
+        holds at each of its steps, the earlier accumulation steps' too, which would shrink those again and again."""
+        return 1 if grad_accum == 1 else self.cfg.microbatches * grad_accum
+
     def _schedule_for(self, task: Task, grad_accum: int) -> Any:
         if self._schedule is None:
-            # The schedule averages over micro-batches; accumulation steps divide once more.
+            divisor = self._loss_divisor(grad_accum)
+
             def loss_fn(output: Any, target: Any) -> torch.Tensor:
                 out = task.score(output, target)
                 self._scored.append(out)
-                return out.loss / grad_accum
+                return out.loss / divisor
 
-            self._schedule = _SCHEDULES[self.cfg.schedule](self.stage, self.cfg.microbatches, loss_fn=loss_fn)
+            self._schedule = _SCHEDULES[self.cfg.schedule](
+                self.stage, self.cfg.microbatches, loss_fn=loss_fn, scale_grads=grad_accum == 1
+            )
         return self._schedule
 
     def forward_backward(self, task: Task, model: nn.Module, batch: Any, grad_accum: int, sync: bool) -> torch.Tensor:
@@ -145,7 +155,8 @@ class PipelineStrategy(Strategy):
             self.on_train_output(out)
         if not losses:  # only the last stage sees losses; the others report nothing (reports_loss is False)
             return torch.zeros((), device=self.device)
-        return torch.stack(losses).detach().mean()
+        # The micro-batches' mean loss, divided by the accumulation (``Strategy.forward_backward``'s contract).
+        return torch.stack(losses).detach().mean() * (self._loss_divisor(grad_accum) // grad_accum)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> Optional[torch.Tensor]:
         # The norm is over the whole model: add the stages' squared norms before scaling.

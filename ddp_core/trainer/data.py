@@ -1,7 +1,9 @@
 """Data sharding that can resume mid-epoch: the same sample stream, minus what was already consumed.
 
-Map-style datasets: ``ResumableShardSampler`` skips this epoch's consumed indices (the position is the train
-state's (epoch, micro-batches)). Iterable datasets (streams): ``RankShard`` gives each rank and loader worker its
+Map-style datasets: an epoch is one seeded permutation, the global stream, dealt out to the ranks in turn (sample i
+of the stream to rank i % world); ``ResumableShardSampler`` starts this rank's share where the train state's position
+(epoch, samples of the stream consumed) says, so a resume at another world size continues at the stream's next
+sample: none repeated, none skipped. Iterable datasets (streams): ``RankShard`` gives each rank and loader worker its
 share, and torchdata's ``StatefulDataLoader`` keeps where each worker is; its ``state_dict`` goes into every
 checkpoint, per rank. ``TrainData`` hides the difference from the loop.
 """
@@ -24,12 +26,15 @@ log = logging.getLogger(__name__)
 
 
 class ResumableShardSampler(Sampler[int]):
-    """DistributedSampler's order (seeded shuffle per epoch, drop the tail so shards are equal), plus
-    ``start``: the number of this shard's indices to skip, for resuming mid-epoch without loading them."""
+    """DistributedSampler's order (seeded shuffle per epoch, drop the tail so shards are equal), plus ``start``:
+    the samples of the epoch's stream already consumed (by all ranks together), skipped without loading them.
+
+    From ``start`` on, rank r takes the stream's samples ``start + r``, ``start + r + world``, ... (as many for
+    every rank). With ``start`` a multiple of ``world`` these are DistributedSampler's shard minus its first
+    ``start / world`` indices: the same order as a run that never stopped."""
 
     def __init__(self, size: int, rank: int, world: int, shuffle: bool, seed: int) -> None:
         self.size, self.rank, self.world, self.shuffle, self.seed = size, rank, world, shuffle, seed
-        self.per_shard = size // world
         self.epoch = 0
         self.start = 0
 
@@ -41,13 +46,14 @@ class ResumableShardSampler(Sampler[int]):
             order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
         else:
             order = list(range(self.size))
-        return order[: self.per_shard * self.world][self.rank :: self.world]
+        end = self.start + (self.size - self.start) // self.world * self.world  # equal shares: drop the tail
+        return order[self.start + self.rank : end : self.world]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.shard()[self.start :])
+        return iter(self.shard())
 
     def __len__(self) -> int:
-        return self.per_shard - self.start
+        return (self.size - self.start) // self.world
 
 
 def train_loader(
@@ -132,8 +138,10 @@ class RankShard(IterableDataset):
 class TrainData:
     """An attempt's training batches, one pass per epoch, resumable mid-epoch.
 
-    ``epoch(pos)`` starts the next epoch in ``pos`` when the current one is done, and returns this pass's batches
-    (from ``pos.micro_in_epoch`` on, for a map-style set). ``state_dict``: where a stream's loader is (per rank; a
+    ``epoch(pos)`` starts the next epoch in ``pos`` when the current one is done (fewer samples left in its stream
+    than a global batch), and returns this pass's batches (from ``pos.samples_in_epoch`` on, for a map-style set).
+    ``step_samples``: the samples one optimizer step consumes, all replicas together (the global batch); the loop
+    adds it to ``pos.samples_in_epoch`` after each step. ``state_dict``: where a stream's loader is (per rank; a
     map-style set's position is ``pos`` alone, so it is empty)."""
 
     def __init__(
@@ -148,6 +156,7 @@ class TrainData:
         collate_fn: Optional[Callable[[list[Any]], Any]],
     ) -> None:
         self.batch_size, self.grad_accum = cfg.batch_size, grad_accum
+        self.step_samples = cfg.batch_size * grad_accum * world
         self.streaming = isinstance(dataset, IterableDataset)
         self.finished = False  # a stream's last pass reached its end
         self.sampler: Optional[ResumableShardSampler] = None
@@ -166,27 +175,31 @@ class TrainData:
                 collate_fn=collate_fn,
             )
             return
-        self.sampler = ResumableShardSampler(len(dataset), rank, world, cfg.shuffle, seed)  # type: ignore[arg-type]
+        self.size = len(dataset)  # type: ignore[arg-type]
+        self.sampler = ResumableShardSampler(self.size, rank, world, cfg.shuffle, seed)
         self.loader = train_loader(dataset, self.sampler, cfg, seed, pin_memory, collate_fn)
-        self.micro_per_epoch = (len(self.sampler.shard()) // cfg.batch_size) // grad_accum * grad_accum
-        if self.micro_per_epoch == 0:
-            raise ValueError(f"an epoch has fewer than grad_accum={grad_accum} batches of {cfg.batch_size} per rank")
+        if self.size < self.step_samples:
+            raise ValueError(
+                f"an epoch has fewer than grad_accum={grad_accum} batches of {cfg.batch_size} per rank "
+                f"({self.size} samples for a global batch of {self.step_samples})"
+            )
 
     def epoch(self, pos: Position) -> Iterable[Any]:
         if not self.streaming:
             assert self.sampler is not None
-            if pos.micro_in_epoch >= self.micro_per_epoch:
-                pos.epoch, pos.micro_in_epoch = pos.epoch + 1, 0
+            if self.size - pos.samples_in_epoch < self.step_samples:  # what is left makes no whole step
+                pos.epoch, pos.samples_in_epoch = pos.epoch + 1, 0
             # The loader (and its workers) lives for the whole attempt; each pass reads the sampler's epoch anew.
-            self.sampler.set_epoch(pos.epoch, start=pos.micro_in_epoch * self.batch_size)
+            self.sampler.set_epoch(pos.epoch, start=pos.samples_in_epoch)
             return self.loader
         if self.finished:
-            if pos.micro_in_epoch == 0:  # a whole pass without one step: the loop would spin forever
+            if pos.samples_in_epoch == 0:  # a whole pass without one step: the loop would spin forever
                 raise DdpJobError(
                     f"the training stream gave no {self.grad_accum} batches of {self.batch_size} per rank in an epoch",
-                    "lower data.batch_size or train.grad_accum, or give the task's stream more samples",
+                    "lower data.batch_size, train.grad_accum or data.global_batch_size, or give the task's stream more "
+                    "samples",
                 )
-            pos.epoch, pos.micro_in_epoch, self.finished = pos.epoch + 1, 0, False
+            pos.epoch, pos.samples_in_epoch, self.finished = pos.epoch + 1, 0, False
         self.shard.set_epoch(pos.epoch)
         return self._pass()
 

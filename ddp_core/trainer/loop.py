@@ -1,9 +1,11 @@
 """The built-in trainer: ``Trainer.fit`` builds, resumes, trains with periodic eval/log/checkpoint, and finishes.
 
 Every strategy runs through this one loop (``Trainer.train``, one screen). Position in the data is (epoch,
-micro-batches consumed in the epoch), saved in each checkpoint with every rank's RNG states (and a streaming loader's
-state), so a resumed run continues the exact stream it stopped in. The components are called in one line each: the
-optimizer step (``optim.OptimizerStep``: fp16 scaling, clipping, grad norm), the progress lines and records
+samples of the epoch's global stream consumed), saved in each checkpoint with every rank's RNG states (and a
+streaming loader's state), so a resumed run continues the exact stream it stopped in, at any world size. Each
+optimizer step takes ``grad_accum`` micro-batches per replica: ``train.grad_accum``, or derived from
+``data.global_batch_size`` and this attempt's replicas (``config.batch``). The components are called in one line
+each: the optimizer step (``optim.OptimizerStep``: fp16 scaling, clipping, grad norm), the progress lines and records
 (``progress``), the monitored metric (``monitor``: best checkpoint, early stopping), the checkpoints
 (``checkpoint.manager.CheckpointManager``, saving the ``TrainState``), the pruner of an adaptive sweep's trial.
 
@@ -27,6 +29,7 @@ from ddp_core.cluster import health
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.preemption import StopFlag
 from ddp_core.config import Config, Precision, to_dict
+from ddp_core.config.batch import grad_accum
 from ddp_core.dist import groups as distributed
 from ddp_core.run.rundir import RunDir
 from ddp_core.search import pruning
@@ -99,6 +102,8 @@ class Trainer:
         self.model = model = strategy.wrap(model)
         self.optimizer = optimizer = build_optimizer(cfg.optim, model, task)
         scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps, task)
+        # Micro-batches per replica per step: with data.global_batch_size, this attempt's share of the fixed batch.
+        self.grad_accum = grad_accum(cfg.data, cfg.train, strategy.data_world, "this attempt")
         train_set, eval_set = task.build_datasets()
         pin = device.type == "cuda"  # page-locked host batches: the copy to the GPU runs without blocking the host
         collate = task.collate_fn if type(task).collate_fn is not Task.collate_fn else None  # None: the loader's own
@@ -107,7 +112,7 @@ class Trainer:
             strategy.data_rank,
             strategy.data_world,
             cfg.data,
-            cfg.train.grad_accum,
+            self.grad_accum,
             cfg.train.seed,
             pin,
             collate,
@@ -152,15 +157,23 @@ class Trainer:
                 restart_count=self.env.restart_count,
                 step=step,
                 world_size=self.env.world_size,
+                global_batch=self.data.step_samples,
+                grad_accum=self.grad_accum,
+            )
+            log.info(
+                "global batch %d = %d samples x %d micro-batches x %d replicas",
+                self.data.step_samples,
+                self.cfg.data.batch_size,
+                self.grad_accum,
+                self.strategy.data_world,
             )
         self.records = Records(self.cfg, self.run_dir, self.env, step)
-        samples_per_step = self.cfg.data.batch_size * self.cfg.train.grad_accum * self.strategy.data_world
         scheduler = self.state.scheduler
         self.lines = ProgressLines(
             self.cfg,
             self.env,
             self.device,
-            samples_per_step,
+            self.data.step_samples,
             step,
             self.log_loss,
             self.train_sums,
@@ -179,7 +192,7 @@ class Trainer:
         signum, pruned = 0, False
         last_eval: Optional[dict[str, float]] = None  # an early stop's final metrics: the evaluation that decided it
         while not (self.done() or pruned or signum):
-            for group in self.strategy.work.timed(micro_batches(self.data.epoch(pos), cfg.train.grad_accum)):
+            for group in self.strategy.work.timed(micro_batches(self.data.epoch(pos), self.grad_accum)):
                 self.step(group)
                 self.lines.after_step(pos.step)
                 if cfg.train.eval_every and pos.step % cfg.train.eval_every == 0 and pos.step < cfg.train.max_steps:
@@ -197,7 +210,7 @@ class Trainer:
         return self.finished(pruned, last_eval)
 
     def step(self, group: list[Any]) -> None:
-        """One optimizer step over a group of ``train.grad_accum`` micro-batches."""
+        """One optimizer step over a group of ``grad_accum`` micro-batches per replica: a global batch."""
         pos, amp = self.state.pos, self.amp
         if not self.primed:  # this attempt's first step: every attempt's steps run alike
             with amp:
@@ -207,12 +220,12 @@ class Trainer:
             with amp:
                 sync = i == len(group) - 1  # gradients are communicated on the last micro-batch only
                 loss = self.strategy.forward_backward(
-                    self.task, self.model, to_device(batch, self.device), self.cfg.train.grad_accum, sync
+                    self.task, self.model, to_device(batch, self.device), self.grad_accum, sync
                 )
             self.log_loss.add(loss, counts=self.strategy.reports_loss and i == 0)
         self.step_optimizer()
         pos.step += 1
-        pos.micro_in_epoch += len(group)
+        pos.samples_in_epoch += self.data.step_samples  # a group is whole: micro_batches drops a short tail
         self.watchdog.beat(pos.step)
 
     def done(self) -> bool:

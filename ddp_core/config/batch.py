@@ -1,0 +1,82 @@
+"""The global batch: how ``data.global_batch_size``, the micro-batch ``data.batch_size``, the data-parallel replicas
+and the accumulation (micro-batches per replica per optimizer step) relate, on both sides.
+
+``global = data.batch_size x accumulation x replicas``. Without a global batch, accumulation is ``train.grad_accum``
+and the global batch follows from the world size (the old meaning of ``data.batch_size``). With one, the global
+batch is fixed and each attempt derives its accumulation from its own replicas (``grad_accum``): the login node
+checks it for the job's world size (``validate_batches``), the trainer again for the world it started in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddp_core.config.schema import SINGLE_PROCESS_STRATEGIES, DataConfig, StrategyName, TrainConfig
+from ddp_core.config.tree import Config, ranks_per_node
+from ddp_core.errors import DdpJobError
+
+KEY = "data.global_batch_size"
+MAX_GLOBAL_BATCH = 1 << 30  # past it a value is a typo
+
+
+def replicas(strategy: str, stages: int, world_size: int) -> int:
+    """Data-parallel replicas of a run of ``world_size`` processes: one for dp and model_parallel (one process sees
+    every sample), a pipeline's ``world_size / stages``, every rank for ddp and fsdp. Plain values, so a saved
+    config's (a checkpoint's) can be read back too."""
+    if strategy in {s.value for s in SINGLE_PROCESS_STRATEGIES}:
+        return 1
+    if strategy == StrategyName.pipeline.value:
+        return max(1, world_size // stages)
+    return world_size
+
+
+def job_replicas(cfg: Config) -> int:
+    """The data-parallel replicas of the job a config asks Slurm for."""
+    return replicas(cfg.strategy.name.value, cfg.strategy.stages, cfg.slurm.nodes * ranks_per_node(cfg))
+
+
+def grad_accum(data: DataConfig, train: TrainConfig, data_world: int, where: str = "the job") -> int:
+    """Micro-batches per replica per optimizer step at ``data_world`` replicas. Raises ``DdpJobError`` when
+    ``data.global_batch_size`` is not a multiple of ``data.batch_size x data_world`` (``where``: whose replicas)."""
+    if data.global_batch_size is None:
+        return train.grad_accum
+    per_micro = data.batch_size * data_world
+    if data.global_batch_size % per_micro:
+        lower = data.global_batch_size // per_micro * per_micro
+        nearest = ", ".join(str(n) for n in (lower, lower + per_micro) if n > 0)
+        plural = "s" if data_world != 1 else ""
+        raise DdpJobError(
+            f"config key '{KEY}' = {data.global_batch_size} is invalid: {where} has {data_world} data-parallel "
+            f"replica{plural}, and the global batch must be a multiple of data.batch_size x replicas "
+            f"({data.batch_size} x {data_world} = {per_micro})",
+            f"set {KEY} to a multiple of {per_micro} (e.g. {nearest}), or change data.batch_size or the ranks",
+        )
+    return data.global_batch_size // per_micro
+
+
+def validate_batches(cfg: Config) -> None:
+    """Login-node checks of how the batch is cut: a pipeline's micro-batches in ``data.batch_size``, and
+    ``data.global_batch_size`` (a range, train.grad_accum left to it, a multiple of the micro-batch times the job's
+    replicas)."""
+    s = cfg.strategy
+    if s.name is StrategyName.pipeline and s.microbatches >= 1 and cfg.data.batch_size % s.microbatches:
+        raise DdpJobError(
+            f"config key 'strategy.microbatches' = {s.microbatches!r} is invalid: must divide data.batch_size "
+            f"({cfg.data.batch_size}): every micro-batch has the same shape",
+            "fix it in the YAML or with strategy.microbatches=...",
+        )
+    value: Any = cfg.data.global_batch_size
+    if value is None:
+        return
+    if not 0 < value <= MAX_GLOBAL_BATCH:
+        raise DdpJobError(
+            f"config key '{KEY}' = {value} is invalid: must be in [1, {MAX_GLOBAL_BATCH}] (or null)",
+            f"fix it in the YAML or with {KEY}=...",
+        )
+    if cfg.train.grad_accum != 1:
+        raise DdpJobError(
+            f"config key 'train.grad_accum' = {cfg.train.grad_accum} is set, but with {KEY} = {value} the "
+            "accumulation is derived from each attempt's world size",
+            "drop train.grad_accum (or set data.global_batch_size=null to choose the accumulation yourself)",
+        )
+    grad_accum(cfg.data, cfg.train, job_replicas(cfg))
