@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddp_core.run.rundir import RunDir
-from tests.conftest import ROOT, field, run_cli
+from tests.conftest import ROOT, field, run_cli, running_profile
 from tests.helpers import digests, events, in_queue, rank_logs, wait_for, wait_gone
 
 pytestmark = pytest.mark.slurm
@@ -74,12 +74,15 @@ def test_grid_sweep_runs_as_one_array_and_resubmits_nothing(slurm_cluster, tmp_p
 
 @pytest.fixture
 def small_max_array_size():
+    profile = running_profile()  # `up` alone means the default profile: the suite's pass keeps its own
+
     def up(size: str | None) -> None:
         env = dict(os.environ)
         env.pop("SLURM_LOCAL_MAX_ARRAY_SIZE", None)
         if size:
             env["SLURM_LOCAL_MAX_ARRAY_SIZE"] = size
-        subprocess.run([str(ROOT / "scripts" / "slurm-local"), "up"], check=True, env=env, capture_output=True)
+        cmd = [str(ROOT / "scripts" / "slurm-local"), "up", "--profile", profile]
+        subprocess.run(cmd, check=True, env=env, capture_output=True)
 
     up("300")
     yield 300
