@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.slurm import SlurmGateway
+from ddp_core.config import SlurmConfig
 from ddp_core.run.rundir import RunDir
 
 log = logging.getLogger("ddp_core")
@@ -208,6 +209,37 @@ def as_repeated(failure: Failure, earlier: list[dict[str, Any]]) -> Failure:
     if failure.kind is Kind.unknown and any(failure.same_as(e) for e in earlier):
         return Failure(Kind.user, failure.rank, failure.host, failure.step, failure.error + " (again, same step)")
     return failure
+
+
+def budget(failure: Failure, slurm: SlurmConfig) -> tuple[str, int]:
+    """The requeue budget ``failure`` spends and its limit: a failed health check has one of its own."""
+    if failure.kind is Kind.health:
+        return "health_failure", slurm.max_health_failures
+    return "failure", slurm.max_failures
+
+
+def spent(failure: Failure, earlier: list[dict[str, Any]]) -> int:
+    """How much of its budget ``failure`` spends, with ``earlier`` (the run's ``failure`` events before it) on the
+    same budget: user errors never count."""
+    health = failure.kind is Kind.health
+    return 1 + sum(1 for e in earlier if e.get("kind") != Kind.user.value and (e.get("kind") == "health") == health)
+
+
+def record_exclusions(run_dir: RunDir, env: DistEnv, failure: Failure) -> dict[str, str]:
+    """The host ``failure`` excludes (``to_exclude``; the run's events already hold its ``failure`` event),
+    recorded as an ``excluded`` event and logged; returns it."""
+    new = to_exclude(run_dir.events(), failure)
+    for host, why in new.items():
+        run_dir.log_event("excluded", job_id=env.job_id, host=host, reason=why)
+        log.warning("excluding %s from this run's later attempts: %s", host, why)
+    return new
+
+
+def keep_array_off(gateway: SlurmGateway, array_job_id: str, hosts: list[str]) -> None:
+    """The array's pending tasks (a sweep's later trials, a search's later workers) stay off ``hosts``; its running
+    ones refuse (scontrol exits 1), each their own to decide."""
+    gateway.exclude_nodes(array_job_id, hosts)
+    log.info("the pending tasks of array %s exclude %s", array_job_id, ",".join(hosts))
 
 
 def excluded_hosts(events: list[dict[str, Any]]) -> dict[str, str]:

@@ -26,7 +26,16 @@ from typing import Optional
 
 from ddp_core.cluster import exits
 from ddp_core.cluster.env import DistEnv, expand_nodelist
-from ddp_core.cluster.failures import DECIDED, Failure, Kind, attempt_events, excluded_hosts, keep_off, to_exclude
+from ddp_core.cluster.failures import (
+    DECIDED,
+    Failure,
+    Kind,
+    attempt_events,
+    excluded_hosts,
+    keep_off,
+    record_exclusions,
+    spent,
+)
 from ddp_core.cluster.slurm import SlurmGateway
 from ddp_core.run.rundir import RunDir
 
@@ -70,21 +79,18 @@ def begin(run_dir: RunDir, env: DistEnv, nodelist: str, max_failures: int, gatew
     if failure is None:
         return GO_ON
     earlier = [e for e in events if e["event"] == "failure" and e.get("job_id") == env.job_id]
-    spent = 1 + sum(1 for e in earlier if e.get("kind") not in (Kind.user.value, Kind.health.value))
+    used = spent(failure, earlier)
     run_dir.log_event("failure", job_id=env.job_id, restart_count=env.restart_count - 1, **failure.fields())
     log.warning("the previous attempt ended by a %s", failure.error)
-    events = run_dir.events()
-    for host, why in to_exclude(events, failure).items():
-        run_dir.log_event("excluded", job_id=env.job_id, host=host, reason=why)
-        log.warning("excluding %s from this run's later attempts: %s", host, why)
+    record_exclusions(run_dir, env, failure)
     excluded = excluded_hosts(run_dir.events())
     placed_on = sorted(set(expand_nodelist(nodelist)) & set(excluded)) if nodelist else []
-    if spent <= max_failures and not placed_on:
+    if used <= max_failures and not placed_on:
         return GO_ON
     if placed_on:
         log.warning("this attempt was placed on %s, which the run excludes: requeueing it off", ", ".join(placed_on))
     after = f"the node failure of the previous attempt ({failure.error})"
-    code = exits.requeue_within(run_dir, env, "failure", spent, max_failures, failure.step, after)
+    code = exits.requeue_within(run_dir, env, "failure", used, max_failures, failure.step, after)
     if code != exits.ExitCode.REQUEUED:
         return code
     keep_off(gateway, env.slurm_job_id, sorted(excluded))

@@ -35,9 +35,13 @@ from ddp_core.cluster.failures import (
     Kind,
     as_repeated,
     attempt_events,
+    budget,
     diagnose,
     excluded_hosts,
+    keep_array_off,
     keep_off,
+    record_exclusions,
+    spent,
     srun_task_ends,
     to_exclude,
 )
@@ -112,9 +116,7 @@ def requeue(
     (unless too few nodes would be left), then requeue within the failure's budget."""
     job_id = env.slurm_job_id
     assert job_id is not None, "decide returns before this outside Slurm"
-    health = failure.kind is Kind.health  # a budget of its own: its node is excluded each time
-    budget, limit = ("health_failure", cfg.slurm.max_health_failures) if health else ("failure", cfg.slurm.max_failures)
-    spent = 1 + sum(1 for e in earlier if e.get("kind") != Kind.user.value and (e.get("kind") == "health") == health)
+    name, limit = budget(failure, cfg.slurm)  # a health check's own: its node is excluded each time
     after = f"{failure.kind.value} failure of {failure.where} at step {failure.step} ({failure.error})"
     log.warning("%s", after)
     events = run_dir.events()  # with this failure's event: to_exclude counts it
@@ -125,18 +127,14 @@ def requeue(
         run_dir.log_event("failed", job_id=env.job_id, step=failure.step, reason=reason)
         log.error("%s; free nodes or take one back, then: ddpjob resume %s --include-node HOST", reason, run_dir.path)
         return status
-    for host, why in new.items():
-        run_dir.log_event("excluded", job_id=env.job_id, host=host, reason=why)
-        log.warning("excluding %s from this run's later attempts: %s", host, why)
-    code = exits.requeue_within(run_dir, env, budget, spent, limit, failure.step, after)
+    record_exclusions(run_dir, env, failure)
+    code = exits.requeue_within(run_dir, env, name, spent(failure, earlier), limit, failure.step, after)
     if code != exits.ExitCode.REQUEUED:
         return status
     if excluded:
         keep_off(gateway, job_id, sorted(excluded))
     if new and array_job_id:
-        # The array's pending tasks take it; its running ones refuse (scontrol exits 1), each their own to decide.
-        gateway.exclude_nodes(array_job_id, sorted(excluded))
-        log.info("the pending tasks of array %s exclude %s", array_job_id, ",".join(sorted(excluded)))
+        keep_array_off(gateway, array_job_id, sorted(excluded))
     return 0
 
 

@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 import threading
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ddp_core.cluster import exits
 from ddp_core.cluster.env import DistEnv, expand_nodelist
@@ -30,11 +30,14 @@ from ddp_core.cluster.failures import (
     Failure,
     Kind,
     as_repeated,
+    budget,
     diagnose,
     excluded_hosts,
+    keep_array_off,
     keep_off,
+    record_exclusions,
+    spent,
     srun_task_ends,
-    to_exclude,
 )
 from ddp_core.cluster.slurm import NODE_GATEWAY, SlurmGateway
 from ddp_core.run.rundir import RunDir
@@ -76,33 +79,27 @@ def run(command: Sequence[str], run_dir: RunDir, ending: threading.Event, gatewa
             return 0  # the worker's job is requeued off an excluded node: Slurm ends this step's worker
 
 
-def retry(
-    run_dir: RunDir, env: DistEnv, gateway: SlurmGateway, failure: Failure, earlier: list[dict[str, object]]
-) -> str:
+def retry(run_dir: RunDir, env: DistEnv, gateway: SlurmGateway, failure: Failure, earlier: list[dict[str, Any]]) -> str:
     """After an infrastructure, health or unknown failure: run the step ``again`` here, or in the worker's next
     attempt (``requeued``: its job, off a node the trial now excludes), or ``stop`` (a spent budget)."""
-    cfg = run_dir.load_config()
-    health = failure.kind is Kind.health
-    budget, limit = ("health_failure", cfg.slurm.max_health_failures) if health else ("failure", cfg.slurm.max_failures)
-    spent = 1 + sum(1 for e in earlier if e.get("kind") != Kind.user.value and (e.get("kind") == "health") == health)
+    name, limit = budget(failure, run_dir.load_config().slurm)
+    used = spent(failure, earlier)
     after = f"{failure.kind.value} failure of {failure.where} at step {failure.step} ({failure.error})"
     log.warning("trial %s: %s", run_dir.name, after)
-    for host, why in to_exclude(run_dir.events(), failure).items():
-        run_dir.log_event("excluded", job_id=env.job_id, host=host, reason=why)
-        log.warning("excluding %s from this trial's later attempts: %s", host, why)
+    record_exclusions(run_dir, env, failure)
     excluded = excluded_hosts(run_dir.events())
     nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
     here = set(expand_nodelist(nodelist)) if nodelist else set()
-    if spent > limit or here & set(excluded):
-        code = exits.requeue_within(run_dir, env, budget, spent, limit, failure.step, after)
+    if used > limit or here & set(excluded):
+        code = exits.requeue_within(run_dir, env, name, used, limit, failure.step, after)
         if code != exits.ExitCode.REQUEUED:
             return "stop"
         if env.slurm_job_id:
             keep_off(gateway, env.slurm_job_id, sorted(excluded))
         if array := os.environ.get("SLURM_ARRAY_JOB_ID"):  # the search's workers still pending
-            gateway.exclude_nodes(array, sorted(excluded))
+            keep_array_off(gateway, array, sorted(excluded))
         return "requeued"
-    log.info("trial %s: running its step again (%d of %d %ss spent)", run_dir.name, spent, limit, budget)
+    log.info("trial %s: running its step again (%d of %d %ss spent)", run_dir.name, used, limit, name)
     return "again"
 
 
