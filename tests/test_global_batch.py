@@ -103,14 +103,14 @@ def train_losses(run: Path) -> dict[int, float]:
 
 @pytest.mark.parametrize(
     ("strategy", "worlds", "signals", "stages"),
-    [("ddp", (2, 4, 1), ("1:13", "3:19"), 1), ("fsdp", (4, 2, 1), ("3:6", "1:33"), 1),
-     ("pipeline", (2, 4, 2), ("1:25", "3:31"), 2)],
-    ids=["ddp-2-4-1", "fsdp-4-2-1", "pipeline-2-4-2"],
+    [("ddp", (2, 4, 1), ("1:13", "3:19"), 1), ("pipeline", (2, 4, 2), ("1:25", "3:31"), 2)],
+    ids=["ddp-2-4-1", "pipeline-2-4-2"],
 )  # fmt: skip
 def test_a_resume_at_another_world_size_trains_every_sample_once(tmp_path, strategy, worlds, signals, stages):
     """30 steps of a global batch of 64 (22 per epoch of 1438 samples): attempt 1 at ``worlds[0]`` ranks is stopped
-    by a signal, attempt 2 resumes at ``worlds[1]`` (full checkpoints for ddp, sharded DCP ones for fsdp and a
-    2-stage pipeline, whose replicas go from 1 to 2 and back) and is stopped again after the epoch boundary, attempt
+    by a signal, attempt 2 resumes at ``worlds[1]`` (full checkpoints for ddp, sharded DCP ones for a 2-stage
+    pipeline, whose replicas go from 1 to 2 and back: 2 replicas train as 1 does; fsdp's DCP resharding is
+    test_fsdp.py's) and is stopped again after the epoch boundary, attempt
     3 finishes at ``worlds[2]``. Every step trained exactly the global stream's next 64 samples (no sample repeated
     or skipped, each replica's micro-batches of 16 accumulated 64 / (16 x replicas) times), and the loss curve is
     an uninterrupted run's at ``worlds[0]`` ranks, to float rounding (a different world size sums in another order;

@@ -90,17 +90,3 @@ def test_more_stages_than_layers_is_a_clear_error():
     strategy = PipelineStrategy(cfg.strategy, DistEnv(world_size=4), torch.device("cpu"))
     with pytest.raises(DdpJobError, match=r"'strategy\.stages' = 4 exceeds the model's 3 top-level layers"):
         strategy.wrap(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)))
-
-
-def test_two_replicas_of_a_two_stage_pipeline_match_single_process(tmp_path):
-    # 4 ranks = 2 data-parallel replicas x 2 stages (the 2-D mesh): each replica takes half the global batch of
-    # 16 and a stage's gradients are averaged over both replicas.
-    same = [*BASE, "task.model.dropout=0.0", "optim.name=sgd", "optim.lr=0.05", "train.max_steps=6",
-            "checkpoint.every_steps=0"]  # fmt: skip
-    trainer(tmp_path / "single", *same, "data.batch_size=16")
-    log = trainer(tmp_path / "mesh", *same, *PIPE, "data.batch_size=8", "strategy.microbatches=2", nproc=4)
-    assert "replica 1/2" in log
-    single, mesh = export(tmp_path / "single"), export(tmp_path / "mesh")
-    for key in single:
-        diff = (single[key] - mesh[key]).norm() / single[key].norm().clamp(min=1e-12)
-        assert diff < 1e-5, (key, float(diff))

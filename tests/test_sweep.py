@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from ddp_core.run.rundir import RunDir
 from tests.conftest import ROOT, field, run_cli, running_profile
-from tests.helpers import digests, events, in_queue, rank_logs, wait_for, wait_gone
+from tests.helpers import digests, events, rank_logs, wait_for, wait_gone
 
 pytestmark = pytest.mark.slurm
-GRID = str(ROOT / "configs" / "sweeps" / "digits-grid.yaml")
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 QUICK = [
     "train.max_steps=40",
@@ -35,41 +33,6 @@ def trial_dirs(sweep_dir: Path) -> list[Path]:
 def completed(run_dir: Path) -> bool:
     found = events(run_dir)
     return bool(found) and found[-1]["event"] == "completed"
-
-
-def test_grid_sweep_runs_as_one_array_and_resubmits_nothing(slurm_cluster, tmp_path):
-    started = time.monotonic()
-    proc = run_cli("sweep", GRID, *QUICK, cwd=tmp_path)
-    submit_s = time.monotonic() - started
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    arrays = field(proc.stdout, "arrays").split()
-    assert len(arrays) == 1, proc.stdout  # six trials, one sbatch
-    sweep_dir = Path(field(proc.stdout, "dir"))
-    trials = trial_dirs(sweep_dir)
-    assert len(trials) == 6
-    assert submit_s < 30  # returns once queued, without waiting for the trials
-    wait_for(lambda: all(completed(t) for t in trials), 300, "all six trials to complete", poll=1)
-    seen = set()
-    for trial in trials:
-        cfg = RunDir(trial).load_config()
-        job = json.loads((trial / "run.json").read_text())["jobs"][0]["job_id"]
-        assert job.startswith(f"{arrays[0]}_")
-        seen.add((cfg.optim.lr, cfg.task.model["hidden"]))
-        assert cfg.wandb.group == "digits-lr" and cfg.train.max_steps == 40
-    assert seen == {(lr, h) for lr in (1e-4, 3e-4, 1e-3) for h in (64, 128)}
-    wait_for(lambda: not in_queue(arrays[0]), 60, "the array to leave the queue")
-    status = run_cli("status", str(sweep_dir), cwd=tmp_path)
-    assert status.returncode == 0, status.stderr
-    rows = [line for line in status.stdout.splitlines() if f"{arrays[0]}_" in line]
-    assert len(rows) == 6 and all("COMPLETED" in row for row in rows), status.stdout
-    report = run_cli("report", str(sweep_dir), cwd=tmp_path)
-    assert report.returncode == 0, report.stderr
-    html = Path(field(report.stdout, "html")).read_text()
-    assert 'data-chart="curve-train/loss"' in html and html.count('class="state-complete"') >= 6
-    assert Path(field(report.stdout, "png")).stat().st_size > 10_000
-    again = run_cli("sweep", GRID, *QUICK, cwd=tmp_path)
-    assert again.returncode == 0, again.stderr
-    assert "0 new, 0 resumed, 6 completed" in again.stdout and "arrays:" not in again.stdout
 
 
 @pytest.fixture
