@@ -131,22 +131,6 @@ def test_resubmitted_run_resumes_from_checkpoint(slurm_cluster, tmp_path):
     assert bad.returncode == 2 and "task.model" in bad.stderr
 
 
-def test_sbatch_template_job(slurm_cluster, tmp_path):
-    proc = subprocess.run(
-        [str(ROOT / "scripts" / "submit.sh"), DIGITS, *QUICK, "run.root=" + str(tmp_path / "runs")],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
-    wait_gone(job_id, 180)
-    assert sacct_state(job_id) == "COMPLETED", (run_dir / "slurm" / f"{job_id}_batch.out").read_text()
-    logs = rank_logs(run_dir, job_id)
-    assert sorted(logs) == [0, 1]
-    d = digests(logs)
-    assert d[0] == d[1]
-    assert (run_dir / "checkpoints" / "step_00000060.json").exists()
-
-
 def test_concurrent_resumes_submit_one_job(slurm_cluster, tmp_path):
     """Four `ddpjob resume RUN` at once: one submits, the others wait for it at the run's submit lock and then
     see its job queued; run.json keeps every job id."""
