@@ -268,10 +268,11 @@ def test_status_shows_each_trials_script_and_last_step(ran_sweep):
     fake = FakeSlurm(sacct="900_0|901|COMPLETED|0:0|a|b\n900_1|902|COMPLETED|0:0|a|b")
     text, active = status.status_text(str(ran_sweep), "min:train/loss", runner=fake)
     header, *rows = text.splitlines()
-    assert header.split()[:9] == [
+    assert header.split()[:10] == [
         "JOB",
         "STATE",
         "RESTARTS",
+        "RANKS",
         "STEP",
         "LOSS",
         "train/loss",
