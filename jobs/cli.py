@@ -189,6 +189,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
         request = SlurmRequest.resolve(cfg)
         entry = request.entry_module
         print(f"# each task runs {entry}.run({str(run_dir.path)!r}), as python -m {entry} RUN_DIR would")
+        if request.elastic:
+            from ddp_core.config.batch import job_world_sizes
+
+            sizes = " or ".join(str(n) for n in job_world_sizes(cfg))
+            print(f"# slurm.nodes={request.nodes}: each attempt runs on the nodes Slurm gives it, world size {sizes}")
         if cfg.script.launcher == "torchrun":
             ranks = request.ranks_per_task
             print(f"# script.launcher=torchrun: one task per node, a torchrun agent that starts {ranks} ranks")

@@ -21,6 +21,7 @@ from ddp_core.cluster import signals
 from ddp_core.cluster.slurm import DEFAULT_MAX_ARRAY_SIZE, GATEWAY, SlurmGateway, duration_s, effective_preempt_mode
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
+from jobs.cluster import node_count_finding
 from jobs.drill import render_timings, run_drill
 from jobs.findings import Finding, render
 from jobs.report import find_runs
@@ -78,6 +79,7 @@ class RunInfo:
     signal: str
     every_steps: int
     qos: Optional[str]
+    nodes: tuple[Any, int, int] = (1, 1, 1)  # slurm.nodes as given, its MIN and its MAX
 
 
 def read_cluster(gateway: SlurmGateway, partition: Optional[str]) -> Cluster:
@@ -161,7 +163,8 @@ def _settings(path: Optional[Path], save_s: Optional[float]) -> RunInfo:
         except DdpJobError:
             pass  # an older or hand-edited config: the defaults still say what the trainer does
     sig = slurm.signal.upper().removeprefix("SIG")
-    return RunInfo(path, save_s, ckpt.sigterm_budget_s, slurm.signal_lead_s, sig, ckpt.every_steps, slurm.qos)
+    nodes = (slurm.nodes, slurm.min_nodes, slurm.max_nodes)
+    return RunInfo(path, save_s, ckpt.sigterm_budget_s, slurm.signal_lead_s, sig, ckpt.every_steps, slurm.qos, nodes)
 
 
 def _preempt_mode(e: Exposure) -> Finding:
@@ -338,6 +341,7 @@ def diagnose(
         *_cluster_facts(c, e),
         _send_user_signal(e, user_signal),
         _job_requeue(c),
+        node_count_finding(*info.nodes, c.name, int(c.partition.get("TotalNodes") or 0)),
         *_actions(e, info, user_signal),
         *_saves(c, e, info, user_signal),
         *_limits_and_access(c, _job_qos(c, info.qos)),

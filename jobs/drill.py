@@ -163,7 +163,8 @@ def run_drill(
                 "-p",
                 preempt_from,
                 "-N",
-                str(cfg.slurm.nodes),
+                # the nodes the drill job got (an elastic one: any count of its range), else its minimum
+                (info.raw.get("NumNodes", "") if info else "").split("-")[0] or str(cfg.slurm.min_nodes),
                 "--exclusive",
                 "-o",
                 "/dev/null",

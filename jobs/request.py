@@ -11,6 +11,7 @@ check against the partition (``jobs.cluster.check_request``).
 
 from __future__ import annotations
 
+import logging
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from ddp_core.cluster.supervise import MARKER
 from ddp_core.config import DEFAULT_CPUS_PER_GPU, Config, ranks_per_node
 from ddp_core.errors import DdpJobError
 from jobs import cluster
+
+log = logging.getLogger("ddpjob")
 
 # Each rank gets the CPUs Slurm gave its task: oversubscribed OpenMP threads cost 3x on small nodes.
 THREADS_SETUP = "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"
@@ -69,7 +72,8 @@ class SlurmRequest:
     """One job's request, in Slurm's terms. ``resolve`` builds it; nothing else derives these numbers."""
 
     job_name: str
-    nodes: int
+    min_nodes: int  # slurm.nodes: a count (min == max), or MIN-MAX, which Slurm's --nodes takes as such
+    max_nodes: int
     ranks_per_node: int  # processes per node: one per GPU or CPU task, one for dp/model_parallel
     tasks_per_node: int  # Slurm tasks per node (--ntasks-per-node)
     cpus_per_task: int  # CPUs of each task (--cpus-per-task)
@@ -109,7 +113,8 @@ class SlurmRequest:
         }
         return cls(
             job_name=s.job_name or cfg.run.name,
-            nodes=s.nodes,
+            min_nodes=s.min_nodes,
+            max_nodes=s.max_nodes,
             ranks_per_node=ranks,
             tasks_per_node=tasks,
             cpus_per_task=per_rank * per_task,  # a torchrun agent's task holds the CPUs of all of its ranks
@@ -134,12 +139,36 @@ class SlurmRequest:
     def cpus_per_node(self) -> int:
         return self.tasks_per_node * self.cpus_per_task
 
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes != self.max_nodes
+
+    @property
+    def nodes(self) -> int | str:
+        """``--nodes``: the count, or ``MIN-MAX``; the tasks are always per node (``--ntasks-per-node``), so an
+        elastic job's task count follows the nodes it got."""
+        return self.min_nodes if self.min_nodes == self.max_nodes else f"{self.min_nodes}-{self.max_nodes}"
+
     def check_fits(self, part: cluster.Partition) -> None:
-        """Raise ``DdpJobError`` naming the key when this request can never be scheduled on ``part``."""
-        if self.nodes > part.nodes:
+        """Raise ``DdpJobError`` naming the key when this request can never be scheduled on ``part``. A range whose
+        MAX exceeds the partition can start (Slurm gives at most what the partition has): a warning, not a refusal."""
+        if self.min_nodes > part.nodes:
+            least = f", and a job needs MIN {self.min_nodes} to start" if self.elastic else ""
             raise DdpJobError(
-                f"config key 'slurm.nodes' = {self.nodes} exceeds partition '{part.name}' ({part.nodes} nodes)",
-                f"use slurm.nodes<={part.nodes}",
+                f"config key 'slurm.nodes' = {self.nodes} exceeds partition '{part.name}' ({part.nodes} nodes{least})",
+                f"use slurm.nodes<={part.nodes}" + (f", or a range with MIN<={part.nodes}" if self.elastic else ""),
+            )
+        if self.max_nodes > part.nodes:
+            log.warning(
+                "slurm.nodes = %s: partition '%s' has %d nodes, so attempts run on at most %d (MAX %d is never "
+                "reached); slurm.nodes=%d-%d says so",
+                self.nodes,
+                part.name,
+                part.nodes,
+                part.nodes,
+                self.max_nodes,
+                self.min_nodes,
+                part.nodes,
             )
         if self.gpus_per_node > part.gpus_per_node:
             raise DdpJobError(
@@ -205,7 +234,7 @@ class SlurmRequest:
             watch = [pick, *self.watch_lines('"$RUN_DIR"', batch_log), "ddpjob_begin"]
         params: dict[str, Any] = {
             "job_name": self.job_name,
-            "nodes": self.nodes,
+            "nodes": self.min_nodes,
             "ntasks_per_node": self.tasks_per_node,
             "cpus_per_task": self.cpus_per_task,
             "time": self.time_min,
@@ -214,7 +243,10 @@ class SlurmRequest:
             **self.where,
             **self.gpus,
         }
-        params["additional_parameters"] = {"signal": self.signal, "requeue": True, **self.additional}
+        # submitit takes --nodes as a count (it multiplies it by the tasks per node): an elastic job's MIN-MAX goes
+        # in as an additional sbatch option, which replaces submitit's own --nodes line.
+        elastic = {"nodes": self.nodes} if self.elastic else {}
+        params["additional_parameters"] = {"signal": self.signal, "requeue": True, **elastic, **self.additional}
         return params
 
     def submitit_python(self) -> str:

@@ -156,6 +156,14 @@ class Row:
         return " | ".join(jobs)
 
     @property
+    def ranks(self) -> str:
+        """Each attempt's world size, from its start event, oldest first, repeats folded as in ``history``: an
+        elastic job (slurm.nodes MIN-MAX) that ran on 2 ranks, then twice on 4, reads ``2 > 4 x2``."""
+        sizes = [e["world_size"] for e in self.events if e["event"] == "start" and isinstance(e.get("world_size"), int)]
+        folded = ((size, len(list(same))) for size, same in itertools.groupby(sizes))
+        return " > ".join(str(size) if n == 1 else f"{size} x{n}" for size, n in folded) or "-"
+
+    @property
     def restarts(self) -> int:
         """Requeues of the run's jobs (a resume is a new job, not a restart). A REQUEUED line counts before
         its next attempt's line exists; attempts.jsonl covers runs sacct does not know."""
@@ -267,6 +275,7 @@ def render(rows: Sequence[Row], metric_key: str, best: Optional[Row], now: float
         "JOB",
         "STATE",
         "RESTARTS",
+        "RANKS",
         "STEP",
         "LOSS",
         metric_key,
@@ -274,13 +283,14 @@ def render(rows: Sequence[Row], metric_key: str, best: Optional[Row], now: float
         *(["SCRIPT"] * scripts),
         "RUN DIR",
     ]
-    right = {3, 4, 5, 6}
+    right = {3, 4, 5, 6, 7}
     table = [head] + [
         [
             "*" if r is best else "",
             r.job_label,
             r.history(now) + " (early stop)" * r.early_stopped,
             str(r.restarts),
+            r.ranks,
             "-" if r.last_step is None else str(r.last_step),
             fmt(r.loss),
             fmt(r.metric),

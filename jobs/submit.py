@@ -74,8 +74,11 @@ def validate_for_submit(cfg: Config, local: bool, cluster_check: bool = True) ->
 
         check_task(cfg.task)
         check_model(cfg)
-    if local and cfg.slurm.nodes > 1:
-        raise DdpJobError("config key 'slurm.nodes' > 1 cannot run with --local", "drop --local or set slurm.nodes=1")
+    if local and cfg.slurm.max_nodes > 1:
+        raise DdpJobError(
+            f"config key 'slurm.nodes' = {cfg.slurm.nodes!r}: more than one node cannot run with --local",
+            "drop --local or set slurm.nodes=1",
+        )
     if not local and cluster_check:
         check_cluster(cfg)
     cfg.slurm.cpus_per_task = SlurmRequest.resolve(cfg).cpus_per_rank  # the request's, recorded in config.yaml

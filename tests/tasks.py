@@ -261,3 +261,26 @@ class SampleLogDigitsTask(SignalledDigitsTask):
                     f.write(json.dumps({"world": world, "samples": index.tolist()}) + "\n")
             batch = (x, y)
         return super().split(batch)
+
+
+class GatedSampleLogDigitsTask(SampleLogDigitsTask):
+    """SampleLogDigitsTask in a Slurm job whose attempts log apart (``a{SLURM_RESTART_COUNT}``) and whose first
+    attempt stops itself at a chosen point: at its ``stop_at``-th batch rank 0 writes ``{gate_dir}/reached`` and
+    waits for ``{gate_dir}/go`` (the test changes the cluster meanwhile), then sends itself the warning signal, as
+    Slurm would. Later attempts never stop. Numerics unchanged."""
+
+    def __init__(self, gate_dir: str = "", stop_at: int = 0, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        os.environ["DDPJOB_TEST_ATTEMPT"] = f"a{attempt}"  # read at each logged batch: this attempt's own files
+        self.gate, self.stop_at = Path(gate_dir), (stop_at if attempt == 0 else 0)
+
+    def split(self, batch: tuple) -> tuple:
+        out = super().split(batch)  # counts the batch and logs its samples
+        if self.stop_at and self.batches == self.stop_at and dist.get_rank() == 0:
+            (self.gate / "reached").write_text(str(dist.get_world_size()))
+            deadline = time.monotonic() + 120
+            while not (self.gate / "go").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGUSR2)
+        return out

@@ -18,7 +18,9 @@ RUN = RunDir(Path("/runs/digits-golden"))
 OVERRIDES = ["slurm.partition=gpu", "slurm.account=proj42", "slurm.setup=[module load cuda]",
              "slurm.additional={constraint: a100}"]  # fmt: skip
 GPU = ["slurm.gpus_per_node=4", "slurm.nodes=2", "train.deterministic=true", "slurm.setup=[module load cuda/12.4]"]
-VARIANTS = {"default": [], "custom": OVERRIDES, "gpu": GPU}
+# An elastic job: --nodes=MIN-MAX with tasks per node (never a fixed --ntasks), its global batch fixed.
+ELASTIC = ["slurm.nodes=1-2", "data.global_batch_size=128"]
+VARIANTS = {"default": [], "custom": OVERRIDES, "gpu": GPU, "elastic": ELASTIC}
 
 
 def check_golden(name: str, text: str) -> None:

@@ -268,10 +268,11 @@ def test_status_shows_each_trials_script_and_last_step(ran_sweep):
     fake = FakeSlurm(sacct="900_0|901|COMPLETED|0:0|a|b\n900_1|902|COMPLETED|0:0|a|b")
     text, active = status.status_text(str(ran_sweep), "min:train/loss", runner=fake)
     header, *rows = text.splitlines()
-    assert header.split()[:9] == [
+    assert header.split()[:10] == [
         "JOB",
         "STATE",
         "RESTARTS",
+        "RANKS",
         "STEP",
         "LOSS",
         "train/loss",
@@ -337,7 +338,8 @@ def test_status_logs_and_report_of_a_plain_script_run(tmp_path, monkeypatch):
     assert [(e["event"], e["step"]) for e in events(run)] == [("start", None), ("completed", None)]
     text, _ = status.status_text(str(run), "eval/accuracy", runner=FakeSlurm(sacct="4242|4242|COMPLETED|0:0|a|b"))
     row = text.splitlines()[1].split()
-    assert row[:4] == ["4242", "COMPLETED", "0", "-"] and "plain.py" in row  # no step: the script never said one
+    # RANKS 1: one attempt of one process; STEP -: the script never said one
+    assert row[:5] == ["4242", "COMPLETED", "0", "1", "-"] and "plain.py" in row
     code, out, err = cli("logs", str(run), cwd=tmp_path, monkeypatch=monkeypatch)
     assert code == 0 and "==> job 4242" in out and "ddp_core.script: running " in out, err
     code, out, err = cli("report", str(run), "--out", str(tmp_path / "report"), cwd=tmp_path, monkeypatch=monkeypatch)

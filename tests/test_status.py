@@ -85,8 +85,8 @@ def test_one_run_row(tmp_path):
     run = make_run(
         tmp_path / "run",
         jobs=["100"],
-        events=[{"event": "start", "job_id": "100", "restart_count": 0, "step": 0},
-                {"event": "start", "job_id": "100", "restart_count": 1, "step": 20}],
+        events=[{"event": "start", "job_id": "100", "restart_count": 0, "step": 0, "world_size": 2},
+                {"event": "start", "job_id": "100", "restart_count": 1, "step": 20, "world_size": 4}],
         metrics=[train(20, 1.5), train(40, 0.25), evaluation(40, 0.875, 0.3)],
         checkpoint_age_s=190,
     )  # fmt: skip
@@ -94,8 +94,11 @@ def test_one_run_row(tmp_path):
     text, active = status.status_text(str(run), "eval/accuracy", runner=fake)
     header, row, code = lines_of(text)
     assert code == "code: none (each attempt imports the code as it is when it starts)"  # one run: what it imports
-    assert header.split() == ["JOB", "STATE", "RESTARTS", "STEP", "LOSS", "eval/accuracy", "CHECKPOINT", "RUN", "DIR"]
-    assert row.split() == ["100", "REQUEUED", ">", "RUNNING", "1", "40", "0.25", "0.875", "3m", "ago", str(run)]
+    head = ["JOB", "STATE", "RESTARTS", "RANKS", "STEP", "LOSS", "eval/accuracy", "CHECKPOINT", "RUN", "DIR"]
+    assert header.split() == head
+    # RANKS: each attempt's world size (an elastic job's second attempt got two nodes)
+    assert row.split() == ["100", "REQUEUED", ">", "RUNNING", "1", "2", ">", "4", "40", "0.25", "0.875", "3m", "ago",
+                           str(run)]  # fmt: skip
     assert active
     assert fake.calls == [["sacct", "-n", "-P", "-D", "-X", "-o", status.SACCT_FIELDS, "-j", "100"]]
 

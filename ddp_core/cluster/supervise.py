@@ -122,7 +122,7 @@ def requeue(
     events = run_dir.events()  # with this failure's event: to_exclude counts it
     new = to_exclude(events, failure)
     excluded = {**excluded_hosts(events), **new}
-    if new and not room_for(gateway, job, excluded):
+    if new and not room_for(gateway, job, excluded, cfg.slurm.min_nodes):
         reason = f"excluding {', '.join(new)} would leave too few nodes for this job ({after})"
         run_dir.log_event("failed", job_id=env.job_id, step=failure.step, reason=reason)
         log.error("%s; free nodes or take one back, then: ddpjob resume %s --include-node HOST", reason, run_dir.path)
@@ -138,14 +138,14 @@ def requeue(
     return 0
 
 
-def room_for(gateway: SlurmGateway, job: Optional[JobInfo], excluded: dict[str, str]) -> bool:
-    """Whether the job's partition keeps enough nodes for it without ``excluded`` (True when Slurm cannot say)."""
+def room_for(gateway: SlurmGateway, job: Optional[JobInfo], excluded: dict[str, str], needed: int) -> bool:
+    """Whether the job's partition keeps the ``needed`` nodes without ``excluded`` (True when Slurm cannot say).
+    ``needed``: slurm.nodes' MIN, not the job's NumNodes, which for a running elastic job is the count it got."""
     part = gateway.show_partition(job.partition) if job is not None else None
     if job is None or part is None:
         return True
-    needed = job.raw.get("NumNodes", "1").split("-")[0]
     nodes = set(expand_nodelist(part.get("Nodes", ""))) if part.get("Nodes") else set()
-    return not needed.isdigit() or not nodes or len(nodes - set(excluded)) >= int(needed)
+    return not nodes or len(nodes - set(excluded)) >= needed
 
 
 def main(argv: Optional[Sequence[str]] = None, gateway: SlurmGateway = NODE_GATEWAY) -> int:

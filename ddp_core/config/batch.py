@@ -4,11 +4,13 @@ and the accumulation (micro-batches per replica per optimizer step) relate, on b
 ``global = data.batch_size x accumulation x replicas``. Without a global batch, accumulation is ``train.grad_accum``
 and the global batch follows from the world size (the old meaning of ``data.batch_size``). With one, the global
 batch is fixed and each attempt derives its accumulation from its own replicas (``grad_accum``): the login node
-checks it for the job's world size (``validate_batches``), the trainer again for the world it started in.
+checks it for every world size the job may run at (``validate_batches``, ``job_world_sizes``: one per node count
+of an elastic ``slurm.nodes: MIN-MAX``), the trainer again for the world it started in.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ddp_core.config.schema import SINGLE_PROCESS_STRATEGIES, DataConfig, StrategyName, TrainConfig
@@ -30,9 +32,16 @@ def replicas(strategy: str, stages: int, world_size: int) -> int:
     return world_size
 
 
-def job_replicas(cfg: Config) -> int:
-    """The data-parallel replicas of the job a config asks Slurm for."""
-    return replicas(cfg.strategy.name.value, cfg.strategy.stages, cfg.slurm.nodes * ranks_per_node(cfg))
+def job_world_sizes(cfg: Config) -> list[int]:
+    """Every world size (processes) the job may run at, smallest first: one per node count of ``slurm.nodes`` (a
+    single one unless it is a range MIN-MAX), times the ranks per node."""
+    low, high = cfg.slurm.node_range
+    return [nodes * ranks_per_node(cfg) for nodes in range(low, high + 1)]
+
+
+def job_replicas(cfg: Config) -> list[int]:
+    """The data-parallel replicas of each world size the job may run at (``job_world_sizes``)."""
+    return [replicas(cfg.strategy.name.value, cfg.strategy.stages, world) for world in job_world_sizes(cfg)]
 
 
 def grad_accum(data: DataConfig, train: TrainConfig, data_world: int, where: str = "the job") -> int:
@@ -56,8 +65,8 @@ def grad_accum(data: DataConfig, train: TrainConfig, data_world: int, where: str
 
 def validate_batches(cfg: Config) -> None:
     """Login-node checks of how the batch is cut: a pipeline's micro-batches in ``data.batch_size``, and
-    ``data.global_batch_size`` (a range, train.grad_accum left to it, a multiple of the micro-batch times the job's
-    replicas)."""
+    ``data.global_batch_size`` (a range, train.grad_accum left to it, a multiple of the micro-batch times the replicas
+    of every world size the job may run at: an elastic job's each node count)."""
     s = cfg.strategy
     if s.name is StrategyName.pipeline and s.microbatches >= 1 and cfg.data.batch_size % s.microbatches:
         raise DdpJobError(
@@ -79,4 +88,30 @@ def validate_batches(cfg: Config) -> None:
             "accumulation is derived from each attempt's world size",
             "drop train.grad_accum (or set data.global_batch_size=null to choose the accumulation yourself)",
         )
-    grad_accum(cfg.data, cfg.train, job_replicas(cfg))
+    if not cfg.slurm.elastic:
+        grad_accum(cfg.data, cfg.train, job_replicas(cfg)[0])
+        return
+    _validate_elastic(cfg, value)
+
+
+def _validate_elastic(cfg: Config, value: int) -> None:
+    """An elastic job's global batch: a multiple of the micro-batch times the replicas at every node count of the
+    range. The error names the first world size that cannot divide it, and a value that every one divides."""
+    per_micro = [cfg.data.batch_size * r for r in job_replicas(cfg)]
+    every = math.lcm(*per_micro)
+    if value % every == 0:
+        return
+    world, data_world = next(
+        (w, r)
+        for w, r in zip(job_world_sizes(cfg), job_replicas(cfg), strict=True)
+        if value % (cfg.data.batch_size * r)
+    )
+    nodes = world // ranks_per_node(cfg)
+    suggest = max(every, value // every * every)
+    raise DdpJobError(
+        f"config key '{KEY}' = {value} is invalid: slurm.nodes = {cfg.slurm.nodes!r} may run on {nodes} node(s), "
+        f"world size {world}, with {data_world} data-parallel replicas, and {value} is not a multiple of "
+        f"data.batch_size x replicas ({cfg.data.batch_size} x {data_world})",
+        f"set {KEY} to a multiple of {every}, which every node count of the range divides (e.g. {suggest}), or "
+        "narrow slurm.nodes",
+    )

@@ -6,11 +6,13 @@ combinations. The sections of features besides training (script, snapshot, watch
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from ddp_core.config.input import MISSING
+from ddp_core.errors import DdpJobError
 
 
 class StrategyName(str, Enum):
@@ -249,7 +251,9 @@ class SlurmConfig:
     """The Slurm request: where, how many nodes, ranks, GPUs and CPUs, how long, and the requeue budgets."""
 
     partition: Optional[str] = None  # sbatch --partition; null: the cluster's default
-    nodes: int = 1  # sbatch --nodes
+    # sbatch --nodes: a count, or "MIN-MAX" (e.g. 1-2) for an elastic job that starts on as many nodes as Slurm can
+    # give at once, MIN at least; each attempt trains on the nodes it got (docs/preemption.md, "Elastic node counts").
+    nodes: Union[int, str] = 1
     gpus_per_node: int = 0  # GPU clusters: one rank per GPU, so ranks per node = GPUs per node
     # How the GPUs are made visible: "node" (--gpus-per-node: every rank sees all of its node's GPUs and takes
     # cuda:LOCAL_RANK; NCCL can use peer-to-peer between them) or "task" (--gpus-per-task=1: each rank sees only
@@ -295,6 +299,56 @@ class SlurmConfig:
     @property
     def ranks_per_node(self) -> int:
         return self.gpus_per_node if self.gpus_per_node > 0 else self.tasks_per_node
+
+    @property
+    def node_range(self) -> tuple[int, int]:
+        """(MIN, MAX) of ``slurm.nodes``: equal for a plain count. Every reader of the node count goes through it."""
+        return node_range(self.nodes)
+
+    @property
+    def min_nodes(self) -> int:
+        return self.node_range[0]
+
+    @property
+    def max_nodes(self) -> int:
+        return self.node_range[1]
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job may start on any of several node counts (``slurm.nodes: MIN-MAX``, MIN < MAX)."""
+        low, high = self.node_range
+        return low != high
+
+
+MAX_NODES = 1 << 16  # past it a node count is a typo
+NODES_HINT = "set slurm.nodes to a count (e.g. 2) or a range MIN-MAX with 1 <= MIN <= MAX (e.g. 1-2)"
+_NODE_RANGE = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?")
+
+
+def node_range(value: Any) -> tuple[int, int]:
+    """``slurm.nodes`` as (MIN, MAX): ``2`` -> (2, 2), ``"1-2"`` -> (1, 2). Raises ``DdpJobError`` for anything else
+    (not numeric, MIN > MAX, MIN < 1, past ``MAX_NODES``): the config's validation calls it first."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        low = high = value
+    else:
+        match = _NODE_RANGE.fullmatch(value) if isinstance(value, str) else None
+        if match is None:
+            raise DdpJobError(
+                f"config key 'slurm.nodes' = {value!r} is invalid: not a node count or MIN-MAX", NODES_HINT
+            )
+        low = int(match[1])
+        high = int(match[2]) if match[2] is not None else low
+    shown = value if isinstance(value, int) else repr(value)
+    problem = None
+    if low > high:
+        problem = f"MIN {low} > MAX {high}"
+    elif low <= 0:
+        problem = "must be > 0" if low == high else f"MIN must be >= 1 (got {low})"
+    elif high > MAX_NODES:
+        problem = f"must be at most {MAX_NODES}"
+    if problem:
+        raise DdpJobError(f"config key 'slurm.nodes' = {shown} is invalid: {problem}", NODES_HINT)
+    return low, high
 
 
 GPU_BIND = ("node", "task")

@@ -140,10 +140,16 @@ def from_plain(hint: Any, value: Any) -> Any:
     ``NotPlain`` at the first value OmegaConf would have to convert or resolve (a number for a string key, an
     unknown key, any ``${``), so that the caller reads the file through OmegaConf instead: this is a fast path for
     files this package wrote, never a second reading of the config language."""
-    if get_origin(hint) is Union:  # Optional[X]
-        if value is None:
+    if get_origin(hint) is Union:  # Optional[X], or a choice of scalar types (slurm.nodes: int or "MIN-MAX")
+        if value is None and type(None) in get_args(hint):
             return None
-        hint = next(arg for arg in get_args(hint) if arg is not type(None))
+        choices = [arg for arg in get_args(hint) if arg is not type(None)]
+        for choice in choices[:-1]:
+            try:
+                return from_plain(choice, value)
+            except NotPlain:
+                pass
+        hint = choices[-1]
     if _is_section(hint):
         if not isinstance(value, dict) or not value.keys() <= _fields(hint).keys():
             raise NotPlain

@@ -9,7 +9,7 @@ import math
 import re
 from typing import Any, Optional
 
-from ddp_core.config.batch import validate_batches
+from ddp_core.config.batch import job_world_sizes, validate_batches
 from ddp_core.config.features import validate_script, validate_snapshot, validate_trial, validate_watchdog
 from ddp_core.config.schema import (
     CPU_BIND,
@@ -23,8 +23,9 @@ from ddp_core.config.schema import (
     Precision,
     StrategyConfig,
     StrategyName,
+    node_range,
 )
-from ddp_core.config.tree import Config, plain, ranks_per_node, to_dict
+from ddp_core.config.tree import Config, plain, to_dict
 from ddp_core.errors import DdpJobError
 
 
@@ -56,7 +57,6 @@ _AT_MOST = {
     "data.num_workers": 256,
     "train.grad_accum": 1 << 16,
     "train.max_steps": 1 << 40,
-    "slurm.nodes": 1 << 16,
     "slurm.gpus_per_node": 64,
     "slurm.tasks_per_node": 1024,
     "slurm.cpus_per_task": 4096,
@@ -66,6 +66,7 @@ _AT_MOST = {
 
 def validate(cfg: Config) -> None:
     """Checks that need no cluster: ranges and combinations. Raises ``DdpJobError`` naming the key."""
+    node_range(cfg.slurm.nodes)  # a count or MIN-MAX, in range: one line naming slurm.nodes
     _validate_ranges(cfg)
     _validate_guard(cfg.dist.guard)
     validate_watchdog(cfg.watchdog, cfg.dist.timeout_s)
@@ -114,7 +115,6 @@ def _validate_ranges(cfg: Config) -> None:
         "train.grad_accum": cfg.train.grad_accum,
         "train.log_every": cfg.train.log_every,
         "checkpoint.keep_last": cfg.checkpoint.keep_last,
-        "slurm.nodes": cfg.slurm.nodes,
         "slurm.cpus_per_task": 1 if cfg.slurm.cpus_per_task is None else cfg.slurm.cpus_per_task,
         "slurm.time_min": cfg.slurm.time_min,
         "dist.timeout_s": cfg.dist.timeout_s,
@@ -266,10 +266,11 @@ def _validate_guard(guard: Optional[str]) -> None:
 def _validate_strategy(cfg: Config) -> None:
     name = cfg.strategy.name.value
     if cfg.strategy.name in SINGLE_PROCESS_STRATEGIES:
-        if cfg.slurm.nodes > 1:
+        if cfg.slurm.max_nodes > 1:
+            nodes = cfg.slurm.nodes
+            what = f"the range {nodes!r}, which spans nodes" if cfg.slurm.elastic else repr(nodes)
             raise DdpJobError(
-                f"config key 'strategy.name' = {name!r} runs one process on one node, but 'slurm.nodes' = "
-                f"{cfg.slurm.nodes}",
+                f"config key 'strategy.name' = {name!r} runs one process on one node, but 'slurm.nodes' = {what}",
                 "set slurm.nodes=1, or strategy.name=ddp to train across nodes",
             )
     mixed = cfg.strategy.mixed_precision
@@ -326,15 +327,15 @@ def _validate_model_options(cfg: Config) -> None:
 
 def _validate_pipeline(cfg: Config) -> None:
     s = cfg.strategy
-    world = cfg.slurm.nodes * ranks_per_node(cfg)
     _require(s.stages >= 1, "strategy.stages", s.stages, "must be >= 1")
-    _require(
-        world % s.stages == 0,
-        "strategy.stages",
-        s.stages,
-        f"must divide the world size ({world} = slurm.nodes x ranks per node); the quotient is the number of "
-        "data-parallel replicas",
-    )
+    for world in job_world_sizes(cfg):  # an elastic job's every size: each attempt cuts its own world into stages
+        _require(
+            world % s.stages == 0,
+            "strategy.stages",
+            s.stages,
+            f"must divide the world size ({world} = slurm.nodes x ranks per node); the quotient is the number of "
+            "data-parallel replicas",
+        )
     _require(s.schedule in PIPELINE_SCHEDULES, "strategy.schedule", s.schedule, f"must be one of {PIPELINE_SCHEDULES}")
     _require(s.microbatches >= 1, "strategy.microbatches", s.microbatches, "must be >= 1")
     if s.split is not None:

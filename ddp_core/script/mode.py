@@ -296,6 +296,7 @@ def _run(run_dir_arg: str) -> int:
                 restart_count=env.restart_count,
                 step=None,
                 world_size=env.world_size,
+                nodes=env.num_nodes,  # what Slurm gave this attempt: an elastic job's varies
                 script=spec.describe(),
             )
             log.info("running %s", shlex.join([spec.describe(), *spec.args]))

@@ -157,6 +157,7 @@ class Trainer:
                 restart_count=self.env.restart_count,
                 step=step,
                 world_size=self.env.world_size,
+                nodes=self.env.num_nodes,  # what Slurm gave this attempt: an elastic job's varies (slurm.nodes MIN-MAX)
                 global_batch=self.data.step_samples,
                 grad_accum=self.grad_accum,
             )
