@@ -51,7 +51,54 @@ def grad_accum(data: DataConfig, train: TrainConfig, data_world: int, where: str
             f"({data.batch_size} x {data_world} = {per_micro})",
             f"set {KEY} to a multiple of {per_micro} (e.g. {nearest}), or change data.batch_size or the ranks",
         )
+    if train.invariant:
+        check_invariant_shards(data, data_world, where)
     return data.global_batch_size // per_micro
+
+
+def power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_invariant_shards(data: DataConfig, data_world: int, where: str) -> None:
+    """``train.invariant``: the global batch is ``S = global / micro-batch`` shards, summed by one fixed binary tree
+    whose subtrees the ranks take (``S / replicas`` leaves each): S and the replicas must be powers of two."""
+    assert data.global_batch_size is not None and data.global_batch_size % data.batch_size == 0  # grad_accum's check
+    shards = data.global_batch_size // data.batch_size
+    if not power_of_two(shards):
+        low = 1 << (shards.bit_length() - 1)
+        raise DdpJobError(
+            f"config key '{KEY}' = {data.global_batch_size} is invalid with train.invariant=true: it makes {shards} "
+            f"micro-batch shards of data.batch_size={data.batch_size}, and their count must be a power of two (one "
+            "fixed binary tree sums their gradients)",
+            f"set {KEY} to data.batch_size x a power of two (e.g. {data.batch_size * low}, "
+            f"{data.batch_size * low * 2}), or change data.batch_size",
+        )
+    if not power_of_two(data_world):
+        raise DdpJobError(
+            f"config key 'train.invariant' = true is invalid at {data_world} ranks: {where} must have a power of two "
+            f"of data-parallel replicas (1, 2, 4, ... up to the {shards} shards), each summing a whole subtree",
+            "run on 1, 2, 4, ... ranks (slurm.nodes x slurm.tasks_per_node), or set train.invariant=false",
+        )
+
+
+def validate_invariant(cfg: Config) -> None:
+    """``train.invariant``'s strategy (ddp, or one process) and its fixed global batch; the shard count and the
+    replicas are checked with the accumulation (``grad_accum``)."""
+    if not cfg.train.invariant:
+        return
+    if cfg.strategy.name is not StrategyName.ddp:
+        raise DdpJobError(
+            f"config key 'train.invariant' = true is invalid with strategy.name={cfg.strategy.name.value!r}: "
+            "world-size-invariant training sums whole replicas' gradients, which only ddp (or one process) holds",
+            "use strategy.name=ddp, or set train.invariant=false",
+        )
+    if cfg.data.global_batch_size is None:
+        raise DdpJobError(
+            f"config key 'train.invariant' = true needs '{KEY}': the global batch (and its shards) must not change "
+            "with the world size",
+            f"set {KEY} to data.batch_size x a power of two (e.g. {cfg.data.batch_size * 4})",
+        )
 
 
 def validate_batches(cfg: Config) -> None:
@@ -65,6 +112,7 @@ def validate_batches(cfg: Config) -> None:
             f"({cfg.data.batch_size}): every micro-batch has the same shape",
             "fix it in the YAML or with strategy.microbatches=...",
         )
+    validate_invariant(cfg)
     value: Any = cfg.data.global_batch_size
     if value is None:
         return
