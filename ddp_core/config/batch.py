@@ -40,6 +40,8 @@ def grad_accum(data: DataConfig, train: TrainConfig, data_world: int, where: str
     ``data.global_batch_size`` is not a multiple of ``data.batch_size x data_world`` (``where``: whose replicas)."""
     if data.global_batch_size is None:
         return train.grad_accum
+    if train.invariant:  # first: its rules are stricter than the multiple below, and its hint is right for it
+        check_invariant_shards(data, data_world, where)
     per_micro = data.batch_size * data_world
     if data.global_batch_size % per_micro:
         lower = data.global_batch_size // per_micro * per_micro
@@ -51,8 +53,6 @@ def grad_accum(data: DataConfig, train: TrainConfig, data_world: int, where: str
             f"({data.batch_size} x {data_world} = {per_micro})",
             f"set {KEY} to a multiple of {per_micro} (e.g. {nearest}), or change data.batch_size or the ranks",
         )
-    if train.invariant:
-        check_invariant_shards(data, data_world, where)
     return data.global_batch_size // per_micro
 
 
@@ -62,23 +62,23 @@ def power_of_two(n: int) -> bool:
 
 def check_invariant_shards(data: DataConfig, data_world: int, where: str) -> None:
     """``train.invariant``: the global batch is ``S = global / micro-batch`` shards, summed by one fixed binary tree
-    whose subtrees the ranks take (``S / replicas`` leaves each): S and the replicas must be powers of two."""
-    assert data.global_batch_size is not None and data.global_batch_size % data.batch_size == 0  # grad_accum's check
-    shards = data.global_batch_size // data.batch_size
-    if not power_of_two(shards):
-        low = 1 << (shards.bit_length() - 1)
+    whose subtrees the ranks take (``S / replicas`` leaves each): S must be a power of two, the replicas divide it."""
+    assert data.global_batch_size is not None  # validate_invariant's check
+    shards, rest = divmod(data.global_batch_size, data.batch_size)
+    if rest or not power_of_two(shards):
+        low = 1 << max(0, shards.bit_length() - 1)
         raise DdpJobError(
-            f"config key '{KEY}' = {data.global_batch_size} is invalid with train.invariant=true: it makes {shards} "
-            f"micro-batch shards of data.batch_size={data.batch_size}, and their count must be a power of two (one "
-            "fixed binary tree sums their gradients)",
-            f"set {KEY} to data.batch_size x a power of two (e.g. {data.batch_size * low}, "
-            f"{data.batch_size * low * 2}), or change data.batch_size",
+            f"config key '{KEY}' = {data.global_batch_size} is invalid with train.invariant=true: it must be "
+            f"data.batch_size ({data.batch_size}) x a power of two, the micro-batch shards that one fixed binary "
+            "tree sums",
+            f"set {KEY} to e.g. {data.batch_size * low} or {data.batch_size * low * 2}, or change data.batch_size",
         )
-    if not power_of_two(data_world):
+    if shards % data_world:
         raise DdpJobError(
-            f"config key 'train.invariant' = true is invalid at {data_world} ranks: {where} must have a power of two "
-            f"of data-parallel replicas (1, 2, 4, ... up to the {shards} shards), each summing a whole subtree",
-            "run on 1, 2, 4, ... ranks (slurm.nodes x slurm.tasks_per_node), or set train.invariant=false",
+            f"config key 'train.invariant' = true is invalid at {data_world} data-parallel replicas ({where}): "
+            f"the replicas must be a power of two that divides the {shards} shards of {KEY} / data.batch_size",
+            f"run on 1, 2, 4, ... up to {shards} ranks (slurm.nodes x slurm.tasks_per_node), or set "
+            "train.invariant=false",
         )
 
 
