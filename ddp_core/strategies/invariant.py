@@ -9,6 +9,11 @@ tree: each rank folds its shards into the subtree they form (``PairwiseSum``), t
 every rank adds them up in the same tree. Floating-point addition is commutative but not associative, so the tree's
 fixed shape, not the order of arrival, decides every rounding: one process and ``W`` ranks add the same pairs.
 
+The first level of the tree comes from autograd: an odd shard's backward accumulates onto its left neighbour's
+gradients, one addition per element, which is what the tree would compute; only leaf pairs are flattened. (One
+corner: a parameter without a gradient in one shard of a pair but with one in the other holds that gradient, where
+the tree's sum with a zero would turn a -0.0 into +0.0 where the pair's shards are on two ranks: a zero's sign.)
+
 Why a tree rather than exact integer (fixed-point) summation, which is order-free: fixed point needs a scale agreed
 before the sum (one more collective per step, or a guessed bound that overflows or flushes small gradients),
 int64 doubles the bytes on the wire, and the result is a quantised gradient. The tree keeps fp32 gradients (pairwise
@@ -27,7 +32,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_core.dist import groups as distributed
 from ddp_core.strategies.ddp import DDPStrategy
 from ddp_core.strategies.units import candidate_units, checkpoint_activations
 from ddp_core.tasks.base import Task
@@ -41,6 +45,16 @@ def shard_seed(seed: int, step: int, shard: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+def seed_streams(seed: int, device: torch.device) -> None:
+    """torch's random streams, the CPU's and ``device``'s, from ``seed`` (dropout draws from them; Python's and
+    NumPy's are left alone: seeding Python's costs more than the rest together). Through the generators themselves:
+    ``torch.manual_seed`` also queues a lazy seeding of every accelerator backend, formatting a stack trace for
+    each, ~0.8 ms a call here, more than a digits shard's forward."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.default_generators[device.index if device.index is not None else 0].manual_seed(seed)
+
+
 class PairwiseSum:
     """Sums the tensors pushed, in order, by a complete binary tree: each pair of equal-height subtrees is added as
     soon as both exist, left + right. Pushing ``2**k`` leaves gives the root of their tree; pushing ``W`` subtree
@@ -49,8 +63,7 @@ class PairwiseSum:
     def __init__(self) -> None:
         self.stack: list[tuple[int, torch.Tensor]] = []  # (height, sum of that subtree), heights decreasing
 
-    def push(self, value: torch.Tensor) -> None:
-        height = 0
+    def push(self, value: torch.Tensor, height: int = 0) -> None:
         while self.stack and self.stack[-1][0] == height:
             _, left = self.stack.pop()
             value = left.add_(value)  # in place into the left sum: the same rounding as left + value
@@ -74,6 +87,7 @@ class InvariantDDPStrategy(DDPStrategy):
         super().__init__(*args, **kwargs)
         self.seed, self.step, self.done = 0, 0, 0  # train.seed; the optimizer step; this step's shards run so far
         self.tree = PairwiseSum()
+        self.params: list[nn.Parameter] = []  # the trainable parameters, listed at each step's first shard
 
     def wrap(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
@@ -102,16 +116,22 @@ class InvariantDDPStrategy(DDPStrategy):
         (``sync``) the ranks' subtrees are combined and every parameter's ``.grad`` is the global batch's sum."""
         shards = grad_accum * self.data_world
         shard = self.data_rank * grad_accum + self.done
-        distributed.seed_all(shard_seed(self.seed, self.step, shard))
-        params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:
-            p.grad = None  # fresh gradients: this shard's alone
+        seed_streams(shard_seed(self.seed, self.step, shard), self.device)
+        if self.done == 0:  # once a step: the list costs a walk over the modules
+            self.params = [p for p in model.parameters() if p.requires_grad]
+        params = self.params
+        if self.done % 2 == 0:  # fresh gradients: this shard's alone (an odd shard adds itself to its left pair)
+            for p in params:
+                p.grad = None
         with self.work.forward():
             out = task.compute(model, batch)
         self.on_train_output(out)
         loss = out.loss / shards if shards > 1 else out.loss  # a power of two: exact
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        self.tree.push(flat_grads(params))
+        if grad_accum == 1:  # one leaf per rank: the tree starts above the ranks
+            self.tree.push(flat_grads(params))
+        elif self.done % 2 == 1:  # autograd added this shard's gradients onto its left neighbour's: a leaf pair
+            self.tree.push(flat_grads(params), height=1)
         self.done += 1
         if sync:
             assert self.done == grad_accum, (self.done, grad_accum)
