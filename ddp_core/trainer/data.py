@@ -5,7 +5,9 @@ of the stream to rank i % world); ``ResumableShardSampler`` starts this rank's s
 (epoch, samples of the stream consumed) says, so a resume at another world size continues at the stream's next
 sample: none repeated, none skipped. Iterable datasets (streams): ``RankShard`` gives each rank and loader worker its
 share, and torchdata's ``StatefulDataLoader`` keeps where each worker is; its ``state_dict`` goes into every
-checkpoint, per rank. ``TrainData`` hides the difference from the loop.
+checkpoint, per rank. ``TrainData`` hides the difference from the loop. Under ``train.invariant``,
+``BlockShardSampler`` cuts each global batch into contiguous blocks instead, so that a step's micro-batch shards are
+the same samples at any world size.
 """
 
 from __future__ import annotations
