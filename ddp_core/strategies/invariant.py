@@ -136,7 +136,10 @@ class InvariantDDPStrategy(DDPStrategy):
         if sync:
             assert self.done == grad_accum, (self.done, grad_accum)
             self.set_grads(params, self.combine(self.tree.pop_root()))
-        # The logged loss as the other strategies give it: the shard's loss / the rank's micro-batches.
+        # The logged loss as the other strategies give it: the shard's loss / the rank's micro-batches (one rank:
+        # the loss above, without another kernel).
+        if shards == grad_accum:
+            return loss.detach()
         return (out.loss / grad_accum if grad_accum > 1 else out.loss).detach()
 
     def combine(self, subtree: torch.Tensor) -> torch.Tensor:
@@ -152,11 +155,8 @@ class InvariantDDPStrategy(DDPStrategy):
 
     @staticmethod
     def set_grads(params: list[nn.Parameter], flat: torch.Tensor) -> None:
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
-            offset += n
+        for p, part in zip(params, torch.split(flat, [p.numel() for p in params]), strict=True):
+            p.grad = part.view_as(p).to(p.dtype)
 
 
 def invariance_warnings(
