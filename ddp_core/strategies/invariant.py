@@ -25,7 +25,6 @@ No DDP wrapper: DDP's bucketed all-reduce would add the ranks' gradients in an o
 from __future__ import annotations
 
 import hashlib
-import logging
 from typing import Any, Optional
 
 import torch
@@ -35,8 +34,6 @@ from torch import nn
 from ddp_core.strategies.ddp import DDPStrategy
 from ddp_core.strategies.units import candidate_units, checkpoint_activations
 from ddp_core.tasks.base import Task
-
-log = logging.getLogger(__name__)
 
 
 def shard_seed(seed: int, step: int, shard: int) -> int:
