@@ -68,7 +68,9 @@ def test_invariant_weights_at_1_2_and_4_ranks_and_across_resumes(tmp_path, task,
     common = [*COMMON, *extra]
     digests = set()
     for world in uninterrupted:
-        logged = final_digests(run_trainer(str(config), tmp_path / f"w{world}", common, world))
+        log = run_trainer(str(config), tmp_path / f"w{world}", common, world)
+        assert f"train.invariant: 4 shards of {extra[1].split('=')[1]} samples, {4 // world} per rank" in log
+        logged = final_digests(log)
         assert len(logged) == world
         digests |= set(logged)
     assert len(digests) == 1, digests
@@ -81,3 +83,23 @@ def test_invariant_weights_at_1_2_and_4_ranks_and_across_resumes(tmp_path, task,
     assert [e["step"] for e in events(run, "interrupted")] == [3, 6]
     assert [(e["step"], e["world_size"]) for e in events(run, "start")] == [(0, 2), (3, 4), (6, 1)]
     assert final_digests(log) == list(digests)
+
+
+def test_settings_that_may_break_invariance_are_named():
+    """What rank 0 warns about at start: precision, compile, loader workers, a GPU without deterministic kernels,
+    batch norm's running statistics; nothing for the plain fp32 CPU run the tests above make."""
+    from torch import nn
+
+    from ddp_core.strategies.invariant import invariance_warnings
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    mlp = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
+    assert invariance_warnings(mlp, "fp32", False, 0, False, cpu) == []
+    found = invariance_warnings(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), "bf16", True, 2, False, gpu)
+    assert [w.split(":")[0] for w in found[:4]] == [
+        "train.precision=bf16",
+        "train.compile=true",
+        "data.num_workers=2",
+        "train.deterministic=false on a GPU",
+    ]
+    assert len(found) == 5 and found[4].startswith("1 module(s) with running statistics (1)"), found
