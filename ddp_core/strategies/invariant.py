@@ -5,9 +5,9 @@ The global batch is ``S`` micro-batch shards (a power of two); shard ``j`` of a 
 world size (``trainer.data.BlockShardSampler``), and rank ``r`` of ``W`` holds shards ``r*S/W .. (r+1)*S/W - 1``.
 Each shard runs alone: its RNG streams (dropout) seeded from (train.seed, step, shard), its loss divided by ``S``
 (a power of two: exact), its backward into fresh gradients. The shards' gradients are summed in one fixed binary
-tree: each rank folds its shards into the subtree they form (``PairwiseSum``), the ranks gather the subtree sums and
-every rank adds them up in the same tree. Floating-point addition is commutative but not associative, so the tree's
-fixed shape, not the order of arrival, decides every rounding: one process and ``W`` ranks add the same pairs.
+tree: each rank folds its shards into the subtree they form (``PairwiseSum``), the ranks exchange the subtree sums
+and add them up in the same tree (``combine``). Floating-point addition is commutative but not associative, so the
+tree's fixed shape, not the order of arrival, decides every rounding: one process and ``W`` ranks add the same pairs.
 
 The first level of the tree comes from autograd: an odd shard's backward accumulates onto its left neighbour's
 gradients, one addition per element, which is what the tree would compute; only leaf pairs are flattened. (One
@@ -17,7 +17,7 @@ the tree's sum with a zero would turn a -0.0 into +0.0 where the pair's shards a
 Why a tree rather than exact integer (fixed-point) summation, which is order-free: fixed point needs a scale agreed
 before the sum (one more collective per step, or a guessed bound that overflows or flushes small gradients),
 int64 doubles the bytes on the wire, and the result is a quantised gradient. The tree keeps fp32 gradients (pairwise
-summation: more accurate than sequential accumulation) and, at 2 ranks, sends what a ring all-reduce sends.
+summation: more accurate than sequential accumulation) and sends what a ring all-reduce sends (``combine``).
 
 No DDP wrapper: DDP's bucketed all-reduce would add the ranks' gradients in an order set by the world size.
 """
@@ -102,11 +102,15 @@ class InvariantDDPStrategy(DDPStrategy):
         return None  # no DDP buckets to settle
 
     def exchange_bytes(self, model: nn.Module) -> tuple[int, int]:
-        """Bytes of gradient each rank receives per step: this mode's all-gather of subtree sums, and a ring
-        all-reduce's (plain DDP) of the same gradients."""
-        size = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        world = self.data_world
-        return (world - 1) * size, 2 * (world - 1) * size // world
+        """Bytes of gradient each rank receives per step: this mode's (``combine``), and a ring all-reduce's (plain
+        DDP) of the same gradients."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        numel, item = sum(p.numel() for p in params), max((p.element_size() for p in params), default=4)
+        world, size = self.data_world, numel * item
+        ring = 2 * (world - 1) * size // world
+        if world <= 2:
+            return (world - 1) * size, ring
+        return 2 * (world - 1) * -(-numel // world) * item, ring  # chunks padded to equal length
 
     def forward_backward(self, task: Task, model: nn.Module, batch: Any, grad_accum: int, sync: bool) -> torch.Tensor:
         """One shard: seeded, ``loss / S``, its own backward, folded into this rank's subtree; after the last one
@@ -140,15 +144,31 @@ class InvariantDDPStrategy(DDPStrategy):
         return (out.loss / grad_accum if grad_accum > 1 else out.loss).detach()
 
     def combine(self, subtree: torch.Tensor) -> torch.Tensor:
-        """The ranks' subtree sums (rank order = shard order) added in the tree above them, on every rank."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        """The ranks' subtree sums (rank order = shard order) added in the tree above them, on every rank.
+
+        At 2 ranks, one all-gather of the whole sums (what a ring all-reduce sends, in one collective). Beyond, a
+        reduce-scatter in the tree: rank r receives chunk r of every rank's sum (all-to-all), adds them in the tree,
+        and the chunks are all-gathered: ``2 (W - 1) / W`` of the gradient bytes, a ring's, where gathering whole
+        sums would take ``W - 1``. The tree works elementwise, so both give the same bits."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world == 1:
             return subtree
-        gathered = [torch.empty_like(subtree) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, subtree)
         tree = PairwiseSum()
-        for part in gathered:
+        if world == 2:
+            gathered = [torch.empty_like(subtree) for _ in range(world)]
+            dist.all_gather(gathered, subtree)
+            for part in gathered:
+                tree.push(part)
+            return tree.pop_root()
+        size, chunk = subtree.numel(), -(-subtree.numel() // world)
+        padded = torch.nn.functional.pad(subtree, (0, chunk * world - size))
+        received = torch.empty_like(padded)
+        dist.all_to_all_single(received, padded)  # row k: rank k's chunk of this rank's slice
+        for part in received.view(world, chunk):
             tree.push(part)
-        return tree.pop_root()
+        chunks = [torch.empty(chunk, dtype=subtree.dtype, device=subtree.device) for _ in range(world)]
+        dist.all_gather(chunks, tree.pop_root().contiguous())
+        return torch.cat(chunks)[:size]
 
     @staticmethod
     def set_grads(params: list[nn.Parameter], flat: torch.Tensor) -> None:
