@@ -4,7 +4,9 @@ Every strategy runs through this one loop (``Trainer.train``, one screen). Posit
 samples of the epoch's global stream consumed), saved in each checkpoint with every rank's RNG states (and a
 streaming loader's state), so a resumed run continues the exact stream it stopped in, at any world size. Each
 optimizer step takes ``grad_accum`` micro-batches per replica: ``train.grad_accum``, or derived from
-``data.global_batch_size`` and this attempt's replicas (``config.batch``). The components are called in one line
+``data.global_batch_size`` and this attempt's replicas (``config.batch``); under ``train.invariant`` the strategy
+seeds and sums each micro-batch shard itself (``strategies.invariant``; ``begin_step`` gives it the step). The
+components are called in one line
 each: the optimizer step (``optim.OptimizerStep``: fp16 scaling, clipping, grad norm), the progress lines and records
 (``progress``), the monitored metric (``monitor``: best checkpoint, early stopping), the checkpoints
 (``checkpoint.manager.CheckpointManager``, saving the ``TrainState``), the pruner of an adaptive sweep's trial.
