@@ -6,10 +6,10 @@ streaming loader's state), so a resumed run continues the exact stream it stoppe
 optimizer step takes ``grad_accum`` micro-batches per replica: ``train.grad_accum``, or derived from
 ``data.global_batch_size`` and this attempt's replicas (``config.batch``); under ``train.invariant`` the strategy
 seeds and sums each micro-batch shard itself (``strategies.invariant``; ``begin_step`` gives it the step). The
-components are called in one line
-each: the optimizer step (``optim.OptimizerStep``: fp16 scaling, clipping, grad norm), the progress lines and records
-(``progress``), the monitored metric (``monitor``: best checkpoint, early stopping), the checkpoints
-(``checkpoint.manager.CheckpointManager``, saving the ``TrainState``), the pruner of an adaptive sweep's trial.
+components are called in one line each: the optimizer step (``optim.OptimizerStep``: fp16 scaling, clipping, grad
+norm), the progress lines and records (``progress``), the monitored metric (``monitor``: best checkpoint, early
+stopping), the checkpoints (``checkpoint.manager.CheckpointManager``, saving the ``TrainState``), the pruner of an
+adaptive sweep's trial.
 
 ``fit`` returns through one path. Its teardown (writers, progress, W&B) runs on success, on a signal's stop and on
 an exception alike, and holds no collective: a failed rank's peers may be gone.
