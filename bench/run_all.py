@@ -36,6 +36,7 @@ BENCHES = [
     ("search_overhead", "adaptive sweeps"),
     ("sweep_report", "sweep reports"),
     ("strategies", "strategies"),
+    ("invariant", "world-size-invariant training"),
 ]
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_core.task import Output
+from ddp_core.tasks.charlm import CharLMTask
 from ddp_core.tasks.digits import DigitsTask
 from ddp_core.tasks.hf_gpt2 import HFGPT2Task
 
@@ -70,14 +71,14 @@ class SlowDigitsTask(DigitsTask):
         return super().split(batch)
 
 
-class SignalledDigitsTask(DigitsTask):
-    """Digits, but one rank sends itself the warning signal at a chosen batch of the attempt, as Slurm would
+class SignalsItself:
+    """A task mixin: one rank sends itself the warning signal at a chosen batch of the attempt, as Slurm would
     mid-step. ``DDPJOB_TEST_SIGNAL_AT=RANK:BATCH`` (this process's environment: each attempt picks its own)
     names the rank and the 1-based count of split() calls (every strategy calls it once per batch on every
     rank). Numerics unchanged."""
 
     def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+        super().__init__(**kwargs)  # type: ignore[call-arg]
         rank, _, batch = os.environ.get("DDPJOB_TEST_SIGNAL_AT", "-1:0").partition(":")
         self.signal_rank, self.signal_batch, self.batches = int(rank), int(batch), 0
 
@@ -86,7 +87,15 @@ class SignalledDigitsTask(DigitsTask):
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank == self.signal_rank and self.batches == self.signal_batch:
             os.kill(os.getpid(), signal.SIGUSR2)
-        return super().split(batch)
+        return super().split(batch)  # type: ignore[misc]
+
+
+class SignalledDigitsTask(SignalsItself, DigitsTask):
+    """Digits that signal themselves (``SignalsItself``)."""
+
+
+class SignalledCharLMTask(SignalsItself, CharLMTask):
+    """The char LM that signals itself (``SignalsItself``)."""
 
 
 class StragglerDigitsTask(DigitsTask):

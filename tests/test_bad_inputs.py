@@ -175,6 +175,18 @@ ROWS: list[Row] = [
             "'train.grad_accum' = 2 is set, but with data.global_batch_size = 128"),
     accepted("global_batch", "data.global_batch_size=256", "data.global_batch_size", 256),
     accepted("global_batch_dp", ("strategy.name=dp", "data.global_batch_size=96"), "data.global_batch_size", 96),
+    # --- train.invariant: ddp (or one process), a global batch of a power of two of shards, replicas dividing it ---
+    *(refused(f"invariant_{name}", ("train.invariant=true", f"strategy.name={name}", "data.global_batch_size=128"),
+              f"'train.invariant' = true is invalid with strategy.name='{name}'")
+      for name in ("fsdp", "pipeline", "dp", "model_parallel")),
+    refused("invariant_no_global_batch", "train.invariant=true",
+            "'train.invariant' = true needs 'data.global_batch_size'"),
+    refused("invariant_shards", ("train.invariant=true", "data.global_batch_size=192"),
+            "'data.global_batch_size' = 192 is invalid with train.invariant=true: it must be data.batch_size (32) x a "
+            "power of two"),
+    refused("invariant_three_ranks", ("train.invariant=true", "slurm.tasks_per_node=3", "data.global_batch_size=128"),
+            "'train.invariant' = true is invalid at 3 data-parallel replicas (the job)"),
+    accepted("invariant", ("train.invariant=true", "data.global_batch_size=128"), "train.invariant", True),
     # --- wrong types for a section or a key ---
     refused("section_int", "data=3", "bad value for config key 'data': 3"),
     refused("section_list", "optim=[1]", "bad value for config key 'optim': [1]"),

@@ -49,6 +49,8 @@ def grad_accum(data: DataConfig, train: TrainConfig, data_world: int, where: str
     ``data.global_batch_size`` is not a multiple of ``data.batch_size x data_world`` (``where``: whose replicas)."""
     if data.global_batch_size is None:
         return train.grad_accum
+    if train.invariant:  # first: its rules are stricter than the multiple below, and its hint is right for it
+        check_invariant_shards(data, data_world, where)
     per_micro = data.batch_size * data_world
     if data.global_batch_size % per_micro:
         lower = data.global_batch_size // per_micro * per_micro
@@ -63,6 +65,51 @@ def grad_accum(data: DataConfig, train: TrainConfig, data_world: int, where: str
     return data.global_batch_size // per_micro
 
 
+def power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_invariant_shards(data: DataConfig, data_world: int, where: str) -> None:
+    """``train.invariant``: the global batch is ``S = global / micro-batch`` shards, summed by one fixed binary tree
+    whose subtrees the ranks take (``S / replicas`` leaves each): S must be a power of two, the replicas divide it."""
+    assert data.global_batch_size is not None  # validate_invariant's check
+    shards, rest = divmod(data.global_batch_size, data.batch_size)
+    if rest or not power_of_two(shards):
+        low = 1 << max(0, shards.bit_length() - 1)
+        raise DdpJobError(
+            f"config key '{KEY}' = {data.global_batch_size} is invalid with train.invariant=true: it must be "
+            f"data.batch_size ({data.batch_size}) x a power of two, the micro-batch shards that one fixed binary "
+            "tree sums",
+            f"set {KEY} to e.g. {data.batch_size * low} or {data.batch_size * low * 2}, or change data.batch_size",
+        )
+    if shards % data_world:
+        raise DdpJobError(
+            f"config key 'train.invariant' = true is invalid at {data_world} data-parallel replicas ({where}): "
+            f"the replicas must be a power of two that divides the {shards} shards of {KEY} / data.batch_size",
+            f"run on 1, 2, 4, ... up to {shards} ranks (slurm.nodes x slurm.tasks_per_node), or set "
+            "train.invariant=false",
+        )
+
+
+def validate_invariant(cfg: Config) -> None:
+    """``train.invariant``'s strategy (ddp, or one process) and its fixed global batch; the shard count and the
+    replicas are checked with the accumulation (``grad_accum``)."""
+    if not cfg.train.invariant:
+        return
+    if cfg.strategy.name is not StrategyName.ddp:
+        raise DdpJobError(
+            f"config key 'train.invariant' = true is invalid with strategy.name={cfg.strategy.name.value!r}: "
+            "world-size-invariant training sums whole replicas' gradients, which only ddp (or one process) holds",
+            "use strategy.name=ddp, or set train.invariant=false",
+        )
+    if cfg.data.global_batch_size is None:
+        raise DdpJobError(
+            f"config key 'train.invariant' = true needs '{KEY}': the global batch (and its shards) must not change "
+            "with the world size",
+            f"set {KEY} to data.batch_size x a power of two (e.g. {cfg.data.batch_size * 4})",
+        )
+
+
 def validate_batches(cfg: Config) -> None:
     """Login-node checks of how the batch is cut: a pipeline's micro-batches in ``data.batch_size``, and
     ``data.global_batch_size`` (a range, train.grad_accum left to it, a multiple of the micro-batch times the replicas
@@ -74,6 +121,7 @@ def validate_batches(cfg: Config) -> None:
             f"({cfg.data.batch_size}): every micro-batch has the same shape",
             "fix it in the YAML or with strategy.microbatches=...",
         )
+    validate_invariant(cfg)
     value: Any = cfg.data.global_batch_size
     if value is None:
         return

@@ -168,6 +168,11 @@ class TrainConfig:
     # torch.compile the model's forward in place (nn.Module.compile): parameter names, hence checkpoints, stay the
     # uncompiled model's. ddp and fsdp only; needs a C++ compiler on CPU nodes.
     compile: bool = False
+    # World-size-invariant training (docs/preemption.md): the final weights are bitwise identical at every world
+    # size that divides the global batch's data.global_batch_size / data.batch_size micro-batch shards (a power of
+    # two), across resumes at other world sizes too. ddp (or one process) only; each shard is seeded from
+    # (train.seed, step, shard) and the gradients are summed in one fixed binary tree instead of DDP's all-reduce.
+    invariant: bool = False
 
 
 @dataclass

@@ -26,8 +26,23 @@ _STRATEGIES: dict[StrategyName, tuple[str, str]] = {
 }
 
 
-def build_strategy(cfg: StrategyConfig, env: DistEnv, device: torch.device, task: Optional[Task] = None) -> Strategy:
-    """``task``: where pipeline and model_parallel find the model's blocks (``Task.pipeline_blocks``)."""
+def build_strategy(
+    cfg: StrategyConfig,
+    env: DistEnv,
+    device: torch.device,
+    task: Optional[Task] = None,
+    invariant_seed: Optional[int] = None,
+) -> Strategy:
+    """``task``: where pipeline and model_parallel find the model's blocks (``Task.pipeline_blocks``).
+    ``invariant_seed``: train.seed of a ``train.invariant`` run (ddp only, checked at submit), which seeds each
+    micro-batch shard (``strategies.invariant``); None for every other run."""
+    if invariant_seed is not None:
+        assert cfg.name is StrategyName.ddp, cfg.name  # config.batch.validate_invariant refused the others
+        from ddp_core.strategies.invariant import InvariantDDPStrategy
+
+        invariant = InvariantDDPStrategy(cfg, env, device)
+        invariant.seed, invariant.task = invariant_seed, task
+        return invariant
     module, name = _STRATEGIES[cfg.name]
     cls: type[Strategy] = getattr(importlib.import_module(module), name)
     strategy = cls(cfg, env, device)

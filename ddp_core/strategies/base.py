@@ -66,6 +66,11 @@ class Strategy(ABC):
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return loss.detach()
 
+    def begin_step(self, step: int) -> None:
+        """Called before each optimizer step's micro-batches with the step's number (0-based, counted over the
+        run): ``train.invariant`` seeds each micro-batch shard from it."""
+        return None
+
     def prime(self, task: Task, model: nn.Module, batch: Any) -> None:
         """Called once per attempt, before its first step, with that step's first micro-batch: work that must not
         change the model, its gradients or the RNG streams, only how later steps run (see ``DDPStrategy.prime``)."""

@@ -5,7 +5,9 @@ of the stream to rank i % world); ``ResumableShardSampler`` starts this rank's s
 (epoch, samples of the stream consumed) says, so a resume at another world size continues at the stream's next
 sample: none repeated, none skipped. Iterable datasets (streams): ``RankShard`` gives each rank and loader worker its
 share, and torchdata's ``StatefulDataLoader`` keeps where each worker is; its ``state_dict`` goes into every
-checkpoint, per rank. ``TrainData`` hides the difference from the loop.
+checkpoint, per rank. ``TrainData`` hides the difference from the loop. Under ``train.invariant``,
+``BlockShardSampler`` cuts each global batch into contiguous blocks instead, so that a step's micro-batch shards are
+the same samples at any world size.
 """
 
 from __future__ import annotations
@@ -41,19 +43,41 @@ class ResumableShardSampler(Sampler[int]):
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
 
-    def shard(self) -> list[int]:
+    def order(self) -> list[int]:
+        """The epoch's global stream."""
         if self.shuffle:
-            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        else:
-            order = list(range(self.size))
+            return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        return list(range(self.size))
+
+    def shard(self) -> list[int]:
         end = self.start + (self.size - self.start) // self.world * self.world  # equal shares: drop the tail
-        return order[self.start + self.rank : end : self.world]
+        return self.order()[self.start + self.rank : end : self.world]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.shard())
 
     def __len__(self) -> int:
         return (self.size - self.start) // self.world
+
+
+class BlockShardSampler(ResumableShardSampler):
+    """``train.invariant``'s order: each global batch (``step_samples`` of the stream from ``start`` on, whole
+    steps only) is cut into contiguous blocks, one per rank, in rank order. Read in micro-batches, rank r's k-th of
+    a step is the global batch's shard ``r * shards / world + k``: the same samples at any world size."""
+
+    def __init__(self, size: int, rank: int, world: int, shuffle: bool, seed: int, step_samples: int) -> None:
+        super().__init__(size, rank, world, shuffle, seed)
+        self.step_samples = step_samples
+
+    def shard(self) -> list[int]:
+        order, block = self.order(), self.step_samples // self.world
+        mine = []
+        for base in range(self.start, self.size - self.step_samples + 1, self.step_samples):
+            mine += order[base + self.rank * block : base + (self.rank + 1) * block]
+        return mine
+
+    def __len__(self) -> int:
+        return (self.size - self.start) // self.step_samples * (self.step_samples // self.world)
 
 
 def train_loader(
@@ -154,12 +178,19 @@ class TrainData:
         seed: int,
         pin_memory: bool,
         collate_fn: Optional[Callable[[list[Any]], Any]],
+        blocks: bool = False,
     ) -> None:
         self.batch_size, self.grad_accum = cfg.batch_size, grad_accum
         self.step_samples = cfg.batch_size * grad_accum * world
         self.streaming = isinstance(dataset, IterableDataset)
         self.finished = False  # a stream's last pass reached its end
         self.sampler: Optional[ResumableShardSampler] = None
+        if self.streaming and blocks:
+            raise DdpJobError(
+                "config key 'train.invariant' = true needs a map-style training set: this task's is a stream "
+                "(IterableDataset), which each rank reads its own share of",
+                "give the task a map-style dataset (len and indexing), or set train.invariant=false",
+            )
         if self.streaming:
             from torchdata.stateful_dataloader import StatefulDataLoader  # only runs that stream import it
 
@@ -176,7 +207,10 @@ class TrainData:
             )
             return
         self.size = len(dataset)  # type: ignore[arg-type]
-        self.sampler = ResumableShardSampler(self.size, rank, world, cfg.shuffle, seed)
+        if blocks:  # train.invariant: a step's shards are the same samples at any world size
+            self.sampler = BlockShardSampler(self.size, rank, world, cfg.shuffle, seed, self.step_samples)
+        else:
+            self.sampler = ResumableShardSampler(self.size, rank, world, cfg.shuffle, seed)
         self.loader = train_loader(dataset, self.sampler, cfg, seed, pin_memory, collate_fn)
         if self.size < self.step_samples:
             raise ValueError(

@@ -4,10 +4,12 @@ Every strategy runs through this one loop (``Trainer.train``, one screen). Posit
 samples of the epoch's global stream consumed), saved in each checkpoint with every rank's RNG states (and a
 streaming loader's state), so a resumed run continues the exact stream it stopped in, at any world size. Each
 optimizer step takes ``grad_accum`` micro-batches per replica: ``train.grad_accum``, or derived from
-``data.global_batch_size`` and this attempt's replicas (``config.batch``). The components are called in one line
-each: the optimizer step (``optim.OptimizerStep``: fp16 scaling, clipping, grad norm), the progress lines and records
-(``progress``), the monitored metric (``monitor``: best checkpoint, early stopping), the checkpoints
-(``checkpoint.manager.CheckpointManager``, saving the ``TrainState``), the pruner of an adaptive sweep's trial.
+``data.global_batch_size`` and this attempt's replicas (``config.batch``); under ``train.invariant`` the strategy
+seeds and sums each micro-batch shard itself (``strategies.invariant``; ``begin_step`` gives it the step). The
+components are called in one line each: the optimizer step (``optim.OptimizerStep``: fp16 scaling, clipping, grad
+norm), the progress lines and records (``progress``), the monitored metric (``monitor``: best checkpoint, early
+stopping), the checkpoints (``checkpoint.manager.CheckpointManager``, saving the ``TrainState``), the pruner of an
+adaptive sweep's trial.
 
 ``fit`` returns through one path. Its teardown (writers, progress, W&B) runs on success, on a signal's stop and on
 an exception alike, and holds no collective: a failed rank's peers may be gone.
@@ -95,7 +97,8 @@ class Trainer:
         # Same seed on every rank for the model's initial weights; per-rank seeds for dropout etc. after.
         distributed.seed_all(cfg.train.seed)
         self.task = task = load_task(cfg.task)
-        self.strategy = strategy = build_strategy(cfg.strategy, env, device, task)
+        invariant_seed = cfg.train.seed if cfg.train.invariant else None  # world-size-invariant shards, seeded
+        self.strategy = strategy = build_strategy(cfg.strategy, env, device, task, invariant_seed)
         model = task.build_model(**cfg.task.model)
         if cfg.train.compile:  # in place, before wrapping: parameter names (checkpoint keys) stay the plain model's
             model.compile()
@@ -116,6 +119,7 @@ class Trainer:
             cfg.train.seed,
             pin,
             collate,
+            blocks=cfg.train.invariant,
         )
         self.evals = eval_loader(eval_set, strategy.data_rank, strategy.data_world, cfg.data, pin, collate)
         distributed.seed_all(cfg.train.seed * 1000 + env.rank + 1)
@@ -168,6 +172,8 @@ class Trainer:
                 self.grad_accum,
                 self.strategy.data_world,
             )
+            if self.cfg.train.invariant:
+                self.log_invariance()
         self.records = Records(self.cfg, self.run_dir, self.env, step)
         scheduler = self.state.scheduler
         self.lines = ProgressLines(
@@ -213,6 +219,7 @@ class Trainer:
     def step(self, group: list[Any]) -> None:
         """One optimizer step over a group of ``grad_accum`` micro-batches per replica: a global batch."""
         pos, amp = self.state.pos, self.amp
+        self.strategy.begin_step(pos.step)
         if not self.primed:  # this attempt's first step: every attempt's steps run alike
             with amp:
                 self.strategy.prime(self.task, self.model, to_device(group[0], self.device))
@@ -228,6 +235,31 @@ class Trainer:
         pos.step += 1
         pos.samples_in_epoch += self.data.step_samples  # a group is whole: micro_batches drops a short tail
         self.watchdog.beat(pos.step)
+
+    def log_invariance(self) -> None:
+        """Rank 0, at start: what train.invariant holds to, and what in this run may break it (warnings)."""
+        from ddp_core.strategies.invariant import InvariantDDPStrategy, invariance_warnings
+
+        cfg, strategy = self.cfg, self.strategy
+        assert isinstance(strategy, InvariantDDPStrategy)
+        received, ring = strategy.exchange_bytes(self.model)
+        log.info(
+            "train.invariant: %d shards of %d samples, %d per rank, %d intra-op threads per rank (weights match "
+            "only across runs with the same count); gradient exchange %d bytes per rank per step (a ring "
+            "all-reduce: %d)",
+            self.data.step_samples // cfg.data.batch_size,
+            cfg.data.batch_size,
+            self.grad_accum,
+            torch.get_num_threads(),
+            received,
+            ring,
+        )
+        train = cfg.train
+        found = invariance_warnings(
+            self.model, train.precision.value, train.compile, cfg.data.num_workers, train.deterministic, self.device
+        )
+        for warning in found:
+            log.warning("train.invariant: %s", warning)
 
     def done(self) -> bool:
         return self.state.pos.step >= self.cfg.train.max_steps or self.monitor.should_stop
