@@ -186,6 +186,8 @@ ROWS: list[Row] = [
             "power of two"),
     refused("invariant_three_ranks", ("train.invariant=true", "slurm.tasks_per_node=3", "data.global_batch_size=128"),
             "'train.invariant' = true is invalid at 3 data-parallel replicas (the job)"),
+    refused("invariant_elastic", ("train.invariant=true", "slurm.nodes=1-3", "data.global_batch_size=128"),
+            "'train.invariant' = true is invalid at 6 data-parallel replicas (the job at 3 node(s))"),
     accepted("invariant", ("train.invariant=true", "data.global_batch_size=128"), "train.invariant", True),
     # --- wrong types for a section or a key ---
     refused("section_int", "data=3", "bad value for config key 'data': 3"),

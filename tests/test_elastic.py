@@ -1,6 +1,8 @@
 """An elastic job (``slurm.nodes: 1-2``) on the real local cluster: it starts on the one node that is free, is
 interrupted, and its requeued attempt trains on both nodes once they are free, at the same global batch, every sample
-of the stream trained exactly once. (Equal final weights across world sizes need invariant mode: not here.)"""
+of the stream trained exactly once. Under ``train.invariant`` its final weights are bitwise those of uninterrupted
+runs at either size: one node's 2 ranks and two nodes' 4 (run under torchrun beside the cluster, where the digest
+depends on the ranks only: tests/test_invariant.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,30 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, field, run_cli
-from tests.helpers import events, wait_for, wait_gone
+from tests.helpers import digests, events, final_digests, rank_logs, run_trainer, wait_for, wait_gone
 from tests.test_global_batch import expected_steps, logged_steps, train_losses
 
 pytestmark = [pytest.mark.slurm]  # exclusive: a job holds a whole node (tests/cluster_guard.py)
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 STEPS, GLOBAL, MICRO, STOP_AT = 16, 64, 16, 12  # attempt 1: 2 ranks x 2 micro-batches a step, stopped at step 6
+
+
+TRAIN = [f"data.global_batch_size={GLOBAL}", f"data.batch_size={MICRO}", f"train.max_steps={STEPS}",
+         "train.invariant=true", "train.eval_every=0", "train.log_every=1", "checkpoint.every_steps=1000",
+         "wandb.mode=disabled", "optim.warmup_steps=5", "task.model.dropout=0.1", "train.stop_check_ms=0"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    """Ranks -> the final digest of an uninterrupted run (before the cluster test takes its turn)."""
+    out = {}
+    for ranks in (2, 4):
+        base = tmp_path_factory.mktemp(f"uninterrupted{ranks}")
+        overrides = [*TRAIN, "task.target=tests.tasks:SampleLogDigitsTask", f"task.data.log_dir={base}"]
+        found = set(final_digests(run_trainer(DIGITS, base / "run", overrides, ranks)))
+        assert len(found) == 1
+        out[ranks] = found.pop()
+    return out
 
 
 def hold_node(node: str) -> str:
@@ -31,17 +51,14 @@ def hold_node(node: str) -> str:
     return job_id
 
 
-def test_an_elastic_job_starts_on_one_node_and_resumes_on_two(slurm_cluster, tmp_path):
+def test_an_elastic_job_starts_on_one_node_and_resumes_on_two(uninterrupted, slurm_cluster, tmp_path):
     logs, gate = tmp_path / "samples", tmp_path / "gate"
     logs.mkdir()
     gate.mkdir()
     holder = hold_node("n2")
     try:
         proc = run_cli(
-            "submit", DIGITS, "slurm.partition=local", "slurm.nodes=1-2", "slurm.tasks_per_node=2",
-            f"data.global_batch_size={GLOBAL}", f"data.batch_size={MICRO}", f"train.max_steps={STEPS}",
-            "train.eval_every=0", "train.log_every=1", "checkpoint.every_steps=1000", "wandb.mode=disabled",
-            "optim.warmup_steps=5", "task.model.dropout=0.0", "train.stop_check_ms=0",
+            "submit", DIGITS, "slurm.partition=local", "slurm.nodes=1-2", "slurm.tasks_per_node=2", *TRAIN,
             "task.target=tests.tasks:GatedSampleLogDigitsTask", f"task.data.log_dir={logs}",
             f"task.data.gate_dir={gate}", f"task.data.stop_at={STOP_AT}", cwd=tmp_path,
         )  # fmt: skip
@@ -75,5 +92,8 @@ def test_an_elastic_job_starts_on_one_node_and_resumes_on_two(slurm_cluster, tmp
     before, after = [losses[s] for s in range(stop - 2, stop + 1)], [losses[s] for s in range(stop + 1, stop + 4)]
     assert 0.5 < sum(after) / sum(before) < 1.2, (before, after)
     assert losses[STEPS] < 0.9 * losses[1]  # it learns (2.31 -> 1.91 over 16 steps, warmup 5, in one run)
+    # Bitwise the weights of an uninterrupted run on one node (2 ranks) and on two (4 ranks): train.invariant.
+    assert uninterrupted[2] == uninterrupted[4]
+    assert digests(rank_logs(run_dir, job_id)) == dict.fromkeys(range(4), uninterrupted[2])
     status = run_cli("status", str(run_dir), cwd=tmp_path)
     assert status.returncode == 0 and " 2 > 4 " in status.stdout, status.stdout + status.stderr

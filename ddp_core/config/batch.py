@@ -136,10 +136,11 @@ def validate_batches(cfg: Config) -> None:
             "accumulation is derived from each attempt's world size",
             "drop train.grad_accum (or set data.global_batch_size=null to choose the accumulation yourself)",
         )
-    if not cfg.slurm.elastic:
-        grad_accum(cfg.data, cfg.train, job_replicas(cfg)[0])
-        return
-    _validate_elastic(cfg, value)
+    if cfg.slurm.elastic and not cfg.train.invariant:  # invariant mode's shard rules come first, with their hint
+        _validate_elastic(cfg, value)
+    for world, data_world in zip(job_world_sizes(cfg), job_replicas(cfg), strict=True):
+        where = f"the job at {world // ranks_per_node(cfg)} node(s)" if cfg.slurm.elastic else "the job"
+        grad_accum(cfg.data, cfg.train, data_world, where)  # and train.invariant's shards, at every world size
 
 
 def _validate_elastic(cfg: Config, value: int) -> None:
