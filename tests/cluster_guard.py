@@ -22,9 +22,35 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
-HOME = Path(os.environ.get("DDPJOB_SLURM_HOME", "/var/tmp/ddpjob-slurm"))
+DEFAULT_HOME = Path("/var/tmp/ddpjob-slurm")
+
+
+def cluster_home(env: Mapping[str, str]) -> Path:
+    """The state dir of the cluster the tests talk to: DDPJOB_SLURM_HOME, else the one whose slurm.conf SLURM_CONF
+    names (scripts/slurm-local writes it to <state dir>/etc/slurm.conf), else the default instance's."""
+    if env.get("DDPJOB_SLURM_HOME"):
+        return Path(env["DDPJOB_SLURM_HOME"])
+    conf = Path(env.get("SLURM_CONF", ""))
+    return conf.parent.parent if conf.parts[-2:] == ("etc", "slurm.conf") else DEFAULT_HOME
+
+
+def instance_mismatch(env: Mapping[str, str]) -> str | None:
+    """Why the client commands would reach another cluster than the one whose lock the tests take, or None.
+    A second instance (scripts/slurm-local env) is reached through SLURM_CONF; without it the commands read
+    /etc/slurm, the default instance's, whose jobs a test's cleanup would then cancel."""
+    home = cluster_home(env)
+    conf = env.get("SLURM_CONF")
+    default = home.resolve() == DEFAULT_HOME.resolve()
+    if conf and Path(conf).parent.parent != home and not (default and conf == "/etc/slurm/slurm.conf"):
+        return f"SLURM_CONF={conf} is not the slurm.conf of DDPJOB_SLURM_HOME={home}"
+    if not conf and not default:
+        return f"DDPJOB_SLURM_HOME={home} without SLURM_CONF: Slurm's commands would reach the default cluster"
+    return None
+
+
+HOME = cluster_home(os.environ)
 UNHEALTHY = ("down", "drain", "drng", "fail", "failg", "maint", "unk")
 LEFTOVER_GRACE_S = 30  # a cancelled or finishing job of the last test may still be completing
 

@@ -34,6 +34,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if mismatch := cluster_guard.instance_mismatch(os.environ):
+        # the cluster guard would lock one cluster and clean up (scancel) another's jobs
+        raise pytest.UsageError(f'{mismatch}: eval "$(scripts/slurm-local env)" with DDPJOB_SLURM_HOME set')
     if getattr(config.option, "dist", "no") == "loadgroup" and pytest.version_tuple >= (9,):
         # xdist 3.8 groups by rewriting node ids, which pytest 9 no longer reads: every group would be split.
         raise pytest.UsageError("--dist loadgroup needs pytest < 9 here (pyproject.toml pins it): scripts/setup")

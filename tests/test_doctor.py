@@ -139,6 +139,13 @@ def test_preempt_none_never_preempts(tmp_path):
     assert not [k for k, x in f.items() if x.level == "problem"]
 
 
+def test_a_cluster_without_preemption_reads_the_same_on_every_release():
+    # Slurm 22.05 prints "preempt/none"; 24.11 and 26.05 print "(null)" (measured on scripts/slurm-local --slurm)
+    for printed in ("preempt/none", "(null)"):
+        config = slurm.parse_config(f"PreemptType             = {printed}\nPreemptMode             = OFF\n")
+        assert config["PreemptType"] == "preempt/none"
+
+
 def test_partition_prio_requeue_with_grace_time(tmp_path):
     run = make_run(tmp_path / "run", saves=[0.02, 0.03, 2.0])
     f = diagnose(FakeSlurm(), "low", run)

@@ -48,13 +48,21 @@ def parse_fields(text: str) -> dict[str, str]:
     return out
 
 
+# What Slurm releases print differently in ``scontrol show config`` (the project runs against 22.05, 24.11 and
+# 26.05): a value each release says its own way, and what the callers read instead.
+CONFIG_SPELLINGS = {
+    ("PreemptType", "(null)"): "preempt/none",  # 24.11+ print "(null)" for no preemption, 22.05 "preempt/none"
+}
+
+
 def parse_config(text: str) -> dict[str, str]:
-    """``scontrol show config`` lines ``Key = Value`` → dict."""
+    """``scontrol show config`` lines ``Key = Value`` → dict, in one spelling whatever the release
+    (``CONFIG_SPELLINGS``)."""
     out: dict[str, str] = {}
     for line in text.splitlines():
         key, sep, value = line.partition("=")
         if sep and key.strip() and " " not in key.strip():
-            out[key.strip()] = value.strip()
+            out[key.strip()] = CONFIG_SPELLINGS.get((key.strip(), value.strip()), value.strip())
     return out
 
 
