@@ -83,6 +83,7 @@ def test_invariant_weights_at_1_2_and_4_ranks_and_across_resumes(tmp_path, task,
     assert [e["step"] for e in events(run, "interrupted")] == [3, 6]
     assert [(e["step"], e["world_size"]) for e in events(run, "start")] == [(0, 2), (3, 4), (6, 1)]
     assert final_digests(log) == list(digests)
+    assert "train.invariant seeds every shard's RNG itself" in log and "RNG streams restart" not in log
 
 
 def test_settings_that_may_break_invariance_are_named():
