@@ -1,8 +1,7 @@
 """An elastic job (``slurm.nodes: 1-2``) on the real local cluster: it starts on the one node that is free, is
 interrupted, and its requeued attempt trains on both nodes once they are free, at the same global batch, every sample
 of the stream trained exactly once. Under ``train.invariant`` its final weights are bitwise those of uninterrupted
-runs at either size: one node's 2 ranks and two nodes' 4 (run under torchrun beside the cluster, where the digest
-depends on the ranks only: tests/test_invariant.py)."""
+jobs at either size: one node's 2 ranks and two nodes' 4."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, field, run_cli
-from tests.helpers import digests, events, final_digests, rank_logs, run_trainer, wait_for, wait_gone
+from tests.helpers import digests, events, rank_logs, wait_for, wait_gone
 from tests.test_global_batch import expected_steps, logged_steps, train_losses
 
 pytestmark = [pytest.mark.slurm]  # exclusive: a job holds a whole node (tests/cluster_guard.py)
@@ -23,19 +22,6 @@ STEPS, GLOBAL, MICRO, STOP_AT = 16, 64, 16, 12  # attempt 1: 2 ranks x 2 micro-b
 TRAIN = [f"data.global_batch_size={GLOBAL}", f"data.batch_size={MICRO}", f"train.max_steps={STEPS}",
          "train.invariant=true", "train.eval_every=0", "train.log_every=1", "checkpoint.every_steps=1000",
          "wandb.mode=disabled", "optim.warmup_steps=5", "task.model.dropout=0.1", "train.stop_check_ms=0"]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    """Ranks -> the final digest of an uninterrupted run (before the cluster test takes its turn)."""
-    out = {}
-    for ranks in (2, 4):
-        base = tmp_path_factory.mktemp(f"uninterrupted{ranks}")
-        overrides = [*TRAIN, "task.target=tests.tasks:SampleLogDigitsTask", f"task.data.log_dir={base}"]
-        found = set(final_digests(run_trainer(DIGITS, base / "run", overrides, ranks)))
-        assert len(found) == 1
-        out[ranks] = found.pop()
-    return out
 
 
 def hold_node(node: str) -> str:
@@ -51,7 +37,7 @@ def hold_node(node: str) -> str:
     return job_id
 
 
-def test_an_elastic_job_starts_on_one_node_and_resumes_on_two(uninterrupted, slurm_cluster, tmp_path):
+def test_an_elastic_job_starts_on_one_node_and_resumes_on_two(slurm_cluster, tmp_path):
     logs, gate = tmp_path / "samples", tmp_path / "gate"
     logs.mkdir()
     gate.mkdir()
@@ -92,8 +78,22 @@ def test_an_elastic_job_starts_on_one_node_and_resumes_on_two(uninterrupted, slu
     before, after = [losses[s] for s in range(stop - 2, stop + 1)], [losses[s] for s in range(stop + 1, stop + 4)]
     assert 0.5 < sum(after) / sum(before) < 1.2, (before, after)
     assert losses[STEPS] < 0.9 * losses[1]  # it learns (2.31 -> 1.91 over 16 steps, warmup 5, in one run)
-    # Bitwise the weights of an uninterrupted run on one node (2 ranks) and on two (4 ranks): train.invariant.
-    assert uninterrupted[2] == uninterrupted[4]
-    assert digests(rank_logs(run_dir, job_id)) == dict.fromkeys(range(4), uninterrupted[2])
+    # Bitwise the weights of uninterrupted jobs on one node (2 ranks) and on two (4 ranks): train.invariant. Both at
+    # once: 2 CPUs on each node for the 2-node job, 2 more on one of them for the other.
+    references = {}
+    for nodes in (1, 2):
+        ref_logs = tmp_path / f"uninterrupted{nodes}"
+        ref_logs.mkdir()
+        ref = run_cli("submit", DIGITS, "slurm.partition=local", f"slurm.nodes={nodes}", "slurm.tasks_per_node=2",
+                      *TRAIN, "task.target=tests.tasks:SampleLogDigitsTask", f"task.data.log_dir={ref_logs}",
+                      cwd=tmp_path)  # fmt: skip
+        assert ref.returncode == 0, ref.stdout + ref.stderr
+        references[nodes] = (field(ref.stdout, "job"), Path(field(ref.stdout, "run dir")))
+    final = digests(rank_logs(run_dir, job_id))
+    assert sorted(final) == [0, 1, 2, 3] and len(set(final.values())) == 1, final
+    for nodes, (ref_job, ref_dir) in references.items():
+        assert wait_gone(ref_job, 300) == "COMPLETED"
+        assert events(ref_dir, "start")[0]["nodes"] == nodes
+        assert digests(rank_logs(ref_dir, ref_job)) == dict.fromkeys(range(2 * nodes), final[0]), nodes
     status = run_cli("status", str(run_dir), cwd=tmp_path)
     assert status.returncode == 0 and " 2 > 4 " in status.stdout, status.stdout + status.stderr
