@@ -154,7 +154,7 @@ def test_qos_preemption_requeues_and_resumes(reference, tmp_path):
 
 
 # Two nodes of four ranks: the largest world the local cluster holds. A single rank (tests/test_search_slurm.py's
-# requeued worker) and an odd world size (tests/test_trainer.py's ddp3, without Slurm) are proven elsewhere: each
+# requeued worker) and an odd world size (tests/test_trainer.py's three ranks, without Slurm) are proven elsewhere: each
 # case here costs a minute or more of the whole cluster in CI.
 @pytest.mark.parametrize(("nodes", "tasks"), [(2, 4)], ids=["2x4"])
 def test_world_sizes_interrupted_twice_end_exact(slurm_cluster, tmp_path, nodes, tasks):
