@@ -13,15 +13,16 @@ progress line of ``metrics.jsonl`` (the first step, with its warm-up, is left ou
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the other benchmarks, also when run from elsewhere
+from strategies import train
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["train.eval_every=0", "train.log_every=1", "checkpoint.every_steps=0", "wandb.mode=disabled",
@@ -37,16 +38,10 @@ def run(task: str, ranks: int, invariant: bool, steps: int, tmp: Path) -> tuple[
     """Seconds per step, and (this mode's, a ring all-reduce's) gradient bytes per rank per step if invariant."""
     config, extra = TASKS[task]
     run_dir = tmp / f"run{len(list(tmp.iterdir()))}"
-    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     f"--nproc-per-node={ranks}"]  # fmt: skip
-    cmd = [*launcher, "-m", "ddp_core", str(ROOT / "configs" / config), "--run-dir", str(run_dir), *COMMON, *extra,
-           f"train.max_steps={steps}", f"train.invariant={str(invariant).lower()}"]  # fmt: skip
+    overrides = [*COMMON, *extra, f"train.max_steps={steps}", f"train.invariant={str(invariant).lower()}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if r["split"] == "train"]
-    seconds = (train[-1]["time"] - train[0]["time"]) / (train[-1]["step"] - train[0]["step"])
-    found = EXCHANGE.search(proc.stderr)
+    seconds, stderr = train(ranks, str(ROOT / "configs" / config), overrides, run_dir, env)
+    found = EXCHANGE.search(stderr)
     return seconds, (int(found[1]), int(found[2])) if found else None
 
 

@@ -28,6 +28,18 @@ RUNS = {
 }
 
 
+def train(nproc: int, config: str, overrides: list[str], run_dir: Path, env: dict[str, str]) -> tuple[float, str]:
+    """The trainer on ``config`` (one process, or ``nproc`` ranks under torchrun) to its end: seconds per step
+    between its first and last train record (the first step's warm-up left out), and its stderr."""
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     f"--nproc-per-node={nproc}"]  # fmt: skip
+    cmd = [*launcher, "-m", "ddp_core", config, "--run-dir", str(run_dir), *overrides]
+    proc = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in rows if r["split"] == "train"]
+    return (records[-1]["time"] - records[0]["time"]) / (records[-1]["step"] - records[0]["step"]), proc.stderr
+
+
 def step_time(nproc: int, overrides: list[str], steps: int, tmp: Path, global_batch: int) -> float:
     run_dir = tmp / f"run{len(list(tmp.iterdir()))}"
     # The same global batch everywhere: 2 data-parallel ranks take half each; pipeline stages share theirs.
@@ -35,14 +47,8 @@ def step_time(nproc: int, overrides: list[str], steps: int, tmp: Path, global_ba
     common = [f"train.max_steps={steps}", "train.log_every=10", "train.eval_every=0", "checkpoint.every_steps=0",
               "wandb.mode=disabled", f"data.batch_size={global_batch // data_parallel}",
               "optim.warmup_steps=0"]  # fmt: skip
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     f"--nproc-per-node={nproc}"]  # fmt: skip
-    cmd = [*launcher, "-m", "ddp_core", CHARLM, "--run-dir", str(run_dir), *common, *overrides]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, 2 // nproc)))
-    subprocess.run(cmd, check=True, capture_output=True, env=env)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if r["split"] == "train"]
-    return (train[-1]["time"] - train[0]["time"]) / (train[-1]["step"] - train[0]["step"])  # skips warm-up steps
+    return train(nproc, CHARLM, [*common, *overrides], run_dir, env)[0]
 
 
 def rows(steps: int = 60, global_batch: int = 32) -> list[dict[str, Any]]:
