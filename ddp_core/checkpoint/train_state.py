@@ -117,7 +117,7 @@ class TrainState:
         self.carried.load(state, env)
         if state["world_size"] == env.world_size:
             distributed.set_rng_state(state["rng"][env.rank])
-        elif state["config"].get("train", {}).get("invariant"):  # each shard's streams come from (seed, step, shard)
+        elif self.config["train"]["invariant"]:  # this attempt seeds each shard's streams from (seed, step, shard)
             log.info(
                 "checkpoint was written at world size %d, now %d: train.invariant seeds every shard's RNG itself",
                 state["world_size"],
