@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ddp_core.cluster import signals
+from ddp_core.cluster.exits import ExitCode
 from ddp_core.cluster.supervise import MARKER
 from ddp_core.config import DEFAULT_CPUS_PER_GPU, Config, ranks_per_node
 from ddp_core.errors import DdpJobError
@@ -212,10 +213,11 @@ class SlurmRequest:
             '"$1"; exit $?; }',
             "trap 'ddpjob_watch $?' EXIT",
             # A requeued attempt first accounts for a previous one that a node's death ended (node_loss); a non-zero
-            # answer ends this attempt before srun, already decided: the watcher has nothing to add.
+            # answer ends this attempt before srun, already decided: the watcher has nothing to add. ALREADY_COMPLETE:
+            # the run had completed (Slurm 24.11's extra requeue), the job ends COMPLETED.
             'ddpjob_begin() { [ "${SLURM_RESTART_COUNT:-0}" = 0 ] && return 0; '
             f"{python} -m ddp_core.cluster.supervise --begin {run_dir} && return 0; "
-            "set -- $?; trap - EXIT; exit $1; }",
+            f'set -- $?; trap - EXIT; [ "$1" = {int(ExitCode.ALREADY_COMPLETE)} ] && exit 0; exit $1; }}',
         ]
 
     def submitit_parameters(self, run_dir: Optional[Path] = None, array_runs: Optional[Path] = None) -> dict[str, Any]:

@@ -3,7 +3,14 @@ DDPJOB_REQUIRE_SLURM=1 (set by scripts/test and CI) a missing cluster fails them
 
 A test marked ``cluster_profile("NAME")`` needs the cluster started with ``scripts/slurm-local up --profile NAME``
 (preemption setups are global to a cluster). Tests for another profile than the running one are deselected;
-``--cluster-profile-only`` keeps only the running profile's tests (scripts/test runs one such pass per profile)."""
+``--cluster-profile-only`` keeps only the running profile's tests (scripts/test runs one such pass per profile).
+
+Slurm releases: the full suite runs on one release (22.05, the host's). A test marked ``slurm_interface`` exercises
+one of Slurm's interfaces (submitting, arrays, status, requeue, preemption, GRES, ...) and runs again on each other
+tested release: ``--release-pass`` keeps only those (and the running release's ``cluster_release`` tests) whose
+profile is the running one (a test without ``cluster_profile`` belongs to "preempt", as in the first pass);
+scripts/test runs one such pass per release and profile. A test marked ``cluster_release("R", ...)`` needs one of
+those releases (apptainer: only the 26.05 root filesystem has it) and is deselected on any other."""
 
 from __future__ import annotations
 
@@ -31,6 +38,8 @@ def _job_environment():
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--cluster-profile-only", action="store_true",
                      help="run only tests marked cluster_profile(P) for the running cluster's profile P")  # fmt: skip
+    parser.addoption("--release-pass", action="store_true",
+                     help="only the slurm_interface and cluster_release tests of the running profile")  # fmt: skip
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -53,6 +62,16 @@ def running_profile() -> str:
     return "preempt-qos" if "preempt/qos" in out else "default"
 
 
+def running_release() -> str:
+    """The local cluster's Slurm release ("22.05", "24.11", ...) from ``scontrol --version``; "" if none answers."""
+    try:
+        out = subprocess.run(["scontrol", "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    version = out.split()[-1] if out.split() else ""
+    return ".".join(version.split(".")[:2])
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks to group the tests
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
@@ -67,11 +86,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # module's tests stay in order and together.
     items.sort(key=exclusive)
     wanted = {item: m.args[0] for item in items if (m := item.get_closest_marker("cluster_profile"))}
-    only = config.getoption("--cluster-profile-only")
-    if not wanted and not only:
+    releases = {item: m.args for item in items if (m := item.get_closest_marker("cluster_release"))}
+    only, release_pass = config.getoption("--cluster-profile-only"), config.getoption("--release-pass")
+    if not wanted and not releases and not only and not release_pass:
         return
     profile = running_profile()
-    keep = [i for i in items if wanted.get(i, None if only else profile) == profile]
+    if release_pass:
+        keep = [i for i in items if (i.get_closest_marker("slurm_interface") or i in releases)]
+        keep = [i for i in keep if wanted.get(i, "preempt") == profile]
+    else:
+        keep = [i for i in items if wanted.get(i, None if only else profile) == profile]
+    if releases:
+        release = running_release()
+        keep = [i for i in keep if i not in releases or release in releases[i]]
     if len(keep) != len(items):
         config.hook.pytest_deselected(items=[i for i in items if i not in keep])
         items[:] = keep

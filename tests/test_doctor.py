@@ -373,6 +373,7 @@ def _live(partition: str, cwd: Path) -> dict[str, dict]:
 
 @pytest.mark.slurm
 @pytest.mark.cluster_profile("preempt")
+@pytest.mark.slurm_interface
 def test_live_low_partition_requeues_with_grace(slurm_cluster, tmp_path):
     f = _live("low", tmp_path)
     assert f["preempt_type"]["value"] == "partition_prio"
@@ -392,6 +393,7 @@ def test_live_local_partition_is_not_preempted(slurm_cluster, tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.cluster_profile("default")
+@pytest.mark.slurm_interface
 def test_live_default_profile_has_no_preemption(slurm_cluster, tmp_path):
     f = _live("local", tmp_path)
     assert f["preempt_type"]["value"] == "none"
@@ -401,6 +403,7 @@ def test_live_default_profile_has_no_preemption(slurm_cluster, tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.cluster_profile("preempt")
+@pytest.mark.slurm_interface
 def test_drill_interrupts_three_ways_and_cleans_up(slurm_cluster, tmp_path):
     """The fire drill on the preempt profile: warning signal, scontrol requeue and a preemption from the high
     partition; every time saved, requeued as the same job, resumed at its step; the twin's weights at the end."""

@@ -19,8 +19,10 @@ from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.exits import ExitCode
 from ddp_core.cluster.failures import Kind, TaskEnd, classify, describe, diagnose, srun_task_ends
 from ddp_core.cluster.slurm import SlurmGateway, gateway_for
+from ddp_core.config import load_config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
+from jobs.request import SlurmRequest
 from tests.conftest import ROOT
 
 GLOO_PEER = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.1.2]:29500"
@@ -222,3 +224,28 @@ def test_a_node_failure_nobody_recorded_is_counted_before_the_next_attempt(tmp_p
     timeout = gateway_for(lambda cmd: subprocess.CompletedProcess(cmd, 0, "TIMEOUT|n[1-2]|a|b\n", ""))
     assert node_loss.begin(run, fourth, "n[1-2]", 3, timeout) == node_loss.GO_ON
     assert run.events()[-1]["event"] == "start"
+
+
+def test_a_requeued_attempt_of_a_completed_run_ends_completed_before_srun(tmp_path):
+    """Slurm 24.11 requeues a job that was preempted once more when its next attempt ends (docs/local-cluster.md):
+    the batch script's check before srun finds the run completed by this job and ends the attempt with exit 0,
+    starting nothing; a run another job completed (a resume that goes on training) still starts."""
+    request = SlurmRequest.resolve(load_config(str(ROOT / "configs" / "digits.yaml"), []), python=sys.executable)
+    script = "\n".join([*request.watch_lines(str(tmp_path), str(tmp_path / "log")), "ddpjob_begin", "echo srun"])
+    run = RunDir(tmp_path)
+    run.log_event("start", job_id="57", restart_count=1)
+    run.log_event("completed", job_id="57", step=40, final=True)
+    env = {
+        **os.environ,
+        "SLURM_JOB_ID": "57",
+        "SLURM_RESTART_COUNT": "2",
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(ROOT),
+    }
+    again = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert (again.returncode, again.stdout) == (0, "")
+    assert "Slurm started job 57 again after its run completed: nothing to run" in again.stderr
+    resumed = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, cwd=ROOT, env={**env, "SLURM_JOB_ID": "58"}
+    )
+    assert (resumed.returncode, resumed.stdout) == (0, "srun\n"), resumed.stderr

@@ -31,6 +31,7 @@ def bindings(run_dir: Path, job_id: str) -> dict[int, tuple]:
     return table
 
 
+@pytest.mark.slurm_interface
 def test_gpus_per_node_job_runs_a_rank_per_gpu_on_two_nodes(slurm_cluster, tmp_path):
     """slurm.gpus_per_node=2 on 2 nodes: 4 ranks, 2 per node; every rank sees its node's 2 GPUs and takes
     cuda:LOCAL_RANK; CPUs per rank default to the node's CPUs per GPU (4 / 2)."""

@@ -175,6 +175,7 @@ def test_requeue_budget_exhausted_then_resume(reference, tmp_path):
     assert digests(rank_logs(run_dir, field(proc.stdout, "job"))) == {0: reference, 1: reference}
 
 
+@pytest.mark.slurm_interface
 def test_time_limit_warning_counts_as_timeout(slurm_cluster, tmp_path):
     # A 3-minute job warned 110 s before its limit (Slurm sends timed signals up to ~60 s early): the signal
     # comes 10-70 s in. With no timeout budget the run ends in its terminal state instead of requeueing.
@@ -187,6 +188,7 @@ def test_time_limit_warning_counts_as_timeout(slurm_cluster, tmp_path):
     assert not events(run_dir, "requeued")
 
 
+@pytest.mark.slurm_interface
 def test_sbatch_template_job_requeues_itself(reference, tmp_path):
     # The plain-sbatch path (no submitit): same signal, same self-requeue, same final weights.
     proc = subprocess.run(

@@ -59,6 +59,7 @@ def charlm_reference(slurm_cluster, tmp_path_factory) -> str:
     return final.pop()
 
 
+@pytest.mark.slurm_interface
 def test_tutorial_script_runs_unchanged_on_two_nodes(slurm_cluster, tmp_path):
     """examples/ddp_tutorial.py (no ddpjob import) as a 2-node job: world size 2, one rank on each of n1 and n2;
     then the same through the sbatch template (scripts/submit.sh)."""
@@ -111,6 +112,7 @@ def test_charlm_script_interrupted_three_times_ends_bitwise_equal(charlm_referen
     assert len(offline) == 4 and all(f.name.endswith(f"-{run_id}") for f in offline)
 
 
+@pytest.mark.slurm_interface
 def test_tutorial_under_torchrun_on_two_nodes(slurm_cluster, tmp_path):
     """script.launcher=torchrun, 2 nodes x 2 ranks: one Slurm task per node (its log holds the node's ranks), whose
     torchrun agent starts ranks 0-1 on n1 and 2-3 on n2, world size 4, rendezvous on n1."""

@@ -360,6 +360,7 @@ def test_drill_takes_a_null_step_as_none(ran_sweep):
 
 
 @pytest.mark.slurm
+@pytest.mark.slurm_interface
 def test_script_sweep_runs_as_one_array(slurm_cluster, tmp_path):
     """Four trials of a small script, one array job: every trial completes with its own arguments; status lists the
     four, report draws four curves."""

@@ -136,6 +136,7 @@ def test_scancel_saves_and_is_never_requeued(slurm_cluster, tmp_path):
 
 
 @pytest.mark.cluster_profile("preempt-signal")
+@pytest.mark.slurm_interface
 def test_preempt_send_user_signal_counts_as_preemption(reference, tmp_path):
     """SlurmctldParameters=preempt_send_user_signal: the job's warning signal arrives at preemption; it is a
     preemption (PreemptTime is set), not a timeout, whatever the time left."""
@@ -146,6 +147,7 @@ def test_preempt_send_user_signal_counts_as_preemption(reference, tmp_path):
 
 
 @pytest.mark.cluster_profile("preempt-qos")
+@pytest.mark.slurm_interface
 def test_qos_preemption_requeues_and_resumes(reference, tmp_path):
     job_id, run_dir = submit(tmp_path, "slurm.qos=low")
     stopped = preempt_times(job_id, run_dir, 1, ["--qos=high"])

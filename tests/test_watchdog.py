@@ -117,6 +117,7 @@ def first_step_after(run: Path, t: float) -> float:
 
 
 @pytest.mark.slurm
+@pytest.mark.slurm_interface
 def test_a_hung_step_is_dumped_requeued_and_resumed_exactly(reference, tmp_path):
     job, run = submit(tmp_path, "task.data.hang_at=25")
     assert wait_gone(job) == "COMPLETED"

@@ -54,6 +54,9 @@ class ExitCode(enum.IntEnum):
     REQUEUE_FAILED = 5  # inside Slurm, but `scontrol requeue` was refused: the job must not look COMPLETED
     HUNG = 6  # the watchdog ended a stalled attempt outside Slurm (stacks in RUN/hangs/): nobody requeues
     NOT_STARTED = 7  # the batch script's check before srun requeued the job off a node the run excludes (node_loss)
+    # A requeued attempt of a job whose run had already completed (Slurm 24.11 requeues a job preempted once more when
+    # its next attempt ends): the batch script's check before srun says so, and the script ends COMPLETED (exit 0).
+    ALREADY_COMPLETE = 8
     TERMINATED = 143  # 128 + SIGTERM, the shell convention
 
 

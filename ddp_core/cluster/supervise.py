@@ -177,6 +177,11 @@ def main_begin(run_dir: str, gateway: SlurmGateway) -> int:
     try:
         rd = RunDir(Path(run_dir))
         env = DistEnv.from_env()
+        if any(e["event"] == "completed" and e.get("job_id") == env.job_id for e in rd.events()):
+            # Slurm 24.11 requeues a job that was preempted once more when its next attempt ends, although it ended
+            # on its own: the run is done, nothing is started (docs/local-cluster.md, Slurm releases).
+            log.warning("Slurm started job %s again after its run completed: nothing to run", env.job_id)
+            return exits.ExitCode.ALREADY_COMPLETE
         max_failures = rd.load_config().slurm.max_failures
         return node_loss.begin(rd, env, os.environ.get("SLURM_JOB_NODELIST", ""), max_failures, gateway)
     except (DdpJobError, OSError, ValueError) as err:
