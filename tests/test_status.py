@@ -16,7 +16,7 @@ import pytest
 from ddp_core.cluster import slurm
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
-from jobs import logs, report, status
+from jobs import attempts, logs, report, status
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import events, wait_for, wait_gone
 
@@ -100,7 +100,7 @@ def test_one_run_row(tmp_path):
     assert row.split() == ["100", "REQUEUED", ">", "RUNNING", "1", "2", ">", "4", "40", "0.25", "0.875", "3m", "ago",
                            str(run)]  # fmt: skip
     assert active
-    assert fake.calls == [["sacct", "-n", "-P", "-D", "-X", "-o", status.SACCT_FIELDS, "-j", "100"]]
+    assert fake.calls == [["sacct", "-n", "-P", "-D", "-X", "-o", attempts.SACCT_FIELDS, "-j", "100"]]
 
 
 def test_history_folds_repeats_and_counts_requeues(tmp_path):
