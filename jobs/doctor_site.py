@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from ddp_core.cluster import releases
 from ddp_core.cluster.slurm import SlurmGateway
-from jobs.findings import Finding
+from jobs.findings import Finding, Level
 
 PROBE_WAIT_S = 20  # srun --immediate: how long the partition may take to give the probe a node
 RUNTIMES = ("apptainer", "singularity", "enroot")
@@ -77,9 +77,9 @@ def node_findings(probe: NodeProbe) -> list[Finding]:
 def release_findings(version: str) -> list[Finding]:
     """slurm_release (tested, between tested ones, untested) and one ``release_KEY`` per known behaviour."""
     support, text = releases.support(version)
-    level = {"tested": "ok", "between": "info"}.get(support, "warn")
-    fix = "" if support == "tested" else "`ddpjob doctor --drill` interrupts a real job the ways Slurm does"
-    out = [Finding("slurm_release", level, text, fix if level == "warn" else "", value=version)]
+    levels: dict[str, Level] = {"tested": "ok", "between": "info"}
+    fix = "`ddpjob doctor --drill` interrupts a real job the ways Slurm does" if support == "untested" else ""
+    out = [Finding("slurm_release", levels.get(support, "warn"), text, fix, value=version)]
     for fact in releases.facts_for(version):
         what = f"Slurm {version}: {fact.text}" + (f"; {fact.handled}" if fact.handled else "")
         out.append(Finding(f"release_{fact.key}", fact.level, what, value=fact.key))

@@ -222,3 +222,14 @@ def test_a_node_failure_nobody_recorded_is_counted_before_the_next_attempt(tmp_p
     timeout = gateway_for(lambda cmd: subprocess.CompletedProcess(cmd, 0, "TIMEOUT|n[1-2]|a|b\n", ""))
     assert node_loss.begin(run, fourth, "n[1-2]", 3, timeout) == node_loss.GO_ON
     assert run.events()[-1]["event"] == "start"
+
+
+def test_without_accounting_a_lost_node_is_not_guessed(tmp_path, caplog):
+    run = RunDir(tmp_path)
+    run.log_event("start", job_id="57", restart_count=0)
+    said = "sacct: error: Problem talking to the database"
+    down = gateway_for(lambda cmd: subprocess.CompletedProcess(cmd, 1, "", said))
+    second = DistEnv(job_id="57", slurm_job_id="57", restart_count=1)
+    assert node_loss.begin(run, second, "n[2-3]", 3, down) == node_loss.GO_ON
+    assert not [e for e in run.events() if e["event"] == "failure"]
+    assert "accounting does not answer (sacct: error: Problem talking to the database)" in caplog.text
