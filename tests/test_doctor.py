@@ -431,6 +431,11 @@ def test_live_low_partition_requeues_with_grace(slurm_cluster, tmp_path):
     assert f["grace_time"]["value"] == 30
     assert f["job_requeue"]["level"] == "ok" and f["accounting"]["level"] == "ok"
     assert f["save_fits"]["level"] == "unknown"  # no run under this empty directory
+    # the release the instance runs (scripts/slurm-local status names it), and one node of the partition asked
+    release = subprocess.run(["scontrol", "--version"], capture_output=True, text=True).stdout.split()[-1]
+    assert f["slurm_release"]["value"] == release and f["slurm_release"]["level"] == "ok"
+    assert ("release_requeue" in f) == release.startswith("24.11.")
+    assert f["scontrol_on_nodes"]["value"] is True and f["sacct_on_nodes"]["value"] is True
 
 
 @pytest.mark.slurm

@@ -6,7 +6,9 @@ import argparse
 import io
 import json
 import os
+import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -18,7 +20,7 @@ from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
 from jobs import attempts, logs, report, status
 from tests.conftest import ROOT, field, run_cli
-from tests.helpers import events, wait_for, wait_gone
+from tests.helpers import events, in_queue, wait_for, wait_gone
 
 NOW = time.time()
 
@@ -426,3 +428,30 @@ def test_status_logs_and_cancel_on_real_jobs(slurm_cluster, tmp_path):
     assert wait_gone(slow_job).startswith("CANCELLED")
     assert status.collect([slow_dir], "eval/accuracy")[0].history(time.time()) == "CANCELLED"
     assert logs.cancel([str(slow_dir)]) == {}
+
+
+@pytest.mark.slurm  # exclusive: stopping slurmdbd is global to the cluster (tests/cluster_guard.py)
+def test_status_without_accounting_on_a_real_job(slurm_cluster, tmp_path):
+    """A site without the accounting client, then one whose slurmdbd is down: status still reads the running job's
+    state, from the controller, and says in one line what it cannot know."""
+    slow = run_cli("submit", str(ROOT / "configs" / "digits.yaml"), "task.target=tests.tasks:SlowDigitsTask",
+                   "task.data.pause_s=0.05", "train.max_steps=100000", "wandb.mode=disabled", cwd=tmp_path)  # fmt: skip
+    assert slow.returncode == 0, slow.stdout + slow.stderr
+    run_dir, job_id = Path(field(slow.stdout, "run dir")), field(slow.stdout, "job")
+    try:
+        wait_for(lambda: events(run_dir, "start"), 120, "the slow job to start training")
+        clients = tmp_path / "bin"  # the release's client commands, but no sacct: first (and only Slurm) on PATH
+        clients.mkdir()
+        for name in ("sinfo", "squeue", "scontrol", "sbatch", "srun", "scancel"):
+            (clients / name).symlink_to(shutil.which(name) or pytest.fail(f"{name} is not on PATH"))
+        bare = run_cli("status", str(run_dir), cwd=tmp_path, env={"PATH": f"{clients}:{Path(sys.executable).parent}"})
+        assert bare.returncode == 0 and f"{job_id}  RUNNING" in bare.stdout, bare.stdout + bare.stderr
+        assert "no accounting (sacct is not installed here): states come from the controller" in bare.stdout
+        subprocess.run([ROOT / "scripts" / "slurm-local", "stop-accounting"], check=True, capture_output=True)
+        down = run_cli("status", str(run_dir), cwd=tmp_path)
+        assert down.returncode == 0 and f"{job_id}  RUNNING" in down.stdout, down.stdout + down.stderr
+        assert "no accounting (sacct: error: Problem talking to the database: Connection refused)" in down.stdout
+    finally:
+        logs.cancel([str(run_dir)])
+        subprocess.run([ROOT / "scripts" / "slurm-local", "start-accounting"], check=True, capture_output=True)
+        wait_for(lambda: not in_queue(job_id), 120, f"job {job_id} to leave the queue")
