@@ -2,9 +2,10 @@
 then does, and what would lose work there.
 
 Read-only: the cluster's settings come through the Slurm gateway (``scontrol show config``, ``scontrol show
-partition``, and ``sacctmgr`` for QOS and association limits where accounting exists); how long a checkpoint
-takes comes from a run's ``metrics.jsonl``. Every check is one ``Finding`` with a stable key. A "problem" is
-work that would be lost; it names its fix (a config key, or what to ask the site's admins) and exits 1.
+partition``, and ``sacctmgr`` for QOS and association limits where accounting exists); how long a checkpoint takes
+comes from a run's ``metrics.jsonl``; the release and the compute nodes are ``jobs.doctor_site``'s. Every check is one
+``Finding`` with a stable key. A "problem" is work that would be lost; it names its fix (a config key, or what to ask
+the site's admins) and exits 1.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ddp_core.cluster.slurm import DEFAULT_MAX_ARRAY_SIZE, GATEWAY, SlurmGateway
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
 from jobs.cluster import node_count_finding
+from jobs.doctor_site import site_findings
 from jobs.drill import render_timings, run_drill
 from jobs.findings import Finding, render
 from jobs.report import find_runs
@@ -309,14 +311,14 @@ def _limits_and_access(c: Cluster, qos: str) -> list[Finding]:
     if c.sacct_error is None:
         accounting = Finding("accounting", "ok", "sacct answers: `ddpjob status` shows each attempt", value=True)
     else:
-        why = f"no accounting ({c.sacct_error}): `ddpjob status` reads states from RUN/attempts.jsonl only"
+        why = (
+            f"no accounting ({c.sacct_error}): `ddpjob status` reads states from the controller and RUN/attempts.jsonl"
+        )
         accounting = Finding("accounting", "warn", why, "ask the admins for accounting (slurmdbd)", False)
-    nodes = "whether compute nodes can run `scontrol requeue` is not in the configuration"
     return [
         Finding("max_array_size", "info", f"MaxArraySize={size}: one job array per {size} trials", value=size),
         _max_submit_jobs(c, qos),
         accounting,
-        Finding("scontrol_on_nodes", "unknown", nodes, "`ddpjob doctor --drill` checks it with a real job"),
     ]
 
 
@@ -346,6 +348,7 @@ def diagnose(
         *_saves(c, e, info, user_signal),
         *_limits_and_access(c, _job_qos(c, info.qos)),
         _held_signals(),
+        *site_findings(gateway, c.name, c.config.get("SLURM_VERSION", "")),
     ]
 
 

@@ -131,7 +131,9 @@ class SlurmRequest:
             setup=tuple(s.setup),
             # --kill-on-bad-exit: a rank that exits non-zero takes the whole step down instead of leaving peers
             # blocked in a collective. --cpu-bind: each rank runs on the CPUs Slurm allocated to its task.
-            srun_args=("--kill-on-bad-exit=1", f"--cpu-bind={s.cpu_bind}"),
+            # --cpus-per-task again on srun: since Slurm 22.05 srun does not take it from the allocation
+            # (ddp_core.cluster.releases), and a step would give each task one CPU.
+            srun_args=("--kill-on-bad-exit=1", f"--cpu-bind={s.cpu_bind}", f"--cpus-per-task={per_rank * per_task}"),
             task_python=(*signals.task_prefix(s.signal, python), python),
             entry_module=entry_module(cfg),
         )

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ddp_core.cluster.slurm import Runner, gateway_for
+from ddp_core.cluster.slurm import Runner
 from ddp_core.errors import DdpJobError
 from jobs import notes
+from jobs.attempts import Attempt, in_array_range, job_attempts
 from jobs.report import parse_metric
 from jobs.runs import DEFAULT_ROOT, Job, query_ids, run_jobs, runs_to_show, shown_path
 
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from ddp_core.run.rundir import RunDir
 
 log = logging.getLogger(__name__)
-SACCT_FIELDS = "JobID,JobIDRaw,State,ExitCode,Start,End"
 # A job in one of these states may still produce output or run again; anything else is final.
 ACTIVE_STATES = frozenset(
     {
@@ -62,38 +62,11 @@ EVENT_STATES = {
 ACCOUNTING_LAG_S = 120  # a job this young with no sacct record yet is queued, not lost
 SCRIPT_WIDTH = 48  # characters of a script's command line in the table
 # Every Slurm command goes through the gateway (cluster.slurm); ``runner=`` hands it fabricated output in tests.
-# No Slurm client on this machine: sacct lists nothing, and states come from attempts.jsonl alone.
-
-
-@dataclass(frozen=True)
-class Attempt:
-    """One line of ``sacct -D``: one attempt of a job (a requeued job has one line per attempt)."""
-
-    job_id: str
-    raw_id: str
-    state: str
-    exit_code: str = "0:0"
-    start: str = ""
-    end: str = ""
 
 
 def sacct(job_ids: Sequence[str], runner: Optional[Runner] = None) -> list[Attempt]:
-    rows = []
-    for parts in gateway_for(runner).sacct(job_ids, SACCT_FIELDS, attempts=True):
-        if len(parts) >= 3:
-            job_id, raw, state, *rest = parts
-            # "CANCELLED by 0" -> "CANCELLED"
-            rows.append(Attempt(job_id, raw, (state.split() or ["?"])[0], *rest[:3]))
-    return rows
-
-
-def _in_array_range(spec: str, index: int) -> bool:
-    """Whether ``index`` is in a pending-array spec like ``[1-3,7%2]``."""
-    for part in spec.strip("[]").split("%")[0].split(","):
-        lo, _, hi = part.partition("-")
-        if lo.isdigit() and int(lo) <= index <= int(hi if hi.isdigit() else lo):
-            return True
-    return False
+    """The jobs' attempts (``jobs.attempts``): from accounting, else the controller's one row per job it holds."""
+    return job_attempts(job_ids, runner)[0]
 
 
 @dataclass
@@ -109,6 +82,7 @@ class Row:
     straggler: Optional[dict[str, Any]] = None  # the last progress line, when it names a persistent straggler
     script: Optional[list[str]] = None  # script mode: what each rank runs (ddp_core.script), else None
     trial_state: Optional[str] = None  # a trial of an adaptive sweep: its state in the study (COMPLETE, PRUNED, ...)
+    no_accounting: Optional[str] = None  # why accounting did not answer (attempts are then the controller's)
 
     @property
     def job_label(self) -> str:
@@ -128,6 +102,8 @@ class Row:
                 return "PREEMPTED"
             return f"FAILED({last.exit_code.split(':')[0]})" if last.state == "FAILED" else last.state
         # No accounting (a --local run, or no sacct here): the trainer's own record says what happened last.
+        if self.no_accounting and self.jobs and EVENT_STATES.get(last_event) in ("STARTED", "INTERRUPTED"):
+            return "UNKNOWN"  # nor does the controller hold the job any more: it ended, no record says how
         if last_event in EVENT_STATES:
             return EVENT_STATES[last_event]
         newest = max((j.submitted for j in self.jobs if j.on_slurm), default="")
@@ -212,12 +188,15 @@ def collect(run_paths: Sequence[Path], metric_key: str, runner: Optional[Runner]
             base, _, task = job.job_id.partition("_")
             if task.isdigit():
                 tasks.setdefault(base, []).append((int(task), row))
-    for attempt in sacct(query_ids([j for row in rows for j in row.jobs]), runner):
+    attempts, no_accounting = job_attempts(query_ids([j for row in rows for j in row.jobs]), runner)
+    for row in rows:
+        row.no_accounting = no_accounting
+    for attempt in attempts:
         base, _, spec = attempt.job_id.partition("_")
         # Array tasks not started yet share one line: 5301_[4-9%2], or a bare 5301 just after the submit.
         if spec.startswith("[") or (not spec and base in tasks):
             for index, row in tasks.get(base, []):
-                if not spec or _in_array_range(spec, index):
+                if not spec or in_array_range(spec, index):
                     row.attempts.append(Attempt(f"{base}_{index}", attempt.raw_id, attempt.state))
         elif (owned := owner.get(attempt.job_id) or owner.get(attempt.raw_id)) is not None:
             owned.attempts.append(attempt)
@@ -345,6 +324,8 @@ def status_text(
     if is_sweep:
         rows, best = sort_by_metric(rows, metric)
     text = render(rows, metric_key, best, now)
+    if rows and rows[0].no_accounting:
+        text += f"\n{rows[0].no_accounting}"
     if len(rows) == 1 and not is_sweep:
         text += f"\ncode: {_code_line(rows[0].run)}"
     if best is not None:

@@ -7,6 +7,7 @@ leaves nothing behind.
 
 from __future__ import annotations
 
+import logging
 import shlex
 import shutil
 import sys
@@ -21,6 +22,9 @@ from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir, atomic_write_text
 from jobs import cluster, snapshot
 from jobs.request import SlurmRequest, entry_module
+
+log = logging.getLogger(__name__)
+RESULT_GRACE_S = 15.0  # submitit's own wait for a result file on a slow shared file system
 
 
 def submitit_command(request: SlurmRequest, folder: Path) -> str:
@@ -164,15 +168,32 @@ def slurm_state(job_id: str) -> str:
 
 
 def wait_until_gone(job_id: str, poll_s: float = 0.5) -> str:
-    """Poll squeue (cheap, unlike sacct) until the job left the queue; then its final sacct state."""
+    """Poll squeue (cheap, unlike sacct) until the job left the queue; then its final state from accounting, or,
+    where accounting does not answer, from the controller's memory of it (a warning line says so)."""
     while GATEWAY.squeue_ids([job_id]):
         time.sleep(poll_s)
     for _ in range(20):  # accounting lags the queue by a moment
-        state = slurm_state(job_id)
+        state, no_accounting = GATEWAY.job_end(job_id)
+        if no_accounting is not None:  # waiting longer would not make accounting answer
+            log.warning("no accounting (%s): job %s's final state is the controller's: %s", no_accounting, job_id,
+                        state or "UNKNOWN (it forgot the job)")  # fmt: skip
+            return state or "UNKNOWN"
         if state and state not in {"RUNNING", "PENDING", "COMPLETING", "REQUEUED"}:
             return state
         time.sleep(poll_s)
     return slurm_state(job_id) or "UNKNOWN"
+
+
+def results_written(job: Any, state: str, grace_s: float = RESULT_GRACE_S) -> bool:
+    """Whether every task of the ended job left its result file (a failed rank's holds its error): a job killed
+    from outside (cancelled, its node lost) leaves none. A completed job's may reach this machine a moment late."""
+    deadline = time.monotonic() + (grace_s if state == "COMPLETED" else 0.0)
+    while True:
+        if all(job.task(i).paths.result_pickle.exists() for i in range(job.num_tasks)):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
 
 
 def wait(submitted: Submitted) -> tuple[bool, Optional[dict[str, float]], str]:
@@ -180,12 +201,16 @@ def wait(submitted: Submitted) -> tuple[bool, Optional[dict[str, float]], str]:
     import submitit
 
     job = submitted.job
-    job.wait()
     state = None
     if isinstance(job, submitit.SlurmJob):
-        # submitit's watcher takes an attempt's end for the job's (NODE_FAIL, which Slurm then requeues), and result
-        # files appear before the ranks have torn down: --wait returns once Slurm says the job left the queue.
+        # submitit's watcher takes an attempt's end for the job's (NODE_FAIL, which Slurm then requeues), result files
+        # appear before the ranks have torn down, and without accounting it never sees a job end that left no result
+        # (its job.wait() would wait forever): --wait follows the queue, then reads results only where they exist.
         state = wait_until_gone(submitted.job_id)
+        if not results_written(job, state):
+            return False, None, state if state != "COMPLETED" else "COMPLETED, but a task left no result file"
+    else:
+        job.wait()
     error: Optional[str] = None
     result = None
     try:

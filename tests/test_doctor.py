@@ -13,9 +13,9 @@ from typing import Optional, Sequence
 
 import pytest
 
-from ddp_core.cluster import slurm
+from ddp_core.cluster import releases, slurm
 from ddp_core.errors import DdpJobError
-from jobs import cluster, doctor, status
+from jobs import cluster, doctor, doctor_site, status
 from jobs.cli import main
 from tests.conftest import run_cli
 
@@ -45,6 +45,8 @@ LOW = (
 QOS = "normal||cluster|00:00:00|\nlow||requeue|00:00:30|\nhigh|low|cluster|00:00:00|\n"
 # `sacctmgr -n -P show assoc where user=... format=Partition,DefaultQOS,MaxSubmit,GrpSubmit`
 ASSOC = "|||\n"
+# what the node probe prints on a node with scontrol and sacct and no container runtime
+PROBED = "node=n1\nscontrol=/usr/bin/scontrol\nsacct=/usr/bin/sacct\napptainer=\nsingularity=\nenroot=\n"
 
 
 def partition(name: str, **fields: str) -> str:
@@ -72,6 +74,8 @@ class FakeSlurm:
         qos: Optional[str] = QOS,
         assoc: Optional[str] = ASSOC,
         sacct_rc: int = 0,
+        node: tuple[int, str, str] = (0, PROBED, ""),
+        srun_help: str = "Usage: srun [OPTIONS(0)... [executable(0) [args(0)...]]]",
         **config: str,
     ) -> None:
         merged = CONFIG | config
@@ -79,6 +83,7 @@ class FakeSlurm:
             f"{k:<23} = {v}\n" for k, v in merged.items()
         )
         self.partitions, self.qos, self.assoc, self.sacct_rc = list(partitions), qos, assoc, sacct_rc
+        self.node, self.srun_help = node, srun_help  # the node probe's (rc, stdout, stderr); srun --help
         self.calls: list[list[str]] = []
 
     def __call__(self, cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
@@ -99,6 +104,10 @@ class FakeSlurm:
             )
         if cmd[0] == "sacct":
             return subprocess.CompletedProcess(cmd, self.sacct_rc, "", "" if not self.sacct_rc else "sacct: error: x")
+        if cmd == ["srun", "--help"]:
+            return ok(self.srun_help)
+        if cmd[0] == "srun":
+            return subprocess.CompletedProcess(cmd, *self.node)
         raise AssertionError(f"doctor ran an unexpected command: {cmd}")
 
 
@@ -161,7 +170,7 @@ def test_partition_prio_requeue_with_grace_time(tmp_path):
     assert f["job_requeue"].level == "ok" and f["accounting"].level == "ok"
     assert f["max_array_size"].value == 1001
     assert f["max_submit_jobs"].level == "ok"
-    assert f["scontrol_on_nodes"].level == "unknown" and "--drill" in f["scontrol_on_nodes"].fix
+    assert f["scontrol_on_nodes"].level == "ok"  # the node probe found it (test_what_the_compute_nodes_have)
 
 
 def test_a_background_save_is_measured_by_its_write_time(tmp_path):
@@ -337,13 +346,15 @@ def test_missing_client_and_stuck_controller():
     proc = slurm.run_command(["ddpjob-no-such-slurm-client"])
     assert proc.returncode == slurm.MISSING
     gone = slurm.SlurmGateway(lambda cmd: subprocess.CompletedProcess(list(cmd), 127, "", "not found"))
-    assert gone.squeue_ids(["5"]) == [] and gone.sacct(["5"], "State") == [] and gone.sacct_state("5") == ""
+    assert gone.squeue_ids(["5"]) == [] and gone.sacct_state("5") == ""
+    assert gone.sacct(["5"], "State") == slurm.Accounting([], "sacct is not installed here")
     with pytest.raises(DdpJobError, match=r"Slurm commands .* are not on PATH"):
         cluster.query_partitions(gone)
     assert status.sacct(["100"], runner=gone.runner) == []  # status then goes on with attempts.jsonl
     stuck = slurm.SlurmGateway(lambda cmd: subprocess.CompletedProcess(list(cmd), 124, "", "no answer"))
-    with pytest.raises(DdpJobError, match=r"sacct did not answer within 60 s \(hint: is the Slurm controller up"):
-        status.sacct(["100"], runner=stuck.runner)
+    assert stuck.sacct(["100"], "State").error == "no answer"  # accounting that does not answer: status falls back
+    with pytest.raises(DdpJobError, match=r"squeue did not answer within 60 s \(hint: is the Slurm controller up"):
+        status.sacct(["100"], runner=stuck.runner)  # ... to the controller, which does not answer either
     assert stuck.show_job("5") is None  # the trainer's calls never raise
 
 
@@ -360,6 +371,47 @@ def test_gateway_queries_parse_slurm_output():
     assert gateway.sacct_state("77") == "CANCELLED"
     assert calls[-1] == ["sacct", "-n", "-P", "-X", "-o", "State", "-j", "77"]
     assert cluster.query_partitions(gateway)[0] == cluster.Partition("local", 2, 4, 2, default=True)
+
+
+# --- the release and the compute nodes -----------------------------------------------------------------------
+
+
+def test_release_and_what_it_does():
+    f = diagnose(FakeSlurm(), "low")
+    assert (f["slurm_release"].level, f["slurm_release"].value) == ("ok", "22.05.8")
+    assert "--cpus-per-task" in f["release_srun_cpus"].message and "release_requeue" not in f
+    f = diagnose(FakeSlurm(SLURM_VERSION="24.11.5"), "low")
+    assert f["release_requeue"].level == "info" and "requeues the job once more" in f["release_requeue"].message
+    assert "ends COMPLETED" in f["release_requeue"].message
+    assert "release_requeue" not in diagnose(FakeSlurm(SLURM_VERSION="26.05.5"), "low")
+    for old_or_new in ("21.08.8", "27.05.1"):
+        found = diagnose(FakeSlurm(SLURM_VERSION=old_or_new), "low")["slurm_release"]
+        assert found.level == "warn" and "untested release" in found.message and "--drill" in found.message
+    assert diagnose(FakeSlurm(SLURM_VERSION="23.11.4"), "low")["slurm_release"].level == "info"
+    # every fact of the table applies to a tested release, and each names what it is
+    assert {fact.key for v in releases.TESTED for fact in releases.facts_for(f"{v}.1")} == {
+        fact.key for fact in releases.FACTS
+    }  # fmt: skip
+
+
+def test_what_the_compute_nodes_have():
+    f = diagnose(FakeSlurm(), "low")
+    assert [f[k].value for k in ("scontrol_on_nodes", "sacct_on_nodes", "container_runtime")] == [True, True, []]
+    bare = PROBED.replace("/usr/bin/scontrol", "").replace("/usr/bin/sacct", "") + "apptainer=/usr/bin/apptainer\n"
+    fake = FakeSlurm(node=(0, bare, ""), srun_help="  --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH")
+    f = diagnose(fake, "low")
+    assert (f["scontrol_on_nodes"].level, f["scontrol_on_nodes"].value) == ("info", False)
+    assert "the job requeues itself from the batch script instead" in f["scontrol_on_nodes"].message
+    assert f["sacct_on_nodes"].value is False and f["container_runtime"].value == ["apptainer", "pyxis"]
+    probe = [c for c in fake.calls if c[0] == "srun" and c[1] != "--help"]
+    assert probe[0][:6] == ["srun", "-p", "low", "-N1", "-n1", "--time=1"] and "--immediate=20" in probe[0]
+    busy = (1, "", "srun: error: Unable to allocate resources: Requested nodes are busy\n")
+    f = diagnose(FakeSlurm(node=busy), "low")  # a busy partition: said, not waited for
+    assert f["scontrol_on_nodes"].level == "unknown" and "Requested nodes are busy" in f["scontrol_on_nodes"].message
+    # a container's exec line goes before the probe: what a containerised job would find
+    seen = FakeSlurm()
+    doctor_site.probe_nodes(slurm.SlurmGateway(seen), "low", ["apptainer", "exec", "img.sif"])
+    assert seen.calls[-1][-6:-3] == ["apptainer", "exec", "img.sif"] and seen.calls[-1][-3:-1] == ["sh", "-c"]
 
 
 # --- the live cluster (read-only) -----------------------------------------------------------------------------
@@ -381,6 +433,11 @@ def test_live_low_partition_requeues_with_grace(slurm_cluster, tmp_path):
     assert f["grace_time"]["value"] == 30
     assert f["job_requeue"]["level"] == "ok" and f["accounting"]["level"] == "ok"
     assert f["save_fits"]["level"] == "unknown"  # no run under this empty directory
+    # the release the instance runs (scripts/slurm-local status names it), and one node of the partition asked
+    release = subprocess.run(["scontrol", "--version"], capture_output=True, text=True).stdout.split()[-1]
+    assert f["slurm_release"]["value"] == release and f["slurm_release"]["level"] == "ok"
+    assert ("release_requeue" in f) == release.startswith("24.11.")
+    assert f["scontrol_on_nodes"]["value"] is True and f["sacct_on_nodes"]["value"] is True
 
 
 @pytest.mark.slurm

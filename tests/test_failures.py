@@ -249,3 +249,14 @@ def test_a_requeued_attempt_of_a_completed_run_ends_completed_before_srun(tmp_pa
         ["bash", "-c", script], capture_output=True, text=True, cwd=ROOT, env={**env, "SLURM_JOB_ID": "58"}
     )
     assert (resumed.returncode, resumed.stdout) == (0, "srun\n"), resumed.stderr
+
+
+def test_without_accounting_a_lost_node_is_not_guessed(tmp_path, caplog):
+    run = RunDir(tmp_path)
+    run.log_event("start", job_id="57", restart_count=0)
+    said = "sacct: error: Problem talking to the database"
+    down = gateway_for(lambda cmd: subprocess.CompletedProcess(cmd, 1, "", said))
+    second = DistEnv(job_id="57", slurm_job_id="57", restart_count=1)
+    assert node_loss.begin(run, second, "n[2-3]", 3, down) == node_loss.GO_ON
+    assert not [e for e in run.events() if e["event"] == "failure"]
+    assert "accounting does not answer (sacct: error: Problem talking to the database)" in caplog.text

@@ -51,9 +51,10 @@ def test_request_is_one_task_per_node_with_all_its_ranks_cpus():
     # The agent's task holds 6 CPUs: each of its 2 ranks gets 3 threads, not 6.
     assert tr["setup"][0] == "export OMP_NUM_THREADS=$(( ${SLURM_CPUS_PER_TASK:-2} / 2 ))"
     assert srun["setup"][0] == "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"
-    assert {k: v for k, v in tr.items() if k not in ("ntasks_per_node", "cpus_per_task", "setup")} == {
-        k: v for k, v in srun.items() if k not in ("ntasks_per_node", "cpus_per_task", "setup")
-    }  # fmt: skip
+    # srun is told the task's CPUs itself: since Slurm 22.05 it does not take them from the allocation
+    assert (srun["srun_args"][-1], tr["srun_args"][-1]) == ("--cpus-per-task=3", "--cpus-per-task=6")
+    own = ("ntasks_per_node", "cpus_per_task", "setup", "srun_args")
+    assert {k: v for k, v in tr.items() if k not in own} == {k: v for k, v in srun.items() if k not in own}
 
 
 def test_gpu_request_gives_the_one_task_all_gpus():

@@ -16,9 +16,9 @@ import pytest
 from ddp_core.cluster import slurm
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
-from jobs import logs, report, status
+from jobs import attempts, logs, report, status
 from tests.conftest import ROOT, field, run_cli
-from tests.helpers import events, wait_for, wait_gone
+from tests.helpers import events, in_queue, wait_for, wait_gone
 
 NOW = time.time()
 
@@ -100,7 +100,7 @@ def test_one_run_row(tmp_path):
     assert row.split() == ["100", "REQUEUED", ">", "RUNNING", "1", "2", ">", "4", "40", "0.25", "0.875", "3m", "ago",
                            str(run)]  # fmt: skip
     assert active
-    assert fake.calls == [["sacct", "-n", "-P", "-D", "-X", "-o", status.SACCT_FIELDS, "-j", "100"]]
+    assert fake.calls == [["sacct", "-n", "-P", "-D", "-X", "-o", attempts.SACCT_FIELDS, "-j", "100"]]
 
 
 def test_history_folds_repeats_and_counts_requeues(tmp_path):
@@ -340,6 +340,62 @@ def test_parsers():
     assert set(status.COMMANDS) | set(logs.COMMANDS) == {"status", "logs", "cancel"}
 
 
+def test_without_accounting_states_come_from_the_controller(tmp_path):
+    running = make_run(tmp_path / "running", jobs=["100"], events=[{"event": "start", "job_id": "100", "step": 0}])
+    failed = make_run(tmp_path / "failed", jobs=["101"])
+    forgotten = make_run(tmp_path / "forgotten", jobs=["102"], events=[{"event": "start", "job_id": "102", "step": 0}])
+    done = make_run(tmp_path / "done", jobs=["103"], events=[{"event": "completed", "job_id": "103", "step": 9}])
+    trials = [make_run(tmp_path / f"t{i}", jobs=[f"200_{i}"], log_dir=tmp_path / "slurm") for i in range(3)]
+    calls: list[list[str]] = []
+    # squeue -t all: the controller's one row per job it holds (exit_code is a wait status: 768 is exit 3)
+    held = "100|100|RUNNING|1|0\n101|101|FAILED|0|768\n200_0|201|COMPLETED|0|0\n200_[1-2]|200|PENDING|0|0\n"
+
+    def runner(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        calls.append(list(cmd))
+        if cmd[0] == "sacct":
+            return subprocess.CompletedProcess(list(cmd), 1, "", "sacct: error: Problem talking to the database: x\n")
+        return subprocess.CompletedProcess(list(cmd), 0, held if "-O" in cmd else "", "")
+
+    rows = status.collect([running, failed, forgotten, done, *trials], "eval/accuracy", runner=runner)
+    assert [c[0] for c in calls] == ["sacct", "squeue"] and calls[1][-1] == "100,101,102,103,200"  # one call each
+    assert [r.history(NOW) for r in rows] == ["RUNNING", "FAILED(3)", "UNKNOWN", "COMPLETED", "COMPLETED"] + [
+        "PENDING"
+    ] * 2  # fmt: skip
+    assert rows[0].active(NOW) and not rows[2].active(NOW)  # a job nobody holds any more is over: --watch ends
+    text, _ = status.status_text(str(forgotten), "eval/accuracy", runner=runner)
+    note = text.splitlines()[-2]
+    assert note.startswith("no accounting (sacct: error: Problem talking to the database: x): states come from")
+    assert "each earlier attempt's state and exit code" in note and "MinJobAge" in note
+    # with accounting the same rows print no such line
+    ok = FakeSlurm(sacct="102|102|COMPLETED|0:0|a|b")
+    assert "no accounting" not in status.status_text(str(forgotten), "eval/accuracy", runner=ok)[0]
+
+
+def test_submit_wait_without_accounting_takes_the_controllers_state(monkeypatch, tmp_path, caplog):
+    from jobs import submit
+
+    def runner(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        if cmd[0] == "sacct":
+            return subprocess.CompletedProcess(list(cmd), slurm.MISSING, "", "sacct: command not found")
+        return subprocess.CompletedProcess(list(cmd), 0, "77|77|CANCELLED|0|15\n" if "-O" in cmd else "", "")
+
+    monkeypatch.setattr(slurm.GATEWAY, "runner", runner)
+    monkeypatch.setattr(submit.time, "sleep", lambda s: pytest.fail("waited for accounting that does not answer"))
+    assert submit.wait_until_gone("77") == "CANCELLED"
+    assert "no accounting (sacct is not installed here): job 77's final state is the controller's" in caplog.text
+
+    class Killed:  # a job cancelled from outside leaves no result file: submitit's own wait would never end
+        num_tasks = 2
+
+        def task(self, i: int) -> Any:
+            return argparse.Namespace(paths=argparse.Namespace(result_pickle=tmp_path / f"{i}_result.pkl"))
+
+    assert not submit.results_written(Killed(), "CANCELLED")
+    for i in range(2):
+        (tmp_path / f"{i}_result.pkl").write_bytes(b"")
+    assert submit.results_written(Killed(), "COMPLETED")
+
+
 # --- on the real cluster ----------------------------------------------------------------------------------------
 
 
@@ -371,3 +427,32 @@ def test_status_logs_and_cancel_on_real_jobs(slurm_cluster, tmp_path):
     assert wait_gone(slow_job).startswith("CANCELLED")
     assert status.collect([slow_dir], "eval/accuracy")[0].history(time.time()) == "CANCELLED"
     assert logs.cancel([str(slow_dir)]) == {}
+
+
+@pytest.mark.slurm  # exclusive: stopping slurmdbd is global to the cluster (tests/cluster_guard.py)
+def test_status_without_accounting_on_a_real_job(slurm_cluster, tmp_path):
+    """A site without the accounting client, then one whose slurmdbd is down: status still reads the running job's
+    state, from the controller, and says in one line what it cannot know."""
+    slow = run_cli("submit", str(ROOT / "configs" / "digits.yaml"), "task.target=tests.tasks:SlowDigitsTask",
+                   "task.data.pause_s=0.05", "train.max_steps=100000", "wandb.mode=disabled", cwd=tmp_path)  # fmt: skip
+    assert slow.returncode == 0, slow.stdout + slow.stderr
+    run_dir, job_id = Path(field(slow.stdout, "run dir")), field(slow.stdout, "job")
+    try:
+        wait_for(lambda: events(run_dir, "start"), 120, "the slow job to start training")
+        clients = tmp_path / "bin"  # every command of PATH, the release's clients first, but no sacct: a site
+        clients.mkdir()  # where the accounting client is not installed (the newer releases' wrappers need the rest)
+        for folder in os.environ["PATH"].split(os.pathsep):
+            for found in Path(folder).glob("*") if Path(folder).is_dir() else []:
+                if found.name not in ("sacct", "sacctmgr") and not (clients / found.name).exists():
+                    (clients / found.name).symlink_to(found)
+        bare = run_cli("status", str(run_dir), cwd=tmp_path, env={"PATH": str(clients)})
+        assert bare.returncode == 0 and f"{job_id}  RUNNING" in bare.stdout, bare.stdout + bare.stderr
+        assert "no accounting (sacct is not installed here): states come from the controller" in bare.stdout
+        subprocess.run([ROOT / "scripts" / "slurm-local", "stop-accounting"], check=True, capture_output=True)
+        down = run_cli("status", str(run_dir), cwd=tmp_path)
+        assert down.returncode == 0 and f"{job_id}  RUNNING" in down.stdout, down.stdout + down.stderr
+        assert "no accounting (sacct: error: Problem talking to the database: Connection refused)" in down.stdout
+    finally:
+        logs.cancel([str(run_dir)])
+        subprocess.run([ROOT / "scripts" / "slurm-local", "start-accounting"], check=True, capture_output=True)
+        wait_for(lambda: not in_queue(job_id), 120, f"job {job_id} to leave the queue")

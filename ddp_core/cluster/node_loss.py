@@ -7,8 +7,9 @@ same job again. The batch script of that next attempt runs ``python -m ddp_core.
 before srun (``jobs.request.SlurmRequest.watch_lines``), which comes here when the previous attempt ended with no
 decision recorded (no ``requeued``, ``failure``, ...):
 
-- accounting says how it ended (``sacct -D``); for ``NODE_FAIL``, which of its nodes went down (the controller's node
-  events, else the nodes down now), recorded as one infrastructure ``failure`` event naming that host;
+- accounting says how it ended (``sacct -D``; without accounting nothing does, and the attempt goes on); for
+  ``NODE_FAIL``, which of its nodes went down (the controller's node events, else the nodes down now), recorded as one
+  infrastructure ``failure`` event naming that host;
 - that failure counts against ``slurm.max_failures`` like any other: once spent, the attempt ends here (exit code
   ``BUDGET_SPENT``) and the run reads FAILED with the reason;
 - a host with its second infrastructure failure is excluded (``failures.to_exclude``); if this attempt was placed on
@@ -49,7 +50,13 @@ GO_ON = 0  # the batch script runs srun
 def node_failure(gateway: SlurmGateway, job_id: str, step: Optional[int]) -> Optional[Failure]:
     """The failure of the job's previous attempt if Slurm ended it for a node failure, naming the node that went
     down (None for any other end, or when accounting cannot say)."""
-    rows = [r for r in gateway.sacct([job_id], "State,NodeList,Start,End", attempts=True) if len(r) == 4]
+    answer = gateway.sacct([job_id], "State,NodeList,Start,End", attempts=True)
+    if answer.error is not None:  # the controller keeps only the current attempt: how the last one ended is lost
+        log.warning(
+            "accounting does not answer (%s): whether the previous attempt lost a node is unknown", answer.error
+        )
+        return None
+    rows = [r for r in answer.rows if len(r) == 4]
     ended = [r for r in rows if r[0].split()[:1] not in (["RUNNING"], ["PENDING"])]
     if not ended or ended[-1][0].split()[0] != "NODE_FAIL":
         return None

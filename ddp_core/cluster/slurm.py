@@ -122,6 +122,43 @@ def _answered(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedPro
     return proc
 
 
+@dataclass(frozen=True)
+class Accounting:
+    """What ``sacct`` answered: its rows, or, where accounting does not answer, none and the one line why."""
+
+    rows: list[list[str]]
+    error: Optional[str] = None  # None: accounting answered (maybe with no rows yet)
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    """One job as the controller holds it (``squeue -t all``): the fallback where accounting does not answer."""
+
+    job_id: str  # as listed: 5301, or an array task 5301_3 (5301_[4-9%2]: its tasks not started yet)
+    raw_id: str
+    state: str
+    restarts: int
+    exit_code: str  # "3:0" as sacct writes it: the exit code, then the signal
+
+
+def exit_text(status: str) -> str:
+    """squeue's exit_code (a wait status: 768) as sacct writes it ("3:0"); "0:0" when not a number."""
+    code = int(status) if status.strip().isdigit() else 0
+    return f"{code >> 8}:{code & 0x7F}"
+
+
+def accounting_failure(proc: subprocess.CompletedProcess[str]) -> Optional[str]:
+    """The one place that says whether accounting answered a ``sacct``/``sacctmgr`` call: None when it did, else one
+    line why not: the client not installed here, slurmdbd down ("Problem talking to the database"), accounting
+    switched off ("Slurm accounting storage is disabled"), or no answer within the timeout."""
+    if proc.returncode == 0:
+        return None
+    if proc.returncode == MISSING:
+        return f"{proc.args[0]} is not installed here"
+    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    return lines[-1] if lines else f"{proc.args[0]} exited {proc.returncode}"
+
+
 @dataclass
 class SlurmGateway:
     runner: Runner = run_command
@@ -206,25 +243,72 @@ class SlurmGateway:
         rows = (line.partition("|") for line in proc.stdout.splitlines())
         return sorted({job_id.strip() for job_id, _, script in rows if script.strip().startswith(prefix)})
 
-    def sacct(self, job_ids: Sequence[str], fields: str, attempts: bool = False) -> list[list[str]]:
+    def sacct(self, job_ids: Sequence[str], fields: str, attempts: bool = False) -> Accounting:
         """``sacct`` rows of the jobs' allocations (no steps), split into ``fields``; with ``attempts`` one row per
-        attempt of a requeued job (``-D``). No rows when accounting does not answer."""
+        attempt of a requeued job (``-D``). Where accounting does not answer, no rows and the one line why
+        (``Accounting.error``): callers fall back to the controller (``queue_states``) and say what they cannot know."""
         if not job_ids:
-            return []
+            return Accounting([])
         flags = ["-n", "-P", *(["-D"] if attempts else []), "-X", "-o", fields, "-j", ",".join(job_ids)]
-        proc = _answered(self.run("sacct", *flags))
-        return [line.split("|") for line in proc.stdout.splitlines() if line.strip()]
+        proc = self.run("sacct", *flags)
+        if (error := accounting_failure(proc)) is not None:
+            return Accounting([], error)
+        return Accounting([line.split("|") for line in proc.stdout.splitlines() if line.strip()])
 
     def sacct_state(self, job_id: str) -> str:
-        """The job's state from accounting, first word ('CANCELLED by 0' → 'CANCELLED'); '' if unknown yet."""
-        rows = self.sacct([job_id], "State")
+        """The job's state from accounting, first word ('CANCELLED by 0' → 'CANCELLED'); '' if unknown yet or
+        accounting does not answer."""
+        rows = self.sacct([job_id], "State").rows
         words = rows[0][0].split() if rows else []
         return words[0] if words else ""
 
     def accounting_error(self) -> Optional[str]:
-        """None when ``sacct`` answers (a query for one job id), else what it said instead."""
-        proc = self.run("sacct", "-n", "-X", "-P", "-o", "JobID", "-j", "1")
-        return None if proc.returncode == 0 else (proc.stderr.strip() or f"sacct exited {proc.returncode}")
+        """None when ``sacct`` answers (a query for one job id), else the one line why it does not."""
+        return accounting_failure(self.run("sacct", "-n", "-X", "-P", "-o", "JobID", "-j", "1"))
+
+    def queue_states(self, job_ids: Sequence[str]) -> list[QueuedJob]:
+        """What the controller itself says about the jobs (``squeue -t all``), array tasks one by one: the queued
+        and running ones, and the ended ones it still remembers (for ``MinJobAge`` seconds after their end). One row
+        per job, not per attempt: without accounting, earlier attempts are not known. [] when squeue fails."""
+        if not job_ids:
+            return []
+        fmt = "JobArrayID:|,JobID:|,State:|,RestartCnt:|,exit_code:"
+        proc = _answered(self.run("squeue", "-h", "-r", "-t", "all", "-O", fmt, "-j", ",".join(job_ids)))
+        rows = (line.strip().split("|") for line in proc.stdout.splitlines() if proc.returncode == 0)
+        return [
+            QueuedJob(r[0], r[1], r[2], int(r[3]) if r[3].isdigit() else 0, exit_text(r[4]))
+            for r in rows
+            if len(r) >= 5
+        ]
+
+    def job_end(self, job_id: str) -> tuple[str, Optional[str]]:
+        """How a job that left the queue ended: (state, None) from accounting, else (state from the controller's
+        memory or "", the one line why accounting did not answer)."""
+        answer = self.sacct([job_id], "State")
+        if answer.error is None:
+            words = answer.rows[0][0].split() if answer.rows else []
+            return (words[0] if words else ""), None
+        known = [q.state for q in self.queue_states([job_id]) if job_id in (q.job_id, q.raw_id)]
+        return (known[0] if known else ""), answer.error
+
+    def version(self) -> str:
+        """The controller's release ("22.05.8", from ``scontrol show config``), else the client's (``scontrol
+        --version``: "slurm 24.11.5"); "" when neither answers."""
+        if found := (self.show_config() or {}).get("SLURM_VERSION"):
+            return found
+        proc = self.run("scontrol", "--version")
+        return proc.stdout.split()[-1] if proc.returncode == 0 and proc.stdout.split() else ""
+
+    def run_on_node(self, partition: str, argv: Sequence[str], wait_s: int) -> subprocess.CompletedProcess[str]:
+        """``argv`` as one task on one node of ``partition`` (``srun``, a minute at most). A partition that cannot give
+        a node within ``wait_s`` fails the call (``--immediate``), so a busy cluster never holds the caller."""
+        opts = ["-p", partition, "-N1", "-n1", "--time=1", f"--immediate={wait_s}", "--quiet"]
+        return self.run("srun", *opts, *argv)
+
+    def srun_help(self) -> str:
+        """``srun --help``: what this srun takes (a SPANK plugin such as pyxis adds its options there)."""
+        proc = self.run("srun", "--help")
+        return proc.stdout if proc.returncode == 0 else ""
 
     def cancel(self, job_ids: Sequence[str]) -> subprocess.CompletedProcess[str]:
         return _answered(self.run("scancel", *job_ids))
@@ -283,7 +367,7 @@ class SlurmGateway:
 
     def _sacctmgr(self, entity: str, fields: Sequence[str], *where: str) -> Optional[list[dict[str, str]]]:
         proc = self.run("sacctmgr", "-n", "-P", "show", entity, *where, f"format={','.join(fields)}")
-        if proc.returncode != 0:
+        if accounting_failure(proc) is not None:
             return None
         lines = (line.split("|") for line in proc.stdout.splitlines() if line.strip())
         return [dict(zip(fields, values, strict=False)) for values in lines]
