@@ -28,10 +28,11 @@ DIGEST = re.compile(r"final weights sha256 ([0-9a-f]{64})")
 # Long enough that the job is still training after three interruptions, short enough for a drill.
 DRILL_SETTINGS = [
     "run.name=doctor-drill",
-    "task.target=ddp_core.tasks.digits:DigitsTask",
-    "task.model.hidden=256",
-    "task.model.depth=3",
-    "train.max_steps=1500",
+    # Paced steps (PacedDigitsTask): three interruptions land mid-run on any hardware, and the drill's two jobs cost
+    # the cluster little compute while they wait for them.
+    "task.target=ddp_core.tasks.digits:PacedDigitsTask",
+    "task.data.pause_s=0.02",
+    "train.max_steps=800",
     "train.log_every=1",
     "train.eval_every=0",
     "checkpoint.every_steps=100000",

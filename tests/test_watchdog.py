@@ -23,7 +23,7 @@ from ddp_core.dist.straggler import persistent
 from ddp_core.errors import DdpJobError
 from ddp_core.trainer.watchdog import _suspects
 from tests.conftest import ROOT, field, run_cli
-from tests.helpers import digests, events, rank_logs, wait_gone
+from tests.helpers import cached_reference, digests, events, final_digests, rank_logs, run_trainer, wait_gone
 
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 QUICK = ["train.max_steps=60", "train.log_every=5", "train.eval_every=0", "checkpoint.every_steps=20",
@@ -91,16 +91,19 @@ def test_a_main_thread_holding_the_gil_is_ended_by_the_backstop(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def reference(slurm_cluster, tmp_path_factory) -> str:
-    """The digest of the same two-rank run with no hang (the once-file exists from the start)."""
-    cwd = tmp_path_factory.mktemp("reference")
-    (cwd / "once").touch()
-    proc = run_cli("submit", DIGITS, "--wait", *QUICK, *HANGING, f"task.data.once_file={cwd / 'once'}",
-                   "slurm.tasks_per_node=2", cwd=cwd)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    d = digests(rank_logs(Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")))
-    assert d[0] == d[1]
-    return d[0]
+def reference(pytestconfig, tmp_path_factory) -> str:
+    """The digest of the same two-rank run with no hang (the once-file exists from the start), under torchrun outside
+    Slurm (bitwise a 2-rank job's); reused from pytest's cache by the release passes."""
+
+    def run() -> str:
+        cwd = tmp_path_factory.mktemp("reference")
+        (cwd / "once").touch()
+        overrides = [*QUICK, *HANGING, f"task.data.once_file={cwd / 'once'}"]
+        d = final_digests(run_trainer(DIGITS, cwd / "run", overrides, nproc=2))
+        assert len(d) == 2 and len(set(d)) == 1
+        return d[0]
+
+    return cached_reference(pytestconfig, "watchdog", [DIGITS, *QUICK, *HANGING, "nproc=2"], run)
 
 
 def submit(cwd: Path, *overrides: str) -> tuple[str, Path]:

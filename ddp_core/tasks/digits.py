@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +81,28 @@ class DigitsTask(Task):
             return Output(loss=loss, count=len(y))
         correct = (logits.argmax(dim=1) == y).sum()
         return Output(loss=loss, count=len(y), sums={"loss": loss.detach() * len(y), "accuracy": correct.float()})
+
+
+class PacedDigitsTask(DigitsTask):
+    """Digits whose every batch takes at least ``pause_s`` more (a sleep, not work): ``ddpjob doctor --drill``'s task.
+    The drill interrupts its job three times mid-run; paced steps make "mid-run" a number of steps that holds on any
+    hardware (a tiny model's steps on a GPU are far too fast to aim at) and cost the cluster no compute. Numerics
+    are DigitsTask's: the drill's uninterrupted twin compares bitwise."""
+
+    @classmethod
+    def check_args(cls, data: dict[str, Any], model: dict[str, Any]) -> None:
+        super().check_args(data, model)
+        pause = data.get("pause_s", 0.0)
+        if not isinstance(pause, (int, float)) or not 0 <= pause <= 10:
+            raise DdpJobError(
+                f"config key 'task.data.pause_s' = {pause!r} is invalid: must be in [0, 10] seconds",
+                "fix it in the YAML or with task.data.pause_s=...",
+            )
+
+    def __init__(self, pause_s: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.pause_s = pause_s
+
+    def split(self, batch: Any) -> tuple[Any, Any]:
+        time.sleep(self.pause_s)  # in split(): every strategy calls it on every rank, once per batch
+        return super().split(batch)
