@@ -23,7 +23,6 @@ import ddp_core
 from ddp_core.cluster import signals
 from ddp_core.cluster.supervise import MARKER
 from ddp_core.config import DEFAULT_CPUS_PER_GPU, Config, ranks_per_node
-from ddp_core.config.container import bind_paths
 from ddp_core.errors import DdpJobError
 from jobs import cluster
 
@@ -75,11 +74,10 @@ def library_root() -> Path:
     return Path(ddp_core.__file__).resolve().parent.parent
 
 
-def container_binds(cfg: Config, run_root: Path) -> list[tuple[str, str]]:
-    """(host path, path inside) of every bind a container job needs: the run root (run directories, sweeps and code
-    snapshots, at the same paths), ddpjob's own package (at the same path), then the config's ``binds``."""
-    package = str(library_root() / "ddp_core")
-    return [(str(run_root), str(run_root)), (package, package), *map(bind_paths, cfg.slurm.container.binds)]
+def container_binds(cfg: Config, run_root: Path) -> list[str]:
+    """Every bind a container job needs, as both runtimes write one (``SRC[:DST[:OPTIONS]]``): the run root (run
+    directories, sweeps and code snapshots), ddpjob's own package, both at the same paths, then the config's."""
+    return [str(run_root), str(library_root() / "ddp_core"), *cfg.slurm.container.binds]
 
 
 def container_words(cfg: Config, run_root: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -93,12 +91,11 @@ def container_words(cfg: Config, run_root: Path) -> tuple[tuple[str, ...], tuple
     binds = container_binds(cfg, run_root)
     pythonpath = f"PYTHONPATH={library_root()}"
     if c.runtime == "pyxis":
-        mounts = ",".join(f"{src}:{dst}" for src, dst in binds)
+        mounts = ",".join(bind if ":" in bind else f"{bind}:{bind}" for bind in binds)  # pyxis wants both paths
         # --container-mount-home=no? left to the site: pyxis' own default. The task command runs inside the image.
         return (f"--container-image={c.image}", f"--container-mounts={mounts}"), ("env", pythonpath)
     nv = ("--nv",) if cfg.slurm.gpus_per_node else ()
-    bind = ",".join(src if src == dst else f"{src}:{dst}" for src, dst in binds)
-    return (), ("apptainer", "exec", *nv, "--env", pythonpath, "--bind", bind, c.image)
+    return (), ("apptainer", "exec", *nv, "--env", pythonpath, "--bind", ",".join(binds), c.image)
 
 
 @dataclass(frozen=True)

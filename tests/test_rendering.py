@@ -89,3 +89,30 @@ def test_script_mode_submitit_script_is_the_trainers():
     trainer = load_config(ROOT / "configs" / "digits.yaml")
     script = load_config(None, SCRIPT)
     assert render_submitit_script(script, RUN, python="python") == render_submitit_script(trainer, RUN, python="python")
+
+
+# Inside an image: apptainer in front of each task's interpreter (--nv with GPUs), or pyxis' srun options. The
+# checkout's own path (ddpjob's code, bound in) is written as /LIB, so the goldens hold on any checkout.
+CONTAINER = {
+    "apptainer": ["slurm.container.image=/images/train.sif", "slurm.container.binds=[/data:/data:ro]", *GPU],
+    "pyxis": ["slurm.container.image=nvcr.io#nvidia/pytorch:24.05-py3", "slurm.container.runtime=pyxis", *GPU],
+}
+
+
+@pytest.mark.parametrize("variant", CONTAINER)
+def test_container_scripts(variant):
+    from jobs.request import library_root
+
+    cfg = load_config(ROOT / "configs" / "digits.yaml", CONTAINER[variant])
+    for name, text in [("submitit", render_submitit_script(cfg, RUN, python="/usr/bin/python3")),
+                       ("template", render(cfg, RUN, python="/usr/bin/python3"))]:  # fmt: skip
+        check_golden(f"{name}-{variant}.sbatch", text.replace(str(library_root()), "/LIB"))
+
+
+def test_container_nv_only_with_gpus():
+    cfg = load_config(ROOT / "configs" / "digits.yaml", ["slurm.container.image=/images/train.sif"])
+    script = render_submitit_script(cfg, RUN, python="/usr/bin/python3")
+    assert " apptainer exec --env PYTHONPATH=" in script and "--nv" not in script
+    # the watcher runs outside the image with the submitting interpreter; the tasks with the image's
+    assert "/usr/bin/python3 -m ddp_core.cluster.supervise" in script
+    assert "/images/train.sif python3 -u -m submitit.core._submit" in script

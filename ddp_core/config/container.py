@@ -46,13 +46,6 @@ class ContainerConfig:
         return self.image is not None
 
 
-def bind_paths(bind: str) -> tuple[str, str]:
-    """(source, destination) of a bind ``SRC[:DST[:ro|rw]]`` that ``validate_container`` accepted."""
-    match = _BIND.fullmatch(bind)
-    assert match is not None, "validate_container refuses a bind that does not match"
-    return match[1], match[2] or match[1]
-
-
 def validate_container(container: ContainerConfig) -> None:
     """Shape checks of ``slurm.container`` at every load: one ``DdpJobError`` line naming the key and the fix."""
     if container.runtime not in RUNTIMES:
