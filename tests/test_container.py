@@ -23,6 +23,7 @@ DIGITS = str(ROOT / "configs" / "digits.yaml")
 CONFIG = [
     "task.target=tests.tasks:ContainedDigitsTask", "train.max_steps=24", "train.log_every=4", "train.eval_every=0",
     "checkpoint.every_steps=8", "data.batch_size=16", "task.model.dropout=0.2", "wandb.mode=disabled",
+    "train.stop_check_ms=0",  # the ranks agree on the flag after every step: the stop is STOP_AT or the next
 ]  # fmt: skip
 STOP_AT = 10  # rank 0 signals itself at its 10th batch of the first attempt (tests.tasks.SignalsItself)
 
@@ -71,10 +72,11 @@ def test_a_job_inside_the_image_is_requeued_by_its_batch_script_and_resumes_exac
     assert all(w == {"container": image, "image": name, "scontrol": None} for w in seen.values()), seen
 
     # Stopped once, the requeue decided by rank 0 and made by the batch script, resumed at the step it stopped after.
-    (stop,) = [e["step"] for e in events(run_dir, "interrupted")]
+    # As outside an image: a warning signal well before the time limit (told from SLURM_JOB_END_TIME) is a preemption.
+    (stop,) = [e["step"] for e in events(run_dir, "interrupted") if e["kind"] == "preemption"]
     assert STOP_AT - 1 <= stop <= STOP_AT + 1
     assert [e["step"] for e in events(run_dir, "start")] == [0, stop]
-    assert [e["step"] for e in events(run_dir, "requeued")] == [stop]
+    assert [(e["kind"], e["step"]) for e in events(run_dir, "requeued")] == [("preemption", stop)]
     (deferred,) = events(run_dir, "requeue_deferred")
     assert deferred["step"] == stop and "scontrol" in deferred["error"], deferred
     assert [e["step"] for e in events(run_dir, "requeued_by_batch")] == [stop]

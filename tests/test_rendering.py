@@ -116,3 +116,22 @@ def test_container_nv_only_with_gpus():
     # the watcher runs outside the image with the submitting interpreter; the tasks with the image's
     assert "/usr/bin/python3 -m ddp_core.cluster.supervise" in script
     assert "/images/train.sif python3 -u -m submitit.core._submit" in script
+
+
+def test_an_image_that_is_not_a_file_is_refused_in_one_line(tmp_path):
+    """The check before submitting (``jobs.cluster.check_image``): an apptainer image, or a pyxis image given as a
+    path, must be a file; a pyxis registry reference is the node's to resolve."""
+    from ddp_core.config.container import ContainerConfig
+    from ddp_core.errors import DdpJobError
+    from jobs.cluster import check_image
+
+    sif = tmp_path / "train.sif"
+    for image, runtime, what in [(sif, "apptainer", "does not exist"), (tmp_path, "apptainer", "is a directory"),
+                                 (sif, "pyxis", "does not exist")]:  # fmt: skip
+        with pytest.raises(DdpJobError) as err:
+            check_image(ContainerConfig(image=str(image), runtime=runtime))
+        assert str(err.value).count("\n") == 0 and f"'slurm.container.image' = '{image}' {what}" in str(err.value)
+    sif.write_bytes(b"")
+    check_image(ContainerConfig(image=str(sif)))
+    check_image(ContainerConfig(image="nvcr.io#nvidia/pytorch:24.05-py3", runtime="pyxis"))
+    check_image(ContainerConfig())

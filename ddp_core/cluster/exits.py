@@ -80,7 +80,7 @@ def after_stop(
         return code  # rank 0 decides; the teardown barrier keeps this rank until it has requeued
     job = NODE_GATEWAY.show_job(env.slurm_job_id)
     mode = NODE_GATEWAY.preempt_mode(job) if job is not None and job.preempt_time else None
-    left = preemption.time_left(job, received_at or time.time())
+    left = preemption.time_left(job, received_at or time.time(), os.environ.get("SLURM_JOB_END_TIME"))
     decision = preemption.decide(signum, warning, job, mode, env.restart_count, left, cfg.slurm.signal_lead_s)
     kind = decision.kind
     run_dir.log_event("interrupted", kind=kind.value, job_id=env.job_id, step=step)

@@ -188,8 +188,12 @@ def back_in_queue(job: JobInfo, own_restarts: int) -> bool:
     return job.restarts > own_restarts or job.state in ("REQUEUED", "REQUEUE_HOLD", "PENDING")
 
 
-def time_left(job: Optional[JobInfo], since: float) -> Optional[float]:
-    """Seconds from ``since`` to the job's scheduled end; None when unknown (unlimited, or no scontrol)."""
+def time_left(job: Optional[JobInfo], since: float, env_end: Optional[str] = None) -> Optional[float]:
+    """Seconds from ``since`` to the job's scheduled end; None when unknown (unlimited). Where scontrol cannot say
+    (``job`` None: a container image without it), ``env_end``: the end Slurm put in the job's environment at its
+    start (``SLURM_JOB_END_TIME``, epoch seconds), so a warning signal well before it is still told from a timeout."""
+    if job is None and env_end is not None and env_end.isdigit() and int(env_end) > 0:
+        return int(env_end) - since
     if job is None or job.end_time is None:
         return None
     try:
@@ -243,7 +247,7 @@ def requeue(
             or any(word in why.lower() for word in _PERMANENT)
         )
         log.log(
-            logging.ERROR if final else logging.WARNING,
+            logging.ERROR if final and not missing else logging.WARNING,  # missing: the caller may defer it
             "scontrol requeue %s failed (try %d of %d): %s",
             env.slurm_job_id,
             attempt,
