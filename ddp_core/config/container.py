@@ -27,7 +27,7 @@ _IMAGE = re.compile(r"[^\s'\"]+")
 class ContainerConfig:
     """Where the ranks run: on the nodes themselves (no image, the default), or inside a container image."""
 
-    # The image every rank runs in: a SIF file for apptainer (an absolute path once loaded: relative paths are taken
+    # The image every rank runs in: a SIF file for apptainer (made absolute at submit: a relative path is taken
     # from where ddpjob runs), or for pyxis what srun --container-image takes (a squashfs file, or a registry
     # reference such as nvcr.io#nvidia/pytorch:24.05-py3). null: no container.
     image: Optional[str] = None
