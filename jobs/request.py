@@ -92,7 +92,7 @@ def container_words(cfg: Config, run_root: Path) -> tuple[tuple[str, ...], tuple
     pythonpath = f"PYTHONPATH={library_root()}"
     if c.runtime == "pyxis":
         mounts = ",".join(bind if ":" in bind else f"{bind}:{bind}" for bind in binds)  # pyxis wants both paths
-        # --container-mount-home=no? left to the site: pyxis' own default. The task command runs inside the image.
+        # The task command runs inside the image; pyxis' other options (home mount, workdir) keep the site's defaults.
         return (f"--container-image={c.image}", f"--container-mounts={mounts}"), ("env", pythonpath)
     nv = ("--nv",) if cfg.slurm.gpus_per_node else ()
     return (), ("apptainer", "exec", *nv, "--env", pythonpath, "--bind", ",".join(binds), c.image)
