@@ -197,6 +197,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if cfg.script.launcher == "torchrun":
             ranks = request.ranks_per_task
             print(f"# script.launcher=torchrun: one task per node, a torchrun agent that starts {ranks} ranks")
+        if (container := cfg.slurm.container).enabled:
+            where = f"# slurm.container: each task runs inside {container.image} ({container.runtime})"
+            print(f"{where}; the batch script and its watcher run outside it")
         print(render_submitit_script(cfg, run_dir))
         print(f"# code snapshot: {code.summary() if code else 'none'}")
         print("# resolved config")

@@ -1,4 +1,5 @@
-"""What the cluster can give: partition sizes read from ``sinfo``. A job's request is checked against them
+"""What the cluster can give: partition sizes read from ``sinfo``, and the container image
+(``check_image``). A job's request is checked against them
 (``jobs.request.SlurmRequest.check_fits``), so an impossible job fails on the login node instead of pending forever;
 ``node_count_finding`` is the doctor's view of a run's node count (or range) against its partition."""
 
@@ -6,9 +7,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from ddp_core.cluster.slurm import GATEWAY, MISSING, SlurmGateway
+from ddp_core.config.container import ContainerConfig
 from ddp_core.errors import DdpJobError
 from jobs.findings import Finding
 
@@ -95,3 +98,19 @@ def node_count_finding(nodes: Any, min_nodes: int, max_nodes: int, partition: st
         why += f"({where})"
         return Finding("nodes", "info", why, value=nodes)
     return Finding("nodes", "ok", f"slurm.nodes={nodes}: {where}", value=nodes)
+
+
+def check_image(container: ContainerConfig) -> None:
+    """Refuse, in one line, an image the job could not start from: an apptainer image (or a pyxis image given as a
+    path) that is not a readable file here. The login node sees the shared filesystems the nodes see."""
+    image = container.image
+    if image is None or (container.runtime == "pyxis" and not image.startswith(("/", "./", "../"))):
+        return  # no container, or a registry reference that only pyxis on the node can resolve
+    path = Path(image)
+    if not path.is_file():
+        what = "is a directory, not an image file" if path.is_dir() else "does not exist"
+        raise DdpJobError(
+            f"config key 'slurm.container.image' = {image!r} {what}",
+            "build or copy the image there (a path every node sees; scripts/container-image builds the test image), "
+            "or set slurm.container.image to it",
+        )

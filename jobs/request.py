@@ -4,7 +4,8 @@ Everything Slurm is asked for is decided here and nowhere else: the task layout 
 for a torchrun agent), CPUs per task (``slurm.cpus_per_task``, or its default from the partition's CPUs per GPU),
 GPUs (per node, or per task with ``slurm.gpu_bind=task``), the warning signal and requeue, the srun arguments, the
 environment every rank starts with, and the command each task starts (behind the prefix that holds the warning
-signal). The renderers only lay it out: submitit's executor (``submitit_parameters``), the sbatch template
+signal), inside the container image when ``slurm.container`` names one (``container_words``). The renderers only lay
+it out: submitit's executor (``submitit_parameters``), the sbatch template
 (``jobs.sbatch_template``), ``--dry-run``, sweeps' arrays, an adaptive search's workers and its trial step, and the
 check against the partition (``jobs.cluster.check_request``).
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import ddp_core
 from ddp_core.cluster import signals
 from ddp_core.cluster.exits import ExitCode
 from ddp_core.cluster.supervise import MARKER
@@ -68,6 +70,35 @@ def entry_module(cfg: Config) -> str:
     return "ddp_core.script" if cfg.script.enabled else "ddp_core"
 
 
+def library_root() -> Path:
+    """The folder that holds ``ddp_core``: bound into a container so its ranks import the ddpjob that submitted."""
+    return Path(ddp_core.__file__).resolve().parent.parent
+
+
+def container_binds(cfg: Config, run_root: Path) -> list[str]:
+    """Every bind a container job needs, as both runtimes write one (``SRC[:DST[:OPTIONS]]``): the run root (run
+    directories, sweeps and code snapshots), ddpjob's own package, both at the same paths, then the config's."""
+    return [str(run_root), str(library_root() / "ddp_core"), *cfg.slurm.container.binds]
+
+
+def container_words(cfg: Config, run_root: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(srun arguments, words before the image's interpreter) that run each task inside ``slurm.container``'s image:
+    apptainer as a command in front of the interpreter (``--nv`` with GPUs); pyxis as srun's ``--container-*``
+    options. The host's environment crosses in as it is (Slurm's and torchrun's variables; never ``--cleanenv``),
+    with ``PYTHONPATH`` naming the bound ddpjob only (the host's would put the host's packages before the image's)."""
+    c = cfg.slurm.container
+    if c.image is None:
+        return (), ()
+    binds = container_binds(cfg, run_root)
+    pythonpath = f"PYTHONPATH={library_root()}"
+    if c.runtime == "pyxis":
+        mounts = ",".join(bind if ":" in bind else f"{bind}:{bind}" for bind in binds)  # pyxis wants both paths
+        # The task command runs inside the image; pyxis' other options (home mount, workdir) keep the site's defaults.
+        return (f"--container-image={c.image}", f"--container-mounts={mounts}"), ("env", pythonpath)
+    nv = ("--nv",) if cfg.slurm.gpus_per_node else ()
+    return (), ("apptainer", "exec", *nv, "--env", pythonpath, "--bind", ",".join(binds), c.image)
+
+
 @dataclass(frozen=True)
 class SlurmRequest:
     """One job's request, in Slurm's terms. ``resolve`` builds it; nothing else derives these numbers."""
@@ -89,13 +120,22 @@ class SlurmRequest:
     environment: tuple[str, ...] = ()  # export lines every rank starts with
     setup: tuple[str, ...] = ()  # slurm.setup: the config's own lines, after the environment
     srun_args: tuple[str, ...] = ()
-    task_python: tuple[str, ...] = ()  # the interpreter each task starts, behind the signal-holding prefix
+    # The interpreter each task starts, behind the signal-holding prefix (and the container's command, if any).
+    task_python: tuple[str, ...] = ()
     entry_module: str = "ddp_core"
+    host_python: str = sys.executable  # the batch script's own steps (its watcher), on the node, outside any image
+    container: tuple[str, ...] = ()  # the words of task_python that start the image ("apptainer exec ... IMAGE")
 
     @classmethod
     def resolve(
-        cls, cfg: Config, part: Optional[cluster.Partition] = None, python: str = sys.executable
+        cls,
+        cfg: Config,
+        part: Optional[cluster.Partition] = None,
+        python: str = sys.executable,
+        run_root: Optional[Path] = None,
     ) -> SlurmRequest:
+        """``python``: the submitting interpreter (the tasks', unless a container's image has its own); ``run_root``:
+        the folder of the run directories a container binds in (default: ``run.root``, resolved here)."""
         s = cfg.slurm
         ranks, per_rank = ranks_per_node(cfg), cpus_per_rank(cfg, part)
         torchrun = cfg.script.enabled and cfg.script.launcher == "torchrun"
@@ -112,6 +152,8 @@ class SlurmRequest:
             "qos": s.qos,
             "mem": f"{s.mem_gb:g}GB" if s.mem_gb else None,
         }
+        container_srun, container = container_words(cfg, run_root or Path(cfg.run.root).resolve())
+        task_python = s.container.python if s.container.enabled else python
         return cls(
             job_name=s.job_name or cfg.run.name,
             min_nodes=s.min_nodes,
@@ -133,9 +175,16 @@ class SlurmRequest:
             # blocked in a collective. --cpu-bind: each rank runs on the CPUs Slurm allocated to its task.
             # --cpus-per-task again on srun: since Slurm 22.05 srun does not take it from the allocation
             # (ddp_core.cluster.releases), and a step would give each task one CPU.
-            srun_args=("--kill-on-bad-exit=1", f"--cpu-bind={s.cpu_bind}", f"--cpus-per-task={per_rank * per_task}"),
-            task_python=(*signals.task_prefix(s.signal, python), python),
+            srun_args=(
+                "--kill-on-bad-exit=1",
+                f"--cpu-bind={s.cpu_bind}",
+                f"--cpus-per-task={per_rank * per_task}",
+                *container_srun,
+            ),
+            task_python=(*signals.task_prefix(s.signal, python), *container, task_python),
             entry_module=entry_module(cfg),
+            host_python=python,
+            container=container,
         )
 
     @property
@@ -205,9 +254,10 @@ class SlurmRequest:
         """The batch script's first lines: this attempt's marker in its log, and the EXIT trap that hands srun's status
         to the attempt's watcher (``ddp_core.cluster.supervise``), which requeues an infrastructure failure.
         ``run_dir``, ``batch_log`` and ``python``: shell words (quoted paths, or expansions evaluated when the trap
-        runs); ``python`` defaults to the tasks' interpreter."""
+        runs); ``python`` defaults to the submitting interpreter (outside any container: the watcher may requeue the
+        job, which needs Slurm's commands)."""
         marker = MARKER.format(restart="${SLURM_RESTART_COUNT:-0}", job="${SLURM_JOB_ID}")
-        python = python or shlex.quote(self.task_python[-1])
+        python = python or shlex.quote(self.host_python)
         return [
             f'echo "{marker} on $(hostname)" >&2',
             # Python starts only after a failure: a job that trained to its end ends as srun did, whatever happens.

@@ -36,12 +36,14 @@ def _replace_block(text: str, name: str, lines: list[str]) -> str:
 
 
 def render(cfg: Config, run_dir: RunDir, python: str = sys.executable, template: Path = TEMPLATE) -> str:
-    request = SlurmRequest.resolve(cfg, python=python)
+    request = SlurmRequest.resolve(cfg, python=python, run_root=run_dir.path.parent)
     text = template.read_text()
     text = _replace_block(text, "sbatch", sbatch_lines(request, run_dir))
     setup = [
         f"PYTHON=${{DDPJOB_PYTHON:-{shlex.quote(python)}}}",
         f"HOLD=({shlex.join(request.task_python[:-1])})",  # the prefix before the interpreter: see the srun line
+        # The image's interpreter: the tasks run inside slurm.container's image, the batch script's own steps outside.
+        *([f"TASK_PYTHON={shlex.quote(request.task_python[-1])}"] if request.container else []),
         f"SRUN_ARGS=({' '.join(shlex.quote(a) for a in request.srun_args)})",
         f"ENTRY={request.entry_module}",  # the srun line runs `python -m $ENTRY RUN_DIR`
         # RUN_DIR is set below; the trap reads it when the script exits (empty if it ended before that).

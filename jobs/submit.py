@@ -48,7 +48,7 @@ def render_submitit_script(cfg: Config, run_dir: RunDir, python: str = sys.execu
     """The exact sbatch script ``submit`` would hand to sbatch (submitit's own renderer)."""
     from submitit.slurm.slurm import _make_sbatch_string  # pinned: pyproject.toml, and a real job's test compares
 
-    request = SlurmRequest.resolve(cfg, python=python)
+    request = SlurmRequest.resolve(cfg, python=python, run_root=run_dir.path.parent)
     return _make_sbatch_string(
         command=submitit_command(request, run_dir.slurm),
         folder=run_dir.slurm,
@@ -83,8 +83,19 @@ def validate_for_submit(cfg: Config, local: bool, cluster_check: bool = True) ->
             f"config key 'slurm.nodes' = {cfg.slurm.nodes!r}: more than one node cannot run with --local",
             "drop --local or set slurm.nodes=1",
         )
+    container = cfg.slurm.container
+    if local and container.enabled:
+        raise DdpJobError(
+            f"config key 'slurm.container.image' = {container.image!r}: --local runs the ranks as processes here, "
+            "not inside an image",
+            "drop --local, or set slurm.container.image=null to run locally without the image",
+        )
+    image = container.image
+    if image is not None and (container.runtime == "apptainer" or image.startswith(("./", "../"))):
+        container.image = str(Path(image).absolute())  # a file, and the nodes do not start where ddpjob ran
     if not local and cluster_check:
         check_cluster(cfg)
+        cluster.check_image(container)
     cfg.slurm.cpus_per_task = SlurmRequest.resolve(cfg).cpus_per_rank  # the request's, recorded in config.yaml
 
 
@@ -105,7 +116,7 @@ class Submitted:
 def make_executor(cfg: Config, run_dir: RunDir, local: bool) -> Any:
     import submitit
 
-    request = SlurmRequest.resolve(cfg)
+    request = SlurmRequest.resolve(cfg, run_root=run_dir.path.parent)
     if local:
         executor: submitit.Executor = submitit.LocalExecutor(folder=run_dir.slurm)
         executor.update_parameters(

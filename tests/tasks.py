@@ -6,6 +6,7 @@ import builtins
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import time
@@ -75,11 +76,15 @@ class SignalsItself:
     """A task mixin: one rank sends itself the warning signal at a chosen batch of the attempt, as Slurm would
     mid-step. ``DDPJOB_TEST_SIGNAL_AT=RANK:BATCH`` (this process's environment: each attempt picks its own)
     names the rank and the 1-based count of split() calls (every strategy calls it once per batch on every
-    rank). Numerics unchanged."""
+    rank); ``RANK:BATCH@N``: only in the Slurm job's attempt N (``SLURM_RESTART_COUNT``), so the job's next attempts
+    run on. Numerics unchanged."""
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[call-arg]
-        rank, _, batch = os.environ.get("DDPJOB_TEST_SIGNAL_AT", "-1:0").partition(":")
+        where, _, attempt = os.environ.get("DDPJOB_TEST_SIGNAL_AT", "-1:0").partition("@")
+        rank, _, batch = where.partition(":")
+        if attempt and int(attempt) != int(os.environ.get("SLURM_RESTART_COUNT", "0")):
+            rank = "-1"
         self.signal_rank, self.signal_batch, self.batches = int(rank), int(batch), 0
 
     def split(self, batch: tuple) -> tuple:
@@ -96,6 +101,22 @@ class SignalledDigitsTask(SignalsItself, DigitsTask):
 
 class SignalledCharLMTask(SignalsItself, CharLMTask):
     """The char LM that signals itself (``SignalsItself``)."""
+
+
+class ContainedDigitsTask(SignalledDigitsTask):
+    """``SignalledDigitsTask`` that records where each rank of each attempt runs, in ``where_dir``: apptainer's
+    ``APPTAINER_CONTAINER``, the test image's ``/etc/ddpjob-image`` and whether a ``scontrol`` is on PATH."""
+
+    def __init__(self, where_dir: str = "", **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        marker = Path("/etc/ddpjob-image")
+        where = {
+            "container": os.environ.get("APPTAINER_CONTAINER"),
+            "image": marker.read_text().strip() if marker.exists() else None,
+            "scontrol": shutil.which("scontrol"),
+        }
+        name = f"rank{os.environ.get('SLURM_PROCID')}-attempt{os.environ.get('SLURM_RESTART_COUNT', '0')}.json"
+        (Path(where_dir) / name).write_text(json.dumps(where))
 
 
 class StragglerDigitsTask(DigitsTask):

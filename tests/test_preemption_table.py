@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from ddp_core.cluster.env import DistEnv
-from ddp_core.cluster.preemption import Interruption, decide, requeue
+from ddp_core.cluster.preemption import Interruption, decide, requeue, time_left
 from ddp_core.cluster.slurm import SlurmGateway
 
 TERM, USR2 = signal.SIGTERM, signal.SIGUSR2
@@ -62,6 +62,8 @@ def test_each_row_of_the_table(signum, record, mode, left, kind, requeue):
          ["requeue"]),  # the runner's timeout: a retry would spend the grace time
         ([(1, "Socket timed out on send/recv operation")] * 3, "RUNNING", "Socket timed out on send/recv operation",
          ["requeue", "show", "requeue", "show", "requeue"]),
+        ([(127, "scontrol: command not found")], "RUNNING", "scontrol: command not found",
+         ["requeue"]),  # a container image without Slurm's commands: the batch script requeues (exits.requeue_within)
     ],
 )  # fmt: skip
 def test_requeue_retries_what_can_pass_and_says_why_it_did_not(answers, state, refused, calls):
@@ -78,5 +80,16 @@ def test_requeue_retries_what_can_pass_and_says_why_it_did_not(answers, state, r
         return subprocess.CompletedProcess(cmd, code, "", err)
 
     env = DistEnv(job_id="5", slurm_job_id="5", source="slurm")
-    assert requeue(env, SlurmGateway(runner), tries=3, pause_s=0) == refused
+    refusal = requeue(env, SlurmGateway(runner), tries=3, pause_s=0)
+    assert (refusal.why if refusal else None) == refused
+    assert (refusal is not None and refusal.missing) == (answers[0][0] == 127)
     assert made == calls
+
+
+def test_without_scontrol_the_time_left_comes_from_the_jobs_environment():
+    """Inside an image without scontrol, SLURM_JOB_END_TIME tells a warning well before the limit (a preemption, as
+    with scontrol) from one near it (a timeout)."""
+    assert time_left(None, 1000.0, "4600") == 3600.0
+    assert time_left(None, 1000.0, None) is None and time_left(None, 1000.0, "0") is None
+    left = time_left(None, 1000.0, "4600")
+    assert decide(USR2, USR2, None, None, 0, left, lead_s=120).kind is Interruption.preemption

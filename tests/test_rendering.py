@@ -89,3 +89,49 @@ def test_script_mode_submitit_script_is_the_trainers():
     trainer = load_config(ROOT / "configs" / "digits.yaml")
     script = load_config(None, SCRIPT)
     assert render_submitit_script(script, RUN, python="python") == render_submitit_script(trainer, RUN, python="python")
+
+
+# Inside an image: apptainer in front of each task's interpreter (--nv with GPUs), or pyxis' srun options. The
+# checkout's own path (ddpjob's code, bound in) is written as /LIB, so the goldens hold on any checkout.
+CONTAINER = {
+    "apptainer": ["slurm.container.image=/images/train.sif", "slurm.container.binds=[/data:/data:ro]", *GPU],
+    "pyxis": ["slurm.container.image=nvcr.io#nvidia/pytorch:24.05-py3", "slurm.container.runtime=pyxis", *GPU],
+}
+
+
+@pytest.mark.parametrize("variant", CONTAINER)
+def test_container_scripts(variant):
+    from jobs.request import library_root
+
+    cfg = load_config(ROOT / "configs" / "digits.yaml", CONTAINER[variant])
+    for name, text in [("submitit", render_submitit_script(cfg, RUN, python="/usr/bin/python3")),
+                       ("template", render(cfg, RUN, python="/usr/bin/python3"))]:  # fmt: skip
+        check_golden(f"{name}-{variant}.sbatch", text.replace(str(library_root()), "/LIB"))
+
+
+def test_container_nv_only_with_gpus():
+    cfg = load_config(ROOT / "configs" / "digits.yaml", ["slurm.container.image=/images/train.sif"])
+    script = render_submitit_script(cfg, RUN, python="/usr/bin/python3")
+    assert " apptainer exec --env PYTHONPATH=" in script and "--nv" not in script
+    # the watcher runs outside the image with the submitting interpreter; the tasks with the image's
+    assert "/usr/bin/python3 -m ddp_core.cluster.supervise" in script
+    assert "/images/train.sif python3 -u -m submitit.core._submit" in script
+
+
+def test_an_image_that_is_not_a_file_is_refused_in_one_line(tmp_path):
+    """The check before submitting (``jobs.cluster.check_image``): an apptainer image, or a pyxis image given as a
+    path, must be a file; a pyxis registry reference is the node's to resolve."""
+    from ddp_core.config.container import ContainerConfig
+    from ddp_core.errors import DdpJobError
+    from jobs.cluster import check_image
+
+    sif = tmp_path / "train.sif"
+    for image, runtime, what in [(sif, "apptainer", "does not exist"), (tmp_path, "apptainer", "is a directory"),
+                                 (sif, "pyxis", "does not exist")]:  # fmt: skip
+        with pytest.raises(DdpJobError) as err:
+            check_image(ContainerConfig(image=str(image), runtime=runtime))
+        assert str(err.value).count("\n") == 0 and f"'slurm.container.image' = '{image}' {what}" in str(err.value)
+    sif.write_bytes(b"")
+    check_image(ContainerConfig(image=str(sif)))
+    check_image(ContainerConfig(image="nvcr.io#nvidia/pytorch:24.05-py3", runtime="pyxis"))
+    check_image(ContainerConfig())

@@ -35,7 +35,7 @@ from typing import Any, Callable, NoReturn, Optional, TypeVar
 from ddp_core.cluster import preemption, signals
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.preemption import Interruption
-from ddp_core.cluster.slurm import NODE_GATEWAY
+from ddp_core.cluster.slurm import NODE_GATEWAY, SlurmGateway
 from ddp_core.config import Config
 from ddp_core.run.rundir import RunDir
 
@@ -54,9 +54,12 @@ class ExitCode(enum.IntEnum):
     REQUEUE_FAILED = 5  # inside Slurm, but `scontrol requeue` was refused: the job must not look COMPLETED
     HUNG = 6  # the watchdog ended a stalled attempt outside Slurm (stacks in RUN/hangs/): nobody requeues
     NOT_STARTED = 7  # the batch script's check before srun requeued the job off a node the run excludes (node_loss)
+    # Rank 0 decided to requeue but has no scontrol (a container image without Slurm's commands): the batch script's
+    # watcher, outside the image, requeues the job once srun returns (``requeue_deferred``)
+    REQUEUE_DEFERRED = 8
     # A requeued attempt of a job whose run had already completed (Slurm 24.11 requeues a job preempted once more when
     # its next attempt ends): the batch script's check before srun says so, and the script ends COMPLETED (exit 0).
-    ALREADY_COMPLETE = 8
+    ALREADY_COMPLETE = 9
     TERMINATED = 143  # 128 + SIGTERM, the shell convention
 
 
@@ -80,7 +83,7 @@ def after_stop(
         return code  # rank 0 decides; the teardown barrier keeps this rank until it has requeued
     job = NODE_GATEWAY.show_job(env.slurm_job_id)
     mode = NODE_GATEWAY.preempt_mode(job) if job is not None and job.preempt_time else None
-    left = preemption.time_left(job, received_at or time.time())
+    left = preemption.time_left(job, received_at or time.time(), os.environ.get("SLURM_JOB_END_TIME"))
     decision = preemption.decide(signum, warning, job, mode, env.restart_count, left, cfg.slurm.signal_lead_s)
     kind = decision.kind
     run_dir.log_event("interrupted", kind=kind.value, job_id=env.job_id, step=step)
@@ -101,14 +104,25 @@ def after_stop(
         for e in run_dir.events()
         if e["event"] == "interrupted" and e.get("kind") == kind.value and e.get("job_id") == env.job_id
     )
-    return requeue_within(run_dir, env, kind.value, spent, limit, step, f"its checkpoint at step {step}")
+    after = f"its checkpoint at step {step}"
+    return requeue_within(run_dir, env, kind.value, spent, limit, step, after, defer=True)
 
 
 def requeue_within(
-    run_dir: RunDir, env: DistEnv, kind: str, spent: int, limit: int, step: Optional[int], after: str, read: str = ""
+    run_dir: RunDir,
+    env: DistEnv,
+    kind: str,
+    spent: int,
+    limit: int,
+    step: Optional[int],
+    after: str,
+    read: str = "",
+    defer: bool = False,
 ) -> int:
     """Rank 0 (or a hang's coordinator) requeues the job unless this submission spent its ``slurm.max_<kind>s``
-    budget; records what happened and returns the exit code."""
+    budget; records what happened and returns the exit code. ``defer``: a rank inside the job's step, whose batch
+    script's watcher can requeue the job for it when this process has no scontrol (a container image): it records
+    ``requeue_deferred`` and exits ``REQUEUE_DEFERRED``, and the watcher does the rest (``requeue_deferred``)."""
     if spent > limit:
         reason = f"requeue budget exhausted after {spent} {kind}{'' if spent == 1 else 's'} (slurm.max_{kind}s={limit})"
         run_dir.log_event("budget_exhausted", reason=reason, job_id=env.job_id, step=step)
@@ -118,15 +132,38 @@ def requeue_within(
     # (seen in CI under load: a requeued attempt without its event). A refusal is recorded after this one.
     run_dir.log_event("requeued", kind=kind, job_id=env.job_id, step=step, count=spent)
     if (refused := preemption.requeue(env)) is not None:
-        run_dir.log_event("requeue_failed", kind=kind, job_id=env.job_id, step=step, error=refused)
+        if defer and refused.missing:
+            run_dir.log_event("requeue_deferred", kind=kind, job_id=env.job_id, step=step, error=refused.why)
+            log.info("no scontrol here (%s): the batch script requeues the job once the ranks have left", refused.why)
+            return ExitCode.REQUEUE_DEFERRED
+        run_dir.log_event("requeue_failed", kind=kind, job_id=env.job_id, step=step, error=refused.why)
         log.error(
             "the job could not requeue itself after %s (%s); continue with: ddpjob resume %s",
             after,
-            refused,
+            refused.why,
             run_dir.path,
         )
         return ExitCode.REQUEUE_FAILED
     return ExitCode.REQUEUED
+
+
+def requeue_deferred(run_dir: RunDir, env: DistEnv, deferred: dict[str, Any], gateway: SlurmGateway) -> int:
+    """The batch script's watcher, outside the container, makes the requeue that rank 0 decided and recorded as
+    ``deferred`` (its ``requeue_deferred`` event: no scontrol inside the image). Records ``requeued_by_batch`` or
+    ``requeue_failed``; returns the batch script's exit code: 0 once Slurm accepted, else ``REQUEUE_FAILED``."""
+    kind, step = deferred.get("kind"), deferred.get("step")
+    refused = preemption.requeue(env, gateway)
+    if refused is None:
+        run_dir.log_event("requeued_by_batch", kind=kind, job_id=env.job_id, step=step)
+        return ExitCode.OK
+    run_dir.log_event("requeue_failed", kind=kind, job_id=env.job_id, step=step, error=refused.why)
+    log.error(
+        "the batch script could not requeue the job after step %s (%s); continue with: ddpjob resume %s",
+        step,
+        refused.why,
+        run_dir.path,
+    )
+    return ExitCode.REQUEUE_FAILED
 
 
 def after_hang(cfg: Config, run_dir: RunDir, env: DistEnv, folder: Path, summary: str, step: Optional[int]) -> int:
@@ -138,7 +175,7 @@ def after_hang(cfg: Config, run_dir: RunDir, env: DistEnv, folder: Path, summary
         return ExitCode.HUNG
     spent = sum(1 for e in run_dir.events() if e["event"] == "hang" and e.get("job_id") == env.job_id)
     read = f"read {folder / 'summary.txt'}, then "
-    return requeue_within(run_dir, env, "hang", spent, cfg.slurm.max_hangs, step, "a hang", read)
+    return requeue_within(run_dir, env, "hang", spent, cfg.slurm.max_hangs, step, "a hang", read, defer=True)
 
 
 def leave(code: int, *, exit_handlers: bool = False, teardown: bool = False) -> NoReturn:

@@ -188,8 +188,12 @@ def back_in_queue(job: JobInfo, own_restarts: int) -> bool:
     return job.restarts > own_restarts or job.state in ("REQUEUED", "REQUEUE_HOLD", "PENDING")
 
 
-def time_left(job: Optional[JobInfo], since: float) -> Optional[float]:
-    """Seconds from ``since`` to the job's scheduled end; None when unknown (unlimited, or no scontrol)."""
+def time_left(job: Optional[JobInfo], since: float, env_end: Optional[str] = None) -> Optional[float]:
+    """Seconds from ``since`` to the job's scheduled end; None when unknown (unlimited). Where scontrol cannot say
+    (``job`` None: a container image without it), ``env_end``: the end Slurm put in the job's environment at its
+    start (``SLURM_JOB_END_TIME``, epoch seconds), so a warning signal well before it is still told from a timeout."""
+    if job is None and env_end is not None and env_end.isdigit() and int(env_end) > 0:
+        return int(env_end) - since
     if job is None or job.end_time is None:
         return None
     try:
@@ -198,20 +202,32 @@ def time_left(job: Optional[JobInfo], since: float) -> Optional[float]:
         return None
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why a requeue was not made: scontrol's own words, and whether there is no scontrol here at all (a container
+    image without Slurm's commands), which the batch script outside it can make up for."""
+
+    why: str
+    missing: bool = False
+
+
 # Refusals no retry changes (``_job_requeue_op``): requeue disabled for the job or cluster, not the job's owner, not a
 # batch job. A missing scontrol, or one that did not answer within NODE_TIMEOUT_S, is final too: a retry would spend
 # the grace time. Anything else (a connection refused or a reply lost under load) is tried again, briefly.
 _PERMANENT = ("presently disabled", "access", "permission", "only batch", "invalid job id")
 
 
-def requeue(env: DistEnv, gateway: SlurmGateway = NODE_GATEWAY, tries: int = 3, pause_s: float = 1.0) -> Optional[str]:
-    """Put this job back in the queue (same job id). Rank 0 only. None once Slurm accepted, else why not (scontrol's
-    own words). A failed call is retried ``tries`` times in all, ``pause_s`` apart, unless Slurm refused for good;
+def requeue(
+    env: DistEnv, gateway: SlurmGateway = NODE_GATEWAY, tries: int = 3, pause_s: float = 1.0
+) -> Optional[Refusal]:
+    """Put this job back in the queue (same job id). Rank 0, or the batch script's watcher. None once Slurm accepted,
+    else why not (scontrol's own words; ``missing``: no scontrol here). A failed call is retried ``tries`` times in
+    all, ``pause_s`` apart, unless Slurm refused for good;
     before each retry the job's state is read back: a requeue whose reply was lost has already made it PENDING."""
     if not env.slurm_job_id:
         log.warning("not running in a Slurm job: nothing to requeue; continue later with `ddpjob resume`")
-        return "not running in a Slurm job"
-    why = ""
+        return Refusal("not running in a Slurm job")
+    why, missing = "", False
     for attempt in range(1, tries + 1):
         if attempt > 1:
             time.sleep(pause_s)
@@ -224,13 +240,14 @@ def requeue(env: DistEnv, gateway: SlurmGateway = NODE_GATEWAY, tries: int = 3, 
             log.info("requeued job %s", env.slurm_job_id)
             return None
         why = proc.stderr.strip() or f"scontrol requeue exited {proc.returncode}"
+        missing = proc.returncode == MISSING
         final = (
             attempt == tries
             or proc.returncode in (MISSING, TIMED_OUT)
             or any(word in why.lower() for word in _PERMANENT)
         )
         log.log(
-            logging.ERROR if final else logging.WARNING,
+            logging.ERROR if final and not missing else logging.WARNING,  # missing: the caller may defer it
             "scontrol requeue %s failed (try %d of %d): %s",
             env.slurm_job_id,
             attempt,
@@ -239,4 +256,4 @@ def requeue(env: DistEnv, gateway: SlurmGateway = NODE_GATEWAY, tries: int = 3, 
         )
         if final:
             break
-    return why
+    return Refusal(why, missing)

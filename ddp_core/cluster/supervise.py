@@ -2,7 +2,9 @@
 
 The batch script runs it from its EXIT trap once srun has returned (``jobs.request.SlurmRequest.watch_lines``), so it
 sees every way an attempt can fail, including the ones no rank lives to report: a rank killed by a signal, a node
-gone. With srun's status 0, or when the ranks decided the attempt's end themselves (a requeue after a signal, a
+gone. When rank 0 decided a requeue it could not make (no scontrol inside a container image: ``requeue_deferred``,
+exit code ``REQUEUE_DEFERRED``), it makes it (``exits.requeue_deferred``). With srun's status 0, or when the ranks
+decided the attempt's end themselves (a requeue after a signal, a
 spent budget, a hang), or when Slurm is ending the job anyway (cancelled, timed out, preempted, requeued), it does
 nothing. Otherwise it diagnoses the failure (``failures.diagnose``: the ranks' ``rank_failed`` events and srun's
 report in BATCH_LOG after this attempt's marker), records one ``failure`` event, and then:
@@ -81,6 +83,9 @@ def decide(
     cfg = run_dir.load_config()
     events = run_dir.events()
     attempt = attempt_events(events, env)
+    deferred = [e for e in attempt if e["event"] == "requeue_deferred"]
+    if deferred and status == exits.ExitCode.REQUEUE_DEFERRED:  # rank 0 had no scontrol (a container image)
+        return exits.requeue_deferred(run_dir, env, deferred[-1], gateway)
     if any(e["event"] in DECIDED for e in attempt):
         return status
     metric_steps = [r["step"] for r in run_dir.metrics()]

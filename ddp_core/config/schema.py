@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional, Union
 
+from ddp_core.config.container import ContainerConfig
 from ddp_core.config.input import MISSING
 from ddp_core.errors import DdpJobError
 
@@ -300,6 +301,8 @@ class SlurmConfig:
     setup: List[str] = field(default_factory=list)
     # Any other sbatch option, without the leading "--", e.g. {constraint: a100, exclusive: true}.
     additional: Dict[str, Any] = field(default_factory=dict)
+    # The container image every rank runs in (docs/containers.md); no image: the ranks run on the nodes themselves.
+    container: ContainerConfig = field(default_factory=ContainerConfig)
 
     @property
     def ranks_per_node(self) -> int:

@@ -10,6 +10,7 @@ import re
 from typing import Any, Optional
 
 from ddp_core.config.batch import job_world_sizes, validate_batches
+from ddp_core.config.container import validate_container
 from ddp_core.config.features import validate_script, validate_snapshot, validate_trial, validate_watchdog
 from ddp_core.config.schema import (
     CPU_BIND,
@@ -71,6 +72,7 @@ def validate(cfg: Config) -> None:
     _validate_guard(cfg.dist.guard)
     validate_watchdog(cfg.watchdog, cfg.dist.timeout_s)
     validate_snapshot(cfg.snapshot)
+    validate_container(cfg.slurm.container)
     validate_trial(cfg.trial)
     _require(cfg.train.straggler_factor >= 1, "train.straggler_factor", cfg.train.straggler_factor, "must be >= 1")
     _require(cfg.train.stop_check_ms >= 0, "train.stop_check_ms", cfg.train.stop_check_ms, "must be >= 0")
