@@ -82,6 +82,7 @@ class RunInfo:
     every_steps: int
     qos: Optional[str]
     nodes: tuple[Any, int, int] = (1, 1, 1)  # slurm.nodes as given, its MIN and its MAX
+    image: Optional[str] = None  # slurm.container's apptainer image: the compute-node probe looks inside it
 
 
 def read_cluster(gateway: SlurmGateway, partition: Optional[str]) -> Cluster:
@@ -166,7 +167,10 @@ def _settings(path: Optional[Path], save_s: Optional[float]) -> RunInfo:
             pass  # an older or hand-edited config: the defaults still say what the trainer does
     sig = slurm.signal.upper().removeprefix("SIG")
     nodes = (slurm.nodes, slurm.min_nodes, slurm.max_nodes)
-    return RunInfo(path, save_s, ckpt.sigterm_budget_s, slurm.signal_lead_s, sig, ckpt.every_steps, slurm.qos, nodes)
+    image = slurm.container.image if slurm.container.runtime == "apptainer" else None
+    return RunInfo(
+        path, save_s, ckpt.sigterm_budget_s, slurm.signal_lead_s, sig, ckpt.every_steps, slurm.qos, nodes, image
+    )
 
 
 def _preempt_mode(e: Exposure) -> Finding:
@@ -348,7 +352,7 @@ def diagnose(
         *_saves(c, e, info, user_signal),
         *_limits_and_access(c, _job_qos(c, info.qos)),
         _held_signals(),
-        *site_findings(gateway, c.name, c.config.get("SLURM_VERSION", "")),
+        *site_findings(gateway, c.name, c.config.get("SLURM_VERSION", ""), info.image),
     ]
 
 

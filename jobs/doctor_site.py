@@ -33,6 +33,7 @@ class NodeProbe:
     paths: tuple[tuple[str, str], ...] = ()  # (command, its path there, "" when missing)
     pyxis: bool = False  # srun takes --container-image (the pyxis plugin: enroot containers through srun)
     error: Optional[str] = None
+    inside: str = ""  # the image the probe ran in (a run's slurm.container), "" on the node itself
 
     def path(self, command: str) -> str:
         return dict(self.paths).get(command, "")
@@ -48,7 +49,8 @@ def probe_nodes(
     if proc.returncode != 0 or "node" not in pairs:
         said = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
         return NodeProbe(partition, pyxis=pyxis, error=said[-1] if said else f"srun exited {proc.returncode}")
-    return NodeProbe(partition, pairs["node"], tuple((c, pairs.get(c, "").strip()) for c in PROBED), pyxis)
+    found = tuple((c, pairs.get(c, "").strip()) for c in PROBED)
+    return NodeProbe(partition, pairs["node"], found, pyxis, inside=prefix[-1] if prefix else "")
 
 
 def node_findings(probe: NodeProbe) -> list[Finding]:
@@ -57,7 +59,7 @@ def node_findings(probe: NodeProbe) -> list[Finding]:
         why = f"could not check the compute nodes of {probe.partition} ({probe.error})"
         fix = "run `ddpjob doctor` again when the partition has a free node, or `ddpjob doctor --drill`"
         return [Finding(k, "unknown", why, fix) for k in ("scontrol_on_nodes", "sacct_on_nodes", "container_runtime")]
-    where = f"on {probe.node} ({probe.partition})"
+    where = f"on {probe.node} ({probe.partition})" + (f" inside {probe.inside}" if probe.inside else "")
     if probe.path("scontrol"):
         scontrol = Finding("scontrol_on_nodes", "ok", f"scontrol {where}: rank 0 requeues its own job", value=True)
     else:
@@ -86,5 +88,8 @@ def release_findings(version: str) -> list[Finding]:
     return out
 
 
-def site_findings(gateway: SlurmGateway, partition: str, version: str) -> list[Finding]:
-    return [*release_findings(version or gateway.version()), *node_findings(probe_nodes(gateway, partition))]
+def site_findings(gateway: SlurmGateway, partition: str, version: str, image: Optional[str] = None) -> list[Finding]:
+    """The release's findings and the compute nodes' (inside ``image``, a run's apptainer image, when given: there
+    the ranks look for scontrol)."""
+    prefix = ("apptainer", "exec", image) if image else ()
+    return [*release_findings(version or gateway.version()), *node_findings(probe_nodes(gateway, partition, prefix))]

@@ -15,7 +15,7 @@ import pytest
 
 from ddp_core.cluster import releases, slurm
 from ddp_core.errors import DdpJobError
-from jobs import cluster, doctor, doctor_site, status
+from jobs import cluster, doctor, status
 from jobs.cli import main
 from tests.conftest import run_cli
 
@@ -408,10 +408,17 @@ def test_what_the_compute_nodes_have():
     busy = (1, "", "srun: error: Unable to allocate resources: Requested nodes are busy\n")
     f = diagnose(FakeSlurm(node=busy), "low")  # a busy partition: said, not waited for
     assert f["scontrol_on_nodes"].level == "unknown" and "Requested nodes are busy" in f["scontrol_on_nodes"].message
-    # a container's exec line goes before the probe: what a containerised job would find
-    seen = FakeSlurm()
-    doctor_site.probe_nodes(slurm.SlurmGateway(seen), "low", ["apptainer", "exec", "img.sif"])
-    assert seen.calls[-1][-6:-3] == ["apptainer", "exec", "img.sif"] and seen.calls[-1][-3:-1] == ["sh", "-c"]
+
+
+def test_a_runs_image_is_where_the_nodes_are_probed(tmp_path):
+    """With --run of a run inside an apptainer image, the probe runs inside it: what that job's ranks would find."""
+    seen = FakeSlurm(node=(0, PROBED.replace("/usr/bin/scontrol", ""), ""))
+    image = tmp_path / "img.sif"
+    run = make_run(tmp_path / "run", config=f"slurm:\n  container:\n    image: {image}\n")
+    f = diagnose(seen, "low", run)
+    probe = [c for c in seen.calls if c[0] == "srun" and c[1] != "--help"][-1]
+    assert probe[-6:-3] == ["apptainer", "exec", str(image)] and probe[-3:-1] == ["sh", "-c"]
+    assert f"inside {image}: the job requeues itself from the batch script" in f["scontrol_on_nodes"].message
 
 
 # --- the live cluster (read-only) -----------------------------------------------------------------------------
