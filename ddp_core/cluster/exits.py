@@ -136,15 +136,15 @@ def requeue_within(
             run_dir.log_event("requeue_deferred", kind=kind, job_id=env.job_id, step=step, error=refused.why)
             log.info("no scontrol here (%s): the batch script requeues the job once the ranks have left", refused.why)
             return ExitCode.REQUEUE_DEFERRED
-        run_dir.log_event("requeue_failed", kind=kind, job_id=env.job_id, step=step, error=refused.why)
-        log.error(
-            "the job could not requeue itself after %s (%s); continue with: ddpjob resume %s",
-            after,
-            refused.why,
-            run_dir.path,
-        )
-        return ExitCode.REQUEUE_FAILED
+        return requeue_refused(run_dir, env, kind, step, refused.why, f"the job could not requeue itself after {after}")
     return ExitCode.REQUEUED
+
+
+def requeue_refused(run_dir: RunDir, env: DistEnv, kind: Any, step: Any, why: str, what: str) -> int:
+    """A requeue Slurm refused (or no scontrol could ask for): recorded, said with how to go on, REQUEUE_FAILED."""
+    run_dir.log_event("requeue_failed", kind=kind, job_id=env.job_id, step=step, error=why)
+    log.error("%s (%s); continue with: ddpjob resume %s", what, why, run_dir.path)
+    return ExitCode.REQUEUE_FAILED
 
 
 def requeue_deferred(run_dir: RunDir, env: DistEnv, deferred: dict[str, Any], gateway: SlurmGateway) -> int:
@@ -156,14 +156,9 @@ def requeue_deferred(run_dir: RunDir, env: DistEnv, deferred: dict[str, Any], ga
     if refused is None:
         run_dir.log_event("requeued_by_batch", kind=kind, job_id=env.job_id, step=step)
         return ExitCode.OK
-    run_dir.log_event("requeue_failed", kind=kind, job_id=env.job_id, step=step, error=refused.why)
-    log.error(
-        "the batch script could not requeue the job after step %s (%s); continue with: ddpjob resume %s",
-        step,
-        refused.why,
-        run_dir.path,
+    return requeue_refused(
+        run_dir, env, kind, step, refused.why, f"the batch script could not requeue the job after step {step}"
     )
-    return ExitCode.REQUEUE_FAILED
 
 
 def after_hang(cfg: Config, run_dir: RunDir, env: DistEnv, folder: Path, summary: str, step: Optional[int]) -> int:
