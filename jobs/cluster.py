@@ -104,7 +104,7 @@ def check_image(container: ContainerConfig) -> None:
     """Refuse, in one line, an image the job could not start from: an apptainer image (or a pyxis image given as a
     path) that is not a readable file here. The login node sees the shared filesystems the nodes see."""
     image = container.image
-    if image is None or (container.runtime == "pyxis" and not image.startswith(("/", "./", "../"))):
+    if image is None or not container.image_is_file:
         return  # no container, or a registry reference that only pyxis on the node can resolve
     path = Path(image)
     if not path.is_file():

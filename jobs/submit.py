@@ -90,9 +90,8 @@ def validate_for_submit(cfg: Config, local: bool, cluster_check: bool = True) ->
             "not inside an image",
             "drop --local, or set slurm.container.image=null to run locally without the image",
         )
-    image = container.image
-    if image is not None and (container.runtime == "apptainer" or image.startswith(("./", "../"))):
-        container.image = str(Path(image).absolute())  # a file, and the nodes do not start where ddpjob ran
+    if container.image_is_file:  # the nodes do not start where ddpjob ran
+        container.image = str(Path(str(container.image)).absolute())
     if not local and cluster_check:
         check_cluster(cfg)
         cluster.check_image(container)

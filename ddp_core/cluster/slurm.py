@@ -147,6 +147,12 @@ def exit_text(status: str) -> str:
     return f"{code >> 8}:{code & 0x7F}"
 
 
+def first_word_state(rows: list[list[str]]) -> str:
+    """The state of a one-column ``State`` answer's first row, first word ('CANCELLED by 0' -> 'CANCELLED'); ''."""
+    words = rows[0][0].split() if rows else []
+    return words[0] if words else ""
+
+
 def accounting_failure(proc: subprocess.CompletedProcess[str]) -> Optional[str]:
     """The one place that says whether accounting answered a ``sacct``/``sacctmgr`` call: None when it did, else one
     line why not: the client not installed here, slurmdbd down ("Problem talking to the database"), accounting
@@ -258,9 +264,7 @@ class SlurmGateway:
     def sacct_state(self, job_id: str) -> str:
         """The job's state from accounting, first word ('CANCELLED by 0' → 'CANCELLED'); '' if unknown yet or
         accounting does not answer."""
-        rows = self.sacct([job_id], "State").rows
-        words = rows[0][0].split() if rows else []
-        return words[0] if words else ""
+        return first_word_state(self.sacct([job_id], "State").rows)
 
     def accounting_error(self) -> Optional[str]:
         """None when ``sacct`` answers (a query for one job id), else the one line why it does not."""
@@ -286,8 +290,7 @@ class SlurmGateway:
         memory or "", the one line why accounting did not answer)."""
         answer = self.sacct([job_id], "State")
         if answer.error is None:
-            words = answer.rows[0][0].split() if answer.rows else []
-            return (words[0] if words else ""), None
+            return first_word_state(answer.rows), None
         known = [q.state for q in self.queue_states([job_id]) if job_id in (q.job_id, q.raw_id)]
         return (known[0] if known else ""), answer.error
 

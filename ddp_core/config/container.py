@@ -45,6 +45,12 @@ class ContainerConfig:
     def enabled(self) -> bool:
         return self.image is not None
 
+    @property
+    def image_is_file(self) -> bool:
+        """Whether ``image`` names a file here (always for apptainer; for pyxis only a path, not a registry
+        reference that only pyxis on the node resolves): made absolute at submit and checked to exist."""
+        return self.image is not None and (self.runtime == "apptainer" or self.image.startswith(("/", "./", "../")))
+
 
 def validate_container(container: ContainerConfig) -> None:
     """Shape checks of ``slurm.container`` at every load: one ``DdpJobError`` line naming the key and the fix."""
