@@ -64,11 +64,6 @@ SCRIPT_WIDTH = 48  # characters of a script's command line in the table
 # Every Slurm command goes through the gateway (cluster.slurm); ``runner=`` hands it fabricated output in tests.
 
 
-def sacct(job_ids: Sequence[str], runner: Optional[Runner] = None) -> list[Attempt]:
-    """The jobs' attempts (``jobs.attempts``): from accounting, else the controller's one row per job it holds."""
-    return job_attempts(job_ids, runner)[0]
-
-
 @dataclass
 class Row:
     run: RunDir

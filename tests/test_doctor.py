@@ -15,7 +15,8 @@ import pytest
 
 from ddp_core.cluster import releases, slurm
 from ddp_core.errors import DdpJobError
-from jobs import cluster, doctor, status
+from jobs import cluster, doctor
+from jobs.attempts import job_attempts
 from jobs.cli import main
 from tests.conftest import run_cli
 
@@ -350,11 +351,11 @@ def test_missing_client_and_stuck_controller():
     assert gone.sacct(["5"], "State") == slurm.Accounting([], "sacct is not installed here")
     with pytest.raises(DdpJobError, match=r"Slurm commands .* are not on PATH"):
         cluster.query_partitions(gone)
-    assert status.sacct(["100"], runner=gone.runner) == []  # status then goes on with attempts.jsonl
+    assert job_attempts(["100"], runner=gone.runner)[0] == []  # status then goes on with attempts.jsonl
     stuck = slurm.SlurmGateway(lambda cmd: subprocess.CompletedProcess(list(cmd), 124, "", "no answer"))
     assert stuck.sacct(["100"], "State").error == "no answer"  # accounting that does not answer: status falls back
     with pytest.raises(DdpJobError, match=r"squeue did not answer within 60 s \(hint: is the Slurm controller up"):
-        status.sacct(["100"], runner=stuck.runner)  # ... to the controller, which does not answer either
+        job_attempts(["100"], runner=stuck.runner)  # ... to the controller, which does not answer either
     assert stuck.show_job("5") is None  # the trainer's calls never raise
 
 
