@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from ddp_core.cluster.slurm import GATEWAY
 from tests import cluster_guard
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,13 +64,8 @@ def running_profile() -> str:
 
 
 def running_release() -> str:
-    """The local cluster's Slurm release ("22.05", "24.11", ...) from ``scontrol --version``; "" if none answers."""
-    try:
-        out = subprocess.run(["scontrol", "--version"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    version = out.split()[-1] if out.split() else ""
-    return ".".join(version.split(".")[:2])
+    """The local cluster's Slurm release ("22.05", "24.11", ...), as the gateway reads it; "" if none answers."""
+    return ".".join(GATEWAY.version().split(".")[:2])
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks to group the tests
