@@ -38,7 +38,7 @@ DIGITS = str(ROOT / "configs" / "digits.yaml")
 CONFIG = [
     "task.target=tests.tasks:SlowDigitsTask", "train.max_steps=300", "train.log_every=5", "train.eval_every=100",
     "checkpoint.every_steps=40", "checkpoint.keep_last=10", "data.batch_size=16", "task.model.dropout=0.2",
-    "wandb.mode=offline",
+    "wandb.mode=disabled",  # W&B's offline writer costs each attempt ~3 s of CPU: only the test that checks it has it
 ]  # fmt: skip
 SLOW = "task.data.pause_s=0.03"  # ~10 s of training: room for signals at random steps
 
@@ -104,18 +104,19 @@ def check_wandb(run_dir: Path) -> None:
     assert distinct[-1] == 300 and config_seen
 
 
-def test_usr2_three_times_resumes_bitwise(reference, tmp_path):
+def test_usr2_twice_resumes_bitwise(reference, tmp_path):
+    # Twice: a requeued attempt is itself requeued (a third time would repeat that, at a minute of CI per attempt).
     seed = random.randrange(1 << 30)
-    job_id, run_dir = submit(tmp_path)
-    stopped = interrupt(job_id, run_dir, 3, random.Random(seed))
+    job_id, run_dir = submit(tmp_path, "wandb.mode=offline")
+    stopped = interrupt(job_id, run_dir, 2, random.Random(seed))
     assert wait_gone(job_id) == "COMPLETED", f"seed {seed}"
     starts, interrupted = events(run_dir, "start"), events(run_dir, "interrupted")
-    assert [e["kind"] for e in interrupted] == ["preemption"] * 3
-    assert len(events(run_dir, "requeued")) == 3
+    assert [e["kind"] for e in interrupted] == ["preemption"] * 2
+    assert len(events(run_dir, "requeued")) == 2
     # steps lost: 0 — each attempt starts exactly where the previous one stopped
     assert [s["step"] for s in starts] == [0, *stopped]
     assert {e["job_id"] for e in starts} == {job_id}
-    assert [s["restart_count"] for s in starts] == [0, 1, 2, 3]
+    assert [s["restart_count"] for s in starts] == [0, 1, 2]
     d = digests(rank_logs(run_dir, job_id))
     assert d == {0: reference, 1: reference}, f"seed {seed}"
     train_steps = metric_steps(run_dir)

@@ -1,7 +1,7 @@
 """Script mode on the real local cluster: users' own torchrun-style scripts, submitted as they are.
 
 The PyTorch DDP tutorial's pattern across two nodes (submitit path and plain sbatch; and with script.launcher=torchrun,
-2 ranks per node), the char-level transformer script interrupted three times ending bitwise equal to an uninterrupted
+2 ranks per node), the char-level transformer script interrupted twice (a requeue after a requeue: more would repeat it) ending bitwise equal to an uninterrupted
 run (and under torchrun, interrupted once, equal to srun mode's), a failing rank named, and a task module edited while
 its job waits for a requeue (the requeued attempt runs the code as submitted).
 """
@@ -83,14 +83,14 @@ def test_tutorial_script_runs_unchanged_on_two_nodes(slurm_cluster, tmp_path):
     assert all(f"rank {r}: final loss" in logs[r] for r in (0, 1)) and _nodes(job_id) == "n[1-2]"
 
 
-def test_charlm_script_interrupted_three_times_ends_bitwise_equal(charlm_reference, tmp_path):
-    """examples/charlm_script.py, 2 ranks, ``scancel --signal=USR2`` three times at random moments: one job id,
-    restart count 3, the steps continue without a gap, one W&B run id, and the uninterrupted twin's weights."""
+def test_charlm_script_interrupted_twice_ends_bitwise_equal(charlm_reference, tmp_path):
+    """examples/charlm_script.py, 2 ranks, ``scancel --signal=USR2`` twice at random moments: one job id,
+    restart count 2, the steps continue without a gap, one W&B run id, and the uninterrupted twin's weights."""
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     job_id, run_dir = _submitted(run_cli("submit", *CHARLM_COMMON, "wandb.mode=offline", *CHARLM_ARGS, cwd=tmp_path))
     stopped = [0]
-    for i in range(3):
+    for i in range(2):
         wait_for(lambda n=i: len(events(run_dir, "start")) > n and max(metric_steps(run_dir), default=0)
                  > stopped[-1] + 5, 120, f"attempt {i + 1} to train")  # fmt: skip
         time.sleep(rng.uniform(0.0, 1.0))
@@ -99,8 +99,8 @@ def test_charlm_script_interrupted_three_times_ends_bitwise_equal(charlm_referen
         stopped.append(events(run_dir, "interrupted")[-1]["step"])
     assert wait_gone(job_id) == "COMPLETED", f"seed {seed}"
     starts = events(run_dir, "start")
-    assert [s["restart_count"] for s in starts] == [0, 1, 2, 3] and {s["job_id"] for s in starts} == {job_id}
-    assert len(events(run_dir, "requeued")) == 3 and events(run_dir)[-1]["event"] == "completed"
+    assert [s["restart_count"] for s in starts] == [0, 1, 2] and {s["job_id"] for s in starts} == {job_id}
+    assert len(events(run_dir, "requeued")) == 2 and events(run_dir)[-1]["event"] == "completed"
     logs = rank_output(run_dir, job_id)
     resumed = [int(m) for m in re.findall(r"rank 0: resumed from step_(\d+)\.pt \(restart \d\)", logs[0])]
     assert resumed == stopped[1:], f"seed {seed}: stopped at {stopped[1:]}, resumed at {resumed}"
@@ -109,7 +109,7 @@ def test_charlm_script_interrupted_three_times_ends_bitwise_equal(charlm_referen
     assert digests(logs) == {0: charlm_reference, 1: charlm_reference}, f"seed {seed}"
     run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
     offline = sorted((run_dir / "wandb").glob("offline-run-*"))
-    assert len(offline) == 4 and all(f.name.endswith(f"-{run_id}") for f in offline)
+    assert len(offline) == 3 and all(f.name.endswith(f"-{run_id}") for f in offline)
 
 
 @pytest.mark.slurm_interface
