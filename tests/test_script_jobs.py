@@ -1,9 +1,10 @@
 """Script mode on the real local cluster: users' own torchrun-style scripts, submitted as they are.
 
 The PyTorch DDP tutorial's pattern across two nodes (submitit path and plain sbatch; and with script.launcher=torchrun,
-2 ranks per node), the char-level transformer script interrupted twice (a requeue after a requeue: more would repeat it) ending bitwise equal to an uninterrupted
-run (and under torchrun, interrupted once, equal to srun mode's), a failing rank named, and a task module edited while
-its job waits for a requeue (the requeued attempt runs the code as submitted).
+2 ranks per node), the char-level transformer script interrupted twice (a requeue after a requeue: more would repeat
+it) ending bitwise equal to an uninterrupted run (and under torchrun, interrupted once, equal to srun mode's), a failing
+rank named, and a task module edited while its job waits for a requeue (the requeued attempt runs the code as
+submitted).
 """
 
 from __future__ import annotations
