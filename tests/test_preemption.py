@@ -104,12 +104,25 @@ def check_wandb(run_dir: Path) -> None:
     assert distinct[-1] == 300 and config_seen
 
 
-def test_usr2_twice_resumes_bitwise(reference, tmp_path):
-    # Twice: a requeued attempt is itself requeued (a third time would repeat that, at a minute of CI per attempt).
+def test_usr2_twice_by_hand_resumes_bitwise_in_its_run_dir(reference, tmp_path):
+    """slurm_templates/ddp.sbatch sbatched by hand with a config (no ddpjob on the login node: the batch script makes
+    the run directory), ``scancel --signal=USR2`` twice at random steps: a requeued attempt is itself requeued (a third
+    time would repeat that, at a minute of CI per attempt), each attempt finds the run directory and starts exactly
+    where the last stopped, one W&B run across them, and the uninterrupted run's weights. (Through ddpjob submit:
+    the other tests here; the template through scripts/submit.sh: test_sbatch_template_job_requeues_itself.)"""
     seed = random.randrange(1 << 30)
-    job_id, run_dir = submit(tmp_path, "wandb.mode=offline")
+    script = ROOT / "slurm_templates" / "ddp.sbatch"
+    out = subprocess.run(
+        ["sbatch", "--parsable", f"--output={tmp_path}/%j.out", str(script), DIGITS, *CONFIG, SLOW,
+         "wandb.mode=offline", f"run.root={tmp_path / 'runs'}"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path, check=True,
+        env=dict(os.environ, DDPJOB_PYTHON=sys.executable),  # as a user would activate their venv
+    )  # fmt: skip
+    job_id = out.stdout.strip().split(";")[0]
+    run_dir = tmp_path / "runs" / f"digits-{job_id}"
     stopped = interrupt(job_id, run_dir, 2, random.Random(seed))
     assert wait_gone(job_id) == "COMPLETED", f"seed {seed}"
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [f"digits-{job_id}"]  # one run directory
     starts, interrupted = events(run_dir, "start"), events(run_dir, "interrupted")
     assert [e["kind"] for e in interrupted] == ["preemption"] * 2
     assert len(events(run_dir, "requeued")) == 2
@@ -195,22 +208,6 @@ def test_sbatch_template_job_requeues_itself(reference, tmp_path):
     interrupt(job_id, run_dir, 1, random.Random(2))
     assert wait_gone(job_id) == "COMPLETED"
     assert [e["event"] for e in events(run_dir)].count("requeued") == 1
-    assert digests(rank_logs(run_dir, job_id)) == {0: reference, 1: reference}
-
-
-def test_sbatch_by_hand_with_a_config_resumes_in_the_same_run_dir(reference, tmp_path):
-    script = ROOT / "slurm_templates" / "ddp.sbatch"
-    out = subprocess.run(
-        ["sbatch", "--parsable", f"--output={tmp_path}/%j.out", str(script), DIGITS, *CONFIG, SLOW,
-         f"run.root={tmp_path / 'runs'}"],
-        capture_output=True, text=True, timeout=60, cwd=tmp_path, check=True,
-        env=dict(os.environ, DDPJOB_PYTHON=sys.executable),  # as a user would activate their venv
-    )  # fmt: skip
-    job_id = out.stdout.strip().split(";")[0]
-    run_dir = tmp_path / "runs" / f"digits-{job_id}"
-    interrupt(job_id, run_dir, 1, random.Random(3))
-    assert wait_gone(job_id) == "COMPLETED"
-    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [f"digits-{job_id}"]
     assert digests(rank_logs(run_dir, job_id)) == {0: reference, 1: reference}
 
 
