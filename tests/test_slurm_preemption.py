@@ -122,18 +122,6 @@ def test_cancel_mode_preemption_ends_preempted_with_a_checkpoint(slurm_cluster, 
     assert "PREEMPTED" in status.stdout, status.stdout + status.stderr
 
 
-@pytest.mark.cluster_profile("preempt")
-def test_scancel_saves_and_is_never_requeued(slurm_cluster, tmp_path):
-    job_id, run_dir = submit(tmp_path, "slurm.partition=low")
-    wait_training(run_dir, 1, 10)
-    subprocess.run(["scancel", job_id], check=True)
-    assert wait_gone(job_id, 120).startswith("CANCELLED")
-    (stop,) = events(run_dir, "interrupted")
-    assert stop["kind"] == "cancelled" and not events(run_dir, "requeued")
-    assert (run_dir / "checkpoints" / f"step_{stop['step']:08d}.json").exists()  # saved: within the budget
-    assert len(events(run_dir, "start")) == 1
-
-
 @pytest.mark.cluster_profile("preempt-signal")
 @pytest.mark.slurm_interface
 def test_preempt_send_user_signal_counts_as_preemption(reference, tmp_path):

@@ -430,9 +430,10 @@ def test_status_logs_and_cancel_on_real_jobs(slurm_cluster, tmp_path):
 
 
 @pytest.mark.slurm  # exclusive: stopping slurmdbd is global to the cluster (tests/cluster_guard.py)
-def test_status_without_accounting_on_a_real_job(slurm_cluster, tmp_path):
+def test_status_without_accounting_then_a_cancel_that_saves(slurm_cluster, tmp_path):
     """A site without the accounting client, then one whose slurmdbd is down: status still reads the running job's
-    state, from the controller, and says in one line what it cannot know."""
+    state, from the controller, and says in one line what it cannot know. Then ``ddpjob cancel`` (a plain
+    ``scancel``): the run saves where it stopped and is never requeued."""
     slow = run_cli("submit", str(ROOT / "configs" / "digits.yaml"), "task.target=tests.tasks:SlowDigitsTask",
                    "task.data.pause_s=0.05", "train.max_steps=100000", "wandb.mode=disabled", cwd=tmp_path)  # fmt: skip
     assert slow.returncode == 0, slow.stdout + slow.stderr
@@ -456,3 +457,8 @@ def test_status_without_accounting_on_a_real_job(slurm_cluster, tmp_path):
         logs.cancel([str(run_dir)])
         subprocess.run([ROOT / "scripts" / "slurm-local", "start-accounting"], check=True, capture_output=True)
         wait_for(lambda: not in_queue(job_id), 120, f"job {job_id} to leave the queue")
+    # The controller told the ranks it was a cancel (accounting plays no part in that): saved, not requeued.
+    (stop,) = events(run_dir, "interrupted")
+    assert stop["kind"] == "cancelled" and not events(run_dir, "requeued")
+    assert (run_dir / "checkpoints" / f"step_{stop['step']:08d}.json").exists()  # saved: within the budget
+    assert len(events(run_dir, "start")) == 1
