@@ -145,7 +145,8 @@ def test_a_hung_step_is_dumped_requeued_and_resumed_exactly(reference, tmp_path)
 @pytest.mark.slurm
 def test_hangs_in_a_collective_and_before_the_first_step_and_a_spent_budget(reference, tmp_path):
     """Three jobs at once (the cluster has room): every rank inside a collective; a rank stuck building its
-    datasets (caught by the first-step allowance); and slurm.max_hangs=0, which ends the job and is resumable."""
+    datasets (caught by the first-step allowance); and slurm.max_hangs=0, which ends the job, saying so (a resume
+    of an ended run from its checkpoint is test_preemption.py's test_requeue_budget_exhausted_then_resume)."""
     jobs = {}
     for case, extra in {
         "collective": ["task.data.hang_in=collective", "task.data.hang_at=25"],
@@ -171,9 +172,7 @@ def test_hangs_in_a_collective_and_before_the_first_step_and_a_spent_budget(refe
     assert final["reason"] == "requeue budget exhausted after 1 hang (slurm.max_hangs=0)"
     status = run_cli("status", str(run), cwd=tmp_path)
     assert f"hang in {run.name} after step 23: no progress for 8 s; suspect rank 1" in status.stdout, status.stdout
-    proc = run_cli("resume", str(run), "--wait", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert digests(rank_logs(run, field(proc.stdout, "job"))) == {0: reference, 1: reference}
+    assert (run / "checkpoints" / "step_00000020.json").exists()  # what a resume continues from
 
 
 @pytest.mark.slurm
