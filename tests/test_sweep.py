@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ddp_core.run.rundir import RunDir
 from tests.conftest import ROOT, field, run_cli, running_profile
 from tests.helpers import digests, events, rank_logs, wait_for, wait_gone
 
@@ -78,25 +79,26 @@ def test_thousand_trials_make_ceil_n_over_max_sbatch_calls(slurm_cluster, small_
 
 
 def test_interrupted_array_task_resumes_its_trial_bitwise(slurm_cluster, tmp_path):
+    # Two trials that train the same weights (task.data.pause_s only sleeps): the paced one is interrupted, the other
+    # is its uninterrupted twin, in the same array. One rank each: the array task's own requeue is the point here.
     slow = ["task.target=tests.tasks:SlowDigitsTask", "train.max_steps=200", "train.log_every=5",
-            "train.eval_every=0", "checkpoint.every_steps=50", "task.model.dropout=0.2"]  # fmt: skip
-    ref = run_cli("submit", DIGITS, *slow, "optim.lr=0.002", "--wait", cwd=tmp_path)
-    assert ref.returncode == 0, ref.stdout + ref.stderr
-    reference = digests(rank_logs(Path(field(ref.stdout, "run dir")), field(ref.stdout, "job")))
-    proc = run_cli("sweep", DIGITS, *slow, "task.data.pause_s=0.03", "optim.lr=0.002,0.003", "--name", "sig",
-                   cwd=tmp_path)  # fmt: skip
+            "train.eval_every=0", "checkpoint.every_steps=50", "task.model.dropout=0.2", "optim.lr=0.002",
+            "slurm.tasks_per_node=1"]  # fmt: skip
+    proc = run_cli("sweep", DIGITS, *slow, "task.data.pause_s=0.03,0.0", "--name", "sig", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     array = field(proc.stdout, "arrays").split()[0]
-    trial = next(
-        t for t in trial_dirs(Path(field(proc.stdout, "dir"))) if "lr: 0.002" in (t / "config.yaml").read_text()
-    )
-    job = json.loads((trial / "run.json").read_text())["jobs"][0]["job_id"]
+    paced = {RunDir(t).load_config().task.data["pause_s"] > 0: t for t in trial_dirs(Path(field(proc.stdout, "dir")))}
+    trial, twin = paced[True], paced[False]
+    job, twin_job = (json.loads((t / "run.json").read_text())["jobs"][0]["job_id"] for t in (trial, twin))
+    assert job.startswith(f"{array}_") and twin_job.startswith(f"{array}_")  # two tasks of one array
     wait_for(lambda: (trial / "metrics.jsonl").exists() and len(events(trial, "start")) == 1, 120, "trial start")
     time.sleep(1.5)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    wait_for(lambda: completed(trial), 240, "the interrupted trial to complete", poll=1)
+    wait_for(lambda: completed(trial) and completed(twin), 240, "both trials to complete", poll=1)
     assert [e["event"] for e in events(trial)].count("requeued") == 1
     starts = events(trial, "start")
     assert starts[1]["step"] == events(trial, "interrupted")[0]["step"] > 0
-    assert digests(rank_logs(trial.parent, job)) == reference
-    wait_gone(f"{array}_1", 120)  # leave nothing running
+    assert [e["event"] for e in events(twin)] == ["start", "completed"]
+    assert digests(rank_logs(trial.parent, job)) == digests(rank_logs(twin.parent, twin_job))
+    for task in (job, twin_job):
+        wait_gone(task, 120)  # leave nothing running
