@@ -222,7 +222,8 @@ def test_refused_requeue_fails_the_job_and_says_how_to_resume(slurm_cluster, tmp
         'exec /usr/bin/scontrol "$@"\n'
     )
     (fake / "scontrol").chmod(0o755)
-    job, run_dir = submit(tmp_path, "wandb.mode=disabled", f"slurm.setup=['export PATH={fake}:$PATH']")
+    # One rank: rank 0 alone asks for the requeue.
+    job, run_dir = submit(tmp_path, "slurm.tasks_per_node=1", f"slurm.setup=['export PATH={fake}:$PATH']")
     wait_training(run_dir, 1, 20)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
     assert wait_gone(job) == "FAILED"

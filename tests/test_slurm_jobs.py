@@ -199,7 +199,9 @@ def test_a_node_failing_its_health_check_is_excluded_and_the_run_completes_elsew
     bad = tmp_path / "bad-node"
     check = (f'[ -s {bad} ] || hostname > {bad}; [ "$(hostname)" != "$(cat {bad})" ] '
              '|| { echo "GPU 0 fell off the bus" >&2; exit 1; }')  # fmt: skip
-    proc = run_cli("submit", DIGITS, "--wait", *QUICK, f"slurm.health_check={check!r}", cwd=tmp_path)
+    # One rank: the check runs once per node, whatever the ranks.
+    proc = run_cli("submit", DIGITS, "--wait", *QUICK, "slurm.tasks_per_node=1", f"slurm.health_check={check!r}",
+                   cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
     host = bad.read_text().strip()
