@@ -2,8 +2,9 @@
 partition (or QOS) is preempted by submitting higher-priority work, the way a real cluster does it.
 
 Every requeued run is 4 ranks on 2 nodes (2 x 2) and must end with the weights of one uninterrupted 4-rank
-run; a run that ends instead (preempted for good) is one rank. The world-size matrix (1, 3 and 8 ranks; 2 and 4
-are the other tests here and in test_preemption.py) is interrupted with the warning signal.
+run; a run that ends instead (preempted for good) is one rank. Other world sizes resume exactly through the warning
+signal elsewhere: 1 rank (tests/test_search_slurm.py's requeued worker, tests/test_sweep.py's array task), 2 ranks
+(tests/test_preemption.py) and 3 ranks (tests/test_trainer.py, without Slurm); a larger world takes the same path.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tests.helpers import (
     wait_gone,
     wait_idle,
 )
-from tests.test_preemption import interrupt, wait_training
+from tests.test_preemption import wait_training
 
 pytestmark = pytest.mark.slurm
 DIGITS = str(ROOT / "configs" / "digits.yaml")
@@ -140,19 +141,3 @@ def test_qos_preemption_requeues_and_resumes(reference, tmp_path):
     stopped = preempt_times(job_id, run_dir, 1, ["--qos=high"])
     check_requeued_exactly(reference, job_id, run_dir, stopped)
     assert sacct_state(job_id) == "COMPLETED"
-
-
-# Two nodes of four ranks: the largest world the local cluster holds, interrupted once (a requeue after a requeue is
-# the tests above). A single rank (tests/test_search_slurm.py's requeued worker) and an odd world size
-# (tests/test_trainer.py's three ranks, without Slurm) are proven elsewhere: each case here costs a minute or more of
-# the whole cluster in CI.
-@pytest.mark.parametrize(("nodes", "tasks"), [(2, 4)], ids=["2x4"])
-def test_world_sizes_interrupted_end_exact(slurm_cluster, tmp_path, nodes, tasks):
-    sizes = [f"slurm.nodes={nodes}", f"slurm.tasks_per_node={tasks}", "train.max_steps=90"]
-    ref = final_digests(run_trainer(DIGITS, tmp_path / "ref", [*CONFIG, *sizes], nproc=nodes * tasks))
-    assert len(ref) == nodes * tasks and len(set(ref)) == 1
-    job_id, run_dir = submit(tmp_path, *sizes)
-    stopped = interrupt(job_id, run_dir, 1, random.Random())
-    assert wait_gone(job_id, 240) == "COMPLETED"
-    assert [s["step"] for s in events(run_dir, "start")] == [0, *stopped]
-    assert digests(rank_logs(run_dir, job_id)) == dict.fromkeys(range(nodes * tasks), ref[0])

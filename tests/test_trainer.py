@@ -88,7 +88,7 @@ def test_interrupted_runs_are_exact_at_three_ranks(tmp_path):
     """Three ranks: a run stopped right after an epoch boundary, then again in the first step of the next attempt,
     ends with the uninterrupted run's weights. With 3+ ranks an all-reduce's summation order depends on DDP's bucket
     layout (see DDPStrategy.prime). (1 and 2 ranks: test_resume_is_bitwise_exact; fsdp: test_fsdp.py; pipeline:
-    test_pipeline.py; 8 ranks on 2 nodes: test_slurm_preemption.py.)"""
+    test_pipeline.py; 4 ranks on 2 nodes: test_slurm_preemption.py.)"""
     nproc, strategy, data_world = 3, "ddp", 3
     # train.stop_check_ms=0: the ranks exchange their flags after every step, so a signal lands at a known step.
     common = [*BASE, "task.target=tests.tasks:SignalledDigitsTask", "data.batch_size=32", "task.model.dropout=0.2",
