@@ -37,20 +37,22 @@ def submit(tmp_path: Path, *args: str) -> tuple[Path, str]:
 
 
 def test_tpe_search_beats_the_median_random_trial(slurm_cluster, tmp_path):
-    space = ["optim.lr=loguniform(1e-4,3e-1)", "task.model.hidden=range(16,257,16)", "--trials", "12", "--parallel",
+    # 9 trials each (3 rounds of 3 workers; TPE's first 3 at random): were TPE no better than random, its best would
+    # miss the random median 1.5% of the time (12 each: 0.3%); each trial is a torch process.
+    space = ["optim.lr=loguniform(1e-4,3e-1)", "task.model.hidden=range(16,257,16)", "--trials", "9", "--parallel",
              "3", "--seed", "1", *SMALL]  # fmt: skip
     started = time.monotonic()
     tpe, tpe_array = submit(tmp_path, "--search", "tpe", "--name", "tpe", *space)
     rnd, rnd_array = submit(tmp_path, "--search", "random", "--name", "rnd", *space)
     for sweep in (tpe, rnd):
-        wait_for(lambda sweep=sweep: finished(sweep, 12), 600, f"{sweep.name}'s 12 trials", poll=2)
-    print(f"two 12-trial searches (parallelism 3 each, concurrently) took {time.monotonic() - started:.0f} s")
+        wait_for(lambda sweep=sweep: finished(sweep, 9), 600, f"{sweep.name}'s 9 trials", poll=2)
+    print(f"two 9-trial searches (parallelism 3 each, concurrently) took {time.monotonic() - started:.0f} s")
     for sweep in (tpe, rnd):
         trials = study_trials(sweep)
-        assert [t.number for t in trials] == list(range(12))
+        assert [t.number for t in trials] == list(range(9))
         assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials), [t.user_attrs for t in trials]
         assert sorted(p.name for p in sweep.glob("t*/config.yaml") for p in [p.parent]) == [f"t{i:04d}" for i in
-                                                                                           range(12)]  # fmt: skip
+                                                                                           range(9)]  # fmt: skip
         for t in trials:  # the binding: trial number <-> run directory <-> its completed event's value
             final = events(Path(t.user_attrs["run_dir"]), "completed")[-1]["final"]
             assert final["loss"] == t.value
@@ -59,7 +61,7 @@ def test_tpe_search_beats_the_median_random_trial(slurm_cluster, tmp_path):
     print(f"best TPE eval/loss {best_tpe:.4f}, median random {median_random:.4f}")
     assert best_tpe <= median_random
     status = run_cli("status", str(tpe), cwd=tmp_path)
-    assert "12 complete" in status.stdout and "best:    trial" in status.stdout, status.stdout
+    assert "9 complete" in status.stdout and "best:    trial" in status.stdout, status.stdout
     for array in (tpe_array, rnd_array):
         wait_gone(array, 120)
 
