@@ -31,6 +31,8 @@ def trainer(run_dir: Path, *overrides: str, nproc: int = 1, env: dict | None = N
 
 
 def test_single_process_run(tmp_path):
+    """One process, W&B disabled (nothing written for it), and ``ddpjob export`` of its final checkpoint: one plain
+    state dict (strict keys, no wrapper prefixes) with the trainer's final weights."""
     log = trainer(tmp_path / "run", *BASE, "train.max_steps=30")
     assert "single on" in log and "rank 0/1" in log
     assert (tmp_path / "run" / "checkpoints" / "step_00000030.json").exists()
@@ -40,6 +42,22 @@ def test_single_process_run(tmp_path):
     assert metrics[-2]["split"] == "eval" and metrics[-2]["accuracy"] > 0.5
     # The final checkpoint's save time, after the final eval.
     assert metrics[-1]["split"] == "checkpoint" and metrics[-1]["step"] == 30 and metrics[-1]["save_s"] > 0
+    assert not list((tmp_path / "run" / "wandb").glob("offline-run-*"))  # wandb.mode=disabled
+
+    import torch
+
+    from ddp_core.tasks.digits import DigitsTask
+    from ddp_core.trainer.steps import weights_digest
+
+    out = tmp_path / "model.pt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs", "export", str(tmp_path / "run"), str(out)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    state = torch.load(out, weights_only=True)
+    model = DigitsTask().build_model(**{"hidden": 128, "depth": 2, "dropout": 0.1})
+    model.load_state_dict(state)  # strict: plain keys, no wrapper prefixes
+    assert final_digests(log) == [weights_digest(state)]
 
 
 # One process: 2 ranks are the next test's. dp on a CPU is the plain model (DPStrategy.wrap): its resume is "1"'s.
@@ -132,39 +150,15 @@ def test_wandb_offline_records_and_online_without_key_falls_back(tmp_path):
     assert proc.returncode == 0 and "offline-run-" in proc.stdout and "wandb sync" in proc.stdout
 
 
-def test_wandb_disabled_writes_nothing(tmp_path):
-    trainer(tmp_path / "run", *BASE, "train.max_steps=10")
-    assert not list((tmp_path / "run" / "wandb").glob("offline-run-*"))
-
-
-def test_export_cli_writes_a_plain_state_dict(tmp_path):
-    import torch
-
-    from ddp_core.tasks.digits import DigitsTask
-
-    log = trainer(tmp_path / "run", *BASE, "train.max_steps=20")
-    out = tmp_path / "model.pt"
-    proc = subprocess.run(
-        [sys.executable, "-m", "jobs", "export", str(tmp_path / "run"), str(out)], capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr
-    state = torch.load(out, weights_only=True)
-    model = DigitsTask().build_model(**{"hidden": 128, "depth": 2, "dropout": 0.1})
-    model.load_state_dict(state)  # strict: plain keys, no wrapper prefixes
-    from ddp_core.trainer.steps import weights_digest
-
-    assert final_digests(log) == [weights_digest(state)]
-
-
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_a_signal_outside_slurm_stops_non_zero_and_resumes(tmp_path, async_save):
+def test_a_signal_outside_slurm_stops_non_zero_and_resumes(tmp_path):
     """torchrun or a plain process: nothing requeues, so a signalled run checkpoints, records 'stopped' and exits
     4 (not 0, which would read as finished); started again on its run directory it completes. With async saves
-    the signal's save is synchronous: complete before the process exits."""
+    the signal's save is synchronous: complete before the process exits. (The same with sync saves, the default:
+    tests/test_wandb.py's and tests/test_run_identity.py's stopped runs, and test_script_mode.py's.)"""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "ddp_core", DIGITS, "--run-dir", str(run), *BASE, "train.max_steps=200",
            "train.log_every=1", "task.target=tests.tasks:SlowDigitsTask", "task.data.pause_s=0.02",
-           f"checkpoint.async_save={str(async_save).lower()}", "checkpoint.every_steps=3"]  # fmt: skip
+           "checkpoint.async_save=true", "checkpoint.every_steps=3"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
     proc = subprocess.Popen(cmd, env=env | {"OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
     metrics = run / "metrics.jsonl"
