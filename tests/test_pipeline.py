@@ -36,19 +36,29 @@ def last_loss(run_dir: Path) -> float:
     return [r for r in rows if r["split"] == "train"][-1]["loss"]
 
 
+# Same global batch, no dropout, SGD (Adam would blow float reassociation noise up on near-zero gradients).
+SAME = [*BASE, "data.batch_size=16", "task.model.dropout=0.0", "optim.name=sgd", "optim.lr=0.05", "train.max_steps=10",
+        "checkpoint.every_steps=0"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> tuple[dict[str, torch.Tensor], float]:
+    """The single-process run both schedules must match (one config: trained and exported once)."""
+    run = tmp_path_factory.mktemp("single") / "run"
+    trainer(run, *SAME)
+    return export(run), last_loss(run)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pipeline_matches_single_process(tmp_path, schedule):
-    # Same global batch, no dropout, SGD (Adam would blow float reassociation noise up on near-zero gradients).
-    same = [*BASE, "data.batch_size=16", "task.model.dropout=0.0", "optim.name=sgd", "optim.lr=0.05",
-            "train.max_steps=10", "checkpoint.every_steps=0"]  # fmt: skip
-    trainer(tmp_path / "single", *same)
-    trainer(tmp_path / "pipe", *same, *PIPE, f"strategy.schedule={schedule}", nproc=2)
-    single, pipe = export(tmp_path / "single"), export(tmp_path / "pipe")
-    assert list(single) == list(pipe)
-    for key in single:
-        diff = (single[key] - pipe[key]).norm() / single[key].norm().clamp(min=1e-12)
+def test_pipeline_matches_single_process(tmp_path, schedule, single):
+    trainer(tmp_path / "pipe", *SAME, *PIPE, f"strategy.schedule={schedule}", nproc=2)
+    weights, loss = single
+    pipe = export(tmp_path / "pipe")
+    assert list(weights) == list(pipe)
+    for key in weights:
+        diff = (weights[key] - pipe[key]).norm() / weights[key].norm().clamp(min=1e-12)
         assert diff < 1e-5, (key, float(diff))
-    assert last_loss(tmp_path / "pipe") == pytest.approx(last_loss(tmp_path / "single"), rel=1e-5)
+    assert last_loss(tmp_path / "pipe") == pytest.approx(loss, rel=1e-5)
 
 
 def test_pipeline_resume_is_bitwise_exact_and_reloads_at_world_size_1(tmp_path):
