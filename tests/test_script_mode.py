@@ -155,14 +155,13 @@ def _digests(ranks: Ranks) -> list[str]:
     return [f[-1] for f in found]
 
 
-def test_charlm_script_stopped_by_usr2_resumes_bitwise(tmp_path):
+def test_charlm_script_stopped_by_usr2_to_one_rank_resumes_at_its_step(tmp_path):
+    """USR2 to rank 1 alone: both ranks stop after the same step (exit 4 outside Slurm, the checkpoint written, how to
+    continue said), and started again they resume there and complete, with one digest. That the resumed weights are
+    an uninterrupted run's is the script's own doing, the same under any launcher: tests/test_script_jobs.py proves
+    it on the local cluster (srun twice, torchrun once), so no uninterrupted twin runs here."""
     steps = 100
     args = ["--steps", str(steps), "--save-every", "30", "--log-every", "10"]
-    reference_run, reference = _run_charlm(tmp_path, "reference", args)
-    assert reference.wait() == [0, 0], reference.all_text()
-    expected = _digests(reference)
-    assert expected[0] == expected[1]
-
     run, first = _run_charlm(tmp_path, "stopped", args)
     # Past step 20 of 100 (rank 0 logged it), signal rank 1 alone; stopped first, so it cannot finish meanwhile.
     deadline = time.monotonic() + 90
@@ -185,9 +184,10 @@ def test_charlm_script_stopped_by_usr2_resumes_bitwise(tmp_path):
     second = Ranks(run, 2, tmp_path / "logs-resumed")
     assert second.wait() == [0, 0], second.all_text()
     assert f"resumed from step_{stop['step']:08d}.pt" in second.text(1)
-    assert _digests(second) == expected
+    final = _digests(second)
+    assert final[0] == final[1]
     assert [e["event"] for e in events(run)] == ["start", "interrupted", "start", "completed"]
-    assert metric_steps(run) == metric_steps(reference_run) == list(range(10, steps + 1, 10))
+    assert metric_steps(run) == list(range(10, steps + 1, 10))
 
 
 def test_requeue_inside_a_slurm_job_uses_the_trainers_decision(tmp_path):
