@@ -49,13 +49,18 @@ def final_eval_loss(log: str) -> float:
     return float(re.findall(r"finished at step \d+ in [\d.]+ s: accuracy [\d.]+ loss ([\d.]+)", log)[-1])
 
 
-def test_fsdp_shards_each_block_resumes_exactly_and_exports_a_plain_gpt2(tmp_path):
+def test_fsdp_resumes_exactly_exports_a_plain_gpt2_and_activation_checkpointing_changes_no_bit(tmp_path):
+    """FSDP shards each block; a run resumed mid-epoch ends with the uninterrupted run's weights, and so does the
+    same run with activation checkpointing (recomputation replays the same RNG state, dropout, and the same math);
+    the export is a plain GPT-2 with the trainer's last evaluation."""
     run = tmp_path / "run"
     common = ["task.model.dropout=0.1", "train.max_steps=12", "checkpoint.every_steps=4", "checkpoint.keep_last=10"]
     log = hf("hf-gpt2-fsdp.yaml", run, *common)
     assert log.count(f"fsdp: {MODEL['n_layer']} blocks + root sharded over 2 ranks") == 2, log
     ref = final_digests(log)
     assert len(ref) == 2 and len(set(ref)) == 1
+    recomputed = hf("hf-gpt2-fsdp.yaml", tmp_path / "ac", *common, "strategy.activation_checkpointing=true")
+    assert final_digests(recomputed) == ref
     drop_checkpoints_after(run, 4)  # as if the job died after step 4, mid-epoch
     resumed = hf("hf-gpt2-fsdp.yaml", run, *common)
     assert "resumed from step_00000004.dcp" in resumed and final_digests(resumed) == ref
@@ -91,13 +96,6 @@ def test_pipeline_matches_single_process_and_keeps_the_tied_weight_equal(tmp_pat
     assert torch.equal(pipe["lm_head.weight"], pipe["transformer.wte.weight"])
     # the two stages' copies are bitwise equal too: both ranks log the digest of the merged weights
     assert len(set(final_digests(log))) == 1
-
-
-def test_activation_checkpointing_under_fsdp_changes_no_bit(tmp_path):
-    common = ["task.model.dropout=0.1", "train.max_steps=4", "checkpoint.every_steps=0"]
-    plain = final_digests(hf("hf-gpt2-fsdp.yaml", tmp_path / "plain", *common))
-    log = hf("hf-gpt2-fsdp.yaml", tmp_path / "ac", *common, "strategy.activation_checkpointing=true")
-    assert final_digests(log) == plain  # recomputation replays the same RNG state (dropout) and the same math
 
 
 def test_model_parallel_runs_the_task_blocks():
