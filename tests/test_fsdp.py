@@ -350,9 +350,8 @@ def test_world_size_changes_and_export(tmp_path):
     CharLMTask().build_model(d_model=64, n_layers=2, n_heads=4).load_state_dict(exported)  # strict: plain keys
     assert weights_digest(exported) == digest  # the digest is over the full weights, as the trainer logs it
 
+    # The trainer continues the sharded checkpoint at another world size. (Back from 1 to 2 is the same DCP load:
+    # test_sharded_checkpoints_round_trip_reshard_export_and_skip_corrupt_shards; by a trainer: test_global_batch.py.)
     log = trainer(run, "train.max_steps=15", "checkpoint.every_steps=5", nproc=1)
     assert "checkpoint was written at world size 2, now 1" in log and "resumed from step_00000010.dcp" in log
     assert "finished at step 15" in log
-    log = trainer(run, "train.max_steps=20", "checkpoint.every_steps=5")
-    assert "checkpoint was written at world size 1, now 2" in log and "resumed from step_00000015.dcp" in log
-    assert "finished at step 20" in log and len(set(final_digests(log))) == 1
