@@ -98,7 +98,7 @@ JSON_LIKE = st.recursive(
 )  # fmt: skip
 
 
-@fuzz(30)
+@fuzz(15)
 @given(
     name=st.sampled_from(FILES),
     content=st.binary(max_size=200)
