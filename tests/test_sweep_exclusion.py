@@ -82,8 +82,14 @@ def test_a_search_trial_retries_its_step_then_moves_its_worker_off_the_bad_node(
     assert [e["event"] for e in events(sweep / "t0001")] == ["start", "completed"]
     worker_log = next((sweep / "slurm").glob(f"{array}_0_log.err")).read_text()
     assert re.search(rf"job {array}\S* excludes n2", worker_log), worker_log
-    rows = subprocess.run(["sacct", "-n", "-P", "-D", "-X", "-o", "State,NodeList", "-j", array],
-                          capture_output=True, text=True).stdout.split()  # fmt: skip
+
+    def attempts() -> list[str]:
+        return subprocess.run(["sacct", "-n", "-P", "-D", "-X", "-o", "State,NodeList", "-j", array],
+                              capture_output=True, text=True).stdout.split()  # fmt: skip
+
+    # The worker's job ends after the search's last trial is recorded (CI once read it still RUNNING): its end first.
+    rows = wait_for(lambda: (r := attempts()) and r[-1].split("|")[0] not in ("RUNNING", "PENDING", "COMPLETING") and r,
+                    60, "the worker's job to end")  # fmt: skip
     # The first attempt had n2 and whichever other node was free (n1, unless the other lane's job held it: n3).
     assert len(rows) == 2 and rows[0].startswith("REQUEUED|"), rows
     assert "n2" in expand_nodelist(rows[0].split("|")[1]) and rows[1] == "COMPLETED|n[1,3]", rows
