@@ -1,9 +1,8 @@
 """A node that a trial of a sweep excludes is excluded for the sweep's later trials: a grid sweep's array tasks and an
 adaptive search's workers each watch their trials' failures as a single run's batch script does (docs/failures.md).
 
-Shared with the other lane (tests/cluster_guard.py): every job takes one CPU on each of two nodes of partition "wide"
-(n1-n3), so Slurm still places it on n1 and n2 (n3 has the higher weight) beside a shared test's jobs, and the failures
-are the test's own ranks dying on n2, nobody else's."""
+The cluster alone (tests/cluster_guard.py): every job takes one CPU on each of two nodes of partition "wide" (n1-n3),
+which Slurm places on n1 and n2 (n3 has the higher weight), and the failures are the test's own ranks dying on n2."""
 
 from __future__ import annotations
 
@@ -21,7 +20,10 @@ from tests.helpers import events, wait_for
 from tests.test_node_exclusion import TWO
 from tests.test_slurm_jobs import DIGITS
 
-pytestmark = [pytest.mark.slurm, pytest.mark.cluster_shared("b")]
+# The cluster alone: each test needs its job placed on n2 (n1 and n2 weigh least), and beside another lane a job of that
+# lane still completing on n2 kept a retry off it once (slurmctld placed it on n1 and n3 a second after the other
+# job's kill), so the trial completed and nothing was excluded.
+pytestmark = pytest.mark.slurm
 CRASH = ["task.target=tests.tasks:CrashingTask", "task.data.crash_host=n2", "task.data.crash_at=25",
          "task.data.error=SIGKILL"]  # fmt: skip
 
@@ -90,6 +92,6 @@ def test_a_search_trial_retries_its_step_then_moves_its_worker_off_the_bad_node(
     # The worker's job ends after the search's last trial is recorded (CI once read it still RUNNING): its end first.
     rows = wait_for(lambda: (r := attempts()) and r[-1].split("|")[0] not in ("RUNNING", "PENDING", "COMPLETING") and r,
                     60, "the worker's job to end")  # fmt: skip
-    # The first attempt had n2 and whichever other node was free (n1, unless the other lane's job held it: n3).
+    # The first attempt had n2 (and n1: the cluster is this test's alone, and n1 and n2 weigh least).
     assert len(rows) == 2 and rows[0].startswith("REQUEUED|"), rows
     assert "n2" in expand_nodelist(rows[0].split("|")[1]) and rows[1] == "COMPLETED|n[1,3]", rows
