@@ -3,8 +3,9 @@ signal at a chosen step, requeued and resumed, with bitwise the weights of an un
 
 The image (``scripts/container-image``: Debian 12, torch and ddpjob's dependencies, no Slurm commands) has no
 scontrol, so rank 0 cannot requeue the job itself: it records ``requeue_deferred`` and exits ``REQUEUE_DEFERRED``, and
-the batch script's watcher, outside the image, requeues it (``requeued_by_batch``). Slurm 26.05 only: its root
-filesystem is the one with apptainer (``scripts/slurm-rootfs``).
+the batch script's watcher, outside the image, requeues it (``requeued_by_batch``); in an adaptive search the worker,
+outside the image too, makes its trial's requeue. Slurm 26.05 only: its root filesystem is the one with apptainer
+(``scripts/slurm-rootfs``).
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import json
 import subprocess
 from pathlib import Path
 
+import optuna
 import pytest
 
+from ddp_core.search.study import open_study
 from tests.conftest import ROOT, field, run_cli
-from tests.helpers import cached_reference, digests, events, final_digests, rank_logs, run_trainer, wait_gone
+from tests.helpers import cached_reference, digests, events, final_digests, rank_logs, run_trainer, wait_for, wait_gone
 
 pytestmark = [pytest.mark.slurm, pytest.mark.cluster_release("26.05"), pytest.mark.cluster_shared("b")]
 DIGITS = str(ROOT / "configs" / "digits.yaml")
@@ -84,3 +87,41 @@ def test_a_job_inside_the_image_is_requeued_by_its_batch_script_and_resumes_exac
     assert set(digests(rank_logs(run_dir, job_id)).values()) == {reference}
     status = run_cli("status", str(run_dir), cwd=tmp_path)
     assert status.returncode == 0 and "COMPLETED" in status.stdout, status.stdout + status.stderr
+
+
+def test_a_search_trial_inside_the_image_is_requeued_by_its_worker_and_resumes_exactly(slurm_cluster, image, tmp_path):
+    where = tmp_path / "where"
+    where.mkdir()
+    proc = run_cli(
+        "sweep", DIGITS, "--search", "random", "--name", "inside", "--trials", "1", "--parallel", "1",
+        "optim.lr=choice(0.002,0.003)", *CONFIG, f"task.data.where_dir={where}", "slurm.partition=local",
+        "slurm.tasks_per_node=1", f"slurm.container.image={image}", cwd=tmp_path,
+        env={"DDPJOB_TEST_SIGNAL_AT": f"0:{STOP_AT}@0"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sweep, array = Path(field(proc.stdout, "dir")), field(proc.stdout, "arrays")
+    trial = sweep / "t0000"
+
+    def complete() -> bool:
+        return all(t.state.is_finished() for t in open_study(sweep)[1].get_trials()) and trial.exists()
+
+    wait_for(complete, 300, "the search's one trial", poll=1)
+    (only,) = open_study(sweep)[1].get_trials()
+    logs = [p.read_text()[-3000:] for p in (sweep / "slurm").glob("*.err")]
+    assert only.state == optuna.trial.TrialState.COMPLETE, (only.user_attrs, logs)
+    assert only.user_attrs["worker"] == "1:0" and only.user_attrs["run_dir"] == str(trial)  # its requeued worker
+
+    # The trial's step ran inside the image both times; its rank 0 decided the requeue there, the worker made it.
+    seen = {p.name: json.loads(p.read_text()) for p in where.iterdir()}
+    assert sorted(seen) == ["rank0-attempt0.json", "rank0-attempt1.json"], seen
+    assert all(w["container"] == image and w["scontrol"] is None for w in seen.values()), seen
+    (stop,) = [e["step"] for e in events(trial, "interrupted")]
+    assert [e["step"] for e in events(trial, "requeue_deferred")] == [stop]
+    assert [e["step"] for e in events(trial, "requeued_by_batch")] == [stop]
+    assert [e["step"] for e in events(trial, "start")] == [0, stop]
+    assert not events(trial, "requeue_failed") and not events(trial, "failure")
+    job = events(trial, "start")[0]["job_id"]
+    overrides = ["trial.storage=null", "trial.number=-1", f"task.data.where_dir={tmp_path}"]
+    reference = final_digests(run_trainer(str(trial / "config.yaml"), tmp_path / "reference", overrides))
+    assert digests(rank_logs(trial, job)) == {0: reference[-1]}
+    assert wait_gone(array, 120) == "COMPLETED"

@@ -11,6 +11,9 @@ since the step started and srun's report (``cluster.failures``), and recorded in
   allocation (``failures.to_exclude``): then the worker's job is requeued off it (``ExcNodeList``, and the array's
   pending workers too), and its next attempt resumes the trial, still bound to it.
 
+A requeue that the step's rank 0 decided but could not make (inside a container image without scontrol:
+``requeue_deferred``) is made here, outside the image, as the batch script's watcher makes it for a single run.
+
 Torch-free.
 """
 
@@ -63,6 +66,10 @@ def run(command: Sequence[str], run_dir: RunDir, ending: threading.Event, gatewa
         before = len(run_dir.events())
         code, stderr = call(command)
         new = run_dir.events()[before:]
+        deferred = [e for e in new if e["event"] == "requeue_deferred"]
+        if deferred and code == exits.ExitCode.REQUEUE_DEFERRED and not ending.is_set():
+            # Rank 0 decided a requeue inside a container image without scontrol: this worker, outside it, makes it.
+            return exits.requeue_deferred(run_dir, env, deferred[-1], gateway)
         if code == 0 or ending.is_set() or any(e["event"] in DECIDED for e in new):
             return code
         steps = [r["step"] for r in run_dir.metrics()]

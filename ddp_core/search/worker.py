@@ -6,7 +6,8 @@ normal run directory ``SWEEP/tNNNN`` (the base config plus the sampled values pl
 rendered once, ``search.json``'s ``step``), tells the study how it ended, and asks again until the budget is spent.
 
 An invalid suggestion is told FAIL with the reason and the worker goes on. A step that ends because its rank 0
-requeued the job (the trainer's preemption path) is told nothing: the requeued worker (same generation and array
+requeued the job (the trainer's preemption path; inside a container image without scontrol, this worker makes the
+requeue its rank 0 decided: ``search.step``) is told nothing: the requeued worker (same generation and array
 index) finds the RUNNING trial still bound to it and resumes it in the same run directory, from its checkpoint.
 """
 
@@ -38,6 +39,8 @@ log = logging.getLogger("ddp_core")
 # that ended with it is told nothing and nothing new is asked; the trial stays RUNNING, bound to this worker, and a
 # rerun of the sweep hands it to the next generation, which resumes it from its checkpoint.
 ENDING = threading.Event()
+# A trial's last event when the job was requeued, by its rank 0 or (``requeue_deferred``) by this worker for it.
+HANDED_ON = frozenset({"requeued", "requeued_by_batch"})
 REQUEUE_WAIT_S = 300  # Slurm ends a requeued job's batch step within seconds; past this the requeue did not happen
 
 
@@ -86,7 +89,7 @@ def ended(run: RunDir) -> Optional[dict[str, Any]]:
     """The run's last event when it says the trial is over or handed to a requeue, else None."""
     events = run.events() if run.exists() else []
     last = events[-1] if events else None
-    return last if last is not None and last["event"] in ("completed", "pruned", "requeued") else None
+    return last if last is not None and last["event"] in ("completed", "pruned", *HANDED_ON) else None
 
 
 def settle(study: optuna.Study, trial: optuna.Trial, run: RunDir, metric: str, code: int) -> str:
@@ -95,7 +98,7 @@ def settle(study: optuna.Study, trial: optuna.Trial, run: RunDir, metric: str, c
 
     last = ended(run)
     event = last["event"] if last else None
-    if event == "requeued" and code == 0:
+    if event in HANDED_ON and code == 0:
         return "requeued"
     if event == "completed":
         value = final_value(last.get("final"), metric) if last else None
@@ -129,10 +132,10 @@ def run_trial(sweep: Path, spec: Mapping[str, Any], study: optuna.Study, trial: 
         run.record_job(job, "search", log_dir=str(run.slurm), worker=trial.user_attrs.get("worker"))
     code = 0
     last = ended(run)
-    if last is None or last["event"] == "requeued":  # a trial that finished before its worker died: tell
+    if last is None or last["event"] in HANDED_ON:  # a trial that finished before its worker died: tell
         log.info("trial %d: %s", trial.number, " ".join(step_command(spec, run)))
         code = step.run(step_command(spec, run), run, ENDING)  # an infrastructure failure: again (search.step)
-    if ENDING.is_set() and (ended(run) or {}).get("event") != "requeued":  # a requeue's SIGTERM: see run()
+    if ENDING.is_set() and (ended(run) or {}).get("event") not in HANDED_ON:  # a requeue's SIGTERM: see run()
         return "ending"
     outcome = settle(study, trial, run, spec["metric"].partition("/")[2], code)
     log.info("trial %d: %s", trial.number, outcome)
