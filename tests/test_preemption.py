@@ -151,6 +151,8 @@ def test_scontrol_requeue_then_kill9_during_a_save_resume_bitwise(reference, tmp
     # other than 0 killed mid-training: test_slurm_jobs.py and test_node_exclusion.py.)
     wait_training(run_dir, 2, term[0]["step"] + 40)
     pid = wait_for(lambda: rank_pid(job_id, 0), 30, "rank 0's pid")
+    # Rank 0 runs on the batch host, which the requeued attempt chose (n1 or n2, as the other lane left them).
+    host = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%B"], capture_output=True, text=True).stdout.strip()
     ckpts = run_dir / "checkpoints"
     wait_for(lambda: any(p.name.startswith(".step_") for p in ckpts.iterdir()), 60, "a checkpoint write", poll=0.0005)
     os.kill(pid, signal.SIGKILL)
@@ -158,7 +160,7 @@ def test_scontrol_requeue_then_kill9_during_a_save_resume_bitwise(reference, tmp
     last_logged = max(metric_steps(run_dir))
     assert wait_gone(job_id, 180) == "COMPLETED"
     (failure,) = events(run_dir, "failure")
-    assert (failure["kind"], failure["rank"], failure["host"]) == ("infrastructure", 0, "n1"), failure
+    assert (failure["kind"], failure["rank"], failure["host"]) == ("infrastructure", 0, host), failure
     assert failure["error"] == "killed by a signal (Killed)" and failure["job_id"] == job_id
     assert [e["kind"] for e in events(run_dir, "requeued")][-1] == "failure"
     third = events(run_dir, "start")[2]
