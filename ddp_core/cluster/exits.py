@@ -147,11 +147,17 @@ def requeue_refused(run_dir: RunDir, env: DistEnv, kind: Any, step: Any, why: st
     return ExitCode.REQUEUE_FAILED
 
 
-def requeue_deferred(run_dir: RunDir, env: DistEnv, deferred: dict[str, Any], gateway: SlurmGateway) -> int:
-    """The batch script's watcher, outside the container, makes the requeue that rank 0 decided and recorded as
-    ``deferred`` (its ``requeue_deferred`` event: no scontrol inside the image). Records ``requeued_by_batch`` or
-    ``requeue_failed``; returns the batch script's exit code: 0 once Slurm accepted, else ``REQUEUE_FAILED``."""
-    kind, step = deferred.get("kind"), deferred.get("step")
+def requeue_deferred(
+    run_dir: RunDir, env: DistEnv, events: list[dict[str, Any]], status: int, gateway: SlurmGateway
+) -> Optional[int]:
+    """Outside the container (the batch script's watcher, or a search's worker for its trial's step): when the step
+    ended ``REQUEUE_DEFERRED`` and ``events`` (the step's) hold rank 0's ``requeue_deferred`` (no scontrol inside the
+    image), makes the requeue it decided. Records ``requeued_by_batch`` or ``requeue_failed``; returns the exit code:
+    0 once Slurm accepted, else ``REQUEUE_FAILED``. None when rank 0 deferred nothing."""
+    deferred = [e for e in events if e["event"] == "requeue_deferred"]
+    if not deferred or status != ExitCode.REQUEUE_DEFERRED:
+        return None
+    kind, step = deferred[-1].get("kind"), deferred[-1].get("step")
     refused = preemption.requeue(env, gateway)
     if refused is None:
         run_dir.log_event("requeued_by_batch", kind=kind, job_id=env.job_id, step=step)

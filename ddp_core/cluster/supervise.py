@@ -83,9 +83,8 @@ def decide(
     cfg = run_dir.load_config()
     events = run_dir.events()
     attempt = attempt_events(events, env)
-    deferred = [e for e in attempt if e["event"] == "requeue_deferred"]
-    if deferred and status == exits.ExitCode.REQUEUE_DEFERRED:  # rank 0 had no scontrol (a container image)
-        return exits.requeue_deferred(run_dir, env, deferred[-1], gateway)
+    if (code := exits.requeue_deferred(run_dir, env, attempt, status, gateway)) is not None:  # a container image
+        return code
     if any(e["event"] in DECIDED for e in attempt):
         return status
     metric_steps = [r["step"] for r in run_dir.metrics()]

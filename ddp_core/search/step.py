@@ -66,10 +66,9 @@ def run(command: Sequence[str], run_dir: RunDir, ending: threading.Event, gatewa
         before = len(run_dir.events())
         code, stderr = call(command)
         new = run_dir.events()[before:]
-        deferred = [e for e in new if e["event"] == "requeue_deferred"]
-        if deferred and code == exits.ExitCode.REQUEUE_DEFERRED and not ending.is_set():
-            # Rank 0 decided a requeue inside a container image without scontrol: this worker, outside it, makes it.
-            return exits.requeue_deferred(run_dir, env, deferred[-1], gateway)
+        # Rank 0 decided a requeue inside a container image without scontrol: this worker, outside it, makes it.
+        if not ending.is_set() and (made := exits.requeue_deferred(run_dir, env, new, code, gateway)) is not None:
+            return made
         if code == 0 or ending.is_set() or any(e["event"] in DECIDED for e in new):
             return code
         steps = [r["step"] for r in run_dir.metrics()]
