@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ddp_core.cluster.slurm import GATEWAY
-from tests import cluster_guard
+from tests import cli_runner, cluster_guard
 
 ROOT = Path(__file__).resolve().parent.parent
 NICE = 5  # tests without the cluster: see _yield_to_cluster_jobs
@@ -167,13 +166,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 
 def run_cli(
-    *args: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+    *args: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None, process: bool = False
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m jobs ARGS`` the way a user would, from ``cwd`` (``env`` adds to the environment)."""
-    return subprocess.run(
-        [sys.executable, "-m", "jobs", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    """Run ``ddpjob ARGS`` the way a user would, from ``cwd`` (``env`` adds to the environment): the commands that
+    import torch in this test's process, set up as their own would be, others (and ``process=True``) as
+    ``python -m jobs`` (see tests/cli_runner.py)."""
+    return cli_runner.run(args, cwd, timeout, env or {}, process)
 
 
 def field(output: str, name: str) -> str:

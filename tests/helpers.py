@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -20,8 +21,10 @@ _SOURCES = ("ddp_core/**/*.py", "jobs/**/*.py", "tests/*.py", "configs/*.yaml", 
 
 def cached_reference(pytestconfig: Any, name: str, parts: Sequence[str], compute: Callable[[], str]) -> str:
     """``compute()`` (an uninterrupted run's digest), reused from pytest's cache when neither ``parts`` nor any
-    source file changed: scripts/test's profile passes rerun a module whose reference the first pass already
-    computed. The key covers every source the run could depend on, and torch's version."""
+    source file changed: scripts/test's profile and release passes rerun modules whose references the first pass
+    computes. The key covers every source the run could depend on, and torch's version. Those passes run side by
+    side, so the first to need a reference computes it while the others wait for it on a lock (each would
+    otherwise train the same uninterrupted run again, 2-4 rank processes)."""
     import torch
 
     key = hashlib.sha256("\0".join([torch.__version__, *parts]).encode())
@@ -29,13 +32,16 @@ def cached_reference(pytestconfig: Any, name: str, parts: Sequence[str], compute
         for path in sorted(ROOT.glob(pattern)):
             key.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
     cache = getattr(pytestconfig, "cache", None)  # None under -p no:cacheprovider
+    if cache is None:
+        return compute()
     slot = f"ddpjob/reference/{name}/{key.hexdigest()[:32]}"
-    if cache is not None and isinstance(found := cache.get(slot, None), str):
-        return found
-    digest = compute()
-    if cache is not None:
+    with open(cache.mkdir("ddpjob-reference-locks") / f"{name}-{key.hexdigest()[:32]}", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if isinstance(found := cache.get(slot, None), str):
+            return found
+        digest = compute()
         cache.set(slot, digest)
-    return digest
+        return digest
 
 
 def run_trainer(
