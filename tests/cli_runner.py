@@ -32,7 +32,10 @@ IN_PROCESS = frozenset({"submit", "sweep", "resume", "prepare", "export"})
 KEEP = tuple(str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix, Path(__file__).parent.parent))
 
 
-def run(args: Sequence[str], cwd: Path, timeout: float, env: dict[str, str], process: bool):
+def run(
+    args: Sequence[str], cwd: Path, timeout: float, env: dict[str, str], process: bool
+) -> subprocess.CompletedProcess[str]:
+    """What ``subprocess.run`` of ``python -m jobs ARGS`` would return (``process`` forces that)."""
     if process or not args or args[0] not in IN_PROCESS or "--local" in args:
         return subprocess.run(
             [sys.executable, "-m", "jobs", *args],
@@ -71,7 +74,8 @@ def as_a_process(cwd: Path, env: dict[str, str]) -> Iterator[None]:
         sys.path[:] = saved_path
         root.handlers, root.level = saved_handlers, saved_level
         for name in set(sys.modules) - modules:
-            origin = getattr(sys.modules[name], "__file__", None)
+            module = sys.modules[name]  # a namespace package has no __file__, only its folders
+            origin = getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", None) or []), None)
             if origin and not str(Path(origin).resolve()).startswith(KEEP):
                 del sys.modules[name]
 
