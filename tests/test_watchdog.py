@@ -31,7 +31,11 @@ QUICK = ["train.max_steps=60", "train.log_every=5", "train.eval_every=0", "check
 HANGING = ["task.target=tests.tasks:HangingTask", "watchdog.stall_s=8", "dist.timeout_s=120"]
 
 
-def hang_folder(run: Path) -> Path:
+def hang_folder(run: Path, job: str | None = None) -> Path:
+    """The hang's folder: a Slurm job's first attempt's (a requeued attempt slow to start on a loaded machine may dump
+    stacks too, below its first-step allowance's hang), else the run's only one."""
+    if job is not None:
+        return run / "hangs" / f"{job}_0"
     (folder,) = [p for p in (run / "hangs").iterdir() if p.is_dir()]
     return folder
 
@@ -161,10 +165,10 @@ def test_hangs_in_a_collective_and_before_the_first_step_and_a_spent_budget(refe
         job, run = jobs[case]
         assert len(events(run, "hang")) == 1 and events(run, "requeued")[0]["kind"] == "hang", case
         assert digests(rank_logs(run, job)) == {0: reference, 1: reference}, case
-    assert "all_reduce" in (hang_folder(jobs["collective"][1]) / "rank0.txt").read_text()
+    assert "all_reduce" in (hang_folder(jobs["collective"][1], jobs["collective"][0]) / "rank0.txt").read_text()
     (before_first,) = events(jobs["datasets"][1], "hang")
     assert before_first["step"] is None
-    assert "in build_datasets" in (hang_folder(jobs["datasets"][1]) / "rank1.txt").read_text()
+    assert "in build_datasets" in (hang_folder(jobs["datasets"][1], jobs["datasets"][0]) / "rank1.txt").read_text()
 
     job, run = jobs["budget"]
     final = [e for e in events(run) if e["event"] != "rank_failed"][-1]  # a rank left in the collective may record
