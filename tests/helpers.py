@@ -34,8 +34,9 @@ def cached_reference(pytestconfig: Any, name: str, parts: Sequence[str], compute
     cache = getattr(pytestconfig, "cache", None)  # None under -p no:cacheprovider
     if cache is None:
         return compute()
-    slot = f"ddpjob/reference/{name}/{key.hexdigest()[:32]}"
-    with open(cache.mkdir("ddpjob-reference-locks") / f"{name}-{key.hexdigest()[:32]}", "w") as lock:
+    digest_key = key.hexdigest()[:32]
+    slot = f"ddpjob/reference/{name}/{digest_key}"
+    with open(cache.mkdir("ddpjob-reference-locks") / f"{name}-{digest_key}", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if isinstance(found := cache.get(slot, None), str):
             return found

@@ -21,7 +21,7 @@ from ddp_core.config import WatchdogConfig
 from ddp_core.config.features import validate_watchdog as validate
 from ddp_core.dist.straggler import persistent
 from ddp_core.errors import DdpJobError
-from ddp_core.trainer.watchdog import _suspects
+from ddp_core.trainer.watchdog import _suspects, attempt_folder
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import cached_reference, digests, events, final_digests, rank_logs, run_trainer, wait_gone
 
@@ -32,10 +32,10 @@ HANGING = ["task.target=tests.tasks:HangingTask", "watchdog.stall_s=8", "dist.ti
 
 
 def hang_folder(run: Path, job: str | None = None) -> Path:
-    """The hang's folder: a Slurm job's first attempt's (a requeued attempt slow to start on a loaded machine may dump
-    stacks too, below its first-step allowance's hang), else the run's only one."""
+    """The hang's folder: a Slurm job's first attempt's (a later attempt may leave a folder too: seen once, on a
+    loaded machine), else the run's only one."""
     if job is not None:
-        return run / "hangs" / f"{job}_0"
+        return attempt_folder(run / "hangs", job, 0)
     (folder,) = [p for p in (run / "hangs").iterdir() if p.is_dir()]
     return folder
 
