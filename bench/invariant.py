@@ -7,7 +7,10 @@ Runs come in ABBA pairs (plain then invariant, then invariant then plain); a cas
 pairs' ratios, so the VM's drift cancels inside each pair. A step's time is the mean between the first and the last
 progress line of ``metrics.jsonl`` (the first step, with its warm-up, is left out).
 
-    .venv/bin/python bench/invariant.py [--pairs 2] [--steps 60]
+    .venv/bin/python bench/invariant.py [--pairs 2] [--steps 60] [--ranks 1 2] [--tasks "char LM"] [--override K=V ...]
+
+On a machine with CUDA the trainer trains on the GPUs (a rank per GPU: ``--ranks`` at most the GPU count);
+``--override`` applies to every run of both modes, after the task's own settings (a GPU-sized char LM, say).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the other benchmarks, also when run from elsewhere
 from strategies import train
@@ -34,31 +37,40 @@ TASKS = {  # 4 micro-batch shards per step: 4 per rank at 1 rank, 2 at 2 ranks
 EXCHANGE = re.compile(r"gradient exchange (\d+) bytes per rank per step \(a ring all-reduce: (\d+)\)")
 
 
-def run(task: str, ranks: int, invariant: bool, steps: int, tmp: Path) -> tuple[float, tuple[int, int] | None]:
+def run(
+    task: str, ranks: int, invariant: bool, steps: int, tmp: Path, more: Sequence[str] = ()
+) -> tuple[float, tuple[int, int] | None]:
     """Seconds per step, and (this mode's, a ring all-reduce's) gradient bytes per rank per step if invariant."""
     config, extra = TASKS[task]
     run_dir = tmp / f"run{len(list(tmp.iterdir()))}"
-    overrides = [*COMMON, *extra, f"train.max_steps={steps}", f"train.invariant={str(invariant).lower()}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    overrides = [*COMMON, *extra, *more, f"train.max_steps={steps}", f"train.invariant={str(invariant).lower()}"]
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # a GPU box's own packages kept
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     seconds, stderr = train(ranks, str(ROOT / "configs" / config), overrides, run_dir, env)
     found = EXCHANGE.search(stderr)
     return seconds, (int(found[1]), int(found[2])) if found else None
 
 
-def rows(pairs: int = 2, steps: int = 60) -> list[dict[str, Any]]:
+def rows(
+    pairs: int = 2,
+    steps: int = 60,
+    ranks_list: Sequence[int] = (1, 2),
+    tasks: Sequence[str] = tuple(TASKS),
+    more: Sequence[str] = (),
+) -> list[dict[str, Any]]:
     """Per task and rank count: both modes' median ms per step, the median of the pairs' ratios, the bytes."""
     out = []
     with tempfile.TemporaryDirectory() as tmp:
-        for task in TASKS:
+        for task in tasks:
             task_steps = steps if task == "digits MLP" else steps // 2
-            for ranks in (1, 2):
+            for ranks in ranks_list:
                 times: dict[bool, list[float]] = {False: [], True: []}
                 ratios, exchange = [], None
                 for pair in range(pairs):
                     order = (False, True) if pair % 2 == 0 else (True, False)
                     got = {}
                     for invariant in order:
-                        got[invariant], found = run(task, ranks, invariant, task_steps, Path(tmp))
+                        got[invariant], found = run(task, ranks, invariant, task_steps, Path(tmp), more)
                         exchange = found or exchange
                         times[invariant].append(got[invariant])
                     ratios.append(got[True] / got[False])
@@ -96,8 +108,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
+    parser.add_argument("--override", nargs="*", default=[], metavar="K=V", help="for every run, after the task's")
     args = parser.parse_args()
-    for r in rows(args.pairs, args.steps):
+    for r in rows(args.pairs, args.steps, args.ranks, args.tasks, args.override):
         pairs = ", ".join(f"{x:.3f}" for x in r["ratios"])
         print(f"{r['task']:>10}, {r['ranks']} rank(s): plain {r['plain_ms']:6.1f} ms/step, invariant "
               f"{r['invariant_ms']:6.1f} ms/step, {r['ratio']:.3f}x (pairs {pairs}); gradient bytes per rank per "

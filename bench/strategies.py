@@ -34,7 +34,9 @@ def train(nproc: int, config: str, overrides: list[str], run_dir: Path, env: dic
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc-per-node={nproc}"]  # fmt: skip
     cmd = [*launcher, "-m", "ddp_core", config, "--run-dir", str(run_dir), *overrides]
-    proc = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in rows if r["split"] == "train"]
     return (records[-1]["time"] - records[0]["time"]) / (records[-1]["step"] - records[0]["step"]), proc.stderr

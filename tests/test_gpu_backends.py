@@ -27,6 +27,7 @@ from tests.helpers import final_digests, run_trainer
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 CHARLM = str(ROOT / "configs" / "charlm.yaml")
 QUICK = ["wandb.mode=disabled", "train.eval_every=0", "checkpoint.every_steps=10", "optim.warmup_steps=0"]
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}  # a rehearsal's ranks, also on a machine with GPUs
 GUARD_COUNTS = re.compile(r"collective guard: (.*)$", re.M)
 
 
@@ -101,11 +102,12 @@ def _counts(log: str) -> dict[str, int]:
 )
 def test_trainer_under_gpu_guard(tmp_path, config, overrides):
     """The real 2-rank trainer with its process groups built from the GPU node's table (nccl rehearsed by gloo,
-    device types kept): every collective it issues, from Python or C++, is one the GPU node serves."""
+    device types kept): every collective it issues, from Python or C++, is one the GPU node serves. A rehearsal on
+    the CPU: a machine's GPUs are hidden from its ranks (two ranks on one GPU would be NCCL's, not the guard's)."""
     small = ["task.data.max_chars=60000", "data.batch_size=8", "task.model.d_model=32"] if config == CHARLM else []
     log = run_trainer(
         config, tmp_path / "run", [*QUICK, *small, *overrides, "train.max_steps=20", "dist.guard=gpu",
-                                   "train.stop_check_ms=0"], nproc=2
+                                   "train.stop_check_ms=0"], nproc=2, env=CPU_ONLY,
     )  # fmt: skip
     assert "rehearsed here as cpu:gloo,cuda:gloo" in log and "backend cpu:gloo,cuda:gloo" in log
     assert len(set(final_digests(log))) == 1
@@ -124,6 +126,7 @@ def test_guard_catches_a_cpu_collective_on_nccl(tmp_path):
            "strategy.name=dp", "train.max_steps=5", "dist.guard=nccl"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
     env |= {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29731"}
+    env |= CPU_ONLY  # the CPU machine's refusal: on a GPU the stop flag's CPU tensor would meet the real NCCL
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0
     assert re.search(
