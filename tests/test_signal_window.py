@@ -1,7 +1,7 @@
 """No signal is fatal at any moment of an attempt: the warning signal at fixed offsets after the job turns RUNNING.
 
 Slurm signals a job whenever its timer or a preemption says so, also while the ranks are still starting Python. Each
-test submits one job per offset (0.05, 0.3, 0.8, 1.5 and 2.5 s after RUNNING) plus an uninterrupted twin, all at once,
+test submits one job per offset (0.05, 0.8 and 2.5 s after RUNNING) plus an uninterrupted twin, all at once,
 and sends ``scancel --signal=USR2`` (what Slurm's warning does: every task of the step) at each job's offset. Every
 run must end COMPLETED with its twin's weights, bitwise.
 
@@ -26,7 +26,9 @@ from tests.conftest import ROOT, field, run_cli
 from tests.helpers import FINAL_DIGEST, events, rank_logs, task_pids, wait_gone
 
 pytestmark = pytest.mark.slurm
-OFFSETS = (0.05, 0.3, 0.8, 1.5, 2.5)
+# Before any task, while the ranks import torch (2-4 s under the suite's load), and as their handlers come up. Each
+# offset is a job of 2 ranks, requeued once: more offsets inside the same import would land where these do.
+OFFSETS = (0.05, 0.8, 2.5)
 DIGITS = [str(ROOT / "configs" / "digits.yaml"), "train.max_steps=30", "train.eval_every=0", "train.log_every=10",
           "wandb.mode=disabled"]  # fmt: skip
 CHARLM = ["--script", str(ROOT / "examples" / "charlm_script.py"), "slurm.tasks_per_node=2", "wandb.mode=disabled",

@@ -25,7 +25,8 @@ QUICK = ["train.max_steps=60", "checkpoint.every_steps=20", "train.eval_every=0"
          "wandb.mode=disabled"]  # fmt: skip
 
 
-@pytest.mark.slurm_interface
+# Not a release pass's (slurm_interface): submitit's submission, the job's accounting and a multi-rank job show there
+# in test_gpu_slurm's 2-node job, test_status's and the drill.
 def test_ddp_job_completes_with_two_ranks(slurm_cluster, tmp_path):
     proc = run_cli("submit", DIGITS, "--wait", *QUICK, "wandb.mode=offline", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
