@@ -46,12 +46,20 @@ def cached_reference(pytestconfig: Any, name: str, parts: Sequence[str], compute
 
 
 def run_trainer(
-    config: str, run_dir: Path, overrides: Sequence[str], nproc: int = 1, env: dict | None = None, stopped: bool = False
+    config: str,
+    run_dir: Path,
+    overrides: Sequence[str],
+    nproc: int = 1,
+    env: dict | None = None,
+    stopped: bool = False,
+    torchrun: bool = False,
 ) -> str:
-    """``python -m ddp_core`` alone (nproc=1) or under torchrun, outside any Slurm job; returns its log. It must
-    finish, or with ``stopped`` exit as a stopped attempt does (4; torchrun reports a failed worker as 1)."""
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     f"--nproc-per-node={nproc}"]  # fmt: skip
+    """``python -m ddp_core`` alone (nproc=1) or under torchrun (nproc > 1, or ``torchrun``: a process group even of
+    one rank), outside any Slurm job; returns its log. It must finish, or with ``stopped`` exit as a stopped attempt
+    does (4; torchrun reports a failed worker as 1)."""
+    torchrun = torchrun or nproc > 1
+    agent = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    launcher = agent if torchrun else [sys.executable]
     # A hang fails in a minute and a half with every rank's stacks (the watchdog's summary in the log, the stacks
     # in RUN/hangs/), not after the 300 s timeout with nothing to read; a test's own watchdog.* overrides win. (A
     # run directory takes no overrides: it was created from a YAML config that had it.)
@@ -61,7 +69,7 @@ def run_trainer(
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env=clean | {"OMP_NUM_THREADS": "1"} | (env or {})
     )
-    assert proc.returncode == ((4 if nproc == 1 else 1) if stopped else 0), proc.stdout + proc.stderr
+    assert proc.returncode == ((1 if torchrun else 4) if stopped else 0), proc.stdout + proc.stderr
     return proc.stderr
 
 

@@ -35,8 +35,8 @@ TINY = [f"task.model.{k}={v}" for k, v in MODEL.items()] + [
 TASK = HFGPT2Task(seq_len=16, max_chars=40000)
 
 
-def hf(config: str, run_dir: Path, *overrides: str, nproc: int = 2) -> str:
-    return run_trainer(str(CONFIGS / config), run_dir, [*TINY, *overrides], nproc)
+def hf(config: str, run_dir: Path, *overrides: str, nproc: int = 2, torchrun: bool = False) -> str:
+    return run_trainer(str(CONFIGS / config), run_dir, [*TINY, *overrides], nproc, torchrun=torchrun)
 
 
 def drop_checkpoints_after(run_dir: Path, step: int) -> None:
@@ -129,13 +129,18 @@ def test_pipeline_blocks_in_order_are_the_model_forward():
 
 
 def test_compile_under_ddp_trains_resumes_and_saves_plain_keys(tmp_path):
+    """The compiled model inside DistributedDataParallel, at one rank in a process group of one: DDP's hooks and the
+    compiled graph's split at its buckets are those of any world size, and each rank compiles its own (~12 CPU-s
+    here, the C++ compiles besides); that replicas agree is every other ddp test's."""
     run = tmp_path / "run"
     common = ["train.compile=true", "train.max_steps=8", "checkpoint.every_steps=4", "checkpoint.keep_last=10",
               "task.model.n_layer=1"]  # fmt: skip
-    ref = final_digests(hf("hf-gpt2.yaml", run, *common))
-    assert len(ref) == 2 and len(set(ref)) == 1
+    log = hf("hf-gpt2.yaml", run, *common, nproc=1, torchrun=True)
+    assert "rank 0/1" in log and "backend gloo" in log  # under torchrun: DDP wraps the compiled model
+    ref = final_digests(log)
+    assert len(ref) == 1
     drop_checkpoints_after(run, 4)
-    resumed = hf("hf-gpt2.yaml", run, *common)
+    resumed = hf("hf-gpt2.yaml", run, *common, nproc=1, torchrun=True)
     assert "resumed from step_00000004" in resumed and final_digests(resumed) == ref
     _, state = export(RunDir(run), tmp_path / "model.pt")
     plain = TASK.build_model(**(MODEL | {"n_layer": 1}))  # never compiled
