@@ -54,7 +54,9 @@ def test_c10d_without_rdzv_id_is_refused_not_pooled(tmp_path):
     code, log = torchrun(tmp_path / "runs", None)
     assert code == 1, log  # torchrun's code for a failed worker
     refused = "ERROR ddp_core: torchrun was started with --rdzv-backend c10d but without --rdzv-id"
-    assert all(f"[rank {rank}/2] {refused}" in log for rank in (0, 1)), log  # none trains alone somewhere
+    # Each rank refuses by itself (nothing rank-dependent decides it). torchrun stops the other rank as soon as one
+    # exits, often before it has logged anything (under load it is still importing torch): one refusal or two.
+    assert any(f"[rank {rank}/2] {refused}" in log for rank in (0, 1)), log
     assert f"add --rdzv-id NAME (the run directory is then {tmp_path / 'runs' / 'digits'}-NAME" in log
     assert run_dirs(tmp_path / "runs") == []
 
