@@ -2,12 +2,16 @@
 strategy="ddp")``): Lightning picks its ``SLURMEnvironment``, whose handler for USR1 saves an hpc checkpoint and
 requeues the job, and whose next attempt resumes from that checkpoint. Nothing here knows ddpjob.
 
-The test's one addition, ``WarnAt``: at step ``--warn-at`` of the first attempt, rank 0 asks Slurm for the warning
-signal (``scancel --signal=USR1 JOB``, delivered to every task as Slurm's timer would), and every rank waits for it in
-interruptible Python at that same step, until Lightning's handler has saved on that rank. The interruption comes at a
-chosen step instead of a raced moment, and it has to: Lightning saves inside its signal handler, whose barriers
-deadlock when the signal finds one rank in a step's gradient all-reduce and another in Python (Lightning issue 21406,
-seen here when the warning reached the ranks more than a step after rank 0 asked for it).
+The test's one addition, ``WarnAt``: rank 0 asks Slurm for the warning signal (``scancel --signal=USR1 JOB``, delivered
+to every task as Slurm's timer would) at a moment chosen per attempt (``--warn``, the first for the first attempt,
+and so on), and then carries on: where each rank is when the signal lands is not arranged. The moments:
+
+- ``setup``: in the module's ``setup`` hook, before Lightning has installed its handler;
+- ``forward@K``: in ``training_step`` at global step K, so rank 0 is in Python while rank 1, done with its forward,
+  already waits in backward's gradient all-reduce for it (the moment that hung under ddpjob, Lightning issue 21406);
+- ``thread@S``: from a timer thread S seconds after training started, wherever the ranks then are;
+- ``stall@K``: as ``forward@K``, and rank 1 then never finishes building its part of the checkpoint (a save that
+  hangs on one rank): the ranks stop making progress after the warning.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import threading
 import time
 
 import lightning as L
@@ -22,13 +27,25 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 
+def warn() -> None:
+    subprocess.run(["scancel", "--signal=USR1", os.environ["SLURM_JOB_ID"]], check=True)
+
+
 class Regression(L.LightningModule):
-    def __init__(self, step_s: float) -> None:
+    def __init__(self, step_s: float, moment: str) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(8, 1)
         self.step_s = step_s
+        self.moment, _, at = moment.partition("@")
+        self.at = float(at) if at else 0.0
+
+    def setup(self, stage: str) -> None:
+        if self.moment == "setup" and self.trainer.is_global_zero:
+            warn()
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.moment in ("forward", "stall") and self.trainer.global_step == self.at and self.trainer.is_global_zero:
+            warn()
         time.sleep(self.step_s)
         x, y = batch
         return torch.nn.functional.mse_loss(self.layer(x), y)
@@ -38,42 +55,36 @@ class Regression(L.LightningModule):
 
 
 class WarnAt(L.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.saved = False
-
-    def on_save_checkpoint(self, *args: object) -> None:
-        self.saved = True  # every rank builds the checkpoint in Lightning's handler (rank 0 writes it)
+    def __init__(self, moment: str) -> None:
+        self.moment, _, at = moment.partition("@")
+        self.at = float(at) if at else 0.0
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         restart = os.environ.get("SLURM_RESTART_COUNT", "0")
         print(f"rank {trainer.global_rank}: training from step {trainer.global_step} (restart {restart})", flush=True)
+        if self.moment == "thread" and trainer.is_global_zero:
+            threading.Timer(self.at, warn).start()
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
-        first = os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
-        if not first or trainer.global_step != self.step:
-            return
-        if trainer.is_global_zero:
-            subprocess.run(["scancel", "--signal=USR1", os.environ["SLURM_JOB_ID"]], check=True)
-        deadline = time.monotonic() + 120
-        while not self.saved:  # the handler runs inside this sleep, at the same step on every rank
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no USR1 within 120 s of step {self.step}")
-            time.sleep(0.05)
+    def on_save_checkpoint(self, trainer: L.Trainer, *args: object) -> None:
+        print(f"rank {trainer.global_rank}: saving at step {trainer.global_step}", flush=True)
+        if self.moment == "stall" and trainer.global_rank == 1:
+            time.sleep(3600)  # rank 0 writes the file, then waits at the save's barrier for ever
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warn-at", type=int, default=10)
+    parser.add_argument("--warn", action="append", default=[], help="the moment of the warning, one per attempt")
     parser.add_argument("--step-s", type=float, default=0.1)
     args = parser.parse_args()
+    attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    moment = args.warn[attempt] if attempt < len(args.warn) else "none"
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
     trainer = L.Trainer(num_nodes=2, devices=1, accelerator="cpu", strategy="ddp", max_steps=args.steps,
-                        callbacks=[WarnAt(args.warn_at)], enable_progress_bar=False,
+                        callbacks=[WarnAt(moment)], enable_progress_bar=False,
                         enable_checkpointing=False, logger=False)  # fmt: skip
-    trainer.fit(Regression(args.step_s), DataLoader(data, batch_size=8))
+    trainer.fit(Regression(args.step_s, moment), DataLoader(data, batch_size=8))
     print(f"rank {trainer.global_rank}: finished at step {trainer.global_step}", flush=True)
 
 

@@ -185,6 +185,30 @@ def test_requeue_budget_exhausted_then_resume(reference, tmp_path):
     assert digests(rank_logs(run_dir, field(proc.stdout, "job"))) == {0: reference, 1: reference}
 
 
+def test_extending_a_finished_run_ends_on_a_longer_runs_bits(pytestconfig, tmp_path_factory, tmp_path):
+    """``ddpjob resume RUN train.max_steps=300`` on a run that finished at 170, with a schedule that does not depend on
+    max_steps, ends on the bits of a run 300 steps long from the start. The shorter run's final evaluation (at 170,
+    off the eval cadence of 100: the longer run evaluates there never) drew its DataLoader's seed from the training's
+    torch stream before the final checkpoint saved it, and the continued run's dropout masks were another run's."""
+    constant = [*CONFIG, "optim.schedule=constant"]
+
+    def run() -> str:
+        d = final_digests(run_trainer(DIGITS, tmp_path_factory.mktemp("ref") / "run", constant, nproc=2))
+        assert len(d) == 2 and len(set(d)) == 1
+        return d[0]
+
+    longer = cached_reference(pytestconfig, "extended", [DIGITS, *constant, "nproc=2"], run)
+    short = run_cli("submit", DIGITS, *constant, "train.max_steps=170", "--wait", cwd=tmp_path)
+    assert short.returncode == 0, short.stdout + short.stderr
+    run_dir = Path(field(short.stdout, "run dir"))
+    assert [e["event"] for e in events(run_dir)] == ["start", "completed"]
+    extended = run_cli("resume", str(run_dir), "train.max_steps=300", "--wait", cwd=tmp_path)
+    assert extended.returncode == 0, extended.stdout + extended.stderr
+    logs = rank_logs(run_dir, field(extended.stdout, "job"))
+    assert "resumed from step_00000170.pt" in logs[0], logs[0]
+    assert digests(logs) == {0: longer, 1: longer}
+
+
 @pytest.mark.slurm_interface
 def test_time_limit_warning_counts_as_timeout(slurm_cluster, tmp_path):
     # A 3-minute job warned 110 s before its limit (Slurm sends timed signals up to ~60 s early): the signal

@@ -57,27 +57,41 @@ class Interruption(str, Enum):
 class StopFlag:
     """Installs handlers for the warning signal and SIGTERM; the handlers only record which arrived.
 
-    ``interval_s``: the time to aim for between two exchanges of the flag in ``agree`` (0: every call)."""
+    ``interval_s``: the time to aim for between two exchanges of the flag in ``agree`` (0: every call).
+    ``handlers=False``: installs none; its owner calls ``record`` (script mode's deferred warning, which records only
+    the warning signal). ``group``: the process group of the exchanges (None: the default group, which must serve CPU
+    tensors)."""
 
-    def __init__(self, warning_signal: str, interval_s: float = 0.0) -> None:
+    def __init__(self, warning_signal: str, interval_s: float = 0.0, handlers: bool = True) -> None:
         self.warning = signals.warning_signal(warning_signal)
         self.received = 0  # signal number; SIGTERM wins over the warning signal
         self.received_at = 0.0
         self.interval_s = interval_s
-        self._pending: Optional[tuple[dist.Work, torch.Tensor]] = None  # the exchange in flight
+        self.group: Optional[dist.ProcessGroup] = None
+        self._pending: Optional[tuple[dist.Work, torch.Tensor, int]] = None  # the exchange in flight, its call
         self._calls = 0  # agree() calls so far: every rank counts the same
         self._due = 1  # the call that exchanges next
         self._last = (0, 0.0)  # (call, perf_counter) of the last exchange: this rank's pace since
+        self._cleared = 0  # the call at which the agreed signal was last acted on (clear)
+        if not handlers:
+            return
         for sig in (self.warning, signal.SIGTERM):
             # Replaces submitit's handlers: its USR2 handler checkpoints rank 0 alone, inside the handler.
-            signal.signal(sig, self._handle)
+            signals.install(sig, self.record)
         # Held since the task's first instruction (ddp_core.cluster.signals): one that came meanwhile is recorded now.
         signals.release(self.warning, signal.SIGTERM)
 
-    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+    def record(self, signum: int, frame: Optional[FrameType] = None) -> None:
+        """The signal handler: remember ``signum`` (SIGTERM is never overwritten by the warning)."""
         if self.received != signal.SIGTERM:
             self.received = signum
             self.received_at = time.time()
+
+    def clear(self) -> None:
+        """The agreed signal was acted on, on every rank at the same call: forget it, and the exchange in flight,
+        which still carries it. A signal that arrives from now on is agreed on afresh."""
+        self.received = 0
+        self._cleared = self._calls
 
     def agree(self) -> int:
         """Called by every rank after every step: the signal any rank had received by the previous exchange (0 if
@@ -101,7 +115,8 @@ class StopFlag:
         # (USR1 10, USR2 12, TERM 15), so MAX makes SIGTERM win if any rank saw it; MAX of minus the proposals is
         # minus the smallest.
         value = torch.tensor([self.received, -min(max(1, propose), MAX_CHECK_EVERY)], dtype=torch.int64)
-        self._pending = (dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True), value)
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._pending = (work, value, self._calls)
         self._due = self._calls + every
         return agreed
 
@@ -109,11 +124,12 @@ class StopFlag:
         """The exchange in flight, waited for: (agreed signal, steps until the next exchange); (0, 1) if none."""
         if self._pending is None:
             return 0, 1
-        work, value = self._pending
+        work, value, started = self._pending
         self._pending = None
         work.wait()
         signum, minus_every = value.tolist()
-        return int(signum), int(-minus_every)
+        # An exchange started before the last clear() carries a signal already acted on.
+        return (int(signum) if started > self._cleared else 0), int(-minus_every)
 
     def settle(self) -> int:
         """Wait for the exchange in flight (every rank, before the group is used for anything it must not overlap

@@ -14,13 +14,12 @@ real interpreter starts (a window of its start: 20 ms there, against 73 ms for a
 
 Who releases them, once a handler is up (a pending signal is then delivered at once, to that handler):
 
-- the trainer and ``ddp_core.runtime``: ``preemption.StopFlag``, right after installing its handlers;
-- script mode: ``release_when_handled``: a plain script keeps the warning signal held (instead of dying of an early
-  warning it runs on to the time limit, or, if it resumes itself, ``when_held`` requeues it), and a framework that
-  installs its own handler (Lightning's requeue on USR1, a submitit-style handler) gets it. A held signal's
-  disposition stays the default, so a framework that registers its handler only where none is set (Lightning's
-  ``_has_already_handler``) still does. SIGTERM keeps its default for a plain script: released just before the script
-  runs.
+- the trainer and ``ddp_core.runtime``: ``preemption.StopFlag``, right after installing its handlers (``install``:
+  ddpjob's own handlers, never taken for a script's);
+- script mode: ``ddp_core.script.deferred``: a plain script keeps the warning signal held (instead of dying of an
+  early warning it runs on to the time limit, or, if it resumes itself, ``when_held`` requeues it), and the handler
+  a framework installs (Lightning's requeue on USR1, a submitit-style handler) is called at an optimizer step every
+  rank agrees on. SIGTERM keeps its default for a plain script: released just before the script runs.
 
 At the other end, ``ignore_from_now``: once an attempt's outcome is recorded, a signal is ignored until the process
 exits (Python's teardown would otherwise restore the default action for its last milliseconds).
@@ -79,6 +78,11 @@ def task_prefix(warning: str, python: str) -> list[str]:
     return [python, "-I", "-S", "-c", _BOOTSTRAP % (sigs[0].value, sigs[1].value)]
 
 
+# The real ``signal.signal``, whatever script mode puts in its place later (``ddp_core.script.deferred``): ddpjob's
+# own handlers are installed with it, never taken for a script's.
+install = signal.signal
+
+
 def release(*sigs: int) -> None:
     """Unblock ``sigs`` in this thread, once their handlers are installed: one already pending is handled now."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, set(sigs))
@@ -89,34 +93,18 @@ def ignore_from_now(warning: str) -> None:
     an ignored disposition survives interpreter teardown, which puts handled signals back to their default (a
     warning in the last moment of a finished attempt killed both ranks, and Slurm called the job FAILED)."""
     for sig in held(warning):
-        signal.signal(sig, signal.SIG_IGN)
+        install(sig, signal.SIG_IGN)
 
 
-def release_when_handled(sig: int) -> None:
-    """Script mode: keep ``sig`` held while it has no handler of the script's, and deliver it to the handler the
-    script (or its framework) installs. Wraps ``signal.signal`` for the rest of the process: installing a callable
-    handler for ``sig`` releases it; putting back ``SIG_DFL`` or ``SIG_IGN`` holds it again (an ignored signal that
-    is pending is discarded, as the kernel does for any). A handler set before (submitit's worker sets its own on
-    USR2) is put back to the default: held, the signal must look unhandled to the script and to ``when_held``."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {sig})  # held already in a task ddpjob started; not if started by hand
-    install = signal.signal
-    install(sig, signal.SIG_DFL)  # blocked: a pending one stays pending
-
-    @functools.wraps(install)
-    def signal_(signalnum: int, handler: Handler) -> Handler:
-        previous = install(signalnum, handler)
-        if signalnum == sig:
-            how = signal.SIG_UNBLOCK if callable(handler) else signal.SIG_BLOCK
-            signal.pthread_sigmask(how, {sig})
-        return previous
-
-    signal.signal = signal_
+def hold(*sigs: int) -> None:
+    """Block ``sigs`` in this thread again: one that arrives stays pending until ``release``."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(sigs))
 
 
 def when_held(sig: int, act: Callable[[], None], grace_s: float = 2.0, poll_s: float = 0.5) -> threading.Thread:
     """Script mode, rank 0 of a plain script that resumes itself (``script.resume_args``): calls ``act`` once, from a
     daemon thread, when ``sig`` has stayed pending for ``grace_s`` with no handler of the script's (held by
-    ``release_when_handled``: the script would run on into the time limit). The grace lets a framework that installs
+    script mode: the script would run on into the time limit). The grace lets a framework that installs
     its handler late take the signal first. Start it from a thread that holds ``sig`` (and SIGTERM): the thread
     inherits the mask, so the kernel never delivers either to it."""
 

@@ -153,6 +153,7 @@ class WatchdogConfig:
 
     # No progress (a finished step or eval batch) for this long is a hang: stacks are dumped, the job requeued
     # (docs/hangs.md). Keep it below dist.timeout_s, or the collective times out first and the job fails instead.
+    # Script mode: only after the warning signal, capped at slurm.signal_lead_s / 2 (docs/script-mode.md).
     # 0: no watchdog.
     stall_s: float = 300.0
     # The allowance before the attempt's first step (imports, rendezvous, datasets, resume), during evaluations

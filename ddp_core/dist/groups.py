@@ -29,13 +29,14 @@ and host (``launch``). A Slurm suspension (SIGTSTP, SIGSTOP, later SIGCONT) must
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import socket
 import time
 from datetime import timedelta
-from typing import Any, Callable, Optional, cast
+from typing import Any, Callable, Iterator, Optional, cast
 
 import numpy as np
 import torch
@@ -353,6 +354,19 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+@contextlib.contextmanager
+def rng_untouched() -> Iterator[None]:
+    """This rank's RNG streams (Python, NumPy, torch, CUDA) as they were before the block, whatever it drew: an
+    evaluation (a DataLoader iterator draws its seed from torch's stream, a task may sample) must not shift the
+    training's randomness, or a run extended after its final evaluation, or evaluated on another cadence, would not
+    end on the bits of a run that never stopped."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
 
 
 def failure_hint(err: BaseException) -> str:

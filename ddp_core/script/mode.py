@@ -24,8 +24,10 @@ runs, the warning signal stays held until the script or its framework installs a
 that never imports ``ddp_core.runtime``) is not killed by an early warning but runs on to the time limit, or, when it
 resumes itself (``script.resume_args``), rank 0 requeues the job a moment after the warning (``signals.when_held``;
 srun launcher), and a framework that handles Slurm's signal itself (Lightning's requeue on USR1) gets it, also one
-that came before its handler was up. SIGTERM keeps its default (the process ends), released just before the script
-runs. Importing ``ddp_core.runtime`` replaces both with handlers that record them.
+that came before its handler was up, at an optimizer step every rank agrees on (``ddp_core.script.deferred``: a
+handler that saves with collectives deadlocks when each rank runs it wherever the signal found it). SIGTERM keeps
+its default (the process ends), released just before the script runs. Importing ``ddp_core.runtime`` replaces both
+with handlers that record them.
 
 **Exits.** The script returns (or ``sys.exit(0)``): rank 0 records ``completed``, exit 0. ``SystemExit`` with another
 code: that code. An exception: ``rank R/W on HOST failed: ...`` is logged and the process exits 1 at once (``srun
@@ -45,6 +47,7 @@ torch.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import runpy
@@ -67,6 +70,7 @@ from ddp_core.config import ScriptConfig
 from ddp_core.errors import DdpJobError
 from ddp_core.run import snapshot
 from ddp_core.run.rundir import RunDir
+from ddp_core.script.deferred import DeferredWarning
 from ddp_core.script.prepare import SCRIPT_HINT, sha256_of
 
 if TYPE_CHECKING:
@@ -279,7 +283,8 @@ def _run(run_dir_arg: str) -> int:
     # One thread per core the rank was given, as the trainer does, unless the job says otherwise.
     os.environ.setdefault("OMP_NUM_THREADS", str(env.cpus_per_rank))
     warning = signals.warning_signal(cfg.slurm.signal)
-    signals.release_when_handled(warning)  # see the module docstring
+    deferred = DeferredWarning(cfg, run_dir, env, functools.partial(_after_hang, cfg, run_dir, env))
+    deferred.intercept()  # the script's own handler for it runs where every rank agrees (ddp_core.script.deferred)
     if env.is_main and env.slurm_job_id and cfg.script.resume_args:
         signals.when_held(warning, lambda: _requeue_held_warning(cfg, run_dir, env, warning))
 
@@ -321,10 +326,21 @@ def _run(run_dir_arg: str) -> int:
         _failed(run_dir, env, err)
         leave(ExitCode.FAILED)
     finally:
+        deferred.close()
         if lock is not None:
             lock.close()
     signals.ignore_from_now(cfg.slurm.signal)  # the script's exit handlers still run before the process leaves
     return code
+
+
+def _after_hang(cfg: Config, run_dir: RunDir, env: DistEnv, folder: Path, summary: str, step: Optional[int]) -> int:
+    """The script's ranks stopped making progress after the warning signal (``DeferredWarning``'s watchdog): recorded
+    and requeued within ``slurm.max_hangs`` as the trainer's hangs are, unless the script's own handler requeued the job
+    already (Slurm then ends this attempt itself)."""
+    if env.is_main and _requeued_meanwhile(env):
+        log.warning("no progress after the warning signal, but the job is requeued already: Slurm ends this attempt")
+        return ExitCode.REQUEUED
+    return exits.after_hang(cfg, run_dir, env, folder, summary, step)
 
 
 def _requeue_held_warning(cfg: Config, run_dir: RunDir, env: DistEnv, warning: signal.Signals) -> None:

@@ -269,8 +269,8 @@ class Trainer:
         assert self.lines is not None and self.records is not None and self.checkpoints is not None
         step = self.state.pos.step
         self.lines.finish()
-        with self.watchdog.allowance():
-            metrics = evaluate(self.task, self.model, self.evals, self.cfg, self.strategy)
+        with self.watchdog.allowance(), distributed.rng_untouched():  # the training's random streams go on as if
+            metrics = evaluate(self.task, self.model, self.evals, self.cfg, self.strategy)  # no evaluation ran
         self.records.record("eval", metrics, step)
         if self.monitor.update(step, metrics):
             self.save(sync=step == self.cfg.train.max_steps)
