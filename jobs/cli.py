@@ -124,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--metric",
         help="ranks trials (default: a search's own metric, else checkpoint.monitor, else eval/accuracy); "
-        "prefix min: to minimise (min:eval/loss)",
+        "a loss or error is minimised, anything else maximised; min:/max: says it outright",
     )
     p.add_argument("--table", choices=("csv", "json"), help="write only the trial table, trials.csv|json, for pandas")
 

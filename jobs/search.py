@@ -37,7 +37,7 @@ from ddp_core.search.study import (
 from jobs import snapshot
 from jobs.request import SlurmRequest
 from jobs.search_spec import SearchSpec
-from jobs.submit import check_cluster, reason, withdraw
+from jobs.submit import absolute_image, check_cluster_side, check_code, reason, withdraw
 
 
 def is_search(path: Optional[str | Path]) -> bool:
@@ -50,14 +50,14 @@ def sweep_root(spec: SearchSpec) -> Path:
 
 
 def check(spec: SearchSpec, local_check: bool = True) -> Config:
-    """What submit checks for one run, once (every trial shares the task and the workers' request)."""
-    from ddp_core.tasks.base import check_task
-
+    """What submit checks for one run (``jobs.submit``: the code, the cluster), on the base config, once: every trial
+    shares the task and the workers' request."""
     cfg = spec.base_config
     assert cfg is not None
-    check_task(cfg.task)
+    check_code(cfg)
+    absolute_image(cfg)
     if local_check:
-        check_cluster(cfg)
+        check_cluster_side(cfg)
     cfg.slurm.cpus_per_task = SlurmRequest.resolve(cfg).cpus_per_rank
     return cfg
 

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Optional, Sequence, cast
 from omegaconf import OmegaConf
 
 from ddp_core.config import Config, load_config
+from ddp_core.config.metric import Metric, parse_metric
 from ddp_core.errors import DdpJobError
 from ddp_core.search.study import PRUNERS, SAMPLERS, grid_space
 from ddp_core.search.worker import override
@@ -52,22 +53,18 @@ class SearchSpec:
         return {k: getattr(self, k) for k in keys} | {"budget": self.trials, "parallelism": self.parallelism}
 
 
-def parse_metric(text: str, direction: Optional[str] = None) -> tuple[str, str]:
-    """``min:eval/loss`` -> (eval/loss, minimize); without a prefix ``direction`` decides (default maximize, as
-    ``ddpjob status --metric``)."""
-    prefix, sep, rest = str(text).partition(":")
-    metric = rest if sep else prefix
-    implied = {"min": "minimize", "max": "maximize"}.get(prefix) if sep else None
-    if sep and implied is None:
-        raise bad("search.metric", f"= {text!r} has an unknown prefix", "write min:eval/loss or max:eval/accuracy")
-    if direction is not None and direction not in ("minimize", "maximize"):
+def search_metric(text: str, direction: Optional[str] = None) -> Metric:
+    """``search.metric`` through the one metric spec (``ddp_core.config.metric``: ``eval/loss`` is minimised, as by
+    ``checkpoint.monitor``, ``status`` and ``report``); ``search.direction``, if given, decides for a metric without
+    a ``min:``/``max:`` prefix and must agree with one that has it."""
+    metric = parse_metric(text, "sweep key 'search.metric'")
+    if direction is None:
+        return metric
+    if direction not in ("minimize", "maximize"):
         raise bad("search.direction", f"= {direction!r} is invalid", "use minimize or maximize")
-    if implied and direction and implied != direction:
+    if ":" in str(text) and direction != metric.direction:
         raise bad("search.direction", f"= {direction} contradicts metric {text!r}", "drop one of them")
-    split, _, name = metric.partition("/")
-    if split != "eval" or not name:
-        raise bad("search.metric", f"= {text!r} is not an eval metric", "e.g. min:eval/loss or max:eval/accuracy")
-    return metric, implied or direction or "maximize"
+    return Metric(metric.key, direction == "minimize")
 
 
 def check_param(key: str, spec: Any) -> dict[str, Any]:
@@ -198,7 +195,8 @@ def build(
     for key, value in ints.items():
         if isinstance(value, bool) or not isinstance(value, int) or (key != "seed" and value < 1):
             raise bad(f"search.{key}", f"= {value!r} is invalid", f"{key} must be an int{' >= 1' * (key != 'seed')}")
-    metric, direction = parse_metric(options.get("metric", "min:eval/loss"), options.get("direction"))
+    chosen = search_metric(options.get("metric", "eval/loss"), options.get("direction"))
+    metric, direction = chosen.key, chosen.direction
     cfg = _check_keys(base, fixed, params)
     if cfg.script.enabled:
         raise DdpJobError(

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ddp_core.cluster.slurm import Runner
+from ddp_core.config.metric import Metric
 from ddp_core.errors import DdpJobError
 from jobs import notes
 from jobs.attempts import Attempt, in_array_range, job_attempts
-from jobs.report import parse_metric
+from jobs.report import ranking_metric
 from jobs.runs import DEFAULT_ROOT, Job, query_ids, run_jobs, runs_to_show, shown_path
 
 if TYPE_CHECKING:
@@ -200,7 +201,7 @@ def collect(run_paths: Sequence[Path], metric_key: str, runner: Optional[Runner]
 
 def sort_by_metric(rows: list[Row], metric: str) -> tuple[list[Row], Optional[Row]]:
     """Best first; rows without a finite value last, by name. Returns (rows, best row or None)."""
-    _, minimise = parse_metric(metric)
+    minimise = ranking_metric(metric).minimize
     scored = [r for r in rows if r.metric is not None and math.isfinite(r.metric)]
 
     def score(row: Row) -> float:
@@ -308,8 +309,8 @@ def status_text(
     study = search.summary(Path(path)) if path is not None and search.is_search(path) else None
     if metric is None:
         own = study["spec"] if study else None
-        metric = f"{'min:' if own['direction'] == 'minimize' else ''}{own['metric']}" if own else "eval/accuracy"
-    metric_key, _ = parse_metric(metric)
+        metric = Metric(own["metric"], own["direction"] == "minimize").spec if own else "eval/accuracy"
+    metric_key = ranking_metric(metric).key
     paths, is_sweep = runs_to_show(path, limit)
     rows, now = collect(paths, metric_key, runner), time.time()
     if study:
@@ -363,7 +364,9 @@ def add_parser(sub: Any) -> None:
         help="refresh every SECONDS (default 10) until all rows end; put it after PATH",
     )
     p.add_argument(
-        "--metric", help="sweeps: ranks trials (default eval/accuracy, a search's own metric); prefix min: to minimise"
+        "--metric",
+        help="sweeps: ranks trials (default eval/accuracy, a search's own metric); a loss or error is minimised, "
+        "anything else maximised",
     )
     p.add_argument("--limit", type=int, default=20, help="without PATH: how many of the newest runs")
 

@@ -65,19 +65,40 @@ def check_cluster(cfg: Config) -> cluster.Partition:
     return part
 
 
-def validate_for_submit(cfg: Config, local: bool, cluster_check: bool = True) -> None:
-    """Everything that can be checked before a run directory exists. Resolves ``slurm.cpus_per_task``."""
+def check_code(cfg: Config) -> None:
+    """The code one run will import, checked here, whichever way it is submitted (``submit``, ``resume``, each
+    distinct trial of a sweep, a search's base config): the script (it must be there and readable now; its absolute
+    path and sha256 are recorded), or the task (its module imported, with torch) and the strategy's cut of its model
+    (a meta-device model: fsdp wrap classes, pipeline stages, ties across stages)."""
     if cfg.script.enabled:
-        # The user's script is the job: it must be there and readable now; its absolute path and hash are recorded.
         from ddp_core.script.prepare import resolve_for_submit
 
         resolve_for_submit(cfg.script)
-    else:
-        from ddp_core.strategies.check import check_model  # the strategy's cut of a meta-device model
-        from ddp_core.tasks.base import check_task  # imports the user's task module (and torch): submit-time only
+        return
+    from ddp_core.strategies.check import check_model
+    from ddp_core.tasks.base import check_task
 
-        check_task(cfg.task)
-        check_model(cfg)
+    check_task(cfg.task)
+    check_model(cfg)
+
+
+def absolute_image(cfg: Config) -> None:
+    """An image file's path made absolute, as the config records it: the nodes do not start where ddpjob ran."""
+    container = cfg.slurm.container
+    if container.image_is_file:
+        container.image = str(Path(str(container.image)).absolute())
+
+
+def check_cluster_side(cfg: Config) -> None:
+    """What the cluster must hold for the run, asked of it (``sinfo``, the image's file): the partition fits the
+    request (filling ``slurm.cpus_per_task`` when null), and the container image is there."""
+    check_cluster(cfg)
+    cluster.check_image(cfg.slurm.container)
+
+
+def validate_for_submit(cfg: Config, local: bool, cluster_check: bool = True) -> None:
+    """Everything that can be checked before a run directory exists. Resolves ``slurm.cpus_per_task``."""
+    check_code(cfg)
     if local and cfg.slurm.max_nodes > 1:
         raise DdpJobError(
             f"config key 'slurm.nodes' = {cfg.slurm.nodes!r}: more than one node cannot run with --local",
@@ -90,11 +111,9 @@ def validate_for_submit(cfg: Config, local: bool, cluster_check: bool = True) ->
             "not inside an image",
             "drop --local, or set slurm.container.image=null to run locally without the image",
         )
-    if container.image_is_file:  # the nodes do not start where ddpjob ran
-        container.image = str(Path(str(container.image)).absolute())
+    absolute_image(cfg)
     if not local and cluster_check:
-        check_cluster(cfg)
-        cluster.check_image(container)
+        check_cluster_side(cfg)
     cfg.slurm.cpus_per_task = SlurmRequest.resolve(cfg).cpus_per_rank  # the request's, recorded in config.yaml
 
 

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from ddp_core.cluster.failures import excluded_hosts
 from ddp_core.cluster.slurm import GATEWAY
@@ -26,7 +26,15 @@ from ddp_core.run.rundir import CODE_RECORD, RunDir, atomic_write_text
 from jobs import snapshot
 from jobs.report.trials import SWEEP_FILE  # the report reads it without importing submitit
 from jobs.request import SlurmRequest
-from jobs.submit import check_cluster, reason, submitit_command, task_function, withdraw
+from jobs.submit import (
+    absolute_image,
+    check_cluster_side,
+    check_code,
+    reason,
+    submitit_command,
+    task_function,
+    withdraw,
+)
 from jobs.sweep_spec import Sweep, Trial
 
 
@@ -52,9 +60,8 @@ def sweep_dir(sweep: Sweep) -> Path:
 
 
 def check_sweep(sweep: Sweep, local_check: bool = True) -> None:
-    """What submit checks for one run, for every distinct task setting (or script) and the shared Slurm request."""
-    from ddp_core.tasks.base import check_task
-
+    """What submit checks for one run (``jobs.submit``: the code, the cluster), for every distinct script or task
+    setting and the shared Slurm request."""
     varying = {key for trial in sweep.trials for key in trial.params}
     # script.launcher too: it decides the request's tasks per node.
     shared = sorted(k for k in varying if k.startswith(("slurm.", "run.")) or k == "script.launcher")
@@ -69,34 +76,21 @@ def check_sweep(sweep: Sweep, local_check: bool = True) -> None:
             "sweep mixes trials that run a script with trials that run the built-in trainer",
             "sweep scripts and trainer settings separately",
         )
-    if sweep.configs[0].script.enabled:
-        _resolve_scripts(sweep.configs)
-    else:
-        seen: set[str] = set()
-        for cfg in sweep.configs:
-            key = json.dumps([cfg.task.target, cfg.task.model, cfg.task.data], sort_keys=True, default=str)
-            if key not in seen:
-                seen.add(key)
-                check_task(cfg.task)
+    checked: dict[str, Config] = {}
+    for cfg in sweep.configs:  # submit's checks of the code, once per distinct script or task, model and strategy
+        parts = [cfg.script.path, cfg.script.module, cfg.task.target, cfg.task.model, cfg.task.data, cfg.strategy]
+        key = json.dumps(parts, sort_keys=True, default=str)
+        if key not in checked:
+            check_code(cfg)
+            checked[key] = cfg
+        cfg.script.path, cfg.script.sha256 = checked[key].script.path, checked[key].script.sha256
+    for cfg in sweep.configs:
+        absolute_image(cfg)
     if local_check:
-        check_cluster(sweep.configs[0])
+        check_cluster_side(sweep.configs[0])
     cpus = SlurmRequest.resolve(sweep.configs[0]).cpus_per_rank
     for cfg in sweep.configs:  # one array, one request: every trial records the resolved CPUs per rank
         cfg.slurm.cpus_per_task = cpus
-
-
-def _resolve_scripts(configs: Sequence[Config]) -> None:
-    """What submit checks for a script, once per distinct script: it exists and is readable here; every trial records
-    its absolute path and sha256."""
-    from ddp_core.script.prepare import resolve_for_submit
-
-    resolved: dict[tuple[Optional[str], Optional[str]], tuple[Optional[str], Optional[str]]] = {}
-    for cfg in configs:
-        key = (cfg.script.path, cfg.script.module)
-        if key not in resolved:
-            resolve_for_submit(cfg.script)
-            resolved[key] = (cfg.script.path, cfg.script.sha256)
-        cfg.script.path, cfg.script.sha256 = resolved[key]
 
 
 def active_jobs(job_ids: list[str]) -> set[str]:

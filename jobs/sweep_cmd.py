@@ -46,7 +46,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--parallel", type=int, help="adaptive search: workers (array tasks) at once")
     p.add_argument("--pruner", help="adaptive search: median, asha, hyperband or none")
-    p.add_argument("--metric", help="adaptive search: what to optimise, e.g. min:eval/loss (default)")
+    p.add_argument("--metric", help="adaptive search: what to optimise (default eval/loss, minimised; max:eval/NAME)")
     p.add_argument("--more", type=int, metavar="N", help="adaptive search: add N trials to the sweep directory given")
 
 

@@ -17,7 +17,9 @@ and so on), and then carries on: where each rank is when the signal lands is not
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -28,7 +30,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 def warn() -> None:
-    subprocess.run(["scancel", "--signal=USR1", os.environ["SLURM_JOB_ID"]], check=True)
+    # Run from a rank, scancel is a process of the job's step too, and Slurm's USR1 would end it: held in it.
+    hold = functools.partial(signal.pthread_sigmask, signal.SIG_BLOCK, {signal.SIGUSR1})
+    subprocess.run(["scancel", "--signal=USR1", os.environ["SLURM_JOB_ID"]], check=True, preexec_fn=hold)
 
 
 class Regression(L.LightningModule):

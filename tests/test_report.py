@@ -354,7 +354,7 @@ def test_scales_recorded_at_sweep_time_and_inferred():
 def test_errors_before_writing(tmp_path: Path, sweep: Path):
     with pytest.raises(DdpJobError, match="no run directories"):
         write_report(tmp_path / "nothing-here")
-    with pytest.raises(DdpJobError, match="bad metric"):
+    with pytest.raises(DdpJobError, match=r"--metric = .* has an unknown prefix"):
         write_report(sweep, metric="median:eval/accuracy")
     assert not (sweep / "report.png").exists()
 

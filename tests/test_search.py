@@ -53,7 +53,7 @@ def new_study(folder: Path, s: dict) -> optuna.Study:
         (["slurm.nodes=choice(1,2)"], {}, "sweep key 'slurm.nodes' cannot be searched"),
         (["optim.lr=uniform(1e-3,1e-2)"], {"sampler": "bayes"}, "'search.sampler' = 'bayes' is unknown"),
         (["optim.lr=uniform(1e-3,1e-2)"], {"pruner": "early"}, "'search.pruner' = 'early' is unknown"),
-        (["optim.lr=uniform(1e-3,1e-2)"], {"metric": "min:train/loss"}, "is not an eval metric"),
+        (["optim.lr=uniform(1e-3,1e-2)"], {"metric": "min:train/loss"}, "'search.metric' = 'min:train/loss' is not a"),
         (["optim.lr=uniform(1e-3,1e-2)"], {"sampler": "grid"}, "has no grid"),
         (["optim.lr=uniform(1e-3,1e-2)"], {"trials": 0}, "'search.trials' = 0 is invalid"),
         (["optim.lr=0.1"], {}, "'search.params' is empty"),

@@ -212,7 +212,7 @@ def test_no_runs_is_a_user_error(tmp_path, monkeypatch):
     with pytest.raises(DdpJobError, match="not a run directory or a sweep folder") as err:
         status.status_text("empty", "eval/accuracy", runner=FakeSlurm())
     assert err.value.hint
-    with pytest.raises(DdpJobError, match="bad metric"):
+    with pytest.raises(DdpJobError, match=r"--metric = .* has an unknown prefix"):
         status.status_text("empty", "median:eval/loss", runner=FakeSlurm())
 
 

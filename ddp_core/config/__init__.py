@@ -9,6 +9,8 @@ resolved copy saved in the run directory. Only ``load``, ``input`` and ``trials`
   ``Config``, the root, and ``ranks_per_node``.
 - ``load``: ``load_config`` (YAML + overrides), ``load_saved``, ``check_override``, ``to_yaml``/``to_dict``.
 - ``validate``: ranges and combinations, one error line naming the key and the fix.
+- ``metric``: ``Metric`` and ``parse_metric``, how a metric and its direction are named everywhere
+  (``checkpoint.monitor``, ``search.metric``, ``ddpjob status/report --metric``).
 - ``batch``: the global batch (``data.global_batch_size``), the accumulation each attempt derives from its
   data-parallel replicas, and their checks.
 - ``input``: how user text is read before OmegaConf sees it (YAML reader, override syntax, one-line errors);
@@ -29,6 +31,7 @@ from ddp_core.config.features import (
     WatchdogConfig,
 )
 from ddp_core.config.load import check_override, escape_interpolations, load_config, load_saved, to_dict, to_yaml
+from ddp_core.config.metric import Metric, parse_metric
 from ddp_core.config.schema import (
     CPU_BIND,
     DEFAULT_CPUS_PER_GPU,
@@ -56,7 +59,7 @@ from ddp_core.config.schema import (
     WandbMode,
 )
 from ddp_core.config.tree import Config, ranks_per_node
-from ddp_core.config.validate import MONITOR_HINT, parse_monitor, validate
+from ddp_core.config.validate import MONITOR_HINT, validate
 
 __all__ = [
     "ARG_STYLES",
@@ -75,6 +78,7 @@ __all__ = [
     "Config",
     "DataConfig",
     "DistConfig",
+    "Metric",
     "OptimConfig",
     "OptimizerImpl",
     "OptimizerName",
@@ -96,7 +100,7 @@ __all__ = [
     "escape_interpolations",
     "load_config",
     "load_saved",
-    "parse_monitor",
+    "parse_metric",
     "ranks_per_node",
     "to_dict",
     "to_yaml",

@@ -189,9 +189,10 @@ class CheckpointConfig:
     # files are written in the background and the manifest appears once they are durable. Full checkpoints then
     # keep a host copy of the state between saves. A signal's save and the last one stay synchronous.
     async_save: bool = False
-    # "min:eval/loss" or "max:eval/accuracy" (min: or max:, then eval/NAME): the checkpoint of the best evaluation
-    # so far is kept apart from keep_last (never pruned; its best value survives resume);
-    # `ddpjob export RUN --best OUT.pt` exports it. null: none.
+    # An eval metric, e.g. eval/loss (a name ending in loss, error or perplexity: lower is better) or eval/accuracy
+    # (higher), or with the direction said: min:eval/NAME, max:eval/NAME (docs/sweeps.md, "Naming a metric"): the
+    # checkpoint of the best evaluation so far is kept apart from keep_last (never pruned; its best value survives
+    # resume); `ddpjob export RUN --best OUT.pt` exports it. null: none.
     monitor: Optional[str] = None
 
 

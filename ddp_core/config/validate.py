@@ -12,6 +12,7 @@ from typing import Any, Optional
 from ddp_core.config.batch import job_world_sizes, validate_batches
 from ddp_core.config.container import validate_container
 from ddp_core.config.features import validate_script, validate_snapshot, validate_trial, validate_watchdog
+from ddp_core.config.metric import parse_metric
 from ddp_core.config.schema import (
     CPU_BIND,
     GPU_BIND,
@@ -344,26 +345,13 @@ def _validate_pipeline(cfg: Config) -> None:
         _require(len(s.split) == s.stages, "strategy.split", s.split, f"needs one entry per stage ({s.stages})")
 
 
-MODES = ("min", "max")
-MONITOR_HINT = "set checkpoint.monitor to 'min:eval/NAME' or 'max:eval/NAME', e.g. min:eval/loss"
-
-
-def parse_monitor(spec: str) -> tuple[str, str]:
-    """``"min:eval/loss"`` -> ("min", "loss"): the direction and the eval metric's name."""
-    mode, _, key = spec.partition(":")
-    split, _, name = key.partition("/")
-    if mode not in MODES or split != "eval" or not name:
-        raise DdpJobError(
-            f"config key 'checkpoint.monitor' = {spec!r} is invalid: expected MODE:eval/NAME with MODE min or max",
-            MONITOR_HINT,
-        )
-    return mode, name
+MONITOR_HINT = "set checkpoint.monitor to an eval metric, e.g. eval/loss (lower is better) or max:eval/accuracy"
 
 
 def validate_monitor(spec: Optional[str], patience: int, eval_every: int) -> None:
     """Login-node checks of ``checkpoint.monitor`` and ``train.early_stop_patience``."""
     if spec is not None:
-        parse_monitor(spec)
+        parse_metric(spec, "config key 'checkpoint.monitor'")
     if patience < 0:
         raise DdpJobError(
             f"config key 'train.early_stop_patience' = {patience} is invalid: must be >= 0 (0: off)",

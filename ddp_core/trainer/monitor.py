@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from ddp_core.config import parse_monitor
+from ddp_core.config import parse_metric
 from ddp_core.errors import DdpJobError
 
 
@@ -20,7 +20,8 @@ class Monitor:
     """Best value of the monitored eval metric, the step it came from, and evaluations since it improved."""
 
     def __init__(self, spec: Optional[str], patience: int) -> None:
-        self.mode, self.name = parse_monitor(spec) if spec is not None else ("min", "")
+        self.metric = parse_metric(spec or "eval/loss", "config key 'checkpoint.monitor'")
+        self.name = self.metric.name  # what the task's evaluation reports
         self.enabled = spec is not None
         self.patience = patience
         self.best: Optional[float] = None
@@ -38,9 +39,7 @@ class Monitor:
                 "name one of those in checkpoint.monitor (the task's Output.sums keys)",
             )
         value = metrics[self.name]
-        better = math.isfinite(value) and (
-            self.best is None or (value < self.best if self.mode == "min" else value > self.best)
-        )
+        better = math.isfinite(value) and (self.best is None or self.metric.better(value, self.best))
         if better:
             self.best, self.best_step, self.stale = value, step, 0
         else:

@@ -21,9 +21,9 @@ from ddp_core.errors import DdpJobError
 from jobs.report.png import PNG_SIZE
 from jobs.report.sources import load
 from jobs.report.table import TABLE_FORMATS
-from jobs.report.trials import find_runs, parse_metric
+from jobs.report.trials import find_runs, ranking_metric
 
-__all__ = ["PNG_SIZE", "find_runs", "main", "parse_metric", "write_report", "write_table"]
+__all__ = ["PNG_SIZE", "find_runs", "main", "ranking_metric", "write_report", "write_table"]
 
 
 def write_report(path: Path, out_dir: Optional[Path] = None, metric: Optional[str] = None) -> tuple[Path, Path]:
@@ -62,7 +62,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jobs.report", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("path", type=Path, help="a run directory or a sweep folder of run directories")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: PATH)")
-    parser.add_argument("--metric", default=None, help="ranks the trials; prefix min: to minimise")
+    parser.add_argument(
+        "--metric", default=None, help="ranks the trials; a loss or error is minimised, anything else maximised"
+    )
     parser.add_argument("--table", choices=TABLE_FORMATS, help="write the trial table only (trials.csv|json)")
     args = parser.parse_args(argv)
     try:

@@ -18,7 +18,7 @@ from jobs.report.trials import (
     curves,
     find_runs,
     override_value,
-    parse_metric,
+    ranking_metric,
     read_config,
     scales_of,
     state_of,
@@ -76,6 +76,7 @@ def _recorded(path: Path, trials: list[Trial], record: dict[str, Any]) -> Sweep:
 
 
 def _search(path: Path, trials: list[Trial]) -> Sweep:
+    from ddp_core.config.metric import Metric
     from ddp_core.search.study import RUN_DIR_ATTR
     from jobs import search
     from jobs.sweep_values import fmt_value
@@ -94,7 +95,7 @@ def _search(path: Path, trials: list[Trial]) -> Sweep:
             t.overrides = (*fixed, *(f"{k}={fmt_value(v)}" for k, v in t.params.items()))
     keys = list(spec["params"])
     scales = {k: _search_scale(p) for k, p in spec["params"].items()}
-    metric = f"{'min' if spec['direction'] == 'minimize' else 'max'}:{spec['metric']}"
+    metric = Metric(spec["metric"], spec["direction"] == "minimize").spec
     return Sweep(path, "search", trials, keys, scales, metric, False, base_config=spec.get("base_config"), study=info)
 
 
@@ -112,7 +113,7 @@ def load(path: Path, metric: Optional[str] = None) -> Sweep:
     if not run_dirs:
         raise DdpJobError(f"no run directories in '{path}' (no {CONFIG_FILE} in it or below it)", "pass a run or sweep")
     if metric is not None:
-        parse_metric(metric)  # a typo fails before anything is read
+        ranking_metric(metric)  # a typo fails before anything is read
     base = path if run_dirs != [path] else path.parent  # names relative to the sweep: nested trial ids stay unique
     trials = []
     for d in run_dirs:
@@ -120,10 +121,10 @@ def load(path: Path, metric: Optional[str] = None) -> Sweep:
         found = curves(run.metrics())
         trials.append(Trial(d.relative_to(base).as_posix(), d, found, state=state_of(run, bool(found))))
     sweep = describe(path, trials, run_dirs == [path])  # what the sweep recorded at submit: keys, values, scales
-    chosen = metric or sweep.metric
-    sweep.metric, sweep.minimise = parse_metric(chosen)
+    chosen = ranking_metric(metric or sweep.metric)
+    sweep.metric, sweep.minimise = chosen.key, chosen.minimize
     monitor = trials[0].config.get("checkpoint.monitor") if trials[0].config else None
-    if isinstance(monitor, str) and ":" in monitor and parse_metric(monitor) == (sweep.metric, sweep.minimise):
+    if isinstance(monitor, str) and monitor and ranking_metric(monitor) == chosen:
         sweep.monitored = True
     for t in trials:
         points = [v for _, v in t.curves.get(sweep.metric, []) if math.isfinite(v)]

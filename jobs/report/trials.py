@@ -14,11 +14,14 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import CONFIG_FILE, RunDir
 
+if TYPE_CHECKING:
+    from ddp_core.config.metric import Metric
+
+RANKED_SPLITS = ("eval", "train")  # what status and report rank trials by
 SWEEP_FILE = "sweep.json"  # jobs.sweep writes it; named here too so reading a report never imports submitit
 NO_METRICS = "no metrics yet"
 RECORD_KEYS = {"step", "time", "split"}  # bookkeeping fields of a metrics line, not metrics
@@ -112,14 +115,12 @@ def find_runs(path: Path) -> list[Path]:
     return sorted(runs)
 
 
-def parse_metric(metric: str) -> tuple[str, bool]:
-    """``"min:eval/loss"`` -> ``("eval/loss", True)``. Without a prefix, names ending in loss/error are
-    minimised and everything else (accuracy-like) maximised; ``max:`` forces maximisation."""
-    direction, _, key = metric.rpartition(":")
-    if direction not in ("", "min", "max") or not key:
-        raise DdpJobError(f"bad metric '{metric}'", "use e.g. eval/accuracy, min:eval/loss or max:eval/f1")
-    key = key if "/" in key else f"eval/{key}"
-    return key, direction == "min" or (not direction and key.endswith(("loss", "error")))
+def ranking_metric(text: str) -> Metric:
+    """``--metric`` of ``ddpjob status`` and ``ddpjob report`` through the one metric spec (``ddp_core.config.metric``):
+    an eval metric or a train one, ``eval/loss`` minimised as everywhere."""
+    from ddp_core.config.metric import parse_metric  # the config package reads YAML: not for importing a report
+
+    return parse_metric(text, "--metric", RANKED_SPLITS)
 
 
 def curves(records: list[dict[str, Any]]) -> dict[str, Points]:
