@@ -24,6 +24,7 @@ from jobs import export as export_cmd
 from jobs import logs as logs_cmds
 from jobs import snapshot, sweep_cmd
 from jobs import status as status_cmds
+from jobs.lookup import RUN_HELP, resolve
 
 if TYPE_CHECKING:
     from ddp_core.config import Config
@@ -108,8 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser("resume", help="submit an ended run again; it continues from its newest checkpoint")
-    p.add_argument("run_dir", metavar="RUN_DIR|JOB_ID", help="the run directory, or one of its Slurm job ids")
-    p.add_argument("--root", default="runs", help="where to look for the run of a JOB_ID (default: runs)")
+    p.add_argument("run_dir", metavar="RUN", help=RUN_HELP)
+    p.add_argument("--root", default="runs", help="where to look for a run named by a job id or a name (default: runs)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="changes, e.g. train.max_steps=2000")
     p.add_argument("--wait", action="store_true", help="follow the job and exit with its status")
     p.add_argument("--local", action="store_true", help="run here without Slurm (waits)")
@@ -119,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     sweep_cmd.add_parser(sub)
 
     p = sub.add_parser("report", help="PNG + self-contained HTML of a run, or of a sweep's hyperparameters and outcome")
-    p.add_argument("path", help="a run directory or a sweep directory")
+    p.add_argument("path", metavar="RUN|SWEEP", help=f"{RUN_HELP}; or a sweep folder or name")
     p.add_argument("--out", help="output directory (default: the path itself)")
     p.add_argument(
         "--metric",
@@ -134,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor_cmd.add_parser(sub)
 
     p = sub.add_parser("sync", help="upload a run's offline W&B records (wraps `wandb sync`)")
-    p.add_argument("run_dir", help="the run directory")
+    p.add_argument("run_dir", metavar="RUN", help=RUN_HELP)
     p.add_argument("--dry-run", action="store_true", help="print the wandb command only")
     return parser
 
@@ -244,11 +245,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     from ddp_core.config import load_config, to_dict
-    from jobs.lookup import find_run
+    from ddp_core.config.continuation import breaks
+    from ddp_core.run.rundir import RunDir
     from jobs.submit import submit, validate_for_submit
     from jobs.sweep import active_jobs
 
-    run_dir = find_run(args.run_dir, Path(args.root))
+    run_dir = RunDir(resolve(args.run_dir, Path(args.root)))
     old = run_dir.load_config()
     cfg = load_config(run_dir.config_file, args.overrides)
     if to_dict(cfg)["task"]["model"] != to_dict(old)["task"]["model"] or cfg.task.target != old.task.target:
@@ -256,6 +258,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
             "resume cannot change task.target or task.model.*: the checkpoint's weights have the old model's shape",
             "start a new run with `ddpjob submit` instead",
         )
+    for line in [] if cfg.script.enabled else breaks(old, cfg):  # a script's exactness is the script's own
+        print(f"exactness: {line}")
     keep_off_excluded(run_dir, cfg, args.include_node)
     validate_for_submit(cfg, local=args.local)
     with run_dir.submit_lock():  # from "not active" to "job recorded": concurrent resumes queue up here
@@ -297,9 +301,7 @@ def keep_off_excluded(run_dir: RunDir, cfg: Config, include: Sequence[str]) -> N
 def cmd_sync(args: argparse.Namespace) -> int:
     from ddp_core.run.rundir import RunDir
 
-    run_dir = RunDir(Path(args.run_dir).resolve())
-    if not run_dir.exists():
-        raise DdpJobError(f"'{run_dir.path}' is not a run directory", "pass the directory `ddpjob submit` printed")
+    run_dir = RunDir(resolve(args.run_dir))
     offline = sorted(str(p) for p in run_dir.wandb.glob("offline-run-*"))
     if not offline:
         raise DdpJobError(f"no offline W&B records in {run_dir.wandb}", "was the run started with wandb.mode=disabled?")
@@ -314,10 +316,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     from jobs.report import write_report, write_table
 
     out = Path(args.out) if args.out else None
+    path = resolve(args.path, sweeps=True)
     if args.table:
-        print(f"table: {write_table(Path(args.path), args.table, out, metric=args.metric)}")
+        print(f"table: {write_table(path, args.table, out, metric=args.metric)}")
         return 0
-    png, html = write_report(Path(args.path), out, metric=args.metric)
+    png, html = write_report(path, out, metric=args.metric)
     print(f"png:  {png}")
     print(f"html: {html}")
     return 0

@@ -26,6 +26,7 @@ from jobs.cluster import node_count_finding
 from jobs.doctor_site import site_findings
 from jobs.drill import render_timings, run_drill
 from jobs.findings import Finding, render
+from jobs.lookup import RUN_HELP, resolve
 from jobs.report import find_runs
 from jobs.runs import shown_path
 
@@ -143,8 +144,8 @@ def _save_cost(record: dict[str, Any]) -> Optional[float]:
 def read_run(run: Optional[Path], root: Path = Path("runs")) -> RunInfo:
     """``run``'s largest recent save time and its settings; without ``run``, the newest run under ``root`` that
     measured a save."""
-    if run is not None and not RunDir(run).exists():
-        raise DdpJobError(f"'{run}' is not a run directory (no config.yaml)", "pass a folder `ddpjob submit` printed")
+    if run is not None:
+        run = resolve(str(run), root)
     runs = [p for p in find_runs(root) if RunDir(p).metrics_file.is_file()] if run is None and root.is_dir() else []
     runs.sort(key=lambda p: RunDir(p).metrics_file.stat().st_mtime, reverse=True)
     for path in [run] if run is not None else runs:
@@ -376,7 +377,9 @@ def add_parser(sub: Any) -> None:
     """Register ``doctor`` on ``ddpjob``'s subparsers."""
     p = sub.add_parser("doctor", help="what preemption and time limits do to jobs here, and what would lose work")
     p.add_argument("--partition", help="the partition to check (default: the cluster's default partition)")
-    p.add_argument("--run", metavar="RUN_DIR", help="checkpoint time and settings of this run (default: newest)")
+    p.add_argument(
+        "--run", metavar="RUN", help=f"checkpoint time and settings of this run (default: newest): {RUN_HELP}"
+    )
     p.add_argument("--json", action="store_true", help="print the findings as a JSON list")
     p.add_argument(
         "--drill",

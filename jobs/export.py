@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
+from jobs.lookup import RUN_HELP, resolve
 
 if TYPE_CHECKING:
     import torch
@@ -28,11 +29,11 @@ if TYPE_CHECKING:
 def add_parser(sub: Any) -> None:
     """Register ``export`` on ``ddpjob``'s subparsers."""
     p = sub.add_parser("export", help="write a run's checkpoint as one plain model state-dict file (for inference)")
-    p.add_argument("run_dir", metavar="RUN_DIR|JOB_ID", help="the run directory, or one of its Slurm job ids")
+    p.add_argument("run_dir", metavar="RUN", help=RUN_HELP)
     p.add_argument("out", metavar="OUT.pt", help="the file to write (replaced if it exists)")
     p.add_argument("--step", type=int, help="export this step's checkpoint (default: the newest that verifies)")
     p.add_argument("--best", action="store_true", help="export the best checkpoint (checkpoint.monitor)")
-    p.add_argument("--root", default="runs", help="where to look for the run of a JOB_ID (default: runs)")
+    p.add_argument("--root", default="runs", help="where to look for a run named by a job id or a name (default: runs)")
 
 
 def find_checkpoint(run_dir: RunDir, step: Optional[int], best: bool = False) -> CheckpointInfo:
@@ -94,9 +95,7 @@ def export(
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from jobs.lookup import find_run
-
-    run_dir = find_run(args.run_dir, Path(args.root))
+    run_dir = RunDir(resolve(args.run_dir, Path(args.root)))
     out = Path(args.out)
     info, state = export(run_dir, out, args.step, args.best)
     params = sum(t.numel() for t in state.values())

@@ -23,6 +23,7 @@ from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
 from ddp_core.trainer.watchdog import cause
 from jobs import notes
+from jobs.lookup import RUN_HELP, resolve
 from jobs.runs import Job, query_ids, run_jobs, runs_to_show, shown_path
 
 # The first line of an attempt: the trainer's or script mode's rank banner (stderr), submitit's start line (stdout),
@@ -153,9 +154,7 @@ def show(run: RunDir, rank: int, stream: str, attempt: str, out: TextIO, wait: b
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    run = RunDir(Path(args.run_dir).resolve())
-    if not run.exists():
-        raise DdpJobError(f"'{args.run_dir}' is not a run directory (no config.yaml)", "pass a run directory")
+    run = RunDir(resolve(args.run_dir))
     if args.attempt not in ("all", "last") and not args.attempt.isdigit():
         raise DdpJobError(f"--attempt {args.attempt}: not a number", "use N (1 = first), last or all")
     try:
@@ -200,7 +199,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def add_parsers(sub: Any) -> None:
     """Register ``logs`` and ``cancel`` on ``ddpjob``'s subparsers."""
     p = sub.add_parser("logs", help="a run's rank log across its attempts and jobs")
-    p.add_argument("run_dir", help="the run directory")
+    p.add_argument("run_dir", metavar="RUN", help=RUN_HELP)
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new output until the job ends")
     p.add_argument("--rank", type=int, default=0, help="which rank's log (default 0)")
     p.add_argument("--attempt", default="all", help="N (1 = first, across requeues and resumes), last or all")
@@ -212,7 +211,7 @@ def add_parsers(sub: Any) -> None:
     )
 
     p = sub.add_parser("cancel", help="scancel every queued or running job of runs or sweeps")
-    p.add_argument("paths", nargs="+", metavar="RUN|SWEEP", help="run directories or sweep folders")
+    p.add_argument("paths", nargs="+", metavar="RUN|SWEEP", help=f"runs ({RUN_HELP}) or sweep folders or names")
 
 
 COMMANDS = {"logs": cmd_logs, "cancel": cmd_cancel}

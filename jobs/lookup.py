@@ -1,11 +1,78 @@
-"""Find a run from what a user has at hand: its directory, or a Slurm job id (array tasks as ID_INDEX)."""
+"""One way to name a run, for every command that takes one (``status``, ``logs``, ``cancel``, ``report``, ``sync``,
+``resume``, ``export``, ``doctor --run``): its directory, a Slurm job id of one of its attempts (an array task's as
+``ID_INDEX``), or its name (``run.name``, or the directory's name under the runs root). ``resolve`` turns any of
+them into the run's directory, or fails in one line: an unknown reference says where it looked, an ambiguous one
+lists the candidates. Commands that also show a sweep (``status``, ``logs``, ``report``) accept a sweep folder or its
+name the same way."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ddp_core.errors import DdpJobError
-from ddp_core.run.rundir import RunDir
+from ddp_core.run.rundir import CONFIG_FILE, RunDir
+
+DEFAULT_ROOT = Path("runs")
+RUN_HELP = "a run directory, a Slurm job id of one of its attempts (ID_INDEX for an array task), or a run name"
+_JOB_ID = re.compile(r"\d+(_\d+)?")
+_SHOWN = 5  # candidates named in an ambiguity's line
+
+
+def resolve(ref: str, root: Path = DEFAULT_ROOT, sweeps: bool = False) -> Path:
+    """The run directory (or, with ``sweeps``, the sweep folder) ``ref`` names; ``DdpJobError`` otherwise."""
+    kind = "a run directory or a sweep folder" if sweeps else "a run directory"
+    path = Path(ref)
+    if path.is_dir():
+        if RunDir(path).exists() or (sweeps and _holds_runs(path)):
+            return path.resolve()
+        raise DdpJobError(f"'{ref}' is not {kind} (no {CONFIG_FILE} in it)", f"pass {kind}, a job id or a run name")
+    runs = _runs(root)
+    if _JOB_ID.fullmatch(ref):
+        found = [run for run in runs if ref in _job_ids(RunDir(run))]
+        return _one(ref, found, root, "has job")
+    if "/" not in ref:
+        found = [run for run in runs if _named(run, ref)]
+        if sweeps:
+            found += [d for d in _folders(root) if d.name == ref and _holds_runs(d) and d not in found]
+        return _one(ref, found, root, "is named")
+    raise DdpJobError(f"'{ref}' is not {kind}, a job id or a run name", f"pass {kind}, a job id or a run name")
+
+
+def _one(ref: str, found: list[Path], root: Path, how: str) -> Path:
+    if len(found) == 1:
+        return found[0].resolve()
+    if not found:
+        where = f"ls {root}" if root.is_dir() else f"there is no {root} here"
+        raise DdpJobError(f"no run under '{root}' {how} '{ref}'", f"pass the run directory, or --root ({where})")
+    names = ", ".join(str(p) for p in found[:_SHOWN]) + (
+        f" and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
+    )
+    raise DdpJobError(f"'{ref}' names {len(found)} runs under '{root}': {names}", "pass one of them")
+
+
+def _runs(root: Path) -> list[Path]:
+    """Run directories under ``root``, to two levels (a sweep's trials), newest name last."""
+    if not root.is_dir():
+        return []
+    configs = sorted(root.glob(f"*/{CONFIG_FILE}")) + sorted(root.glob(f"*/*/{CONFIG_FILE}"))
+    return [c.parent for c in configs]
+
+
+def _folders(root: Path) -> list[Path]:
+    return sorted(d for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
+
+
+def _holds_runs(path: Path) -> bool:
+    return any(path.glob(f"*/{CONFIG_FILE}")) or any(path.glob(f"*/*/{CONFIG_FILE}"))
+
+
+def _named(run: Path, name: str) -> bool:
+    """``name`` is the directory's name, or the run's own name (``<name>-<time>-<id>``, or a sweep's trial)."""
+    if run.name == name:
+        return True
+    prefix = run.name[: -len("-YYYYmmdd-HHMMSS-xxxx")] if re.search(r"-\d{8}-\d{6}-\w{4}$", run.name) else None
+    return prefix == name
 
 
 def _job_ids(run: RunDir) -> set[str]:
@@ -14,19 +81,3 @@ def _job_ids(run: RunDir) -> set[str]:
     except DdpJobError:
         ids = set()  # a damaged run.json: its attempts may still name the job
     return ids | {str(e.get("job_id")) for e in run.events()}
-
-
-def find_run(target: str, root: Path = Path("runs")) -> RunDir:
-    """``target`` is a run directory, or a job id searched for in the run directories under ``root``."""
-    path = Path(target)
-    if path.is_dir():
-        run = RunDir(path.resolve())
-        if not run.exists():
-            raise DdpJobError(f"'{target}' is not a run directory (no config.yaml)", "pass a run directory or job id")
-        return run
-    if not target.replace("_", "").isdigit():
-        raise DdpJobError(f"'{target}' is neither a directory nor a Slurm job id", "pass RUN_DIR or JOB_ID")
-    for config in sorted(root.glob("*/config.yaml")) + sorted(root.glob("*/*/config.yaml")):
-        if target in _job_ids(RunDir(config.parent)):
-            return RunDir(config.parent.resolve())
-    raise DdpJobError(f"no run under '{root}' has job {target}", "pass the run directory, or --root where runs live")

@@ -12,12 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from ddp_core.errors import DdpJobError
+from jobs.lookup import DEFAULT_ROOT, resolve
 from jobs.report import find_runs
 
 if TYPE_CHECKING:
     from ddp_core.run.rundir import RunDir
-
-DEFAULT_ROOT = Path("runs")
 
 
 @dataclass(frozen=True)
@@ -74,8 +73,6 @@ def runs_to_show(path: Optional[str], limit: int = 20) -> tuple[list[Path], bool
         # run.json is rewritten at each submission: newest activity first
         runs.sort(key=lambda p: (p / META_FILE).stat().st_mtime if (p / META_FILE).is_file() else 0, reverse=True)
         return runs[:limit], False
-    target = Path(path)
-    runs = find_runs(target) if target.is_dir() else []
-    if not runs:
-        raise DdpJobError(f"'{path}' is not a run directory or a sweep folder", "pass a folder `ddpjob submit` printed")
+    target = resolve(path, sweeps=True)
+    runs = find_runs(target)
     return runs, runs != [target]

@@ -368,7 +368,7 @@ def test_import_is_light_and_cli(sweep: Path):
         assert out.stdout.strip() == "[]", module
     cli_args = [sys.executable, "-m", "jobs.report", str(sweep), "--metric", "min:eval/loss"]
     out = subprocess.run(cli_args, cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == [str(sweep / "report.png"), str(sweep / "report.html")]
+    assert out.stdout.split() == ["png:", str(sweep / "report.png"), "html:", str(sweep / "report.html")]  # ddpjob's
 
 
 def need_chromium() -> None:

@@ -129,6 +129,8 @@ def test_resumes_submit_one_job_which_skips_a_truncated_checkpoint(slurm_cluster
     assert len(submitted) == 1 and len(refused) == 3, outputs
     job = field(submitted[0], "job")
     assert all(f"still queued or running as job {job}" in err for err in refused), refused
+    # the config's cosine schedule decays to max_steps: said before anything is submitted (docs/preemption.md)
+    assert "exactness: train.max_steps 60 -> 80 with optim.schedule=cosine" in submitted[0], submitted[0]
     jobs = [j["job_id"] for j in json.loads((run_dir / "run.json").read_text())["jobs"]]
     assert jobs == [field(first.stdout, "job"), job]
     assert wait_gone(job) == "COMPLETED"

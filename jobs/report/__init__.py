@@ -12,10 +12,8 @@ libraries (Plotly, Optuna, matplotlib) are imported only when a report is drawn:
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from ddp_core.errors import DdpJobError
 from jobs.report.png import PNG_SIZE
@@ -23,7 +21,7 @@ from jobs.report.sources import load
 from jobs.report.table import TABLE_FORMATS
 from jobs.report.trials import find_runs, ranking_metric
 
-__all__ = ["PNG_SIZE", "find_runs", "main", "ranking_metric", "write_report", "write_table"]
+__all__ = ["PNG_SIZE", "find_runs", "ranking_metric", "write_report", "write_table"]
 
 
 def write_report(path: Path, out_dir: Optional[Path] = None, metric: Optional[str] = None) -> tuple[Path, Path]:
@@ -56,24 +54,3 @@ def write_table(path: Path, fmt: str, out_dir: Optional[Path] = None, metric: Op
         raise DdpJobError(f"--table {fmt} is not a table format", f"use one of {', '.join(TABLE_FORMATS)}")
     path = Path(path)
     return table.write_table(load(path, metric), fmt, Path(out_dir) if out_dir is not None else path)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.report", description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("path", type=Path, help="a run directory or a sweep folder of run directories")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default: PATH)")
-    parser.add_argument(
-        "--metric", default=None, help="ranks the trials; a loss or error is minimised, anything else maximised"
-    )
-    parser.add_argument("--table", choices=TABLE_FORMATS, help="write the trial table only (trials.csv|json)")
-    args = parser.parse_args(argv)
-    try:
-        if args.table:
-            print(write_table(args.path, args.table, args.out, args.metric))
-        else:
-            for written in write_report(args.path, args.out, args.metric):
-                print(written)
-    except DdpJobError as err:
-        print(f"report: error: {err}", file=sys.stderr)
-        return 2
-    return 0

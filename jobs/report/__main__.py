@@ -1,7 +1,8 @@
-"""``python -m jobs.report``: the report without the rest of ``ddpjob``'s command line."""
+"""``python -m jobs.report ARGS`` is ``ddpjob report ARGS``: one parser, one way to name the run and the metric, one
+error prefix."""
 
 import sys
 
-from jobs.report import main
+from jobs.cli import main
 
-sys.exit(main())
+sys.exit(main(["report", *sys.argv[1:]]))
