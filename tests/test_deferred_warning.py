@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from ddp_core.cluster.exits import ExitCode
-from tests.helpers import events
+from tests.helpers import events, wait_for
 from tests.test_script_mode import Ranks, make_run
 
 # A handler that saves as Lightning's does: with a collective (its barrier). The signal goes to rank 0 alone, while it
@@ -70,8 +70,13 @@ def test_ranks_that_stop_after_the_warning_are_caught(tmp_path):
     """Rank 1's handler never returns: no optimizer step after the warning for watchdog.stall_s, and the attempt ends
     as a hang (outside Slurm: recorded, exit HUNG) instead of holding its allocation to the time limit."""
     run, ranks = _run(tmp_path, "--stall", overrides=("watchdog.stall_s=4",))
-    codes = ranks.wait(timeout=150)
-    assert ExitCode.HUNG in codes, ranks.all_text()
+    # The rank that coordinates the hang records it and exits HUNG; under srun --kill-on-bad-exit ends the other one,
+    # which here only its own watchdog would end, two minutes later: ended as srun would.
+    wait_for(lambda: any(p.poll() == ExitCode.HUNG for p in ranks.procs), 120, "the hang's coordinator to exit")
+    for proc in ranks.procs:
+        if proc.poll() is None:
+            proc.kill()
+    assert ExitCode.HUNG in ranks.wait(), ranks.all_text()
     hang = events(run, "hang")
     assert len(hang) == 1 and "no progress for 4 s" in hang[0]["summary"], events(run)
     folder = Path(hang[0]["stacks"])
