@@ -37,7 +37,7 @@ from ddp_core.search.study import (
 from jobs import snapshot
 from jobs.request import SlurmRequest
 from jobs.search_spec import SearchSpec
-from jobs.submit import absolute_image, check_cluster_side, check_code, reason, withdraw
+from jobs.submit import absolute_image, check_cluster_side, check_code, submitted_or_withdrawn
 
 
 def is_search(path: Optional[str | Path]) -> bool:
@@ -155,15 +155,9 @@ def submit_workers(root: Path, cfg: Config) -> Optional[str]:
         params.pop("srun_args")  # each trial's srun line is search.json's step (the worker runs it)
         executor = submitit.SlurmExecutor(folder=folder)
         executor.update_parameters(**params)
-        before = set(GATEWAY.queued_from(folder))
-        try:
+        hint = "fix the cause and rerun the same command: the study continues"
+        with submitted_or_withdrawn(folder, "search submission", hint, unit="array"):
             jobs = executor.map_array(search_worker.run, [str(root)] * tasks, [generation] * tasks)
-        except Exception as err:
-            withdraw(folder, before, err)
-            raise DdpJobError(
-                f"search submission failed: {reason(err)}",
-                "fix the cause and rerun the same command: the study continues",
-            ) from err
         array = str(jobs[0].job_id).split("_")[0]
         entry = {
             "generation": generation,

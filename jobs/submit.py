@@ -7,6 +7,7 @@ leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shlex
 import shutil
@@ -14,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from ddp_core.cluster.slurm import GATEWAY
 from ddp_core.config import Config
@@ -154,18 +155,16 @@ def submit(cfg: Config, run_dir: RunDir, local: bool = False, fresh: bool = True
     code = snapshot.plan(cfg) if fresh else None
     previous = None if fresh or not run_dir.config_file.exists() else run_dir.config_file.read_text()
     run_dir.initialize(cfg)
-    before = set() if fresh or local else set(GATEWAY.queued_from(run_dir.slurm))
-    try:
-        snapshot.take(code, run_dir)
-        job = make_executor(cfg, run_dir, local).submit(run, str(run_dir.path))
-    except Exception as err:
-        withdrawn = [] if local else withdraw(run_dir.slurm, before, err)
+
+    def undo() -> None:
         if fresh:
             shutil.rmtree(run_dir.path, ignore_errors=True)
         elif previous is not None:  # a resume that did not submit leaves the run's config as it was
             atomic_write_text(run_dir.config_file, previous)
-        cancelled = f" (cancelled job {', '.join(withdrawn)}, which sbatch had queued)" if withdrawn else ""
-        raise DdpJobError(f"submission failed: {reason(err)}{cancelled}") from err
+
+    with submitted_or_withdrawn(run_dir.slurm, "submission", undo=undo, queued=not local, new_folder=fresh):
+        snapshot.take(code, run_dir)
+        job = make_executor(cfg, run_dir, local).submit(run, str(run_dir.path))
     run_dir.record_job(str(job.job_id), "local" if local else "submitit")
     return Submitted(job, run_dir)
 
@@ -175,6 +174,33 @@ def reason(err: BaseException) -> str:
     lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
     errors = [line for line in lines if "error" in line.lower()]
     return errors[-1] if errors else lines[0] if lines else type(err).__name__
+
+
+@contextlib.contextmanager
+def submitted_or_withdrawn(
+    folder: Path,
+    what: str,
+    hint: str = "",
+    undo: Callable[[], None] = lambda: None,
+    earlier: str = "",
+    queued: bool = True,
+    new_folder: bool = False,
+    unit: str = "job",
+) -> Iterator[None]:
+    """Submit-or-withdraw, for every way in (a run, a sweep's arrays, a search's workers): when the ``with`` block's
+    submission fails, the jobs sbatch queued from ``folder`` meanwhile are cancelled (``withdraw``), ``undo`` puts
+    back what the submission had created, and the failure is one line: ``WHAT failed: why (cancelled job N, which
+    sbatch had queued)``, plus ``earlier`` (what went out before this one). ``queued``: False where nothing goes
+    through sbatch (``--local``); ``new_folder``: nothing can be queued from it yet (no squeue to ask); ``unit``: what
+    one sbatch queues (a ``job``, an ``array``)."""
+    before = set(GATEWAY.queued_from(folder)) if queued and not new_folder else set()
+    try:
+        yield
+    except Exception as err:
+        withdrawn = withdraw(folder, before, err) if queued else []
+        undo()
+        cancelled = f" (cancelled {unit} {', '.join(withdrawn)}, which sbatch had queued)" if withdrawn else ""
+        raise DdpJobError(f"{what} failed: {reason(err)}{cancelled}{earlier}", hint) from err
 
 
 def withdraw(folder: Path, before: set[str], err: BaseException) -> list[str]:

@@ -30,10 +30,9 @@ from jobs.submit import (
     absolute_image,
     check_cluster_side,
     check_code,
-    reason,
     submitit_command,
+    submitted_or_withdrawn,
     task_function,
-    withdraw,
 )
 from jobs.sweep_spec import Sweep, Trial
 
@@ -197,17 +196,11 @@ def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int) -> list
         runs = folder / f"runs-{stamp}-{number}.txt"  # each task's run directory: its batch script watches it
         runs.write_text("".join(f"{p.run_dir.path}\n" for p in chunk))
         executor.update_parameters(**array_parameters(request, parallelism, runs))
-        before = set(GATEWAY.queued_from(folder))  # earlier arrays of this sweep may still be queued
-        try:
+        done = f"; {len(arrays)} earlier arrays were submitted: {' '.join(arrays)}" if arrays else ""
+        hint = "fix the cause and rerun the same `ddpjob sweep` command: it submits only the trials not yet queued"
+        # Earlier arrays of this sweep may still be queued from the folder: only this one's are withdrawn.
+        with submitted_or_withdrawn(folder, "sweep submission", hint, earlier=done, unit="array"):
             jobs = executor.map_array(run, [str(p.run_dir.path) for p in chunk])  # one sbatch per chunk
-        except Exception as err:
-            withdrawn = withdraw(folder, before, err)
-            cancelled = f" (cancelled array {', '.join(withdrawn)}, which sbatch had queued)" if withdrawn else ""
-            done = f"; {len(arrays)} earlier arrays were submitted: {' '.join(arrays)}" if arrays else ""
-            raise DdpJobError(
-                f"sweep submission failed: {reason(err)}{cancelled}{done}",
-                "fix the cause and rerun the same `ddpjob sweep` command: it submits only the trials not yet queued",
-            ) from err
         array_id = str(jobs[0].job_id).split("_")[0]
         arrays.append(array_id)
         for p, job in zip(chunk, jobs, strict=True):
