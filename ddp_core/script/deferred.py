@@ -87,17 +87,17 @@ class DeferredWarning:
         signals.install(self.warning, signal.SIG_DFL)  # blocked: a pending one stays pending
         real_getsignal = signal.getsignal
 
-        def signal_(signalnum: int, handler: signals.Handler) -> signals.Handler:
-            if signalnum != self.warning or threading.current_thread() is not threading.main_thread():
-                return signals.install(signalnum, handler)  # also raises as Python does off the main thread
-            previous = self.handler if self.handler is not None else real_getsignal(signalnum)
-            self._take(handler)
-            return previous
-
         def getsignal_(signalnum: int) -> signals.Handler:
             if signalnum == self.warning and (self.handler is not None or self._recording):
                 return self.handler or signal.SIG_DFL  # what the script set, not the recorder in its place
             return real_getsignal(signalnum)
+
+        def signal_(signalnum: int, handler: signals.Handler) -> signals.Handler:
+            if signalnum != self.warning or threading.current_thread() is not threading.main_thread():
+                return signals.install(signalnum, handler)  # also raises as Python does off the main thread
+            previous = getsignal_(signalnum)
+            self._take(handler)
+            return previous
 
         signal.signal, signal.getsignal = signal_, getsignal_
 
