@@ -11,7 +11,8 @@ import re
 from pathlib import Path
 
 from ddp_core.errors import DdpJobError
-from ddp_core.run.rundir import CONFIG_FILE, RunDir
+from ddp_core.run.rundir import CONFIG_FILE, RunDir, run_name_of
+from jobs.report.trials import find_runs
 
 DEFAULT_ROOT = Path("runs")
 RUN_HELP = "a run directory, a Slurm job id of one of its attempts (ID_INDEX for an array task), or a run name"
@@ -24,17 +25,17 @@ def resolve(ref: str, root: Path = DEFAULT_ROOT, sweeps: bool = False) -> Path:
     kind = "a run directory or a sweep folder" if sweeps else "a run directory"
     path = Path(ref)
     if path.is_dir():
-        if RunDir(path).exists() or (sweeps and _holds_runs(path)):
+        if RunDir(path).exists() or (sweeps and find_runs(path)):
             return path.resolve()
         raise DdpJobError(f"'{ref}' is not {kind} (no {CONFIG_FILE} in it)", f"pass {kind}, a job id or a run name")
-    runs = _runs(root)
+    runs = find_runs(root)
     if _JOB_ID.fullmatch(ref):
         found = [run for run in runs if ref in _job_ids(RunDir(run))]
         return _one(ref, found, root, "has job")
     if "/" not in ref:
         found = [run for run in runs if _named(run, ref)]
         if sweeps:
-            found += [d for d in _folders(root) if d.name == ref and _holds_runs(d) and d not in found]
+            found += [d for d in _folders(root) if d.name == ref and find_runs(d) and d not in found]
         return _one(ref, found, root, "is named")
     raise DdpJobError(f"'{ref}' is not {kind}, a job id or a run name", f"pass {kind}, a job id or a run name")
 
@@ -51,28 +52,13 @@ def _one(ref: str, found: list[Path], root: Path, how: str) -> Path:
     raise DdpJobError(f"'{ref}' names {len(found)} runs under '{root}': {names}", "pass one of them")
 
 
-def _runs(root: Path) -> list[Path]:
-    """Run directories under ``root``, to two levels (a sweep's trials), newest name last."""
-    if not root.is_dir():
-        return []
-    configs = sorted(root.glob(f"*/{CONFIG_FILE}")) + sorted(root.glob(f"*/*/{CONFIG_FILE}"))
-    return [c.parent for c in configs]
-
-
 def _folders(root: Path) -> list[Path]:
     return sorted(d for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
 
 
-def _holds_runs(path: Path) -> bool:
-    return any(path.glob(f"*/{CONFIG_FILE}")) or any(path.glob(f"*/*/{CONFIG_FILE}"))
-
-
 def _named(run: Path, name: str) -> bool:
-    """``name`` is the directory's name, or the run's own name (``<name>-<time>-<id>``, or a sweep's trial)."""
-    if run.name == name:
-        return True
-    prefix = run.name[: -len("-YYYYmmdd-HHMMSS-xxxx")] if re.search(r"-\d{8}-\d{6}-\w{4}$", run.name) else None
-    return prefix == name
+    """``name`` is the directory's name, or the ``run.name`` it was made from (``<name>-<time>-<id>``)."""
+    return name in (run.name, run_name_of(run.name))
 
 
 def _job_ids(run: RunDir) -> set[str]:

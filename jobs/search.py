@@ -170,6 +170,14 @@ def submit_workers(root: Path, cfg: Config) -> Optional[str]:
     return array
 
 
+def own_metric(spec: dict[str, Any]) -> str:
+    """A search's metric with its direction said (``min:eval/loss``), from its recorded spec: what status and report
+    rank its trials by."""
+    from ddp_core.config.metric import Metric
+
+    return Metric(spec["metric"], spec["direction"] == "minimize").spec
+
+
 def summary(root: Path) -> dict[str, Any]:
     """Counts by state, the best trial (value, params, run dir), and every trial's state by run directory name."""
     spec = read_spec(root)

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ddp_core.cluster.slurm import Runner
-from ddp_core.config.metric import Metric
 from ddp_core.errors import DdpJobError
 from jobs import notes
 from jobs.attempts import Attempt, in_array_range, job_attempts
@@ -309,7 +308,7 @@ def status_text(
     study = search.summary(Path(path)) if path is not None and search.is_search(path) else None
     if metric is None:
         own = study["spec"] if study else None
-        metric = Metric(own["metric"], own["direction"] == "minimize").spec if own else "eval/accuracy"
+        metric = search.own_metric(own) if own else "eval/accuracy"
     metric_key = ranking_metric(metric).key
     paths, is_sweep = runs_to_show(path, limit)
     rows, now = collect(paths, metric_key, runner), time.time()

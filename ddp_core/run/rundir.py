@@ -25,6 +25,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import secrets
 import string
 import time
@@ -306,8 +307,17 @@ def _locked(path: Path) -> Iterator[None]:
         yield
 
 
+# What new_run_dir appends to run.name: -<timestamp>-<4 hex digits>.
+_DIR_SUFFIX = re.compile(r"-\d{8}-\d{6}-[0-9a-f]{4}$")
+
+
 def new_run_dir(cfg: Config, base: Path | None = None) -> RunDir:
     """A fresh, not yet existing ``<root>/<name>-<timestamp>-<suffix>`` directory."""
     root = Path(cfg.run.root) if base is None else base
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return RunDir((root / f"{cfg.run.name}-{stamp}-{secrets.token_hex(2)}").resolve())
+
+
+def run_name_of(dir_name: str) -> str | None:
+    """The ``run.name`` a directory of ``new_run_dir``'s was named after; None for another directory (a trial)."""
+    return _DIR_SUFFIX.sub("", dir_name) if _DIR_SUFFIX.search(dir_name) else None

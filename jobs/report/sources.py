@@ -76,7 +76,6 @@ def _recorded(path: Path, trials: list[Trial], record: dict[str, Any]) -> Sweep:
 
 
 def _search(path: Path, trials: list[Trial]) -> Sweep:
-    from ddp_core.config.metric import Metric
     from ddp_core.search.study import RUN_DIR_ATTR
     from jobs import search
     from jobs.sweep_values import fmt_value
@@ -95,7 +94,7 @@ def _search(path: Path, trials: list[Trial]) -> Sweep:
             t.overrides = (*fixed, *(f"{k}={fmt_value(v)}" for k, v in t.params.items()))
     keys = list(spec["params"])
     scales = {k: _search_scale(p) for k, p in spec["params"].items()}
-    metric = Metric(spec["metric"], spec["direction"] == "minimize").spec
+    metric = search.own_metric(spec)
     return Sweep(path, "search", trials, keys, scales, metric, False, base_config=spec.get("base_config"), study=info)
 
 
