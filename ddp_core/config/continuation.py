@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ddp_core.config.tree import Config, to_dict
+from ddp_core.config.tree import Config, flatten, to_dict
 
 # Prefixes of keys whose change keeps the bits: where and how long the job runs, what is logged and kept, budgets.
 KEEP = (
@@ -71,11 +71,12 @@ WHY = {
 def breaks(old: Config, new: Config) -> list[str]:
     """One line per changed key that makes the continued run differ from a run that had the new values from the
     start; empty when the continuation keeps the bits."""
-    before, after = _flat(to_dict(old)), _flat(to_dict(new))
-    changed = [k for k in after if before.get(k) != after[k] and not k.startswith(KEEP)]
+    before, after = flatten(to_dict(old)), flatten(to_dict(new))
+    keys = dict.fromkeys([*before, *after])  # a key of task.data one side has not: a change too
+    changed = [k for k in keys if before.get(k) != after.get(k) and not k.startswith(KEEP)]
     lines = []
     for key in changed:
-        was, now = before.get(key), after[key]
+        was, now = before.get(key), after.get(key)
         if key == "train.max_steps":
             if new.optim.schedule.value != "constant":
                 lines.append(
@@ -106,14 +107,3 @@ def _world(key: str, was: Any, now: Any, new: Config) -> Optional[str]:
             "the longer run, not bitwise (train.invariant keeps the bits)"
         )
     return None
-
-
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict) and path not in ("task.data", "task.model", "slurm.additional"):
-            out.update(_flat(value, f"{path}."))
-        else:
-            out[path] = value
-    return out

@@ -66,3 +66,12 @@ def plain(value: Any) -> Any:
 def to_dict(cfg: Config) -> dict[str, Any]:
     """Plain, JSON-able dict (enums as strings) for W&B, checkpoints and the saved config.yaml."""
     return plain(dataclasses.asdict(cfg))
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as dotted keys, ``{"optim": {"lr": 1}}`` -> ``{"optim.lr": 1}``: a config as its override
+    keys (``to_dict``'s, or a config.yaml read as plain YAML)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out |= flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}
+    return out

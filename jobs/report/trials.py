@@ -143,13 +143,9 @@ def read_config(run_dir: Path) -> dict[str, Any]:
     except (OSError, ValueError, RecursionError, yaml.YAMLError):  # ValueError: not UTF-8
         return {}  # the table just shows no config columns for it; the curves still count
 
-    def flatten(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out |= flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}
-        return out
+    from ddp_core.config.tree import flatten  # lazily, as yaml: the config package is not for importing a report
 
-    return flatten(data, "") if isinstance(data, dict) else {}
+    return flatten(data) if isinstance(data, dict) else {}
 
 
 def state_of(run: RunDir, has_metrics: bool) -> str:
