@@ -30,10 +30,6 @@ class Metric:
     minimize: bool
 
     @property
-    def split(self) -> str:
-        return self.key.partition("/")[0]
-
-    @property
     def name(self) -> str:
         """The name without its split: ``eval/loss`` -> ``loss`` (what the trainer's evaluation returns)."""
         return self.key.partition("/")[2]
