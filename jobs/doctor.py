@@ -144,8 +144,7 @@ def _save_cost(record: dict[str, Any]) -> Optional[float]:
 def read_run(run: Optional[Path], root: Path = Path("runs")) -> RunInfo:
     """``run``'s largest recent save time and its settings; without ``run``, the newest run under ``root`` that
     measured a save."""
-    if run is not None:
-        run = resolve(str(run), root)
+    run = resolve(str(run), root) if run is not None else None
     runs = [p for p in find_runs(root) if RunDir(p).metrics_file.is_file()] if run is None and root.is_dir() else []
     runs.sort(key=lambda p: RunDir(p).metrics_file.stat().st_mtime, reverse=True)
     for path in [run] if run is not None else runs:
@@ -377,9 +376,7 @@ def add_parser(sub: Any) -> None:
     """Register ``doctor`` on ``ddpjob``'s subparsers."""
     p = sub.add_parser("doctor", help="what preemption and time limits do to jobs here, and what would lose work")
     p.add_argument("--partition", help="the partition to check (default: the cluster's default partition)")
-    p.add_argument(
-        "--run", metavar="RUN", help=f"checkpoint time and settings of this run (default: newest): {RUN_HELP}"
-    )
+    p.add_argument("--run", metavar="RUN", help=f"the run whose save time counts (default: the newest): {RUN_HELP}")
     p.add_argument("--json", action="store_true", help="print the findings as a JSON list")
     p.add_argument(
         "--drill",
