@@ -213,7 +213,7 @@ def wandb_records(path: Path) -> list[Any]:
 
 
 def submitit_parameters(cfg: Any) -> dict[str, Any]:
-    """submitit's executor parameters for a config's one request (``jobs.request.SlurmRequest``)."""
-    from jobs.request import SlurmRequest
+    """submitit's executor parameters for a config's one request (``jobs.submission.request.SlurmRequest``)."""
+    from jobs.submission.request import SlurmRequest
 
     return SlurmRequest.resolve(cfg).submitit_parameters()

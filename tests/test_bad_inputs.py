@@ -21,9 +21,9 @@ from torch.utils.data import Dataset
 from ddp_core.config import load_config
 from ddp_core.errors import DdpJobError
 from ddp_core.tasks.base import Task
-from jobs.submit import validate_for_submit
-from jobs.sweep import check_sweep
-from jobs.sweep_spec import load_sweep
+from jobs.submission.submit import validate_for_submit
+from jobs.sweeps.arrays import check_sweep
+from jobs.sweeps.spec import load_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "configs" / "digits.yaml"

@@ -15,9 +15,10 @@ import pytest
 
 from ddp_core.cluster import releases, slurm
 from ddp_core.errors import DdpJobError
-from jobs import cluster, doctor
-from jobs.attempts import job_attempts
 from jobs.cli import main
+from jobs.doctor import checks as doctor
+from jobs.runs.attempts import job_attempts
+from jobs.submission import partitions as cluster
 from tests.conftest import run_cli
 
 # `scontrol show config` (the keys doctor and the gateway read, among a few others, as Slurm prints them)

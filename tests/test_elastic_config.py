@@ -14,8 +14,9 @@ from ddp_core.config.batch import job_world_sizes
 from ddp_core.config.load import Config
 from ddp_core.config.shapes import from_plain
 from ddp_core.errors import DdpJobError
-from jobs.cluster import Partition, node_count_finding
-from jobs.request import SlurmRequest
+from jobs.doctor.findings import node_count_finding
+from jobs.submission.partitions import Partition
+from jobs.submission.request import SlurmRequest
 from tests.conftest import ROOT, field, run_cli
 
 DIGITS = ROOT / "configs" / "digits.yaml"  # 2 ranks per node, data.batch_size 32

@@ -22,7 +22,7 @@ from ddp_core.cluster.slurm import SlurmGateway, gateway_for
 from ddp_core.config import load_config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
-from jobs.request import SlurmRequest
+from jobs.submission.request import SlurmRequest
 from tests.conftest import ROOT
 
 GLOO_PEER = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.1.2]:29500"

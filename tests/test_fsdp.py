@@ -33,7 +33,7 @@ from ddp_core.strategies.fsdp import shard_units
 from ddp_core.tasks.charlm import CharLMTask
 from ddp_core.trainer.optim import build_optimizer
 from ddp_core.trainer.steps import weights_digest
-from jobs.export import export
+from jobs.runs.export import export
 from tests.conftest import ROOT
 from tests.helpers import final_digests, run_trainer
 

@@ -33,8 +33,8 @@ from ddp_core.config.shapes import from_plain
 from ddp_core.config.trials import load_trial_config
 from ddp_core.errors import DdpJobError
 from ddp_core.tasks.base import check_task
-from jobs.submit import validate_for_submit
-from jobs.sweep_spec import Sweep, load_sweep, parse_cli_sweep
+from jobs.submission.submit import validate_for_submit
+from jobs.sweeps.spec import Sweep, load_sweep, parse_cli_sweep
 from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent

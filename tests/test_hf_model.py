@@ -20,7 +20,7 @@ from ddp_core.strategies.check import check_model
 from ddp_core.strategies.units import candidate_units, checkpoint_activations, shard_units
 from ddp_core.tasks.hf_gpt2 import HFGPT2Task
 from ddp_core.trainer.steps import weights_digest
-from jobs.export import export
+from jobs.runs.export import export
 from tests.conftest import ROOT, run_cli
 from tests.helpers import final_digests, run_trainer
 

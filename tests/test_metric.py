@@ -10,9 +10,9 @@ import pytest
 
 from ddp_core.config import load_config
 from ddp_core.trainer.monitor import Monitor
-from jobs.report import ranking_metric
-from jobs.search_spec import parse_cli_search
-from jobs.status import sort_by_metric
+from jobs.runs.ranking import ranking_metric
+from jobs.runs.status import sort_by_metric
+from jobs.sweeps.search_spec import parse_cli_search
 
 DIGITS = Path(__file__).resolve().parent.parent / "configs" / "digits.yaml"
 

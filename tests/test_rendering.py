@@ -9,8 +9,8 @@ import pytest
 
 from ddp_core.config import load_config
 from ddp_core.run.rundir import RunDir
-from jobs.sbatch_template import render
-from jobs.submit import render_submitit_script
+from jobs.submission.submit import render_submitit_script
+from jobs.submission.template import render
 from tests.conftest import ROOT
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -101,7 +101,7 @@ CONTAINER = {
 
 @pytest.mark.parametrize("variant", CONTAINER)
 def test_container_scripts(variant):
-    from jobs.request import library_root
+    from jobs.submission.request import library_root
 
     cfg = load_config(ROOT / "configs" / "digits.yaml", CONTAINER[variant])
     for name, text in [("submitit", render_submitit_script(cfg, RUN, python="/usr/bin/python3")),
@@ -119,11 +119,11 @@ def test_container_nv_only_with_gpus():
 
 
 def test_an_image_that_is_not_a_file_is_refused_in_one_line(tmp_path):
-    """The check before submitting (``jobs.cluster.check_image``): an apptainer image, or a pyxis image given as a
+    """The check before submitting (``jobs.submission.partitions.check_image``): an apptainer image, or a pyxis image given as a
     path, must be a file; a pyxis registry reference is the node's to resolve."""
     from ddp_core.config.container import ContainerConfig
     from ddp_core.errors import DdpJobError
-    from jobs.cluster import check_image
+    from jobs.submission.partitions import check_image
 
     sif = tmp_path / "train.sif"
     for image, runtime, what in [(sif, "apptainer", "does not exist"), (tmp_path, "apptainer", "is a directory"),

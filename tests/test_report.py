@@ -21,9 +21,10 @@ import yaml
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
 from jobs import cli
-from jobs.report import PNG_SIZE, find_runs, write_report, write_table
+from jobs.report import PNG_SIZE, write_report, write_table
 from jobs.report.png import PANELS_KEY
-from jobs.report.trials import infer_scale
+from jobs.runs.lookup import find_runs
+from jobs.sweeps.record import infer_scale
 from tests import browser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -340,7 +341,7 @@ def test_search_report_reads_the_study(tmp_path: Path):
 
 
 def test_scales_recorded_at_sweep_time_and_inferred():
-    from jobs.sweep_spec import load_sweep_file, parse_cli_sweep
+    from jobs.sweeps.spec import load_sweep_file, parse_cli_sweep
 
     cli_sweep = parse_cli_sweep(ROOT / "configs" / "digits.yaml", ["optim.lr=1e-4,3e-4,1e-3", "train.seed=range(0,3)"])
     assert cli_sweep.scales == {"optim.lr": "log", "train.seed": "linear"}

@@ -1,4 +1,4 @@
-"""One run reference (``jobs.lookup.resolve``): every command that takes a run accepts its directory, a Slurm job
+"""One run reference (``jobs.runs.lookup.resolve``): every command that takes a run accepts its directory, a Slurm job
 id of one of its attempts (an array task's too) or its name, and an unknown or ambiguous one is one line.
 ``status``, ``logs``, ``report`` and ``sync`` used to refuse the job id ``ddpjob submit`` had printed, each in its
 own words (``resume`` and ``export`` took one already)."""
@@ -12,7 +12,7 @@ import pytest
 from ddp_core.config import load_config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
-from jobs.lookup import resolve
+from jobs.runs.lookup import resolve
 from tests.conftest import run_cli
 
 DIGITS = Path(__file__).resolve().parent.parent / "configs" / "digits.yaml"

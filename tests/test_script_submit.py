@@ -14,7 +14,7 @@ import yaml
 
 from ddp_core.config import load_config
 from ddp_core.run.rundir import RunDir
-from jobs.submit import render_submitit_script
+from jobs.submission.submit import render_submitit_script
 from tests.conftest import ROOT, run_cli
 from tests.helpers import submitit_parameters
 

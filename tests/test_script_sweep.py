@@ -23,11 +23,12 @@ from ddp_core.config.features import arg_value, with_swept_args
 from ddp_core.config.trials import load_trial_config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
-from jobs import drill, logs, status
-from jobs import sweep as sw
 from jobs.cli import main
+from jobs.doctor import drill
 from jobs.report import write_report
-from jobs.sweep_spec import load_sweep
+from jobs.runs import logs, status
+from jobs.sweeps import arrays as sw
+from jobs.sweeps.spec import load_sweep
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import events, in_queue, wait_for
 from tests.test_report import figures as report_figures
@@ -233,7 +234,7 @@ def ran_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ((fn, items),) = FakeExecutor.given
         from ddp_core.script.mode import run as script_run
 
-        assert fn is script_run  # jobs.submit.task_function's choice for a script, as for one submitted run
+        assert fn is script_run  # jobs.submission.submit.task_function's choice for a script, as for one submitted run
         folder = sw.sweep_dir(spec) / "slurm"
         for i, item in enumerate(items):
             assert run_trial(Path(item), folder, f"900_{i}") == 1  # crashed once

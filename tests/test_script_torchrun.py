@@ -23,10 +23,11 @@ from ddp_core.config import load_config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
 from ddp_core.script.torchrun import Rendezvous, exit_code, rendezvous, torchrun_argv, worker_pids
-from jobs import cluster, logs
-from jobs.request import SlurmRequest
-from jobs.sbatch_template import render
-from jobs.submit import check_cluster, make_executor
+from jobs.runs import logs
+from jobs.submission import partitions as cluster
+from jobs.submission.request import SlurmRequest
+from jobs.submission.submit import check_cluster, make_executor
+from jobs.submission.template import render
 from tests.conftest import ROOT, run_cli
 from tests.helpers import events, submitit_parameters
 from tests.test_rendering import RUN, check_golden

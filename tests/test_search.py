@@ -25,7 +25,7 @@ from ddp_core.search.study import (
     reassign,
     write_spec,  # fmt: skip
 )
-from jobs.search_spec import load_search_file, parse_cli_search
+from jobs.sweeps.search_spec import load_search_file, parse_cli_search
 from tests.conftest import ROOT
 from tests.helpers import events, run_trainer
 

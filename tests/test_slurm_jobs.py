@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ddp_core.run.rundir import RunDir
-from jobs.submit import render_submitit_script
+from jobs.submission.submit import render_submitit_script
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import digests, events, rank_logs, sacct_state, wait_gone
 

@@ -16,7 +16,8 @@ import pytest
 from ddp_core.cluster import slurm
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
-from jobs import attempts, logs, report, status
+from jobs.runs import attempts, logs, status
+from jobs.runs.lookup import find_runs
 from tests.conftest import ROOT, field, run_cli
 from tests.helpers import events, in_queue, wait_for, wait_gone
 
@@ -162,7 +163,7 @@ def test_one_sacct_call_for_a_sweep_of_100_runs(tmp_path):
          "5400|5400|TIMEOUT|0:0|a|b", "5401|5401|COMPLETED|0:0|a|b"]
     )  # fmt: skip
     fake = FakeSlurm(sacct=sacct_out)
-    rows = status.collect(report.find_runs(sweep), "eval/accuracy", runner=fake)
+    rows = status.collect(find_runs(sweep), "eval/accuracy", runner=fake)
     assert fake.count("sacct") == 1 and len(fake.calls) == 1
     assert fake.calls[0][-1] == "5300,5400,5401"  # the array once, by its base id
     by_name = {r.run.name: r for r in rows}
@@ -372,7 +373,7 @@ def test_without_accounting_states_come_from_the_controller(tmp_path):
 
 
 def test_submit_wait_without_accounting_takes_the_controllers_state(monkeypatch, tmp_path, caplog):
-    from jobs import submit
+    from jobs.submission import submit
 
     def runner(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
         if cmd[0] == "sacct":

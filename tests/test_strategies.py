@@ -21,8 +21,8 @@ from ddp_core.strategies import Strategy, build_strategy
 from ddp_core.strategies.model_parallel import StagedModel, balanced_split
 from ddp_core.tasks.charlm import CharLMTask, Windows
 from ddp_core.trainer.optim import build_optimizer
-from jobs import cluster
-from jobs.request import SlurmRequest
+from jobs.submission import partitions as cluster
+from jobs.submission.request import SlurmRequest
 from tests.conftest import ROOT
 from tests.helpers import submitit_parameters
 

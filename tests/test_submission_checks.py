@@ -1,4 +1,4 @@
-"""Every way in checks a config as ``ddpjob submit`` does (``jobs.submit.check_code`` and ``check_cluster_side``):
+"""Every way in checks a config as ``ddpjob submit`` does (``jobs.submission.submit.check_code`` and ``check_cluster_side``):
 a config that ``submit`` refuses on the login node is refused by a sweep and by an adaptive search with the same
 line, before anything is written or submitted. Sweeps used to skip the strategy's cut of the model and the image."""
 

@@ -7,7 +7,7 @@ import pytest
 
 from ddp_core.config import OptimizerName, load_config, trials
 from ddp_core.errors import DdpJobError
-from jobs.sweep_spec import Sweep, is_sweep_file, load_sweep, load_sweep_file, parse_cli_sweep, split_values
+from jobs.sweeps.spec import Sweep, is_sweep_file, load_sweep, load_sweep_file, parse_cli_sweep, split_values
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "configs" / "digits.yaml"

@@ -22,7 +22,7 @@ from ddp_core.run.rundir import RunDir
 from ddp_core.tasks.base import Output, TaskConfig, check_task
 from ddp_core.trainer.metrics import TrainSums
 from ddp_core.trainer.optim import build_optimizer, build_scheduler, keeps_implementation, parameter_groups
-from jobs.export import export
+from jobs.runs.export import export
 from tests.conftest import ROOT
 from tests.helpers import events, final_digests, run_trainer
 
@@ -250,7 +250,7 @@ def test_early_stopping_ends_a_run_whose_metric_is_flat(tmp_path):
     assert [r["step"] for r in records(run, "eval")] == [5, 10, 15]  # the deciding evaluation is the final one
     assert (run / "checkpoints" / "step_00000015.json").exists() and checkpoint.best_step(run / "checkpoints") == 5
 
-    from jobs.status import Row, render
+    from jobs.runs.status import Row, render
 
     row = Row(RunDir(run), [], RunDir(run).events())
     assert row.early_stopped and "(early stop)" in render([row], "accuracy", None, 0.0)

@@ -1,8 +1,8 @@
 """The ``slurm.container`` section: every rank of a job runs inside a container image (docs/containers.md).
 
 Owned here, in the torch-free config package, so the schema imports nothing above it. The rendering of the task
-command inside the image is ``jobs.request`` (``container_prefix``); the check that the image exists is
-``jobs.cluster.check_image``. ``validate_container`` is the shape check every load runs: nothing here touches the
+command inside the image is ``jobs.submission.request`` (``container_prefix``); the check that the image exists is
+``jobs.submission.partitions.check_image``. ``validate_container`` is the shape check every load runs: nothing here touches the
 filesystem.
 """
 

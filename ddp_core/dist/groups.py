@@ -21,7 +21,7 @@ of nccl, so a collective that the GPU node would not serve fails here first.
 **Failing loudly.** Collectives time out after ``dist.timeout_s``; joining the group (the TCP store
 rendezvous: every rank must arrive) has the longer ``dist.init_timeout_s``, for slow node start-up and
 imports from a cold shared filesystem. NCCL's async error handling is on by default in torch >= 2.2
-(``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``); the batch script sets it explicitly (``jobs.submit``). After a
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``); the batch script sets it explicitly (``jobs.submission.submit``). After a
 timeout or a NCCL error, the ranks' communicators are aborted, and the rank's error line names its rank
 and host (``launch``). A Slurm suspension (SIGTSTP, SIGSTOP, later SIGCONT) must not count as a stuck collective:
 ``ddp_core.dist.suspend`` lifts the timeouts for its length.

@@ -42,7 +42,7 @@ CONFIG_FILE = "config.yaml"
 META_FILE = "run.json"
 ATTEMPTS_FILE = "attempts.jsonl"
 METRICS_FILE = "metrics.jsonl"
-CODE_DIR = "code"  # the snapshot of the user's code taken at submit (ddp_core.run.snapshot, jobs.snapshot)
+CODE_DIR = "code"  # the snapshot of the user's code taken at submit (ddp_core.run.snapshot, jobs.submission.snapshot)
 CODE_RECORD = "code.json"  # where it came from, where it lies (a sweep's trials share the sweep's), git commit
 CODE_DIFF = "code.diff"  # uncommitted changes against that commit, when the code is in a git repository
 # Advisory locks (flock): the kernel drops them when their process exits, however it exits.

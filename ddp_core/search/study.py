@@ -1,4 +1,4 @@
-"""The Optuna side of an adaptive sweep, shared by the login node (``jobs.search``) and its workers
+"""The Optuna side of an adaptive sweep, shared by the login node (``jobs.sweeps.search``) and its workers
 (``ddp_core.search.worker``): the sweep directory's search files, the study, its sampler and pruner, the ask-lock and
 the trial <-> run directory <-> worker binding.
 

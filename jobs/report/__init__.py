@@ -19,9 +19,8 @@ from ddp_core.errors import DdpJobError
 from jobs.report.png import PNG_SIZE
 from jobs.report.sources import load
 from jobs.report.table import TABLE_FORMATS
-from jobs.report.trials import find_runs, ranking_metric
 
-__all__ = ["PNG_SIZE", "find_runs", "ranking_metric", "write_report", "write_table"]
+__all__ = ["PNG_SIZE", "write_report", "write_table"]
 
 
 def write_report(path: Path, out_dir: Optional[Path] = None, metric: Optional[str] = None) -> tuple[Path, Path]:
@@ -39,7 +38,7 @@ def write_report(path: Path, out_dir: Optional[Path] = None, metric: Optional[st
     png.write_png(sweep, title, png_path)
     search_lines: list[str] = []
     if sweep.study is not None:
-        from jobs import search
+        from jobs.sweeps import search
 
         search_lines = search.status_lines(sweep.study)
     html_path.write_text(page.render(sweep, title, search_lines), encoding="utf-8")

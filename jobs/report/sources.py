@@ -16,14 +16,14 @@ from jobs.report.trials import (
     Sweep,
     Trial,
     curves,
-    find_runs,
     override_value,
-    ranking_metric,
     read_config,
     scales_of,
     state_of,
     sweep_record,
 )
+from jobs.runs.lookup import find_runs
+from jobs.runs.ranking import ranking_metric
 
 DEFAULT_METRIC = "eval/accuracy"
 MAX_VARIED = 8  # a folder of unrelated runs: at most this many differing config keys become columns
@@ -31,7 +31,7 @@ MAX_VARIED = 8  # a folder of unrelated runs: at most this many differing config
 
 def describe(path: Path, trials: list[Trial], single: bool) -> Sweep:
     """The sweep's keys, scales and default metric, with each trial's params, state and overrides filled in."""
-    from jobs import search
+    from jobs.sweeps import search
 
     if not single and search.is_search(path):
         return _search(path, trials)
@@ -77,8 +77,8 @@ def _recorded(path: Path, trials: list[Trial], record: dict[str, Any]) -> Sweep:
 
 def _search(path: Path, trials: list[Trial]) -> Sweep:
     from ddp_core.search.study import RUN_DIR_ATTR
-    from jobs import search
-    from jobs.sweep_values import fmt_value
+    from jobs.sweeps import search
+    from jobs.sweeps.values import fmt_value
 
     info = search.summary(path)
     spec = info["spec"]

@@ -9,7 +9,6 @@ works on a laptop, and ``ddpjob report --table`` needs nothing more.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -17,12 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from ddp_core.run.rundir import CONFIG_FILE, RunDir
+from jobs.sweeps.record import SWEEP_FILE, infer_scale
 
 if TYPE_CHECKING:
-    from ddp_core.config.metric import Metric
+    pass
 
-RANKED_SPLITS = ("eval", "train")  # what status and report rank trials by
-SWEEP_FILE = "sweep.json"  # jobs.sweep writes it; named here too so reading a report never imports submitit
 NO_METRICS = "no metrics yet"
 RECORD_KEYS = {"step", "time", "split"}  # bookkeeping fields of a metrics line, not metrics
 IDENTITY_KEYS = {"run.name", "run.root", "slurm.job_name", "wandb.group"}  # differ per run, repeat the trial column
@@ -77,7 +75,7 @@ class Sweep:
     minimise: bool
     monitored: bool = False  # values are the best per checkpoint.monitor, not the final ones
     base_config: Optional[str] = None  # what the rerun command submits (None: the trial's own config.yaml)
-    study: Any = None  # the adaptive sweep's Optuna study (jobs.search.summary), else None
+    study: Any = None  # the adaptive sweep's Optuna study (jobs.sweeps.search.summary), else None
 
     @property
     def best(self) -> Optional[Trial]:
@@ -101,26 +99,6 @@ class Sweep:
 
     def counts(self) -> dict[str, int]:
         return {s: sum(1 for t in self.trials if t.state == s) for s in STATES}
-
-
-def find_runs(path: Path) -> list[Path]:
-    """``path`` itself if it is a run directory, else the run directories one or two levels below it, sorted."""
-    path = Path(path)
-    if (path / CONFIG_FILE).is_file():
-        return [path]
-    runs = {p.parent for p in path.glob(f"*/{CONFIG_FILE}")}
-    # Two levels deep only under folders that are not runs themselves: a run's own subfolders (wandb/...)
-    # may hold files called config.yaml that are not run configs.
-    runs |= {p.parent for p in path.glob(f"*/*/{CONFIG_FILE}") if p.parent.parent not in runs}
-    return sorted(runs)
-
-
-def ranking_metric(text: str) -> Metric:
-    """``--metric`` of ``ddpjob status`` and ``ddpjob report`` through the one metric spec (``ddp_core.config.metric``):
-    an eval metric or a train one, ``eval/loss`` minimised as everywhere."""
-    from ddp_core.config.metric import parse_metric  # the config package reads YAML: not for importing a report
-
-    return parse_metric(text, "--metric", RANKED_SPLITS)
 
 
 def curves(records: list[dict[str, Any]]) -> dict[str, Points]:
@@ -180,25 +158,3 @@ def sweep_record(path: Path) -> Optional[dict[str, Any]]:
 
 def scales_of(keys: list[str], trials: list[Trial], recorded: dict[str, str]) -> dict[str, str]:
     return {k: recorded.get(k) or infer_scale([t.params[k] for t in trials if k in t.params]) for k in keys}
-
-
-def infer_scale(values: list[Any]) -> str:
-    """How a grid key was swept: ``choice`` (not all numbers), ``log`` (positive values spread over a decade or more,
-    evenly in log space: 1e-4,3e-4,1e-3) or ``linear`` (range(64,257,64), seeds). Random sweeps record their
-    distribution's scale instead."""
-    if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
-        return "choice"
-    nums = sorted({float(v) for v in values})
-    if len(nums) < 2 or nums[0] <= 0 or not all(math.isfinite(v) for v in nums) or nums[-1] / nums[0] < 10:
-        return "linear"
-    if len(nums) == 2:
-        return "log" if nums[-1] / nums[0] >= 100 else "linear"
-
-    def spread(gaps: list[float]) -> float:  # coefficient of variation: 0 for evenly spaced values
-        mean = sum(gaps) / len(gaps)
-        return math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean
-
-    logs = [math.log(v) for v in nums]
-    linear_gaps = [b - a for a, b in itertools.pairwise(nums)]
-    log_gaps = [b - a for a, b in itertools.pairwise(logs)]
-    return "log" if spread(log_gaps) < spread(linear_gaps) else "linear"

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from ddp_core.cluster import releases
 from ddp_core.cluster.slurm import SlurmGateway
-from jobs.findings import Finding, Level
+from jobs.doctor.findings import Finding, Level
 
 PROBE_WAIT_S = 20  # srun --immediate: how long the partition may take to give the probe a node
 RUNTIMES = ("apptainer", "singularity", "enroot")

@@ -1,4 +1,4 @@
-"""The value syntax shared by grid sweeps (``jobs.sweep_spec``) and adaptive searches (``jobs.search_spec``):
+"""The value syntax shared by grid sweeps (``jobs.sweeps.spec``) and adaptive searches (``jobs.sweeps.search_spec``):
 comma-separated values, distributions, the sweep key's errors, and how a YAML value is written back as override text.
 """
 

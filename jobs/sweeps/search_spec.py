@@ -1,7 +1,7 @@
 """Adaptive sweep specifications (Optuna): a ``search:`` section of a sweep YAML, or ``ddpjob sweep CONFIG --search
 tpe --trials 64 --parallel 8 key=loguniform(1e-5,1e-2) ...``, parsed and validated before anything is created.
 
-Distributions are ``random:``'s (``jobs.sweep_spec``: uniform, loguniform, randint with high excluded, choice) plus
+Distributions are ``random:``'s (``jobs.sweeps.spec``: uniform, loguniform, randint with high excluded, choice) plus
 ``log: true`` and ``step: S``. On the command line ``key=DIST(a,b)`` names one (``choice(a,b,c)``), ``key=v1,v2`` is a
 choice, ``key=range(a,b[,s])`` a stepped randint, and ``key=value`` a fixed override. Every key is checked against the
 config schema by loading the config at each distribution's bounds and at every choice (``load_config``): a bad key
@@ -24,7 +24,7 @@ from ddp_core.config.metric import Metric, parse_metric
 from ddp_core.errors import DdpJobError
 from ddp_core.search.study import PRUNERS, SAMPLERS, grid_space
 from ddp_core.search.worker import override
-from jobs.sweep_values import NAME, RANGE, as_mapping, bad, check_dist, fmt_value, one_line_errors, split_values
+from jobs.sweeps.values import NAME, RANGE, as_mapping, bad, check_dist, fmt_value, one_line_errors, split_values
 
 SEARCH_KEYS = ("sampler", "metric", "direction", "trials", "parallelism", "pruner", "seed", "params")
 _CALL = re.compile(r"(uniform|loguniform|randint|choice)\((.*)\)")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
-from jobs.lookup import RUN_HELP, resolve
+from jobs.runs.lookup import RUN_HELP, resolve
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 """Which runs and jobs a login-side command is about: the run directories a path names (``runs_to_show``), each
 run's Slurm jobs (``run_jobs``), the ids to ask ``sacct`` for (``query_ids``), and how a path is shown. Shared by
-``ddpjob status`` (``jobs.status``), ``ddpjob logs``/``cancel`` (``jobs.logs``) and the doctor.
+``ddpjob status`` (``jobs.runs.status``), ``ddpjob logs``/``cancel`` (``jobs.runs.logs``) and the doctor.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from ddp_core.errors import DdpJobError
-from jobs.lookup import DEFAULT_ROOT, resolve
-from jobs.report import find_runs
+from jobs.runs.lookup import DEFAULT_ROOT, find_runs, resolve
 
 if TYPE_CHECKING:
     from ddp_core.run.rundir import RunDir

@@ -1,6 +1,6 @@
 """What the cluster can give: partition sizes read from ``sinfo``, and the container image
 (``check_image``). A job's request is checked against them
-(``jobs.request.SlurmRequest.check_fits``), so an impossible job fails on the login node instead of pending forever;
+(``jobs.submission.request.SlurmRequest.check_fits``), so an impossible job fails on the login node instead of pending forever;
 ``node_count_finding`` is the doctor's view of a run's node count (or range) against its partition."""
 
 from __future__ import annotations
@@ -8,12 +8,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from ddp_core.cluster.slurm import GATEWAY, MISSING, SlurmGateway
 from ddp_core.config.container import ContainerConfig
 from ddp_core.errors import DdpJobError
-from jobs.findings import Finding
 
 
 @dataclass(frozen=True)
@@ -78,26 +77,6 @@ def pick_partition(partitions: list[Partition], name: Optional[str]) -> Partitio
     if name is None:
         raise DdpJobError("the cluster has no default partition", f"set slurm.partition to one of: {names}")
     raise DdpJobError(f"config key 'slurm.partition' = {name!r}: no such partition", f"available: {names}")
-
-
-def node_count_finding(nodes: Any, min_nodes: int, max_nodes: int, partition: str, total: int) -> Finding:
-    """``slurm.nodes`` (a count, or an elastic MIN-MAX) against the ``total`` nodes of ``partition``. A MIN the
-    partition cannot give pends forever: a problem. A MAX above it is reached never: a warning (Slurm starts the job
-    on what there is, as ``check_fits`` warns at submit)."""
-    if total <= 0:
-        return Finding("nodes", "unknown", f"slurm.nodes={nodes}: partition {partition} does not say its node count")
-    where = f"partition {partition} has {total} nodes"
-    if min_nodes > total:
-        fix = f"set slurm.nodes<={total}" + (f" (a range: MIN<={total})" if min_nodes != max_nodes else "")
-        return Finding("nodes", "problem", f"slurm.nodes={nodes}: {where}, the job needs {min_nodes}", fix, nodes)
-    if max_nodes > total:
-        why = f"slurm.nodes={nodes}: {where}, so attempts run on at most {total} (MAX {max_nodes} is never reached)"
-        return Finding("nodes", "warn", why, f"set slurm.nodes={min_nodes}-{total}", nodes)
-    if min_nodes != max_nodes:
-        why = f"slurm.nodes={nodes}: each attempt starts on {min_nodes} to {max_nodes} nodes, as many as are free "
-        why += f"({where})"
-        return Finding("nodes", "info", why, value=nodes)
-    return Finding("nodes", "ok", f"slurm.nodes={nodes}: {where}", value=nodes)
 
 
 def check_image(container: ContainerConfig) -> None:

@@ -6,8 +6,8 @@ GPUs (per node, or per task with ``slurm.gpu_bind=task``), the warning signal an
 environment every rank starts with, and the command each task starts (behind the prefix that holds the warning
 signal), inside the container image when ``slurm.container`` names one (``container_words``). The renderers only lay
 it out: submitit's executor (``submitit_parameters``), the sbatch template
-(``jobs.sbatch_template``), ``--dry-run``, sweeps' arrays, an adaptive search's workers and its trial step, and the
-check against the partition (``jobs.cluster.check_request``).
+(``jobs.submission.template``), ``--dry-run``, sweeps' arrays, an adaptive search's workers and its trial step, and the
+check against the partition (``jobs.submission.partitions.check_request``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ddp_core.cluster.exits import ExitCode
 from ddp_core.cluster.supervise import MARKER
 from ddp_core.config import DEFAULT_CPUS_PER_GPU, Config, ranks_per_node
 from ddp_core.errors import DdpJobError
-from jobs import cluster
+from jobs.submission import partitions as cluster
 
 log = logging.getLogger("ddpjob")
 

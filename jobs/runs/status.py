@@ -3,8 +3,8 @@
 A row per run joins what the run directory says (run.json's job ids, attempts.jsonl, metrics.jsonl, checkpoint
 manifests, and for script mode the script from config.yaml) with Slurm's accounting. A refresh asks ``sacct`` once
 for every job of every row (``-D`` lists each requeued attempt of a job as its own line), never once per job: a
-sweep of a thousand trials is one call. Which runs a command is about, and their jobs, is ``jobs.runs``, shared with
-``ddpjob logs`` and ``ddpjob cancel`` (``jobs.logs``).
+sweep of a thousand trials is one call. Which runs a command is about, and their jobs, is ``jobs.runs.listing``, shared with
+``ddpjob logs`` and ``ddpjob cancel`` (``jobs.runs.logs``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ddp_core.cluster.slurm import Runner
 from ddp_core.errors import DdpJobError
-from jobs import notes
-from jobs.attempts import Attempt, in_array_range, job_attempts
-from jobs.report import ranking_metric
-from jobs.runs import DEFAULT_ROOT, Job, query_ids, run_jobs, runs_to_show, shown_path
+from jobs.runs import notes
+from jobs.runs.attempts import Attempt, in_array_range, job_attempts
+from jobs.runs.listing import DEFAULT_ROOT, Job, query_ids, run_jobs, runs_to_show, shown_path
+from jobs.runs.ranking import ranking_metric
 
 if TYPE_CHECKING:
     from ddp_core.run.rundir import RunDir
@@ -302,7 +302,7 @@ def status_text(
 ) -> tuple[str, bool]:
     """One refresh: (the table, whether any row is still active). ``metric`` None: an adaptive sweep's own, else
     eval/accuracy."""
-    from jobs import search
+    from jobs.sweeps import search
 
     # is_search is False for None; the check is spelled out for the type checker (Path(None) is an error)
     study = search.summary(Path(path)) if path is not None and search.is_search(path) else None

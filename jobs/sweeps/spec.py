@@ -7,7 +7,7 @@ the base config and an ordered tuple of ``Trial``s, each a list of ``key=value``
 before any run directory exists. Pure Python, no Slurm, no torch: ``ddpjob sweep`` submits the result.
 
 A file is a sweep YAML when it has a top-level ``grid:``, ``random:`` or ``search:`` key (``search:``: an adaptive
-sweep, ``jobs.search_spec``) (no config section has those names).
+sweep, ``jobs.sweeps.search_spec``) (no config section has those names).
 ``randint`` draws from ``[low, high)``: high is exclusive, like ``range()`` and numpy.
 
 A sweep of a script (``script.path`` / ``script.module``, e.g. from ``ddpjob sweep --script train.py``) needs no base
@@ -40,8 +40,8 @@ from ddp_core.config.features import arg_value, swept_arg_name
 from ddp_core.config.input import is_file, read_yaml_mapping
 from ddp_core.config.trials import validated_configs, value_at
 from ddp_core.errors import DdpJobError
-from jobs.report.trials import infer_scale
-from jobs.sweep_values import (
+from jobs.sweeps.record import infer_scale
+from jobs.sweeps.values import (
     NAME,
     RANGE,
     as_mapping,
@@ -53,7 +53,7 @@ from jobs.sweep_values import (
 )
 
 T = TypeVar("T")
-SWEEP_FILE_KEYS = ("base", "name", "overrides", "grid", "random", "search")  # search: jobs.search_spec
+SWEEP_FILE_KEYS = ("base", "name", "overrides", "grid", "random", "search")  # search: jobs.sweeps.search_spec
 _KEY = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*")
 # More trials than any cluster queues at once (Slurm's MaxArraySize defaults to 1001): a typo such as
 # range(0,10**9) or a grid of 20 keys is refused before it is expanded.

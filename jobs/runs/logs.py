@@ -22,9 +22,9 @@ from ddp_core.cluster.slurm import Runner, gateway_for
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
 from ddp_core.trainer.watchdog import cause
-from jobs import notes
-from jobs.lookup import RUN_HELP, resolve
-from jobs.runs import Job, query_ids, run_jobs, runs_to_show, shown_path
+from jobs.runs import notes
+from jobs.runs.listing import Job, query_ids, run_jobs, runs_to_show, shown_path
+from jobs.runs.lookup import RUN_HELP, resolve
 
 # The first line of an attempt: the trainer's or script mode's rank banner (stderr), submitit's start line (stdout),
 # or the sbatch template's echo (batch log). Output before the first one (Slurm's own notes) belongs to attempt 1.

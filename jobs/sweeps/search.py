@@ -1,10 +1,10 @@
 """Adaptive sweeps on the login node: create the study, submit one job array of workers, continue or extend it, and
 say where it stands (``ddpjob status`` on a search's sweep directory; ``ddpjob report`` reads its study too).
 
-``ddpjob sweep`` validates the spec (``jobs.search_spec``), then writes the sweep directory (``ddp_core.search.study``
+``ddpjob sweep`` validates the spec (``jobs.sweeps.search_spec``), then writes the sweep directory (``ddp_core.search.study``
 documents its layout), creates the Optuna study on its journal and submits ONE array of ``parallelism`` tasks, each
 running ``ddp_core.search.worker.run`` in its batch step (submitit ``use_srun=False``): the worker launches each trial
-as an srun step with the srun line rendered here from ``jobs.submit``'s request. Running the same sweep again, or
+as an srun step with the srun line rendered here from ``jobs.submission.submit``'s request. Running the same sweep again, or
 ``--more N``, continues the study: the RUNNING trials of workers that are gone (squeue, one call) are bound to the new
 generation's task indices before its array is submitted, so no trial is lost or run twice.
 """
@@ -34,10 +34,10 @@ from ddp_core.search.study import (
     state_name,
     write_spec,
 )
-from jobs import snapshot
-from jobs.request import SlurmRequest
-from jobs.search_spec import SearchSpec
-from jobs.submit import absolute_image, check_cluster_side, check_code, submitted_or_withdrawn
+from jobs.submission import snapshot
+from jobs.submission.request import SlurmRequest
+from jobs.submission.submit import absolute_image, check_cluster_side, check_code, submitted_or_withdrawn
+from jobs.sweeps.search_spec import SearchSpec
 
 
 def is_search(path: Optional[str | Path]) -> bool:
@@ -50,7 +50,7 @@ def sweep_root(spec: SearchSpec) -> Path:
 
 
 def check(spec: SearchSpec, local_check: bool = True) -> Config:
-    """What submit checks for one run (``jobs.submit``: the code, the cluster), on the base config, once: every trial
+    """What submit checks for one run (``jobs.submission.submit``: the code, the cluster), on the base config, once: every trial
     shares the task and the workers' request."""
     cfg = spec.base_config
     assert cfg is not None
@@ -63,7 +63,7 @@ def check(spec: SearchSpec, local_check: bool = True) -> Config:
 
 
 def step(cfg: Config) -> dict[str, list[str]]:
-    """The srun line each trial runs, from the request ``jobs.submit`` renders for every job (never recomputed)."""
+    """The srun line each trial runs, from the request ``jobs.submission.submit`` renders for every job (never recomputed)."""
     request = SlurmRequest.resolve(cfg)
     return {"srun": ["srun", *request.srun_args], "command": request.task_command()}
 

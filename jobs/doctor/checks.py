@@ -3,7 +3,7 @@ then does, and what would lose work there.
 
 Read-only: the cluster's settings come through the Slurm gateway (``scontrol show config``, ``scontrol show
 partition``, and ``sacctmgr`` for QOS and association limits where accounting exists); how long a checkpoint takes
-comes from a run's ``metrics.jsonl``; the release and the compute nodes are ``jobs.doctor_site``'s. Every check is one
+comes from a run's ``metrics.jsonl``; the release and the compute nodes are ``jobs.doctor.node_probe``'s. Every check is one
 ``Finding`` with a stable key. A "problem" is work that would be lost; it names its fix (a config key, or what to ask
 the site's admins) and exits 1.
 """
@@ -22,13 +22,11 @@ from ddp_core.cluster import signals
 from ddp_core.cluster.slurm import DEFAULT_MAX_ARRAY_SIZE, GATEWAY, SlurmGateway, duration_s, effective_preempt_mode
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
-from jobs.cluster import node_count_finding
-from jobs.doctor_site import site_findings
-from jobs.drill import render_timings, run_drill
-from jobs.findings import Finding, render
-from jobs.lookup import RUN_HELP, resolve
-from jobs.report import find_runs
-from jobs.runs import shown_path
+from jobs.doctor.drill import render_timings, run_drill
+from jobs.doctor.findings import Finding, node_count_finding, render
+from jobs.doctor.node_probe import site_findings
+from jobs.runs.listing import shown_path
+from jobs.runs.lookup import RUN_HELP, find_runs, resolve
 
 # A save measured at S seconds is given 1.5 S + 5 s: the step in flight ends first, and a busy file system
 # (many jobs checkpointing at once when a big job preempts them) is slower than when it was measured.

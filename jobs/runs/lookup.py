@@ -12,7 +12,6 @@ from pathlib import Path
 
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import CONFIG_FILE, RunDir, run_name_of
-from jobs.report.trials import find_runs
 
 DEFAULT_ROOT = Path("runs")
 RUN_HELP = "a run directory, a Slurm job id of one of its attempts (ID_INDEX for an array task), or a run name"
@@ -67,3 +66,15 @@ def _job_ids(run: RunDir) -> set[str]:
     except DdpJobError:
         ids = set()  # a damaged run.json: its attempts may still name the job
     return ids | {str(e.get("job_id")) for e in run.events()}
+
+
+def find_runs(path: Path) -> list[Path]:
+    """``path`` itself if it is a run directory, else the run directories one or two levels below it, sorted."""
+    path = Path(path)
+    if (path / CONFIG_FILE).is_file():
+        return [path]
+    runs = {p.parent for p in path.glob(f"*/{CONFIG_FILE}")}
+    # Two levels deep only under folders that are not runs themselves: a run's own subfolders (wandb/...)
+    # may hold files called config.yaml that are not run configs.
+    runs |= {p.parent for p in path.glob(f"*/*/{CONFIG_FILE}") if p.parent.parent not in runs}
+    return sorted(runs)

@@ -1,5 +1,5 @@
 """``ddpjob sweep``: a grid or random sweep as Slurm job arrays, or an adaptive (Optuna) search; its arguments and
-how each kind is dispatched (``jobs.sweep`` submits grids, ``jobs.search`` searches).
+how each kind is dispatched (``jobs.sweeps.arrays`` submits grids, ``jobs.sweeps.search`` searches).
 
 Imports stay light at the top (no torch): ``ddpjob --help`` builds this parser.
 """
@@ -51,9 +51,9 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from jobs import sweep as sw
-    from jobs.request import entry_module
-    from jobs.sweep_spec import load_sweep
+    from jobs.submission.request import entry_module
+    from jobs.sweeps import arrays as sw
+    from jobs.sweeps.spec import load_sweep
 
     started = time.monotonic()
     if args.search or args.more is not None or _is_search(args.config):
@@ -97,8 +97,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _is_search(config: Optional[str]) -> bool:
-    from jobs.search import is_search
-    from jobs.sweep_spec import is_sweep_file
+    from jobs.sweeps.search import is_search
+    from jobs.sweeps.spec import is_sweep_file
 
     if config is None or not Path(config).exists():
         return False
@@ -115,8 +115,8 @@ def _has_search(path: Path) -> bool:
 
 def _cmd_search(args: argparse.Namespace, started: float) -> int:
     """``ddpjob sweep`` of an adaptive search: a new one, the same one again, or ``SWEEP_DIR --more N``."""
-    from jobs import search
-    from jobs.search_spec import load_search_file, parse_cli_search
+    from jobs.sweeps import search
+    from jobs.sweeps.search_spec import load_search_file, parse_cli_search
 
     if search.is_search(args.config):
         if args.overrides or args.search:

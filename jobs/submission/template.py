@@ -10,9 +10,9 @@ from pathlib import Path
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
-from jobs.request import SlurmRequest
+from jobs.submission.request import SlurmRequest
 
-TEMPLATE = Path(__file__).resolve().parent.parent / "slurm_templates" / "ddp.sbatch"
+TEMPLATE = Path(__file__).resolve().parents[2] / "slurm_templates" / "ddp.sbatch"
 
 
 def sbatch_lines(request: SlurmRequest, run_dir: RunDir) -> list[str]:

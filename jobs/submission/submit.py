@@ -21,8 +21,9 @@ from ddp_core.cluster.slurm import GATEWAY
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir, atomic_write_text
-from jobs import cluster, snapshot
-from jobs.request import SlurmRequest, entry_module
+from jobs.submission import partitions as cluster
+from jobs.submission import snapshot
+from jobs.submission.request import SlurmRequest, entry_module
 
 log = logging.getLogger(__name__)
 RESULT_GRACE_S = 15.0  # submitit's own wait for a result file on a slow shared file system

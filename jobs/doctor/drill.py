@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 from ddp_core.cluster.slurm import GATEWAY, SlurmGateway
 from ddp_core.config import Config, load_config
 from ddp_core.run.rundir import RunDir, new_run_dir
-from jobs.findings import Finding
+from jobs.doctor.findings import Finding
 
 DIGEST = re.compile(r"final weights sha256 ([0-9a-f]{64})")
 # Long enough that the job is still training after three interruptions, short enough for a drill.
@@ -125,7 +125,7 @@ class Drill:
 
 
 def submit_pair(partition: Optional[str], overrides: Sequence[str], root: Path) -> list[tuple[Config, RunDir, str]]:
-    from jobs.submit import submit, validate_for_submit
+    from jobs.submission.submit import submit, validate_for_submit
 
     out = []
     for _ in range(2):

@@ -4,7 +4,7 @@ Each trial is a normal run in ``<run.root>/<sweep name>/<trial id>/`` (the id ha
 so preemption, exact resume, checkpoints and W&B (group = sweep name) work per trial. Submitting the same
 sweep again skips completed and still-active trials and resumes the rest from their checkpoints. The
 command returns as soon as the arrays are queued. Every task of the arrays runs what ``ddpjob submit`` would run
-for its trial (``jobs.submit.task_function``): the trainer, or the trial's script with its own arguments.
+for its trial (``jobs.submission.submit.task_function``): the trainer, or the trial's script with its own arguments.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from ddp_core.cluster.slurm import GATEWAY
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import CODE_RECORD, RunDir, atomic_write_text
-from jobs import snapshot
-from jobs.report.trials import SWEEP_FILE  # the report reads it without importing submitit
-from jobs.request import SlurmRequest
-from jobs.submit import (
+from jobs.submission import snapshot
+from jobs.submission.request import SlurmRequest
+from jobs.submission.submit import (
     absolute_image,
     check_cluster_side,
     check_code,
@@ -34,7 +33,8 @@ from jobs.submit import (
     submitted_or_withdrawn,
     task_function,
 )
-from jobs.sweep_spec import Sweep, Trial
+from jobs.sweeps.record import SWEEP_FILE
+from jobs.sweeps.spec import Sweep, Trial
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def sweep_dir(sweep: Sweep) -> Path:
 
 
 def check_sweep(sweep: Sweep, local_check: bool = True) -> None:
-    """What submit checks for one run (``jobs.submit``: the code, the cluster), for every distinct script or task
+    """What submit checks for one run (``jobs.submission.submit``: the code, the cluster), for every distinct script or task
     setting and the shared Slurm request."""
     varying = {key for trial in sweep.trials for key in trial.params}
     # script.launcher too: it decides the request's tasks per node.
