@@ -212,8 +212,18 @@ def wandb_records(path: Path) -> list[Any]:
     return [wandb_internal_pb2.Record.FromString(p) for p in payloads]
 
 
-def submitit_parameters(cfg: Any) -> dict[str, Any]:
-    """submitit's executor parameters for a config's one request (``jobs.submission.request.SlurmRequest``)."""
+def run_script(cfg: Any, run: Any, python: str = sys.executable) -> str:
+    """The batch script ``ddpjob submit`` queues for ``cfg`` in the run directory ``run`` (the pipeline's resolve and
+    render steps, without the checks)."""
+    from jobs.submission.render import Layout, render
     from jobs.submission.request import SlurmRequest
 
-    return SlurmRequest.resolve(cfg).submitit_parameters()
+    return render(SlurmRequest.resolve(cfg, python=python, run_root=run.path.parent), Layout.run(run.path))
+
+
+def template_script(cfg: Any, run: Any, python: str = sys.executable) -> str:
+    """``slurm_templates/ddp.sbatch`` rendered for ``cfg`` in ``run``, as ``prepare --sbatch-script`` writes it."""
+    from jobs.submission.render import render_template
+    from jobs.submission.request import SlurmRequest
+
+    return render_template(SlurmRequest.resolve(cfg, python=python, run_root=run.path.parent), run)

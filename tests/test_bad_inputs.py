@@ -1,7 +1,7 @@
 """A table of what an HPC user (or someone probing the login node) types, and what ddpjob must answer.
 
 Every row goes through what ``ddpjob submit`` runs before anything exists: ``load_config`` on
-``configs/digits.yaml`` with the row's overrides (or on the row's own file) and ``validate_for_submit`` (which
+``configs/digits.yaml`` with the row's overrides (or on the row's own file) and ``check_and_resolve`` (which
 imports the task and checks its arguments); sweep rows through ``load_sweep``. A refused row must raise one
 ``DdpJobError`` whose message is one line naming the key (``needle``) with a non-empty hint; an accepted row must
 load, and hold the value it names. Any other exception fails. ``ROWS`` is the table (``len(ROWS)`` counts it);
@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 from ddp_core.config import load_config
 from ddp_core.errors import DdpJobError
 from ddp_core.tasks.base import Task
-from jobs.submission.submit import validate_for_submit
+from jobs.submission.checks import check_and_resolve
 from jobs.sweeps.arrays import check_sweep
 from jobs.sweeps.spec import load_sweep
 
@@ -380,7 +380,7 @@ def _get(obj: Any, dotted: str) -> Any:
 def _load(row: Row, tmp_path: Path) -> Any:
     if row.source == "override":
         cfg = load_config(DIGITS, list(row.given))
-        validate_for_submit(cfg, local=True)
+        check_and_resolve(cfg, local=True)
         return cfg
     path = tmp_path / ("sweep.yaml" if row.source == "sweep" else "config.yaml")
     path.write_bytes(row.given if isinstance(row.given, bytes) else str(row.given).encode())
@@ -389,7 +389,7 @@ def _load(row: Row, tmp_path: Path) -> Any:
         check_sweep(sweep, local_check=False)  # what `ddpjob sweep` checks before submitting: the task's arguments
         return sweep
     cfg = load_config(path)
-    validate_for_submit(cfg, local=True)
+    check_and_resolve(cfg, local=True)
     return cfg
 
 

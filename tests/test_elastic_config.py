@@ -66,8 +66,8 @@ def test_a_range_against_the_partition(caplog):
         "slurm.nodes = 1-4: partition 'local' has 2 nodes, so attempts run on at most 2 (MAX 4 is never reached); "
         "slurm.nodes=1-2 says so"
     ]
-    params = SlurmRequest.resolve(load_config(DIGITS, ["slurm.nodes=1-2"])).submitit_parameters()
-    assert params["nodes"] == 1 and params["additional_parameters"]["nodes"] == "1-2"  # submitit counts tasks by int
+    request = SlurmRequest.resolve(load_config(DIGITS, ["slurm.nodes=1-2"]))
+    assert request.sbatch_options()["nodes"] == "1-2" and request.min_nodes * request.tasks_per_node == 2
 
 
 def test_the_doctor_reads_a_range_against_the_partition():

@@ -33,7 +33,7 @@ from ddp_core.config.shapes import from_plain
 from ddp_core.config.trials import load_trial_config
 from ddp_core.errors import DdpJobError
 from ddp_core.tasks.base import check_task
-from jobs.submission.submit import validate_for_submit
+from jobs.submission.checks import check_and_resolve
 from jobs.sweeps.spec import Sweep, load_sweep, parse_cli_sweep
 from tests.conftest import run_cli
 
@@ -635,7 +635,7 @@ def test_cli_dry_run(tmp_path_factory, items):
     assert proc.returncode in (0, 2), proc.stderr
     try:
         cfg = load_config(DIGITS, [*items, f"run.root={root}"])
-        validate_for_submit(cfg, local=True)
+        check_and_resolve(cfg, local=True)
         expected = None
     except DdpJobError as err:
         expected = f"ddpjob: error: {err}"

@@ -1,4 +1,5 @@
-"""Golden files pin the two sbatch scripts a config turns into: submitit's and the template's."""
+"""Golden files pin the two sbatch scripts a config turns into (``jobs.submission.render``): the one ``ddpjob submit``
+queues (submitit's job layout) and the plain template's."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ import pytest
 
 from ddp_core.config import load_config
 from ddp_core.run.rundir import RunDir
-from jobs.submission.submit import render_submitit_script
-from jobs.submission.template import render
 from tests.conftest import ROOT
+from tests.helpers import run_script, template_script
 
 GOLDEN = Path(__file__).parent / "golden"
 RUN = RunDir(Path("/runs/digits-golden"))
@@ -33,13 +33,13 @@ def check_golden(name: str, text: str) -> None:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_submitit_script(variant):
     cfg = load_config(ROOT / "configs" / "digits.yaml", VARIANTS[variant])
-    check_golden(f"submitit-{variant}.sbatch", render_submitit_script(cfg, RUN, python="/usr/bin/python3"))
+    check_golden(f"submitit-{variant}.sbatch", run_script(cfg, RUN, python="/usr/bin/python3"))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_template_script(variant):
     cfg = load_config(ROOT / "configs" / "digits.yaml", VARIANTS[variant])
-    check_golden(f"template-{variant}.sbatch", render(cfg, RUN, python="/usr/bin/python3"))
+    check_golden(f"template-{variant}.sbatch", template_script(cfg, RUN, python="/usr/bin/python3"))
 
 
 def test_template_by_hand_is_valid_bash():
@@ -51,7 +51,7 @@ def test_template_by_hand_is_valid_bash():
 
 def test_gpu_request_is_one_task_per_gpu():
     cfg = load_config(ROOT / "configs" / "digits.yaml", ["slurm.gpus_per_node=4", "slurm.nodes=2"])
-    script = render_submitit_script(cfg, RUN, python="python")
+    script = run_script(cfg, RUN, python="python")
     assert "#SBATCH --ntasks-per-node=4" in script and "#SBATCH --gpus-per-node=4" in script
     assert "#SBATCH --nodes=2" in script
 
@@ -59,7 +59,7 @@ def test_gpu_request_is_one_task_per_gpu():
 def test_gpu_binding_and_cpus_per_gpu():
     def script(*overrides: str) -> str:
         cfg = load_config(ROOT / "configs" / "digits.yaml", ["slurm.cpus_per_task=null", *overrides])
-        return render_submitit_script(cfg, RUN, "python")
+        return run_script(cfg, RUN, "python")
 
     # Each task sees only its own GPU: --gpus-per-task, and no node-wide request beside it.
     per_task = script("slurm.gpus_per_node=2", "slurm.gpu_bind=task")
@@ -80,7 +80,7 @@ SCRIPT = ["run.name=digits", "script.path=/work/train.py", "script.args=[--steps
 
 
 def test_template_script_mode():
-    check_golden("template-script.sbatch", render(load_config(None, SCRIPT), RUN, python="/usr/bin/python3"))
+    check_golden("template-script.sbatch", template_script(load_config(None, SCRIPT), RUN, python="/usr/bin/python3"))
 
 
 def test_script_mode_submitit_script_is_the_trainers():
@@ -88,7 +88,7 @@ def test_script_mode_submitit_script_is_the_trainers():
     trainer's script for the same slurm.* keys."""
     trainer = load_config(ROOT / "configs" / "digits.yaml")
     script = load_config(None, SCRIPT)
-    assert render_submitit_script(script, RUN, python="python") == render_submitit_script(trainer, RUN, python="python")
+    assert run_script(script, RUN, python="python") == run_script(trainer, RUN, python="python")
 
 
 # Inside an image: apptainer in front of each task's interpreter (--nv with GPUs), or pyxis' srun options. The
@@ -104,14 +104,14 @@ def test_container_scripts(variant):
     from jobs.submission.request import library_root
 
     cfg = load_config(ROOT / "configs" / "digits.yaml", CONTAINER[variant])
-    for name, text in [("submitit", render_submitit_script(cfg, RUN, python="/usr/bin/python3")),
-                       ("template", render(cfg, RUN, python="/usr/bin/python3"))]:  # fmt: skip
+    for name, text in [("submitit", run_script(cfg, RUN, python="/usr/bin/python3")),
+                       ("template", template_script(cfg, RUN, python="/usr/bin/python3"))]:  # fmt: skip
         check_golden(f"{name}-{variant}.sbatch", text.replace(str(library_root()), "/LIB"))
 
 
 def test_container_nv_only_with_gpus():
     cfg = load_config(ROOT / "configs" / "digits.yaml", ["slurm.container.image=/images/train.sif"])
-    script = render_submitit_script(cfg, RUN, python="/usr/bin/python3")
+    script = run_script(cfg, RUN, python="/usr/bin/python3")
     assert " apptainer exec --env PYTHONPATH=" in script and "--nv" not in script
     # the watcher runs outside the image with the submitting interpreter; the tasks with the image's
     assert "/usr/bin/python3 -m ddp_core.cluster.supervise" in script
@@ -119,8 +119,8 @@ def test_container_nv_only_with_gpus():
 
 
 def test_an_image_that_is_not_a_file_is_refused_in_one_line(tmp_path):
-    """The check before submitting (``jobs.submission.partitions.check_image``): an apptainer image, or a pyxis image given as a
-    path, must be a file; a pyxis registry reference is the node's to resolve."""
+    """The check before submitting (``jobs.submission.partitions.check_image``): an apptainer image, or a pyxis image
+    given as a path, must be a file; a pyxis registry reference is the node's to resolve."""
     from ddp_core.config.container import ContainerConfig
     from ddp_core.errors import DdpJobError
     from jobs.submission.partitions import check_image

@@ -14,9 +14,9 @@ import yaml
 
 from ddp_core.config import load_config
 from ddp_core.run.rundir import RunDir
-from jobs.submission.submit import render_submitit_script
+from jobs.submission.request import SlurmRequest
 from tests.conftest import ROOT, run_cli
-from tests.helpers import submitit_parameters
+from tests.helpers import run_script
 
 TUTORIAL = str(ROOT / "examples" / "ddp_tutorial.py")
 DIGITS = str(ROOT / "configs" / "digits.yaml")
@@ -93,13 +93,13 @@ def test_dry_run_runs_the_script_with_the_trainers_request(tmp_path):
     # Derive once, render many: the same slurm.* keys make the same request, script or trainer.
     trainer = load_config(DIGITS, ["run.name=ddp_tutorial"])
     script = load_config(None, ["run.name=ddp_tutorial", *slurm, f"script.path={TUTORIAL}"])
-    assert submitit_parameters(script) == submitit_parameters(trainer)
+    assert SlurmRequest.resolve(script).sbatch_options() == SlurmRequest.resolve(trainer).sbatch_options()
     run = RunDir(Path(re.search(r"ddp_core\.script\.run\('([^']+)'\)", proc.stdout).group(1)))
 
     def sbatch_lines(text: str) -> list[str]:
         return [line for line in text.splitlines() if line.startswith("#SBATCH")]
 
-    assert sbatch_lines(proc.stdout) == sbatch_lines(render_submitit_script(trainer, run))
+    assert sbatch_lines(proc.stdout) == sbatch_lines(run_script(trainer, run))
 
 
 def test_prepare_records_the_script_and_renders_its_srun_line(tmp_path):

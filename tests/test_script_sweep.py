@@ -14,7 +14,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import pytest
 
@@ -177,26 +177,13 @@ def test_dry_run_lists_each_trials_argv_and_the_script_entry(tmp_path):
     assert not list(tmp_path.iterdir())  # a dry run creates nothing
 
 
-# --- the array, with submitit's executor faked; the trials run for real -----------------------------------------
-
-
-class FakeExecutor:
-    """submitit.SlurmExecutor for one map_array: what it was given, and array task ids as sbatch would make them."""
-
-    given: list[tuple[Any, list[str]]] = []
-
-    def __init__(self, folder: Path, python: str | None = None) -> None:
-        self.folder, self.python = folder, python
-
-    def update_parameters(self, **params: Any) -> None:
-        self.params = params
-
-    def map_array(self, fn: Any, items: list[str]) -> list[Any]:
-        FakeExecutor.given.append((fn, items))
-        return [type("Job", (), {"job_id": f"900_{i}"})() for i in range(len(items))]
+# --- the array, with sbatch faked (the Slurm gateway's answer); the trials run for real -----------------------------
 
 
 class FakeGateway:
+    """The Slurm gateway of a cluster that queues whatever it is given as job 900 and runs nothing: what was queued
+    is read back from the job's folder, as submitit's job entry on a node would read it."""
+
     def queued_from(self, folder: Path) -> list[str]:
         return []
 
@@ -205,6 +192,9 @@ class FakeGateway:
 
     def squeue_ids(self, ids: Sequence[str]) -> list[tuple[str, str]]:
         return []
+
+    def sbatch(self, script: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(["sbatch", str(script)], 0, "Submitted batch job 900\n", "")
 
 
 def run_trial(run: Path, log_dir: Path, job_id: str) -> int:
@@ -222,23 +212,25 @@ def ran_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("sweep")
     spec = load_sweep(None, ["script.args.lr=0.1,0.2", QUIET, f"run.root={root}"], name="lrs", script=TRAIN,
                       script_args=["--steps", "20", "--crash-once"])  # fmt: skip
-    sw.check_sweep(spec, local_check=False)
-    import submitit
+    request = sw.check_sweep(spec, local_check=False)
+    from submitit.core.utils import DelayedSubmission
+
+    from ddp_core.script.mode import run as script_run
+    from jobs.submission import submit
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sw, "GATEWAY", FakeGateway())
-        mp.setattr(submitit, "SlurmExecutor", FakeExecutor)
-        FakeExecutor.given = []
-        arrays = sw.submit_sweep(spec, sw.plan(spec), parallelism=2)
+        mp.setattr(submit, "GATEWAY", FakeGateway())
+        arrays = sw.submit_sweep(spec, sw.plan(spec), parallelism=2, request=request)
         assert arrays == ["900"]
-        ((fn, items),) = FakeExecutor.given
-        from ddp_core.script.mode import run as script_run
-
-        assert fn is script_run  # jobs.submission.submit.task_function's choice for a script, as for one submitted run
         folder = sw.sweep_dir(spec) / "slurm"
-        for i, item in enumerate(items):
-            assert run_trial(Path(item), folder, f"900_{i}") == 1  # crashed once
-            assert run_trial(Path(item), folder, f"900_{i}") == 0
+        assert "#SBATCH --array=0-1%2" in (folder / "900_submission.sh").read_text()
+        calls = [DelayedSubmission.load(folder / f"900_{i}_submitted.pkl") for i in range(2)]
+        # jobs.submission.submit.task_function's choice for a script, as for one submitted run, on each trial's run
+        assert [c.function for c in calls] == [script_run, script_run]
+        for i, call in enumerate(calls):
+            assert run_trial(Path(call.args[0]), folder, f"900_{i}") == 1  # crashed once
+            assert run_trial(Path(call.args[0]), folder, f"900_{i}") == 0
         assert {p.action for p in sw.plan(spec)} == {"completed"}  # the same sweep again submits nothing
     return sw.sweep_dir(spec)
 

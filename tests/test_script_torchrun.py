@@ -24,12 +24,11 @@ from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
 from ddp_core.script.torchrun import Rendezvous, exit_code, rendezvous, torchrun_argv, worker_pids
 from jobs.runs import logs
+from jobs.submission import checks
 from jobs.submission import partitions as cluster
 from jobs.submission.request import SlurmRequest
-from jobs.submission.submit import check_cluster, make_executor
-from jobs.submission.template import render
 from tests.conftest import ROOT, run_cli
-from tests.helpers import events, submitit_parameters
+from tests.helpers import events, template_script
 from tests.test_rendering import RUN, check_golden
 from tests.test_script_mode import clean_env, free_port
 
@@ -45,27 +44,28 @@ EXIT_STOPPED = ExitCode.STOPPED
 
 def test_request_is_one_task_per_node_with_all_its_ranks_cpus():
     slurm = ["slurm.nodes=2", "slurm.tasks_per_node=2", "slurm.cpus_per_task=3"]
-    srun = submitit_parameters(load_config(None, [*TORCHRUN[1:], *slurm]))
-    tr = submitit_parameters(load_config(None, [*TORCHRUN, *slurm]))
-    assert (srun["nodes"], srun["ntasks_per_node"], srun["cpus_per_task"]) == (2, 2, 3)
-    assert (tr["nodes"], tr["ntasks_per_node"], tr["cpus_per_task"]) == (2, 1, 6)  # the node's CPUs: the same
+    srun = SlurmRequest.resolve(load_config(None, [*TORCHRUN[1:], *slurm]))
+    tr = SlurmRequest.resolve(load_config(None, [*TORCHRUN, *slurm]))
+    assert (srun.nodes, srun.tasks_per_node, srun.cpus_per_task) == (2, 2, 3)
+    assert (tr.nodes, tr.tasks_per_node, tr.cpus_per_task) == (2, 1, 6)  # the node's CPUs: the same
     # The agent's task holds 6 CPUs: each of its 2 ranks gets 3 threads, not 6.
-    assert tr["setup"][0] == "export OMP_NUM_THREADS=$(( ${SLURM_CPUS_PER_TASK:-2} / 2 ))"
-    assert srun["setup"][0] == "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"
+    assert tr.environment[0] == "export OMP_NUM_THREADS=$(( ${SLURM_CPUS_PER_TASK:-2} / 2 ))"
+    assert srun.environment[0] == "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"
     # srun is told the task's CPUs itself: since Slurm 22.05 it does not take them from the allocation
-    assert (srun["srun_args"][-1], tr["srun_args"][-1]) == ("--cpus-per-task=3", "--cpus-per-task=6")
-    own = ("ntasks_per_node", "cpus_per_task", "setup", "srun_args")
-    assert {k: v for k, v in tr.items() if k not in own} == {k: v for k, v in srun.items() if k not in own}
+    assert (srun.srun_args[-1], tr.srun_args[-1]) == ("--cpus-per-task=3", "--cpus-per-task=6")
+    own = ("ntasks-per-node", "cpus-per-task")
+    assert {k: v for k, v in tr.sbatch_options().items() if k not in own} == {
+        k: v for k, v in srun.sbatch_options().items() if k not in own
+    }
 
 
 def test_gpu_request_gives_the_one_task_all_gpus():
     cfg = load_config(None, [*TORCHRUN, "slurm.gpus_per_node=4", "slurm.nodes=2", "slurm.cpus_per_task=null"])
-    params = submitit_parameters(cfg)
+    request = SlurmRequest.resolve(cfg)
     # 4 ranks (one per GPU) x 4 CPUs per GPU (the default without a known partition), every GPU of the node.
-    assert (params["ntasks_per_node"], params["cpus_per_task"], params["gpus_per_node"]) == (1, 16, 4)
-    assert "gpus_per_task" not in params
-    one = submitit_parameters(load_config(None, [*TORCHRUN, "slurm.gpus_per_node=4", "strategy.name=dp"]))
-    assert (one["ntasks_per_node"], one["cpus_per_task"]) == (1, 16)  # dp: one rank per node drives the 4 GPUs
+    assert (request.tasks_per_node, request.cpus_per_task, request.gpus) == (1, 16, {"gpus_per_node": 4})
+    one = SlurmRequest.resolve(load_config(None, [*TORCHRUN, "slurm.gpus_per_node=4", "strategy.name=dp"]))
+    assert (one.tasks_per_node, one.cpus_per_task) == (1, 16)  # dp: one rank per node drives the 4 GPUs
     assert SlurmRequest.resolve(
         load_config(None, [*TORCHRUN, "slurm.gpus_per_node=4", "strategy.name=dp"])
     ).environment[0] == ("export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}")
@@ -89,7 +89,7 @@ def test_dry_run_prints_the_torchrun_request(tmp_path):
 
 def test_template_for_torchrun():
     cfg = load_config(None, [*TORCHRUN, "slurm.tasks_per_node=2", "slurm.cpus_per_task=2", "slurm.time_min=30"])
-    text = render(cfg, RUN, python="/usr/bin/python3")
+    text = template_script(cfg, RUN, python="/usr/bin/python3")
     check_golden("template-script-torchrun.sbatch", text)
     assert "#SBATCH --ntasks-per-node=1\n" in text and "#SBATCH --cpus-per-task=4\n" in text
     assert "\nENTRY=ddp_core.script\n" in text and '-u -m "$ENTRY" "$RUN_DIR"' in text  # the same srun line
@@ -99,13 +99,13 @@ def test_cluster_check_and_local_executor_use_the_layout(tmp_path, monkeypatch):
     part = cluster.Partition("gpu", nodes=2, cpus_per_node=12, gpus_per_node=4, default=True)
     monkeypatch.setattr(cluster, "query_partitions", lambda: [part])
     cfg = load_config(None, [*TORCHRUN, "slurm.gpus_per_node=4", "slurm.cpus_per_task=null"])
-    check_cluster(cfg)  # 12 CPUs / 4 GPUs: 3 per rank
+    checks.resolve(cfg, checks.check_place(cfg))  # 12 CPUs / 4 GPUs: 3 per rank
     assert cfg.slurm.cpus_per_task == 3 and SlurmRequest.resolve(cfg).cpus_per_task == 12
     too_big = load_config(None, [*TORCHRUN, "slurm.tasks_per_node=4", "slurm.cpus_per_task=4"])
     with pytest.raises(DdpJobError, match="needs 16 CPUs per node; partition 'gpu' nodes have 12"):
-        check_cluster(too_big)
+        checks.resolve(too_big, checks.check_place(too_big))
     local = load_config(None, [*TORCHRUN, "slurm.tasks_per_node=2", f"run.root={tmp_path}"])
-    assert make_executor(local, RunDir(tmp_path / "run"), local=True).parameters["tasks_per_node"] == 1
+    assert checks.resolve(local, checks.check_place(local, local=True)).tasks_per_node == 1  # --local's processes
 
 
 # --- validation -------------------------------------------------------------------------------------------------

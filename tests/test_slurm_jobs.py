@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from ddp_core.run.rundir import RunDir
-from jobs.submission.submit import render_submitit_script
 from tests.conftest import ROOT, field, run_cli
-from tests.helpers import digests, events, rank_logs, sacct_state, wait_gone
+from tests.helpers import digests, events, rank_logs, run_script, sacct_state, wait_gone
 
 pytestmark = [pytest.mark.slurm, pytest.mark.cluster_shared("a")]  # 2-CPU jobs: see tests/cluster_guard.py
 DIGITS = str(ROOT / "configs" / "digits.yaml")
@@ -50,11 +49,10 @@ def test_ddp_job_completes_with_two_ranks(slurm_cluster, tmp_path):
     run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
     assert list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
     assert sacct_state(job_id) == "COMPLETED"
-    # What `ddpjob submit --dry-run` renders (through submitit's private renderer, at its pinned version) is the
-    # script the installed submitit wrote for this job.
+    # What `ddpjob submit --dry-run` renders is the script this job was queued with (one renderer for both).
     run = RunDir((tmp_path / run_dir).resolve())
     (submitted,) = run.slurm.glob(f"{job_id}_submission.sh")
-    assert render_submitit_script(run.load_config(), run) == submitted.read_text()
+    assert run_script(run.load_config(), run) == submitted.read_text()
 
 
 def test_a_user_error_fails_fast_and_says_where(slurm_cluster, tmp_path):
@@ -143,8 +141,8 @@ def test_resumes_submit_one_job_which_skips_a_truncated_checkpoint(slurm_cluster
 
 
 def mangling_sbatch(tmp_path: Path) -> dict[str, str]:
-    """A PATH whose ``sbatch`` queues the job with the real one, then prints what submitit cannot parse (as a site
-    wrapper that rewrites sbatch's output might): the submission fails after Slurm accepted the job."""
+    """A PATH whose ``sbatch`` queues the job with the real one, then prints an answer that names no job id (as a
+    site wrapper that rewrites sbatch's output might): the submission fails after Slurm accepted the job."""
     real = shutil.which("sbatch")
     assert real
     bin_dir = tmp_path / "bin"
@@ -157,7 +155,7 @@ def mangling_sbatch(tmp_path: Path) -> dict[str, str]:
 
 def withdrawn_job(stderr: str) -> str:
     lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and "Could not make sense of sbatch output" in lines[0], stderr
+    assert len(lines) == 1 and "sbatch's answer names no job id: 'Submitted batch id " in lines[0], stderr
     found = re.search(r"\(cancelled (?:job|array) (\d+), which sbatch had queued\)", lines[0])
     assert found, stderr
     wait_gone(found.group(1), timeout=30)
@@ -166,8 +164,8 @@ def withdrawn_job(stderr: str) -> str:
 
 
 def test_a_submission_that_fails_after_sbatch_leaves_no_job_behind(slurm_cluster, tmp_path):
-    """submitit still writes files after sbatch accepts a job; if that fails, the job is cancelled, not left to
-    run against a deleted run directory. Fresh submits remove the directory, resumes keep the old config, and a
+    """The submission still writes files after sbatch accepts a job; if that fails, the job is cancelled, not left
+    to run against a deleted run directory. Fresh submits remove the directory, resumes keep the old config, and a
     sweep can be rerun as it was."""
     mangled, root = mangling_sbatch(tmp_path), tmp_path / "runs"
     fresh = run_cli("submit", DIGITS, *QUICK, f"run.root={root}", cwd=tmp_path, env=mangled)

@@ -373,7 +373,7 @@ def test_without_accounting_states_come_from_the_controller(tmp_path):
 
 
 def test_submit_wait_without_accounting_takes_the_controllers_state(monkeypatch, tmp_path, caplog):
-    from jobs.submission import submit
+    from jobs.submission import follow as submit
 
     def runner(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
         if cmd[0] == "sacct":

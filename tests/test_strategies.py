@@ -24,7 +24,6 @@ from ddp_core.trainer.optim import build_optimizer
 from jobs.submission import partitions as cluster
 from jobs.submission.request import SlurmRequest
 from tests.conftest import ROOT
-from tests.helpers import submitit_parameters
 
 CPU = torch.device("cpu")
 MODEL_ARGS = {"d_model": 32, "n_layers": 2, "n_heads": 2, "dropout": 0.1}  # 4 top-level layers
@@ -154,8 +153,8 @@ def test_one_task_per_node_with_all_gpus_for_dp_and_model_parallel():
     assert ranks_per_node(cfg("slurm.tasks_per_node=3")) == cfg("slurm.tasks_per_node=3").slurm.ranks_per_node == 3
     for name in ("dp", "model_parallel"):
         dp = cfg(f"strategy.name={name}", "slurm.gpus_per_node=4", "slurm.cpus_per_task=8")
-        params = submitit_parameters(dp)
-        assert ranks_per_node(dp) == 1 and params["ntasks_per_node"] == 1 and params["gpus_per_node"] == 4
+        request = SlurmRequest.resolve(dp)
+        assert ranks_per_node(dp) == 1 and request.tasks_per_node == 1 and request.gpus == {"gpus_per_node": 4}
     part = cluster.Partition("p", nodes=1, cpus_per_node=4, gpus_per_node=0)
     wide = cfg("slurm.tasks_per_node=4", "slurm.cpus_per_task=2")
     with pytest.raises(DdpJobError, match=re.escape("4 ranks x slurm.cpus_per_task = 2 needs 8 CPUs")):

@@ -1,6 +1,7 @@
-"""Every way in checks a config as ``ddpjob submit`` does (``jobs.submission.submit.check_code`` and ``check_cluster_side``):
-a config that ``submit`` refuses on the login node is refused by a sweep and by an adaptive search with the same
-line, before anything is written or submitted. Sweeps used to skip the strategy's cut of the model and the image."""
+"""Every way in checks a config as ``ddpjob submit`` does (``jobs.submission.checks``: the code, the place, the
+request against the partition): a config that ``submit`` refuses on the login node is refused by a sweep and by an
+adaptive search with the same line, before anything is written or submitted. Sweeps used to skip the strategy's cut
+of the model and the image."""
 
 from __future__ import annotations
 

@@ -320,6 +320,10 @@ class SlurmGateway:
         """Send signal ``name`` (USR2, TERM, ...) to every task of the job's steps (not its batch shell)."""
         return _answered(self.run("scancel", f"--signal={name}", job_id))
 
+    def sbatch(self, script: str | Path) -> subprocess.CompletedProcess[str]:
+        """Queue a batch script file; sbatch's answer names the job (``Submitted batch job ID``)."""
+        return _answered(self.run("sbatch", str(script)))
+
     def sbatch_wrap(self, options: Sequence[str], command: str) -> Optional[str]:
         """Submit ``command`` as a batch job; its id, or None when sbatch refused (stderr is lost: the caller says
         what the job was for)."""

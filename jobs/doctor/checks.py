@@ -1,11 +1,11 @@
 """``ddpjob doctor``: what this cluster does to a job that is preempted or reaches its time limit, what ddpjob
 then does, and what would lose work there.
 
-Read-only: the cluster's settings come through the Slurm gateway (``scontrol show config``, ``scontrol show
-partition``, and ``sacctmgr`` for QOS and association limits where accounting exists); how long a checkpoint takes
-comes from a run's ``metrics.jsonl``; the release and the compute nodes are ``jobs.doctor.node_probe``'s. Every check is one
-``Finding`` with a stable key. A "problem" is work that would be lost; it names its fix (a config key, or what to ask
-the site's admins) and exits 1.
+Read-only: the cluster's settings come through the Slurm gateway (``scontrol show config``, ``scontrol show partition``,
+and ``sacctmgr`` for QOS and association limits where accounting exists); how long a checkpoint takes comes from a run's
+``metrics.jsonl``; the release and the compute nodes are ``jobs.doctor.node_probe``'s. Every check is one ``Finding``
+with a stable key. A "problem" is work that would be lost; it names its fix (a config key, or what to ask the site's
+admins) and exits 1.
 """
 
 from __future__ import annotations

@@ -125,16 +125,17 @@ class Drill:
 
 
 def submit_pair(partition: Optional[str], overrides: Sequence[str], root: Path) -> list[tuple[Config, RunDir, str]]:
-    from jobs.submission.submit import submit, validate_for_submit
+    from jobs.submission import checks
+    from jobs.submission.submit import submit
 
     out = []
     for _ in range(2):
         cfg = load_config(None, [*DRILL_SETTINGS, f"run.root={root}", *overrides])
         if partition:
             cfg.slurm.partition = partition
-        validate_for_submit(cfg, local=False)
         run = new_run_dir(cfg)
-        out.append((cfg, run, submit(cfg, run).job_id))
+        request = checks.check_and_resolve(cfg, run_root=run.path.parent)
+        out.append((cfg, run, submit(cfg, request, run).job_id))
     return out
 
 

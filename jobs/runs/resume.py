@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from ddp_core.errors import DdpJobError
 from jobs.runs.lookup import resolve
-from jobs.submission.commands import follow, print_submitted
+from jobs.submission.follow import follow, print_submitted
 
 if TYPE_CHECKING:
     from ddp_core.config import Config
@@ -22,7 +22,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from ddp_core.config import load_config, to_dict
     from ddp_core.config.continuation import breaks
     from ddp_core.run.rundir import RunDir
-    from jobs.submission.submit import submit, validate_for_submit
+    from jobs.submission import checks
+    from jobs.submission.submit import submit
     from jobs.sweeps.arrays import active_jobs
 
     run_dir = RunDir(resolve(args.run_dir, Path(args.root)))
@@ -36,7 +37,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     for line in [] if cfg.script.enabled else breaks(old, cfg):  # a script's exactness is the script's own
         print(f"exactness: {line}")
     keep_off_excluded(run_dir, cfg, args.include_node)
-    validate_for_submit(cfg, local=args.local)
+    request = checks.check_and_resolve(cfg, local=args.local, run_root=run_dir.path.parent)
     with run_dir.submit_lock():  # from "not active" to "job recorded": concurrent resumes queue up here
         recorded = [str(j["job_id"]) for j in run_dir.jobs() if j.get("via") != "local"]
         queued = active_jobs(recorded)  # no squeue here (--local without Slurm): the gateway lists nothing
@@ -45,7 +46,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
             raise DdpJobError(
                 f"run {run_dir.name} is still queued or running as job {active[0]}", "wait for it or scancel it first"
             )
-        sub = submit(cfg, run_dir, local=args.local, fresh=False)
+        sub = submit(cfg, request, run_dir, local=args.local, fresh=False)
     print_submitted(sub)
     return follow(sub) if (args.wait or args.local) else 0
 

@@ -1,9 +1,9 @@
 """``ddpjob status``: where each run or sweep trial stands, one table row per run.
 
 A row per run joins what the run directory says (run.json's job ids, attempts.jsonl, metrics.jsonl, checkpoint
-manifests, and for script mode the script from config.yaml) with Slurm's accounting. A refresh asks ``sacct`` once
-for every job of every row (``-D`` lists each requeued attempt of a job as its own line), never once per job: a
-sweep of a thousand trials is one call. Which runs a command is about, and their jobs, is ``jobs.runs.listing``, shared with
+manifests, and for script mode the script from config.yaml) with Slurm's accounting. A refresh asks ``sacct`` once for
+every job of every row (``-D`` lists each requeued attempt of a job as its own line), never once per job: a sweep of a
+thousand trials is one call. Which runs a command is about, and their jobs, is ``jobs.runs.listing``, shared with
 ``ddpjob logs`` and ``ddpjob cancel`` (``jobs.runs.logs``).
 """
 

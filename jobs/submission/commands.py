@@ -1,22 +1,23 @@
 """``ddpjob submit`` and ``ddpjob prepare``: a config from the command line (``load_from_args``) through the
-submission pipeline (``jobs.submission.pipeline``), and how a submitted job is shown and followed (``--wait``), which
-``ddpjob resume`` shares."""
+submission pipeline (check and resolve: ``jobs.submission.checks``; render: ``jobs.submission.render``; submit:
+``jobs.submission.submit``). ``--dry-run`` prints what the same steps would queue; ``prepare --sbatch-script``
+renders the plain template from the same request."""
 
 from __future__ import annotations
 
 import argparse
 import re
 import shutil
-import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ddp_core.errors import DdpJobError
-from jobs.submission import snapshot
+from jobs.submission import checks, snapshot
 
 if TYPE_CHECKING:
     from ddp_core.config import Config
+    from ddp_core.run.rundir import RunDir
+    from jobs.submission.request import SlurmRequest
 
 
 def load_from_args(args: argparse.Namespace) -> Config:
@@ -53,80 +54,54 @@ def load_from_args(args: argparse.Namespace) -> Config:
     return cfg
 
 
-def print_submitted(sub: object) -> None:
-    from jobs.submission.submit import Submitted
-
-    assert isinstance(sub, Submitted)
-    print(f"job:     {sub.job_id}")
-    print(f"run dir: {sub.run_dir.path}")
-    print(f"log:     {sub.log_path}")
-    sys.stdout.flush()
-
-
-def follow(sub: object) -> int:
-    from jobs.submission.submit import Submitted, wait
-
-    assert isinstance(sub, Submitted)
-    started = time.monotonic()
-    ok, result, state = wait(sub)
-    print(f"job {sub.job_id} {'COMPLETED' if ok else 'FAILED'} after {time.monotonic() - started:.1f} s")
-    if not ok:
-        print(f"error: {state}")
-        print(f"logs:  {sub.run_dir.slurm}")
-        return 1
-    from ddp_core.checkpoint import store as checkpoint
-
-    if result:
-        print("final eval: " + " ".join(f"{k} {v:.4f}" for k, v in sorted(result.items())))
-    latest = checkpoint.find_latest(sub.run_dir.checkpoints)
-    print(f"checkpoint: {latest.path if latest else 'none'}")
-    offline = sorted(sub.run_dir.wandb.glob("offline-run-*"))
-    if offline:
-        print(f"W&B (offline): {offline[-1]}  (upload: ddpjob sync {sub.run_dir.path})")
-    return 0
-
-
 def cmd_submit(args: argparse.Namespace) -> int:
-    from ddp_core.config import to_yaml
     from ddp_core.run.rundir import new_run_dir
-    from jobs.submission.request import SlurmRequest
-    from jobs.submission.submit import render_submitit_script, submit, validate_for_submit
+    from jobs.submission.follow import follow, print_submitted
+    from jobs.submission.submit import submit
 
     cfg = load_from_args(args)
     # A dry run checks the request against the cluster where there is one, and still renders where not.
     no_sinfo = args.dry_run and shutil.which("sinfo") is None
-    validate_for_submit(cfg, local=args.local, cluster_check=not (args.no_cluster_check or no_sinfo))
     run_dir = new_run_dir(cfg)
+    cluster = not (args.no_cluster_check or no_sinfo)
+    request = checks.check_and_resolve(cfg, local=args.local, cluster=cluster, run_root=run_dir.path.parent)
     if args.dry_run:
-        code = snapshot.plan(cfg)  # an oversized snapshot is refused before anything is printed
-        print("# sbatch script (nothing submitted)")
-        request = SlurmRequest.resolve(cfg)
-        entry = request.entry_module
-        print(f"# each task runs {entry}.run({str(run_dir.path)!r}), as python -m {entry} RUN_DIR would")
-        if request.elastic:
-            from ddp_core.config.batch import job_world_sizes
-
-            sizes = " or ".join(str(n) for n in job_world_sizes(cfg))
-            print(f"# slurm.nodes={request.nodes}: each attempt runs on the nodes Slurm gives it, world size {sizes}")
-        if cfg.script.launcher == "torchrun":
-            ranks = request.ranks_per_task
-            print(f"# script.launcher=torchrun: one task per node, a torchrun agent that starts {ranks} ranks")
-        if (container := cfg.slurm.container).enabled:
-            where = f"# slurm.container: each task runs inside {container.image} ({container.runtime})"
-            print(f"{where}; the batch script and its watcher run outside it")
-        print(render_submitit_script(cfg, run_dir))
-        print(f"# code snapshot: {code.summary() if code else 'none'}")
-        print("# resolved config")
-        print(to_yaml(cfg), end="")
+        print_dry_run(cfg, request, run_dir)
         return 0
-    sub = submit(cfg, run_dir, local=args.local)
+    sub = submit(cfg, request, run_dir, local=args.local)
     print_submitted(sub)
     return follow(sub) if (args.wait or args.local) else 0
 
 
+def print_dry_run(cfg: Config, request: SlurmRequest, run_dir: RunDir) -> None:
+    """``submit --dry-run``: the batch script ``submit`` would queue (the same renderer), the code snapshot, and the
+    resolved config; nothing is created."""
+    from ddp_core.config import to_yaml
+    from jobs.submission.render import Layout, render
+
+    code = snapshot.plan(cfg)  # an oversized snapshot is refused before anything is printed
+    print("# sbatch script (nothing submitted)")
+    entry = request.entry_module
+    print(f"# each task runs {entry}.run({str(run_dir.path)!r}), as python -m {entry} RUN_DIR would")
+    if request.elastic:
+        from ddp_core.config.batch import job_world_sizes
+
+        sizes = " or ".join(str(n) for n in job_world_sizes(cfg))
+        print(f"# slurm.nodes={request.nodes}: each attempt runs on the nodes Slurm gives it, world size {sizes}")
+    if cfg.script.launcher == "torchrun":
+        ranks = request.ranks_per_task
+        print(f"# script.launcher=torchrun: one task per node, a torchrun agent that starts {ranks} ranks")
+    if (container := cfg.slurm.container).enabled:
+        where = f"# slurm.container: each task runs inside {container.image} ({container.runtime})"
+        print(f"{where}; the batch script and its watcher run outside it")
+    print(render(request, Layout.run(run_dir.path)))
+    print(f"# code snapshot: {code.summary() if code else 'none'}")
+    print("# resolved config")
+    print(to_yaml(cfg), end="")
+
+
 def cmd_prepare(args: argparse.Namespace) -> int:
     from ddp_core.run.rundir import RunDir, new_run_dir
-    from jobs.submission.submit import validate_for_submit
 
     cfg = load_from_args(args)
     if args.job_id and not re.fullmatch(r"\d+(_\d+)?", args.job_id):
@@ -140,7 +115,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             return 0
     else:
         run_dir = new_run_dir(cfg)
-    validate_for_submit(cfg, local=False, cluster_check=not args.no_cluster_check)
+    request = checks.check_and_resolve(cfg, cluster=not args.no_cluster_check, run_root=run_dir.path.parent)
     code = snapshot.plan(cfg)
     run_dir.initialize(cfg)
     try:
@@ -149,8 +124,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir.path, ignore_errors=True)
         raise DdpJobError(f"could not copy the code snapshot: {err}", "check the space left under run.root") from err
     if args.sbatch_script:
-        from jobs.submission.template import render
+        from jobs.submission.render import render_template
 
-        (run_dir.slurm / "job.sbatch").write_text(render(cfg, run_dir))
+        (run_dir.slurm / "job.sbatch").write_text(render_template(request, run_dir))
     print(run_dir.path)
     return 0

@@ -1,7 +1,6 @@
-"""What the cluster can give: partition sizes read from ``sinfo``, and the container image
-(``check_image``). A job's request is checked against them
-(``jobs.submission.request.SlurmRequest.check_fits``), so an impossible job fails on the login node instead of pending forever;
-``node_count_finding`` is the doctor's view of a run's node count (or range) against its partition."""
+"""What the cluster can give: partition sizes read from ``sinfo``, and the container image (``check_image``). A job's
+request is checked against them (``jobs.submission.request.SlurmRequest.check_fits``), so an impossible job fails on
+the login node instead of pending forever; the doctor reads the same partitions (``jobs.doctor.findings``)."""
 
 from __future__ import annotations
 

@@ -4,10 +4,11 @@ Everything Slurm is asked for is decided here and nowhere else: the task layout 
 for a torchrun agent), CPUs per task (``slurm.cpus_per_task``, or its default from the partition's CPUs per GPU),
 GPUs (per node, or per task with ``slurm.gpu_bind=task``), the warning signal and requeue, the srun arguments, the
 environment every rank starts with, and the command each task starts (behind the prefix that holds the warning
-signal), inside the container image when ``slurm.container`` names one (``container_words``). The renderers only lay
-it out: submitit's executor (``submitit_parameters``), the sbatch template
-(``jobs.submission.template``), ``--dry-run``, sweeps' arrays, an adaptive search's workers and its trial step, and the
-check against the partition (``jobs.submission.partitions.check_request``).
+signal), inside the container image when ``slurm.container`` names one (``container_words``). It is step 2 of the
+submission pipeline (``jobs.submission.checks.resolve``): resolved once per submission and passed along. The renderer
+only lays it out (``jobs.submission.render``: the job's script, an array's, a search's workers', the plain template,
+``--dry-run``); the search's trial step takes its srun line (``task_command``), and the partition check its numbers
+(``check_fits``).
 """
 
 from __future__ import annotations
@@ -271,41 +272,6 @@ class SlurmRequest:
             f"{python} -m ddp_core.cluster.supervise --begin {run_dir} && return 0; "
             f'set -- $?; trap - EXIT; [ "$1" = {int(ExitCode.ALREADY_COMPLETE)} ] && exit 0; exit $1; }}',
         ]
-
-    def submitit_parameters(self, run_dir: Optional[Path] = None, array_runs: Optional[Path] = None) -> dict[str, Any]:
-        """submitit ``SlurmExecutor`` parameters (Slurm's names, underscores), ``setup`` and ``srun_args`` included.
-        ``run_dir``: one run's job, whose batch script watches its attempts (``watch_lines``). ``array_runs``: an
-        array's, a file beside submitit's logs with one run directory per line, task ``i``'s on line ``i + 1``: each
-        task's batch script watches its own run's attempts the same way."""
-        watch = []
-        if run_dir is not None:
-            batch_log = shlex.quote(str(run_dir / "slurm")) + '/"${SLURM_JOB_ID}_0_log.err"'  # submitit's --error
-            watch = [*self.watch_lines(shlex.quote(str(run_dir)), batch_log), "ddpjob_begin"]
-        elif array_runs is not None:
-            folder = shlex.quote(str(array_runs.parent))
-            batch_log = folder + '/"${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}_0_log.err"'  # submitit's, for arrays
-            pick = f'RUN_DIR=$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {shlex.quote(str(array_runs))})'
-            watch = [pick, *self.watch_lines('"$RUN_DIR"', batch_log), "ddpjob_begin"]
-        params: dict[str, Any] = {
-            "job_name": self.job_name,
-            "nodes": self.min_nodes,
-            "ntasks_per_node": self.tasks_per_node,
-            "cpus_per_task": self.cpus_per_task,
-            "time": self.time_min,
-            "setup": [*watch, *self.environment, *self.setup],
-            "srun_args": list(self.srun_args),
-            **self.where,
-            **self.gpus,
-        }
-        # submitit takes --nodes as a count (it multiplies it by the tasks per node): an elastic job's MIN-MAX goes
-        # in as an additional sbatch option, which replaces submitit's own --nodes line.
-        elastic = {"nodes": self.nodes} if self.elastic else {}
-        params["additional_parameters"] = {"signal": self.signal, "requeue": True, **elastic, **self.additional}
-        return params
-
-    def submitit_python(self) -> str:
-        """``task_python`` as submitit's ``python`` parameter: the start of its task command, a shell word list."""
-        return shlex.join(self.task_python)
 
     def task_command(self) -> list[str]:
         """What each task runs, before its run directory: ``python -u -m MODULE`` behind the prefix."""

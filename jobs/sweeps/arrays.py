@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,16 +22,10 @@ from ddp_core.cluster.slurm import GATEWAY
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import CODE_RECORD, RunDir, atomic_write_text
-from jobs.submission import snapshot
+from jobs.submission import checks, snapshot
+from jobs.submission.render import Layout, render
 from jobs.submission.request import SlurmRequest
-from jobs.submission.submit import (
-    absolute_image,
-    check_cluster_side,
-    check_code,
-    submitit_command,
-    submitted_or_withdrawn,
-    task_function,
-)
+from jobs.submission.submit import queue, submitted_or_withdrawn, task_function
 from jobs.sweeps.record import SWEEP_FILE
 from jobs.sweeps.spec import Sweep, Trial
 
@@ -58,9 +51,10 @@ def sweep_dir(sweep: Sweep) -> Path:
     return (Path(sweep.configs[0].run.root) / sweep.name).resolve()
 
 
-def check_sweep(sweep: Sweep, local_check: bool = True) -> None:
-    """What submit checks for one run (``jobs.submission.submit``: the code, the cluster), for every distinct script or task
-    setting and the shared Slurm request."""
+def check_sweep(sweep: Sweep, local_check: bool = True) -> SlurmRequest:
+    """Steps 1 and 2 of the submission pipeline (``jobs.submission.checks``), as ``submit`` takes them for one run:
+    the code of every distinct script or task setting, and the place and the one request the array's tasks share,
+    which it returns (named after the sweep)."""
     varying = {key for trial in sweep.trials for key in trial.params}
     # script.launcher too: it decides the request's tasks per node.
     shared = sorted(k for k in varying if k.startswith(("slurm.", "run.")) or k == "script.launcher")
@@ -80,16 +74,16 @@ def check_sweep(sweep: Sweep, local_check: bool = True) -> None:
         parts = [cfg.script.path, cfg.script.module, cfg.task.target, cfg.task.model, cfg.task.data, cfg.strategy]
         key = json.dumps(parts, sort_keys=True, default=str)
         if key not in checked:
-            check_code(cfg)
+            checks.check_code(cfg)
             checked[key] = cfg
         cfg.script.path, cfg.script.sha256 = checked[key].script.path, checked[key].script.sha256
-    for cfg in sweep.configs:
-        absolute_image(cfg)
-    if local_check:
-        check_cluster_side(sweep.configs[0])
-    cpus = SlurmRequest.resolve(sweep.configs[0]).cpus_per_rank
-    for cfg in sweep.configs:  # one array, one request: every trial records the resolved CPUs per rank
-        cfg.slurm.cpus_per_task = cpus
+    first, *others = sweep.configs
+    for cfg in others:
+        checks.check_place(cfg, cluster=False)  # the image's path made absolute in each trial's config
+    request = checks.resolve(first, checks.check_place(first, cluster=local_check))
+    for cfg in others:  # one array, one request: every trial records the resolved CPUs per rank
+        cfg.slurm.cpus_per_task = request.cpus_per_rank
+    return dataclasses.replace(request, job_name=first.slurm.job_name or sweep.name)
 
 
 def active_jobs(job_ids: list[str]) -> set[str]:
@@ -130,29 +124,10 @@ def chunks(items: list[Any], size: int) -> list[list[Any]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def array_request(sweep: Sweep, python: str = sys.executable) -> SlurmRequest:
-    """The request every task of the sweep's arrays makes: the first trial's (check_sweep: the trials share it),
-    named after the sweep."""
-    cfg = sweep.configs[0]
-    return dataclasses.replace(SlurmRequest.resolve(cfg, python=python), job_name=cfg.slurm.job_name or sweep.name)
-
-
-def array_parameters(request: SlurmRequest, parallelism: int, runs: Path) -> dict[str, Any]:
-    """``runs``: the file naming each task's run directory, one per line (``SlurmRequest.submitit_parameters``)."""
-    return request.submitit_parameters(array_runs=runs) | {"array_parallelism": parallelism}
-
-
-def render_array_script(sweep: Sweep, count: int, parallelism: int, python: str = sys.executable) -> str:
-    from submitit.slurm.slurm import _make_sbatch_string  # pinned: pyproject.toml, and a real array's test compares
-
+def render_array_script(sweep: Sweep, request: SlurmRequest, count: int, parallelism: int) -> str:
+    """What ``sweep --dry-run`` prints: the script ``submit_sweep`` queues for an array of ``count`` trials."""
     folder = sweep_dir(sweep) / "slurm"
-    request = array_request(sweep, python)
-    return _make_sbatch_string(
-        command=submitit_command(request, folder),
-        folder=folder,
-        map_count=count,
-        **array_parameters(request, parallelism, folder / "runs-TIMESTAMP-0.txt"),
-    )
+    return render(request, Layout.array(folder, folder / "runs-TIMESTAMP-0.txt", count, parallelism))
 
 
 def excluded_by_trials(plans: list[TrialPlan]) -> dict[str, str]:
@@ -163,9 +138,10 @@ def excluded_by_trials(plans: list[TrialPlan]) -> dict[str, str]:
     return hosts
 
 
-def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int) -> list[str]:
-    """Initialise every trial to run and submit them as arrays; returns the array job ids."""
-    import submitit
+def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int, request: SlurmRequest) -> list[str]:
+    """Initialise every trial to run and submit them as arrays of ``request`` (``check_sweep``'s); returns the array
+    job ids."""
+    from submitit.core.utils import DelayedSubmission
 
     todo = [p for p in plans if p.action in ("submit", "resume")]
     if not todo:
@@ -181,7 +157,6 @@ def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int) -> list
         p.run_dir.initialize(p.cfg)
         if shared is not None and p.action == "submit" and p.cfg.snapshot.enabled:
             snapshot.write_record(p.run_dir.path, shared)
-    request = array_request(sweep)
     if excluded := excluded_by_trials(plans):
         # The nodes a trial excluded after its failures: the trials submitted now stay off them as well.
         for host, why in excluded.items():
@@ -189,18 +164,18 @@ def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int) -> list
         own = [h for h in str(request.additional.get("exclude", "")).split(",") if h]
         hosts = ",".join(dict.fromkeys([*own, *excluded]))
         request = dataclasses.replace(request, additional={**request.additional, "exclude": hosts})
-    executor = submitit.SlurmExecutor(folder=folder, python=request.submitit_python())
     arrays: list[str] = []
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for number, chunk in enumerate(chunks(todo, max_array_size())):
         runs = folder / f"runs-{stamp}-{number}.txt"  # each task's run directory: its batch script watches it
         runs.write_text("".join(f"{p.run_dir.path}\n" for p in chunk))
-        executor.update_parameters(**array_parameters(request, parallelism, runs))
+        script = render(request, Layout.array(folder, runs, len(chunk), parallelism))
         done = f"; {len(arrays)} earlier arrays were submitted: {' '.join(arrays)}" if arrays else ""
         hint = "fix the cause and rerun the same `ddpjob sweep` command: it submits only the trials not yet queued"
         # Earlier arrays of this sweep may still be queued from the folder: only this one's are withdrawn.
         with submitted_or_withdrawn(folder, "sweep submission", hint, earlier=done, unit="array"):
-            jobs = executor.map_array(run, [str(p.run_dir.path) for p in chunk])  # one sbatch per chunk
+            calls = [DelayedSubmission(run, str(p.run_dir.path)) for p in chunk]
+            jobs = queue(script, folder, calls, request, array=True)  # one sbatch per chunk
         array_id = str(jobs[0].job_id).split("_")[0]
         arrays.append(array_id)
         for p, job in zip(chunk, jobs, strict=True):

@@ -74,7 +74,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         script_args=args.script_args,
     )
     no_sinfo = args.dry_run and shutil.which("sinfo") is None
-    sw.check_sweep(spec, local_check=not (args.no_cluster_check or no_sinfo))
+    request = sw.check_sweep(spec, local_check=not (args.no_cluster_check or no_sinfo))
     plans = sw.plan(spec)
     parallelism = spec.configs[0].slurm.array_parallelism
     if args.dry_run:
@@ -88,9 +88,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             f"# array script for {count} trials (nothing submitted); each task runs {entry}.run(RUN_DIR) on its "
             f"trial's run directory, as python -m {entry} RUN_DIR would"
         )
-        print(sw.render_array_script(spec, max(1, count), parallelism))
+        print(sw.render_array_script(spec, request, max(1, count), parallelism))
         return 0
-    arrays = sw.submit_sweep(spec, plans, parallelism)
+    arrays = sw.submit_sweep(spec, plans, parallelism, request)
     print(sw.summary(spec, plans, arrays, sw.max_array_size() if arrays else None))
     print(f"took:    {time.monotonic() - started:.1f} s")
     return 0
@@ -124,10 +124,7 @@ def _cmd_search(args: argparse.Namespace, started: float) -> int:
         root = Path(args.config).resolve()
         array = search.extend(root, args.more, args.parallel) if args.more is not None else None
         if args.more is None:
-            from ddp_core.config import load_config
-            from ddp_core.search.study import BASE_CONFIG
-
-            array = search.submit_workers(root, load_config(root / BASE_CONFIG))
+            array = search.submit_workers(root, *search.recorded(root))
     else:
         if args.more is not None:
             raise DdpJobError("--more extends an existing search", "pass its directory: ddpjob sweep DIR --more N")
@@ -146,7 +143,7 @@ def _cmd_search(args: argparse.Namespace, started: float) -> int:
             spec = load_search_file(Path(args.config), overrides, name=args.name, **flags)
         else:
             spec = parse_cli_search(Path(args.config), overrides, name=args.name, **flags)
-        cfg = search.check(spec, local_check=not (args.no_cluster_check or args.dry_run))
+        cfg, request = search.check(spec, local_check=not (args.no_cluster_check or args.dry_run))
         if args.dry_run:
             print(
                 f"search:  {spec.sampler} {spec.direction} {spec.metric}, {spec.trials} trials, "
@@ -154,9 +151,10 @@ def _cmd_search(args: argparse.Namespace, started: float) -> int:
             )
             for key, dist in spec.params.items():
                 print(f"param:   {key} {json.dumps(dist)}")
-            print(f"step:    {shlex.join([*search.step(cfg)['srun'], *search.step(cfg)['command'], 'RUN_DIR'])}")
+            line = search.step(request)
+            print(f"step:    {shlex.join([*line['srun'], *line['command'], 'RUN_DIR'])}")
             return 0
-        root, array = search.start(spec, cfg)
+        root, array = search.start(spec, cfg, request)
     print("\n".join(search.start_lines(root, array)))
     print(f"took:    {time.monotonic() - started:.1f} s")
     return 0

@@ -1,12 +1,13 @@
 """Adaptive sweeps on the login node: create the study, submit one job array of workers, continue or extend it, and
 say where it stands (``ddpjob status`` on a search's sweep directory; ``ddpjob report`` reads its study too).
 
-``ddpjob sweep`` validates the spec (``jobs.sweeps.search_spec``), then writes the sweep directory (``ddp_core.search.study``
-documents its layout), creates the Optuna study on its journal and submits ONE array of ``parallelism`` tasks, each
-running ``ddp_core.search.worker.run`` in its batch step (submitit ``use_srun=False``): the worker launches each trial
-as an srun step with the srun line rendered here from ``jobs.submission.submit``'s request. Running the same sweep again, or
-``--more N``, continues the study: the RUNNING trials of workers that are gone (squeue, one call) are bound to the new
-generation's task indices before its array is submitted, so no trial is lost or run twice.
+``ddpjob sweep`` validates the spec (``jobs.sweeps.search_spec``) and checks the base config as ``submit`` checks a run
+(``check``), then writes the sweep directory (``ddp_core.search.study`` documents its layout), creates the Optuna study
+on its journal and submits ONE array of ``parallelism`` tasks, each running ``ddp_core.search.worker.run`` in its batch
+step (``render.Layout.workers``: no srun): the worker launches each trial as an srun step, with the srun line of the
+search's one request (``step``). Running the same sweep again, or ``--more N``, continues the study: the RUNNING trials
+of workers that are gone (squeue, one call) are bound to the new generation's task indices before its array is
+submitted, so no trial is lost or run twice.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ from ddp_core.search.study import (
     state_name,
     write_spec,
 )
-from jobs.submission import snapshot
+from jobs.submission import checks, snapshot
+from jobs.submission.render import Layout, render
 from jobs.submission.request import SlurmRequest
-from jobs.submission.submit import absolute_image, check_cluster_side, check_code, submitted_or_withdrawn
+from jobs.submission.submit import queue, submitted_or_withdrawn
 from jobs.sweeps.search_spec import SearchSpec
 
 
@@ -49,26 +51,29 @@ def sweep_root(spec: SearchSpec) -> Path:
     return (Path(spec.base_config.run.root) / spec.name).resolve()
 
 
-def check(spec: SearchSpec, local_check: bool = True) -> Config:
-    """What submit checks for one run (``jobs.submission.submit``: the code, the cluster), on the base config, once: every trial
-    shares the task and the workers' request."""
+def check(spec: SearchSpec, local_check: bool = True) -> tuple[Config, SlurmRequest]:
+    """Steps 1 and 2 of the submission pipeline (``jobs.submission.checks``) on the base config, once: every trial
+    shares the task, and the workers' one request."""
     cfg = spec.base_config
     assert cfg is not None
-    check_code(cfg)
-    absolute_image(cfg)
-    if local_check:
-        check_cluster_side(cfg)
-    cfg.slurm.cpus_per_task = SlurmRequest.resolve(cfg).cpus_per_rank
-    return cfg
+    checks.check_code(cfg)
+    return cfg, checks.resolve(cfg, checks.check_place(cfg, cluster=local_check))
 
 
-def step(cfg: Config) -> dict[str, list[str]]:
-    """The srun line each trial runs, from the request ``jobs.submission.submit`` renders for every job (never recomputed)."""
-    request = SlurmRequest.resolve(cfg)
+def recorded(root: Path) -> tuple[Config, SlurmRequest]:
+    """A search's base config as its start recorded it (checked then), and its request resolved for this submission."""
+    from ddp_core.config import load_config
+
+    cfg = load_config(root / BASE_CONFIG)
+    return cfg, checks.resolve(cfg)
+
+
+def step(request: SlurmRequest) -> dict[str, list[str]]:
+    """The srun line each trial runs: the search's one request (its worker starts it as a step of its allocation)."""
     return {"srun": ["srun", *request.srun_args], "command": request.task_command()}
 
 
-def start(spec: SearchSpec, cfg: Config) -> tuple[Path, Optional[str]]:
+def start(spec: SearchSpec, cfg: Config, request: SlurmRequest) -> tuple[Path, Optional[str]]:
     """Create the search (or continue the same one) and submit its workers: (sweep dir, array id or None)."""
     root = sweep_root(spec)
     wanted = spec.study_spec()
@@ -81,16 +86,16 @@ def start(spec: SearchSpec, cfg: Config) -> tuple[Path, Optional[str]]:
                 f"sweep '{spec.name}' exists in {root} with another search ({what} differs)",
                 f"rerun it as it was, extend it: `ddpjob sweep {root} --more N`, or pass --name",
             )
-        return root, submit_workers(root, cfg)
+        return root, submit_workers(root, cfg, request)
     root.mkdir(parents=True, exist_ok=True)
     (root / BASE_CONFIG).write_text(to_yaml(cfg))
     snapshot.take_shared(snapshot.plan_sweep([cfg]), root)
     base = str(spec.base.resolve())
-    write_spec(root, wanted | {"step": step(cfg), "generations": [], "base_config": base, "fixed": spec.fixed})
+    write_spec(root, wanted | {"step": step(request), "generations": [], "base_config": base, "fixed": spec.fixed})
     from ddp_core.search.study import open_storage
 
     create_study(open_storage(str(root / JOURNAL_FILE)), wanted)
-    return root, submit_workers(root, cfg)
+    return root, submit_workers(root, cfg, request)
 
 
 def extend(root: Path, more: int, parallelism: Optional[int] = None) -> Optional[str]:
@@ -101,9 +106,7 @@ def extend(root: Path, more: int, parallelism: Optional[int] = None) -> Optional
         spec = read_spec(root)
         wider = {"parallelism": parallelism} if parallelism else {}
         write_spec(root, spec | {"budget": spec["budget"] + more} | wider)
-    from ddp_core.config import load_config
-
-    return submit_workers(root, load_config(root / BASE_CONFIG))
+    return submit_workers(root, *recorded(root))
 
 
 def alive_workers(spec: dict[str, Any]) -> set[str]:
@@ -118,11 +121,13 @@ def alive_workers(spec: dict[str, Any]) -> set[str]:
     return out
 
 
-def submit_workers(root: Path, cfg: Config) -> Optional[str]:
+def submit_workers(root: Path, cfg: Config, request: SlurmRequest) -> Optional[str]:
     """Re-bind orphaned RUNNING trials to a new generation and submit it: as many tasks as the study still needs,
     at most ``parallelism`` minus the workers still alive. Returns the array id, or None when nothing was needed."""
+    import dataclasses
+
     import optuna
-    import submitit
+    from submitit.core.utils import DelayedSubmission
 
     from ddp_core.search import worker as search_worker
 
@@ -150,14 +155,13 @@ def submit_workers(root: Path, cfg: Config) -> Optional[str]:
             storage.set_trial_user_attr(trial_id, WORKER_ATTR, worker)
         folder = root / "slurm"
         folder.mkdir(parents=True, exist_ok=True)
-        params = SlurmRequest.resolve(cfg).submitit_parameters()
-        params |= {"job_name": cfg.slurm.job_name or spec["name"], "use_srun": False, "array_parallelism": tasks}
-        params.pop("srun_args")  # each trial's srun line is search.json's step (the worker runs it)
-        executor = submitit.SlurmExecutor(folder=folder)
-        executor.update_parameters(**params)
+        # Each trial's srun line is search.json's step: the worker runs it, inside its own batch step.
+        request = dataclasses.replace(request, job_name=cfg.slurm.job_name or spec["name"])
+        script = render(request, Layout.workers(folder, tasks))
         hint = "fix the cause and rerun the same command: the study continues"
         with submitted_or_withdrawn(folder, "search submission", hint, unit="array"):
-            jobs = executor.map_array(search_worker.run, [str(root)] * tasks, [generation] * tasks)
+            calls = [DelayedSubmission(search_worker.run, str(root), generation) for _ in range(tasks)]
+            jobs = queue(script, folder, calls, request, array=True)
         array = str(jobs[0].job_id).split("_")[0]
         entry = {
             "generation": generation,
