@@ -32,7 +32,7 @@ FACTS = (
         None,
         "info",
         "srun no longer inherits --cpus-per-task from the allocation (since 22.05)",
-        "ddpjob's srun line passes --cpus-per-task itself (jobs/request.py's srun_args)",
+        "ddpjob's srun line passes --cpus-per-task itself (jobs/submission/request.py's srun_args)",
     ),
     ReleaseFact(
         "requeue",

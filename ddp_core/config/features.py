@@ -9,7 +9,7 @@ imports its dataclass from here.
 is one argument of each trial's script, not a config key: ``with_swept_args`` turns a trial's values into its
 ``script.args`` on the login node (``--NAME=VALUE`` after the fixed arguments; ``NAME=VALUE`` with
 ``script.arg_style: hydra``), so the trial's config.yaml holds the exact command line its ranks run. The sweep
-(``jobs/sweep_spec.py``, ``ddp_core.config.trials``) calls it; the syntax of those keys and values is defined here
+(``jobs/sweeps/spec.py``, ``ddp_core.config.trials``) calls it; the syntax of those keys and values is defined here
 only.
 """
 
