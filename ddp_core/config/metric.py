@@ -12,7 +12,7 @@ Torch-free (the login node parses every one before anything is submitted).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from ddp_core.errors import DdpJobError
@@ -28,6 +28,7 @@ class Metric:
 
     key: str
     minimize: bool
+    said: bool = field(default=False, compare=False)  # the direction was given (min:/max:), not read from the name
 
     @property
     def name(self) -> str:
@@ -61,4 +62,4 @@ def parse_metric(text: str, where: str, splits: Sequence[str] = EVAL_ONLY) -> Me
         which = " or ".join(f"{s}/NAME" for s in splits)
         raise DdpJobError(f"{where} = {text!r} is not a metric this can rank by: expected {which}", example)
     minimize = prefix == "min" if sep else name.endswith(COSTS)
-    return Metric(key, minimize)
+    return Metric(key, minimize, said=bool(sep))

@@ -20,9 +20,8 @@ class Monitor:
     """Best value of the monitored eval metric, the step it came from, and evaluations since it improved."""
 
     def __init__(self, spec: Optional[str], patience: int) -> None:
-        self.metric = parse_metric(spec or "eval/loss", "config key 'checkpoint.monitor'")
-        self.name = self.metric.name  # what the task's evaluation reports
-        self.enabled = spec is not None
+        # None: nothing monitored (no best checkpoint, no early stop).
+        self.metric = parse_metric(spec, "config key 'checkpoint.monitor'") if spec else None
         self.patience = patience
         self.best: Optional[float] = None
         self.best_step = -1
@@ -30,15 +29,16 @@ class Monitor:
 
     def update(self, step: int, metrics: dict[str, float]) -> bool:
         """Record one evaluation; True when it is a new best (the first one always is)."""
-        if not self.enabled:
+        if self.metric is None:
             return False
-        if self.name not in metrics:
+        name = self.metric.name  # what the task's evaluation reports
+        if name not in metrics:
             raise DdpJobError(
-                f"checkpoint.monitor names eval/{self.name}, but the task's evaluation reports "
+                f"checkpoint.monitor names {self.metric.key}, but the task's evaluation reports "
                 f"{', '.join(f'eval/{k}' for k in sorted(metrics)) or 'no metrics'}",
                 "name one of those in checkpoint.monitor (the task's Output.sums keys)",
             )
-        value = metrics[self.name]
+        value = metrics[name]
         better = math.isfinite(value) and (self.best is None or self.metric.better(value, self.best))
         if better:
             self.best, self.best_step, self.stale = value, step, 0

@@ -62,7 +62,7 @@ def search_metric(text: str, direction: Optional[str] = None) -> Metric:
         return metric
     if direction not in ("minimize", "maximize"):
         raise bad("search.direction", f"= {direction!r} is invalid", "use minimize or maximize")
-    if ":" in str(text) and direction != metric.direction:
+    if metric.said and direction != metric.direction:
         raise bad("search.direction", f"= {direction} contradicts metric {text!r}", "drop one of them")
     return Metric(metric.key, direction == "minimize")
 
