@@ -118,11 +118,13 @@ def requeue_within(
     after: str,
     read: str = "",
     defer: bool = False,
+    gateway: SlurmGateway = NODE_GATEWAY,
 ) -> int:
     """Rank 0 (or a hang's coordinator) requeues the job unless this submission spent its ``slurm.max_<kind>s``
     budget; records what happened and returns the exit code. ``defer``: a rank inside the job's step, whose batch
     script's watcher can requeue the job for it when this process has no scontrol (a container image): it records
-    ``requeue_deferred`` and exits ``REQUEUE_DEFERRED``, and the watcher does the rest (``requeue_deferred``)."""
+    ``requeue_deferred`` and exits ``REQUEUE_DEFERRED``, and the watcher does the rest (``requeue_deferred``).
+    ``gateway``: the caller's, through which it asks Slurm."""
     if spent > limit:
         reason = f"requeue budget exhausted after {spent} {kind}{'' if spent == 1 else 's'} (slurm.max_{kind}s={limit})"
         run_dir.log_event("budget_exhausted", reason=reason, job_id=env.job_id, step=step)
@@ -131,7 +133,7 @@ def requeue_within(
     # Recorded before asking: once Slurm accepts, it may end this step before a line written after scontrol returns
     # (seen in CI under load: a requeued attempt without its event). A refusal is recorded after this one.
     run_dir.log_event("requeued", kind=kind, job_id=env.job_id, step=step, count=spent)
-    if (refused := preemption.requeue(env)) is not None:
+    if (refused := preemption.requeue(env, gateway)) is not None:
         if defer and refused.missing:
             run_dir.log_event("requeue_deferred", kind=kind, job_id=env.job_id, step=step, error=refused.why)
             log.info("no scontrol here (%s): the batch script requeues the job once the ranks have left", refused.why)
