@@ -3,9 +3,9 @@
 **What an attempt leads to** (rank 0 decides, every rank returns the same code): ``after_stop`` for a signal
 (requeue within ``slurm.max_timeouts`` / ``max_preemptions``, preempted and not requeued, stopped outside Slurm, a
 refused requeue), ``after_hang`` for the watchdog's hang (requeue within ``slurm.max_hangs``). The trainer, the
-runtime helper of script mode and the watchdog all call these, and so does the batch script's watcher
-(``cluster.supervise``) for a failed attempt (``cluster.failures``: requeue within ``slurm.max_failures`` after an
-infrastructure failure, none after a user error): one set of budgets and events.
+runtime helper of script mode and the watchdog all call these, and so does the after-failure policy
+(``cluster.policy``, for the batch script's watcher, the node-loss check and a search's trial step: requeue within
+``slurm.max_failures`` after an infrastructure failure, none after a user error): one set of budgets and events.
 
 Every compute-side exit goes through ``leave`` (and, for the functions submitit calls, through ``after_submitit``):
 nothing else calls ``os._exit`` or ``sys.exit``. Torch-free, so the runtime helper and the torchrun agent use it
