@@ -16,7 +16,7 @@ One policy, three callers, which differ only by parameters:
 2. a user error: ``failed`` recorded, ``FAILED``;
 3. the node the failure excludes (``failures.to_exclude``: a failed health check, a second infrastructure failure);
 4. ``RUN_AGAIN`` when the caller can run again here, within the failure's budget (``failures.budget``), and none of
-   ``here`` is excluded; the next outcome (issue 44's in-allocation restart of a dead rank) belongs beside it;
+   ``here`` is excluded (where a dead rank restarted inside the same allocation, to come, belongs too);
 5. else the job is requeued off its excluded nodes within the budget (``exits.requeue_within``): unless excluding a
    new node leaves its partition too few (``room_for``: ``failed``, ``FAILED``, rather than pending for ever); a spent
    budget or a refused requeue is ``STOPPED`` with ``requeue_within``'s code. Once ``REQUEUED``, the job's
