@@ -94,8 +94,8 @@ def test_a_node_is_excluded_only_while_min_nodes_stay():
     nodes still leaves its MIN, 1."""
     import subprocess
 
+    from ddp_core.cluster.policy import room_for
     from ddp_core.cluster.slurm import JobInfo, SlurmGateway
-    from ddp_core.cluster.supervise import room_for
 
     def scontrol(cmd: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
         assert cmd[:3] == ("scontrol", "show", "partition"), cmd

@@ -19,7 +19,7 @@ from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.exits import ExitCode
 from ddp_core.cluster.failures import Kind, TaskEnd, classify, describe, diagnose, srun_task_ends
 from ddp_core.cluster.slurm import SlurmGateway, gateway_for
-from ddp_core.config import load_config
+from ddp_core.config import SlurmConfig, load_config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
 from jobs.submission.request import SlurmRequest
@@ -196,24 +196,20 @@ def node_fail_gateway(down: str) -> SlurmGateway:
 
 
 def test_a_node_failure_nobody_recorded_is_counted_before_the_next_attempt(tmp_path):
-    run = RunDir(tmp_path)
+    run, n1_gone = RunDir(tmp_path), node_fail_gateway("n1")
     run.log_event("start", job_id="57", restart_count=0)
     second = DistEnv(job_id="57", slurm_job_id="57", restart_count=1)
-    assert node_loss.begin(run, second, "n[2-3]", 3, node_fail_gateway("n1")) == node_loss.GO_ON
+    assert node_loss.begin(run, second, "n[2-3]", SlurmConfig(), n1_gone) == node_loss.GO_ON
     [failure] = [e for e in run.events() if e["event"] == "failure"]
-    assert (failure["kind"], failure["host"], failure["rank"], failure["restart_count"]) == (
-        "infrastructure",
-        "n1",
-        None,
-        0,
-    )
+    assert (failure["kind"], failure["host"], failure["rank"], failure["restart_count"]) == ("infrastructure", "n1",
+                                                                                            None, 0)  # fmt: skip
     assert failure["error"] == "node failure: n1 stopped responding (Slurm ended the attempt: NODE_FAIL)"
-    assert node_loss.begin(run, second, "n[2-3]", 3, node_fail_gateway("n1")) == node_loss.GO_ON  # decided already
+    assert node_loss.begin(run, second, "n[2-3]", SlurmConfig(), n1_gone) == node_loss.GO_ON  # decided already
     assert len([e for e in run.events() if e["event"] == "failure"]) == 1
     # n1 dies again under attempt 1: its second infrastructure failure excludes it, and a budget of one is spent.
     run.log_event("start", job_id="57", restart_count=1)
     third = DistEnv(job_id="57", slurm_job_id="57", restart_count=2)
-    assert node_loss.begin(run, third, "n[2-3]", 1, node_fail_gateway("n1")) == ExitCode.BUDGET_SPENT
+    assert node_loss.begin(run, third, "n[2-3]", SlurmConfig(max_failures=1), n1_gone) == ExitCode.BUDGET_SPENT
     assert [(e["event"], e.get("host")) for e in run.events()][-3:] == [
         ("failure", "n1"), ("excluded", "n1"), ("budget_exhausted", None)
     ]  # fmt: skip
@@ -222,7 +218,7 @@ def test_a_node_failure_nobody_recorded_is_counted_before_the_next_attempt(tmp_p
     run.log_event("start", job_id="57", restart_count=2)
     fourth = DistEnv(job_id="57", slurm_job_id="57", restart_count=3)
     timeout = gateway_for(lambda cmd: subprocess.CompletedProcess(cmd, 0, "TIMEOUT|n[1-2]|a|b\n", ""))
-    assert node_loss.begin(run, fourth, "n[1-2]", 3, timeout) == node_loss.GO_ON
+    assert node_loss.begin(run, fourth, "n[1-2]", SlurmConfig(), timeout) == node_loss.GO_ON
     assert run.events()[-1]["event"] == "start"
 
 
@@ -257,6 +253,6 @@ def test_without_accounting_a_lost_node_is_not_guessed(tmp_path, caplog):
     said = "sacct: error: Problem talking to the database"
     down = gateway_for(lambda cmd: subprocess.CompletedProcess(cmd, 1, "", said))
     second = DistEnv(job_id="57", slurm_job_id="57", restart_count=1)
-    assert node_loss.begin(run, second, "n[2-3]", 3, down) == node_loss.GO_ON
+    assert node_loss.begin(run, second, "n[2-3]", SlurmConfig(), down) == node_loss.GO_ON
     assert not [e for e in run.events() if e["event"] == "failure"]
     assert "accounting does not answer (sacct: error: Problem talking to the database)" in caplog.text

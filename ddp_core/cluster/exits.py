@@ -3,9 +3,9 @@
 **What an attempt leads to** (rank 0 decides, every rank returns the same code): ``after_stop`` for a signal
 (requeue within ``slurm.max_timeouts`` / ``max_preemptions``, preempted and not requeued, stopped outside Slurm, a
 refused requeue), ``after_hang`` for the watchdog's hang (requeue within ``slurm.max_hangs``). The trainer, the
-runtime helper of script mode and the watchdog all call these, and so does the batch script's watcher
-(``cluster.supervise``) for a failed attempt (``cluster.failures``: requeue within ``slurm.max_failures`` after an
-infrastructure failure, none after a user error): one set of budgets and events.
+runtime helper of script mode and the watchdog all call these, and so does the after-failure policy
+(``cluster.policy``, for the batch script's watcher, the node-loss check and a search's trial step: requeue within
+``slurm.max_failures`` after an infrastructure failure, none after a user error): one set of budgets and events.
 
 Every compute-side exit goes through ``leave`` (and, for the functions submitit calls, through ``after_submitit``):
 nothing else calls ``os._exit`` or ``sys.exit``. Torch-free, so the runtime helper and the torchrun agent use it
@@ -118,11 +118,13 @@ def requeue_within(
     after: str,
     read: str = "",
     defer: bool = False,
+    gateway: SlurmGateway = NODE_GATEWAY,
 ) -> int:
     """Rank 0 (or a hang's coordinator) requeues the job unless this submission spent its ``slurm.max_<kind>s``
     budget; records what happened and returns the exit code. ``defer``: a rank inside the job's step, whose batch
     script's watcher can requeue the job for it when this process has no scontrol (a container image): it records
-    ``requeue_deferred`` and exits ``REQUEUE_DEFERRED``, and the watcher does the rest (``requeue_deferred``)."""
+    ``requeue_deferred`` and exits ``REQUEUE_DEFERRED``, and the watcher does the rest (``requeue_deferred``).
+    ``gateway``: the caller's, through which it asks Slurm."""
     if spent > limit:
         reason = f"requeue budget exhausted after {spent} {kind}{'' if spent == 1 else 's'} (slurm.max_{kind}s={limit})"
         run_dir.log_event("budget_exhausted", reason=reason, job_id=env.job_id, step=step)
@@ -131,7 +133,7 @@ def requeue_within(
     # Recorded before asking: once Slurm accepts, it may end this step before a line written after scontrol returns
     # (seen in CI under load: a requeued attempt without its event). A refusal is recorded after this one.
     run_dir.log_event("requeued", kind=kind, job_id=env.job_id, step=step, count=spent)
-    if (refused := preemption.requeue(env)) is not None:
+    if (refused := preemption.requeue(env, gateway)) is not None:
         if defer and refused.missing:
             run_dir.log_event("requeue_deferred", kind=kind, job_id=env.job_id, step=step, error=refused.why)
             log.info("no scontrol here (%s): the batch script requeues the job once the ranks have left", refused.why)

@@ -1,5 +1,6 @@
-"""What an attempt's failure was, and whether another attempt is worth it. Torch-free: read by the batch script's
-watcher (``cluster.supervise``) as well as by the ranks.
+"""What an attempt's failure was, and whether another attempt is worth it: the table, the diagnosis, the budgets and
+the nodes to exclude, which the after-failure policy (``cluster.policy``) acts on. Torch-free: read by the batch
+script's watcher (``cluster.supervise``) as well as by the ranks.
 
 **The failure table.** A rank that raises records a ``rank_failed`` event (its rank, host, step, error and kind);
 a rank that dies by a signal records nothing, and srun's own line (``srun: error: n2: task 1: Killed``) names it.
@@ -14,27 +15,23 @@ a rank that dies by a signal records nothing, and srun's own line (``srun: error
 - **unknown**, requeued once: anything else (an unrecognised RuntimeError, an attempt that ended with no record);
   the same failure at the same step again is a user error.
 
-Infrastructure and unknown failures requeue the same job within ``slurm.max_failures`` (``exits.requeue_within``);
-a user error ends the job FAILED, and ``ddpjob resume`` continues it from its newest checkpoint after the fix.
+Infrastructure and unknown failures requeue the same job within ``slurm.max_failures`` (``cluster.policy``, through
+``exits.requeue_within``); a user error ends the job FAILED, and ``ddpjob resume`` continues it from its newest
+checkpoint after the fix.
 """
 
 from __future__ import annotations
 
 import enum
 import errno
-import logging
 import re
 import socket
-import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from ddp_core.cluster.env import DistEnv
-from ddp_core.cluster.slurm import SlurmGateway
 from ddp_core.config import SlurmConfig
 from ddp_core.run.rundir import RunDir
-
-log = logging.getLogger("ddp_core")
 
 # Events by which the ranks ended the attempt themselves: the watcher leaves such an end alone.
 DECIDED = frozenset({"requeued", "requeue_failed", "budget_exhausted", "preempted", "interrupted", "hang", "completed"})
@@ -225,23 +222,6 @@ def spent(failure: Failure, earlier: list[dict[str, Any]]) -> int:
     return 1 + sum(1 for e in earlier if e.get("kind") != Kind.user.value and (e.get("kind") == "health") == health)
 
 
-def record_exclusions(run_dir: RunDir, env: DistEnv, failure: Failure) -> dict[str, str]:
-    """The host ``failure`` excludes (``to_exclude``; the run's events already hold its ``failure`` event),
-    recorded as an ``excluded`` event and logged; returns it."""
-    new = to_exclude(run_dir.events(), failure)
-    for host, why in new.items():
-        run_dir.log_event("excluded", job_id=env.job_id, host=host, reason=why)
-        log.warning("excluding %s from this run's later attempts: %s", host, why)
-    return new
-
-
-def keep_array_off(gateway: SlurmGateway, array_job_id: str, hosts: list[str]) -> None:
-    """The array's pending tasks (a sweep's later trials, a search's later workers) stay off ``hosts``; its running
-    ones refuse (scontrol exits 1), each their own to decide."""
-    gateway.exclude_nodes(array_job_id, hosts)
-    log.info("the pending tasks of array %s exclude %s", array_job_id, ",".join(hosts))
-
-
 def excluded_hosts(events: list[dict[str, Any]]) -> dict[str, str]:
     """The hosts a run's later attempts stay off, with why: its ``excluded`` events, less the hosts an ``included``
     event took back (``ddpjob resume --include-node``)."""
@@ -281,16 +261,3 @@ def attempt_events(events: list[dict[str, Any]], env: DistEnv) -> list[dict[str,
     if starts:
         return mine[starts[-1] :]
     return [e for e in mine if e["event"] == "rank_failed" and e.get("restart_count") == env.restart_count]
-
-
-def keep_off(gateway: SlurmGateway, job_id: str, hosts: list[str], tries: int = 10, pause_s: float = 0.5) -> None:
-    """The requeued job's ``ExcNodeList``: Slurm takes it once the job is back in the queue, which the requeue's
-    reply may precede by a moment."""
-    for attempt in range(tries):
-        proc = gateway.exclude_nodes(job_id, hosts)
-        if proc.returncode == 0:
-            log.info("job %s excludes %s", job_id, ",".join(hosts))
-            return
-        if attempt + 1 < tries:
-            time.sleep(pause_s)
-    log.error("job %s could not exclude %s: %s", job_id, ",".join(hosts), proc.stderr.strip())

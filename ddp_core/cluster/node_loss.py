@@ -10,10 +10,12 @@ decision recorded (no ``requeued``, ``failure``, ...):
 - accounting says how it ended (``sacct -D``; without accounting nothing does, and the attempt goes on); for
   ``NODE_FAIL``, which of its nodes went down (the controller's node events, else the nodes down now), recorded as one
   infrastructure ``failure`` event naming that host;
-- that failure counts against ``slurm.max_failures`` like any other: once spent, the attempt ends here (exit code
-  ``BUDGET_SPENT``) and the run reads FAILED with the reason;
+- from there the after-failure policy decides (``cluster.policy``, the watcher's and a search trial's step's too),
+  with this attempt as the one that runs again: that failure counts against ``slurm.max_failures`` like any other,
+  and once spent the attempt ends here (exit code ``BUDGET_SPENT``) and the run reads FAILED with the reason;
 - a host with its second infrastructure failure is excluded (``failures.to_exclude``); if this attempt was placed on
-  it again, the job is requeued off it now, before srun starts a rank there.
+  it again, the job is requeued off it now, before srun starts a rank there (``NOT_STARTED``), unless too few nodes
+  would be left (``failed``, exit code ``FAILED``); with that requeue, a sweep's array keeps its pending tasks off it.
 
 Torch-free; it never raises (a question Slurm cannot answer leaves the attempt to run).
 """
@@ -27,17 +29,10 @@ from typing import Optional
 
 from ddp_core.cluster import exits
 from ddp_core.cluster.env import DistEnv, expand_nodelist
-from ddp_core.cluster.failures import (
-    DECIDED,
-    Failure,
-    Kind,
-    attempt_events,
-    excluded_hosts,
-    keep_off,
-    record_exclusions,
-    spent,
-)
+from ddp_core.cluster.failures import DECIDED, Failure, Kind, attempt_events
+from ddp_core.cluster.policy import Outcome, decide_after, nodes_of
 from ddp_core.cluster.slurm import SlurmGateway
+from ddp_core.config import SlurmConfig
 from ddp_core.run.rundir import RunDir
 
 log = logging.getLogger("ddp_core")
@@ -72,33 +67,24 @@ def node_failure(gateway: SlurmGateway, job_id: str, step: Optional[int]) -> Opt
     return Failure(Kind.infrastructure, None, host, step, f"node failure: {what} (Slurm ended the attempt: NODE_FAIL)")
 
 
-def begin(run_dir: RunDir, env: DistEnv, nodelist: str, max_failures: int, gateway: SlurmGateway) -> int:
+def begin(
+    run_dir: RunDir, env: DistEnv, nodelist: str, slurm: SlurmConfig, gateway: SlurmGateway, array_job_id: str = ""
+) -> int:
     """Before a requeued attempt's srun (see the module docstring): ``GO_ON``, or the batch script's exit code when
-    this attempt must not start (a spent budget, or a requeue off an excluded node it was placed on)."""
+    this attempt must not start (a spent budget, a requeue off an excluded node it was placed on, too few nodes left).
+    ``array_job_id``: a sweep's array, whose pending tasks stay off a node this run now excludes."""
     if not env.restart_count or not env.slurm_job_id:
         return GO_ON
-    events = run_dir.events()
-    previous = attempt_events(events, replace(env, restart_count=env.restart_count - 1))
+    previous = attempt_events(run_dir.events(), replace(env, restart_count=env.restart_count - 1))
     if any(e["event"] in DECIDED or e["event"] in ("failure", "failed") for e in previous):
         return GO_ON
     steps = [r["step"] for r in run_dir.metrics()]
     failure = node_failure(gateway, env.slurm_job_id, max(steps) if steps else None)
     if failure is None:
         return GO_ON
-    earlier = [e for e in events if e["event"] == "failure" and e.get("job_id") == env.job_id]
-    used = spent(failure, earlier)
-    run_dir.log_event("failure", job_id=env.job_id, restart_count=env.restart_count - 1, **failure.fields())
-    log.warning("the previous attempt ended by a %s", failure.error)
-    record_exclusions(run_dir, env, failure)
-    excluded = excluded_hosts(run_dir.events())
-    placed_on = sorted(set(expand_nodelist(nodelist)) & set(excluded)) if nodelist else []
-    if used <= max_failures and not placed_on:
-        return GO_ON
-    if placed_on:
-        log.warning("this attempt was placed on %s, which the run excludes: requeueing it off", ", ".join(placed_on))
-    after = f"the node failure of the previous attempt ({failure.error})"
-    code = exits.requeue_within(run_dir, env, "failure", used, max_failures, failure.step, after)
-    if code != exits.ExitCode.REQUEUED:
-        return code
-    keep_off(gateway, env.slurm_job_id, sorted(excluded))
-    return exits.ExitCode.NOT_STARTED
+    # Slurm has requeued the job already: this attempt is the one that runs again, unless it sits on an excluded node.
+    decision = decide_after(
+        failure, run_dir, env, gateway, slurm, job=gateway.show_job(env.slurm_job_id), here=nodes_of(nodelist),
+        array_job_id=array_job_id, can_run_again=True, attempt=env.restart_count - 1, label="the previous attempt: ",
+    )  # fmt: skip
+    return {Outcome.RUN_AGAIN: GO_ON, Outcome.REQUEUED: exits.ExitCode.NOT_STARTED}.get(decision.outcome, decision.code)

@@ -7,11 +7,14 @@ exit code ``REQUEUE_DEFERRED``), it makes it (``exits.requeue_deferred``). With 
 decided the attempt's end themselves (a requeue after a signal, a
 spent budget, a hang), or when Slurm is ending the job anyway (cancelled, timed out, preempted, requeued), it does
 nothing. Otherwise it diagnoses the failure (``failures.diagnose``: the ranks' ``rank_failed`` events and srun's
-report in BATCH_LOG after this attempt's marker), records one ``failure`` event, and then:
+report in BATCH_LOG after this attempt's marker), and the after-failure policy (``cluster.policy``, which the
+node-loss check and a search's trial step share) records one ``failure`` event and decides:
 
 - a user error: records ``failed`` and leaves srun's status, so the job ends FAILED within seconds;
-- infrastructure or unknown: requeues the same job within ``slurm.max_failures`` (``exits.requeue_within``); the
-  next attempt resumes from the newest checkpoint. An unknown failure seen again at the same step is a user error.
+- infrastructure or unknown: requeues the same job within ``slurm.max_failures`` (``exits.requeue_within``), off the
+  nodes the run excludes, unless too few would be left (then ``failed``); the next attempt resumes from the newest
+  checkpoint. An unknown failure seen again at the same step is a user error. The attempt is over, so nothing runs
+  again in this allocation.
 
 Its exit code is the batch script's: 0 once the job is requeued, else srun's status. Torch-free, and it never
 raises: a watcher that fails leaves the job as srun left it.
@@ -27,28 +30,13 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from ddp_core.cluster import exits, node_loss
-from ddp_core.cluster.env import DistEnv, expand_nodelist
-from ddp_core.cluster.failures import (
-    DECIDED,
-    Failure,
-    Kind,
-    as_repeated,
-    attempt_events,
-    budget,
-    diagnose,
-    excluded_hosts,
-    keep_array_off,
-    keep_off,
-    record_exclusions,
-    spent,
-    srun_task_ends,
-    to_exclude,
-)
-from ddp_core.cluster.slurm import NODE_GATEWAY, JobInfo, SlurmGateway
-from ddp_core.config import Config
+from ddp_core.cluster.env import DistEnv
+from ddp_core.cluster.failures import DECIDED, attempt_events, diagnose, srun_task_ends
+from ddp_core.cluster.policy import Outcome, decide_after
+from ddp_core.cluster.slurm import NODE_GATEWAY, SlurmGateway
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
 
@@ -94,62 +82,9 @@ def decide(
         status,
         max(metric_steps) if metric_steps else None,
     )
-    earlier = [e for e in events if e["event"] == "failure" and e.get("job_id") == env.job_id]
-    failure = as_repeated(failure, earlier)
-    run_dir.log_event("failure", job_id=env.job_id, restart_count=env.restart_count, **failure.fields())
-    if failure.kind is Kind.user:
-        reason = f"{failure.where} failed at step {failure.step}: {failure.error}"
-        run_dir.log_event("failed", job_id=env.job_id, step=failure.step, reason=reason)
-        log.error("%s; a user error, not retried: fix it, then continue with: ddpjob resume %s", reason, run_dir.path)
-        return status
-    return requeue(run_dir, cfg, env, gateway, job, failure, earlier, status, array_job_id)
-
-
-def requeue(
-    run_dir: RunDir,
-    cfg: Config,
-    env: DistEnv,
-    gateway: SlurmGateway,
-    job: Optional[JobInfo],
-    failure: Failure,
-    earlier: list[dict[str, Any]],
-    status: int,
-    array_job_id: str = "",
-) -> int:
-    """After an infrastructure, health or unknown failure: exclude its node where ``failures.to_exclude`` says so
-    (unless too few nodes would be left), then requeue within the failure's budget."""
-    job_id = env.slurm_job_id
-    assert job_id is not None, "decide returns before this outside Slurm"
-    name, limit = budget(failure, cfg.slurm)  # a health check's own: its node is excluded each time
-    after = f"{failure.kind.value} failure of {failure.where} at step {failure.step} ({failure.error})"
-    log.warning("%s", after)
-    events = run_dir.events()  # with this failure's event: to_exclude counts it
-    new = to_exclude(events, failure)
-    excluded = {**excluded_hosts(events), **new}
-    if new and not room_for(gateway, job, excluded, cfg.slurm.min_nodes):
-        reason = f"excluding {', '.join(new)} would leave too few nodes for this job ({after})"
-        run_dir.log_event("failed", job_id=env.job_id, step=failure.step, reason=reason)
-        log.error("%s; free nodes or take one back, then: ddpjob resume %s --include-node HOST", reason, run_dir.path)
-        return status
-    record_exclusions(run_dir, env, failure)
-    code = exits.requeue_within(run_dir, env, name, spent(failure, earlier), limit, failure.step, after)
-    if code != exits.ExitCode.REQUEUED:
-        return status
-    if excluded:
-        keep_off(gateway, job_id, sorted(excluded))
-    if new and array_job_id:
-        keep_array_off(gateway, array_job_id, sorted(excluded))
-    return 0
-
-
-def room_for(gateway: SlurmGateway, job: Optional[JobInfo], excluded: dict[str, str], needed: int) -> bool:
-    """Whether the job's partition keeps the ``needed`` nodes without ``excluded`` (True when Slurm cannot say).
-    ``needed``: slurm.nodes' MIN, not the job's NumNodes, which for a running elastic job is the count it got."""
-    part = gateway.show_partition(job.partition) if job is not None else None
-    if job is None or part is None:
-        return True
-    nodes = set(expand_nodelist(part.get("Nodes", ""))) if part.get("Nodes") else set()
-    return not nodes or len(nodes - set(excluded)) >= needed
+    # The attempt is over: the job runs again only through the queue (cluster.policy).
+    decision = decide_after(failure, run_dir, env, gateway, cfg.slurm, job=job, array_job_id=array_job_id)
+    return 0 if decision.outcome is Outcome.REQUEUED else status
 
 
 def main(argv: Optional[Sequence[str]] = None, gateway: SlurmGateway = NODE_GATEWAY) -> int:
@@ -186,8 +121,9 @@ def main_begin(run_dir: str, gateway: SlurmGateway) -> int:
             # on its own: the run is done, nothing is started (docs/local-cluster.md, Slurm releases).
             log.warning("Slurm started job %s again after its run completed: nothing to run", env.job_id)
             return exits.ExitCode.ALREADY_COMPLETE
-        max_failures = rd.load_config().slurm.max_failures
-        return node_loss.begin(rd, env, os.environ.get("SLURM_JOB_NODELIST", ""), max_failures, gateway)
+        slurm = rd.load_config().slurm
+        nodelist, array_job_id = os.environ.get("SLURM_JOB_NODELIST", ""), os.environ.get("SLURM_ARRAY_JOB_ID", "")
+        return node_loss.begin(rd, env, nodelist, slurm, gateway, array_job_id)
     except (DdpJobError, OSError, ValueError) as err:
         log.error("the attempt's start check could not decide (%s): the attempt runs", err)
         return node_loss.GO_ON

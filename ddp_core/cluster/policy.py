@@ -1,0 +1,165 @@
+"""The after-failure policy: what follows a failure that no rank decided (``cluster.failures`` says what it was).
+
+One policy, three callers, which differ only by parameters:
+
+- the batch script's watcher (``cluster.supervise``), once srun has returned: the attempt is over, so the job is
+  requeued (``can_run_again=False``);
+- the start check of a requeued attempt (``cluster.node_loss``), for the previous attempt's lost node: this attempt
+  is the one that runs again (``can_run_again=True``, ``here``: its nodes; ``attempt``: the previous one's count);
+- a search worker's trial step (``search.step``): the step runs again in the worker's allocation
+  (``can_run_again=True``, ``here``: the allocation's nodes).
+
+``decide_after``, in order:
+
+1. an unknown failure this job saw before at the same step is a user error (``failures.as_repeated``); one
+   ``failure`` event is recorded;
+2. a user error: ``failed`` recorded, ``FAILED``;
+3. the node the failure excludes (``failures.to_exclude``: a failed health check, a second infrastructure failure);
+4. ``RUN_AGAIN`` when the caller can run again here, within the failure's budget (``failures.budget``), and none of
+   ``here`` is excluded (where a dead rank restarted inside the same allocation, to come, belongs too);
+5. else the job is requeued off its excluded nodes within the budget (``exits.requeue_within``): unless excluding a
+   new node leaves its partition too few (``room_for``: ``failed``, ``FAILED``, rather than pending for ever); a spent
+   budget or a refused requeue is ``STOPPED`` with ``requeue_within``'s code. Once ``REQUEUED``, the job's
+   ``ExcNodeList`` holds every excluded node, and a new one is kept off the array's pending tasks too (a sweep's later
+   trials, a search's later workers).
+
+Torch-free; it records and logs what it decides, and the callers map the ``Decision`` to their exit code.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+from typing import Collection, Optional
+
+from ddp_core.cluster import exits
+from ddp_core.cluster.env import DistEnv, expand_nodelist
+from ddp_core.cluster.failures import Failure, Kind, as_repeated, budget, excluded_hosts, spent, to_exclude
+from ddp_core.cluster.slurm import JobInfo, SlurmGateway
+from ddp_core.config import SlurmConfig
+from ddp_core.run.rundir import RunDir
+
+log = logging.getLogger("ddp_core")
+
+
+class Outcome(str, enum.Enum):
+    RUN_AGAIN = "run_again"  # the caller runs the failed work again in the allocation it holds
+    REQUEUED = "requeued"  # Slurm ends this attempt and queues the same job again
+    FAILED = "failed"  # a user error, or no room left after an exclusion: the job ends FAILED (``failed`` recorded)
+    STOPPED = "stopped"  # a spent budget or a refused requeue (``budget_exhausted``/``requeue_failed`` recorded)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What follows a failure: the outcome, the failure as recorded (a repeated unknown one reads user) and, for
+    ``STOPPED``, ``requeue_within``'s code (``BUDGET_SPENT``, ``REQUEUE_FAILED``)."""
+
+    outcome: Outcome
+    failure: Failure
+    code: int = exits.ExitCode.OK
+
+
+def decide_after(
+    failure: Failure,
+    run_dir: RunDir,
+    env: DistEnv,
+    gateway: SlurmGateway,
+    slurm: SlurmConfig,
+    *,
+    job: Optional[JobInfo] = None,
+    here: Collection[str] = (),
+    array_job_id: str = "",
+    can_run_again: bool = False,
+    attempt: Optional[int] = None,
+    label: str = "",
+) -> Decision:
+    """Record ``failure`` and decide what follows it (the module docstring). ``job``: the job's record, whose
+    partition the room check reads (None: not checked); ``here``: the nodes of the allocation that would run again;
+    ``array_job_id``: the job's array, if any; ``attempt``: the restart count of the attempt the failure ended
+    (default: this one's); ``label``: what the log lines start with (a trial's name)."""
+    earlier = [e for e in run_dir.events() if e["event"] == "failure" and e.get("job_id") == env.job_id]
+    failure = as_repeated(failure, earlier)
+    ended = env.restart_count if attempt is None else attempt
+    run_dir.log_event("failure", job_id=env.job_id, restart_count=ended, **failure.fields())
+    if failure.kind is Kind.user:
+        reason = f"{failure.where} failed at step {failure.step}: {failure.error}"
+        return failed(run_dir, env, failure, reason, "a user error, not retried: fix it, then continue with", label)
+    name, limit = budget(failure, slurm)  # a health check's own: its node is excluded each time
+    used = spent(failure, earlier)
+    after = f"{failure.kind.value} failure of {failure.where} at step {failure.step} ({failure.error})"
+    log.warning("%s%s", label, after)
+    events = run_dir.events()  # with this failure's event: to_exclude counts it
+    new = to_exclude(events, failure)
+    excluded = {**excluded_hosts(events), **new}
+    if can_run_again and used <= limit and not set(here) & set(excluded):
+        record_exclusions(run_dir, env, new)
+        log.info("%srunning it again here (%d of %d %ss spent)", label, used, limit, name)
+        return Decision(Outcome.RUN_AGAIN, failure)
+    if new and not room_for(gateway, job, excluded, slurm.min_nodes):
+        reason = f"excluding {', '.join(new)} would leave too few nodes for this job ({after})"
+        return failed(run_dir, env, failure, reason, "free nodes or take one back, then", label, "--include-node HOST")
+    record_exclusions(run_dir, env, new)
+    if used <= limit and (placed_on := sorted(set(here) & set(excluded))):
+        log.warning("%sthis allocation holds %s, which the run excludes: requeued off it", label, ", ".join(placed_on))
+    code = exits.requeue_within(run_dir, env, name, used, limit, failure.step, after, gateway=gateway)
+    if code != exits.ExitCode.REQUEUED:
+        return Decision(Outcome.STOPPED, failure, code)
+    if excluded and env.slurm_job_id:
+        keep_off(gateway, env.slurm_job_id, sorted(excluded))
+    if new and array_job_id:
+        keep_array_off(gateway, array_job_id, sorted(excluded))
+    return Decision(Outcome.REQUEUED, failure, code)
+
+
+def failed(
+    run_dir: RunDir, env: DistEnv, failure: Failure, reason: str, then: str, label: str, resume_args: str = ""
+) -> Decision:
+    """The job ends FAILED: a ``failed`` event with ``reason``, and the log line that says how to go on."""
+    run_dir.log_event("failed", job_id=env.job_id, step=failure.step, reason=reason)
+    resume = f"ddpjob resume {run_dir.path}" + (f" {resume_args}" if resume_args else "")
+    log.error("%s%s; %s: %s", label, reason, then, resume)
+    return Decision(Outcome.FAILED, failure, exits.ExitCode.FAILED)
+
+
+def room_for(gateway: SlurmGateway, job: Optional[JobInfo], excluded: dict[str, str], needed: int) -> bool:
+    """Whether the job's partition keeps the ``needed`` nodes without ``excluded`` (True when Slurm cannot say).
+    ``needed``: slurm.nodes' MIN, not the job's NumNodes, which for a running elastic job is the count it got."""
+    part = gateway.show_partition(job.partition) if job is not None else None
+    if job is None or part is None:
+        return True
+    nodes = set(expand_nodelist(part.get("Nodes", ""))) if part.get("Nodes") else set()
+    return not nodes or len(nodes - set(excluded)) >= needed
+
+
+def record_exclusions(run_dir: RunDir, env: DistEnv, new: dict[str, str]) -> None:
+    """The hosts ``failures.to_exclude`` named, each recorded as an ``excluded`` event and logged."""
+    for host, why in new.items():
+        run_dir.log_event("excluded", job_id=env.job_id, host=host, reason=why)
+        log.warning("excluding %s from this run's later attempts: %s", host, why)
+
+
+def keep_off(gateway: SlurmGateway, job_id: str, hosts: list[str], tries: int = 10, pause_s: float = 0.5) -> None:
+    """The requeued job's ``ExcNodeList``: Slurm takes it once the job is back in the queue, which the requeue's
+    reply may precede by a moment."""
+    for attempt in range(tries):
+        proc = gateway.exclude_nodes(job_id, hosts)
+        if proc.returncode == 0:
+            log.info("job %s excludes %s", job_id, ",".join(hosts))
+            return
+        if attempt + 1 < tries:
+            time.sleep(pause_s)
+    log.error("job %s could not exclude %s: %s", job_id, ",".join(hosts), proc.stderr.strip())
+
+
+def keep_array_off(gateway: SlurmGateway, array_job_id: str, hosts: list[str]) -> None:
+    """The array's pending tasks (a sweep's later trials, a search's later workers) stay off ``hosts``; its running
+    ones refuse (scontrol exits 1), each their own to decide."""
+    gateway.exclude_nodes(array_job_id, hosts)
+    log.info("the pending tasks of array %s exclude %s", array_job_id, ",".join(hosts))
+
+
+def nodes_of(nodelist: str) -> set[str]:
+    """The hosts of a Slurm node list (``SLURM_JOB_NODELIST``); none for an empty one."""
+    return set(expand_nodelist(nodelist)) if nodelist else set()
