@@ -19,7 +19,8 @@ Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
 TIMEOUT_S = 60
 MISSING = 127  # the shell's code for "command not found": what a missing client returns here
 TIMED_OUT = 124  # timeout(1)'s code: what a controller that does not answer returns here
-SINFO_FORMAT = "%P|%D|%c|%G"  # partition (``*``: the default), nodes, CPUs per node, GRES: jobs.submission.partitions reads it
+# partition (``*``: the default), nodes, CPUs per node, GRES: jobs.submission.partitions reads it
+SINFO_FORMAT = "%P|%D|%c|%G"
 DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's own default, when the configuration does not say
 
 
@@ -229,7 +230,8 @@ class SlurmGateway:
     # Login side (``jobs``). A missing client answers 127 like the shell: each caller says what that means to it.
 
     def partitions(self) -> subprocess.CompletedProcess[str]:
-        """``sinfo`` lines ``NAME[*]|NODES|CPUS|GRES``, one per partition and node group (``jobs.submission.partitions``)."""
+        """``sinfo`` lines ``NAME[*]|NODES|CPUS|GRES``, one per partition and node group (read by
+        ``jobs.submission.partitions``)."""
         return _answered(self.run("sinfo", "-h", "-o", SINFO_FORMAT))
 
     def squeue_ids(self, job_ids: Sequence[str]) -> list[tuple[str, str]]:

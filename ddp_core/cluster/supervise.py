@@ -1,6 +1,6 @@
 """The batch script's watcher of its attempt: ``python -m ddp_core.cluster.supervise RUN_DIR BATCH_LOG STATUS``.
 
-The batch script runs it from its EXIT trap once srun has returned (``jobs.submission.request.SlurmRequest.watch_lines``), so it
+The batch script runs it from its EXIT trap once srun has returned (``SlurmRequest.watch_lines``), so it
 sees every way an attempt can fail, including the ones no rank lives to report: a rank killed by a signal, a node
 gone. When rank 0 decided a requeue it could not make (no scontrol inside a container image: ``requeue_deferred``,
 exit code ``REQUEUE_DEFERRED``), it makes it (``exits.requeue_deferred``). With srun's status 0, or when the ranks

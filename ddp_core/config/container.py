@@ -2,8 +2,8 @@
 
 Owned here, in the torch-free config package, so the schema imports nothing above it. The rendering of the task
 command inside the image is ``jobs.submission.request`` (``container_prefix``); the check that the image exists is
-``jobs.submission.partitions.check_image``. ``validate_container`` is the shape check every load runs: nothing here touches the
-filesystem.
+``jobs.submission.partitions.check_image``. ``validate_container`` is the shape check every load runs: nothing here
+touches the filesystem.
 """
 
 from __future__ import annotations

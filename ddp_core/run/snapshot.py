@@ -2,8 +2,8 @@
 
 A job queued or requeued days after ``ddpjob submit`` would otherwise import whatever the user's working tree holds
 by then: a silent change of code in the middle of a run, and the end of exact resume. So the login node copies the
-user's code into the run directory at submit (``jobs.submission.snapshot``): the task module's top-level package (or module
-file), or a script's directory, or a script module's package. Its record, ``RUN/code.json`` (layout in
+user's code into the run directory at submit (``jobs.submission.snapshot``): the task module's top-level package (or
+module file), or a script's directory, or a script module's package. Its record, ``RUN/code.json`` (layout in
 ``ddp_core.run.rundir``), says where the copy came from, where it lies, and the git commit and diff it was taken at.
 
 Here, on every rank of every attempt, before the task or script is imported: ``activate`` puts the snapshot first on

@@ -73,7 +73,8 @@ def materialise(sweep: Path, spec: Mapping[str, Any], trial: optuna.Trial) -> Ru
     if not cfg.wandb.group:
         cfg.wandb.group = spec["name"]
     run.initialize(cfg)
-    if cfg.snapshot.enabled and (sweep / CODE_RECORD).exists():  # the sweep's one snapshot, as jobs.sweeps.arrays records it
+    # The sweep's one snapshot, as jobs.sweeps.arrays records it.
+    if cfg.snapshot.enabled and (sweep / CODE_RECORD).exists():
         shutil.copyfile(sweep / CODE_RECORD, run.code_record)
     return run
 
