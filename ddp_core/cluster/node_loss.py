@@ -4,8 +4,8 @@ When a node dies (power, kernel, its slurmd gone with every process on it), no r
 batch script's watcher (``cluster.supervise``) cannot decide either: srun waits on the dead node until slurmctld marks
 it DOWN (``SlurmdTimeout``), then Slurm itself ends the attempt (``NODE_FAIL``) and, with ``--requeue``, queues the
 same job again. The batch script of that next attempt runs ``python -m ddp_core.cluster.supervise --begin RUN_DIR``
-before srun (``SlurmRequest.watch_lines``, ``jobs.submission.request``), which comes here when the previous attempt ended with no
-decision recorded (no ``requeued``, ``failure``, ...):
+before srun (``SlurmRequest.watch_lines``, ``jobs.submission.request``), which comes here when the previous attempt
+ended with no decision recorded (no ``requeued``, ``failure``, ...):
 
 - accounting says how it ended (``sacct -D``; without accounting nothing does, and the attempt goes on); for
   ``NODE_FAIL``, which of its nodes went down (the controller's node events, else the nodes down now), recorded as one
