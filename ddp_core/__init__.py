@@ -4,6 +4,7 @@
   code and pickled entry points);
 - ``script`` (script mode), then ``trainer`` (the built-in loop);
 - ``checkpoint``, ``strategies`` and ``search``, then ``tasks`` (the Task API and built-in tasks);
-- ``dist`` (torch.distributed), then ``cluster`` (rank/world, Slurm, signals, the exit policy), then ``run`` (the
-  run directory), then ``config`` (the schema, torch-free), then ``errors``.
+- ``distributed`` (torch.distributed: process groups, collectives, RNG state), then ``cluster`` (rank/world,
+  Slurm, signals, the exit policy), then ``run`` (the run directory), then ``config`` (the schema, torch-free),
+  then ``errors``.
 """
