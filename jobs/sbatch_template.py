@@ -7,6 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from ddp_core import python_m
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
@@ -46,8 +47,12 @@ def render(cfg: Config, run_dir: RunDir, python: str = sys.executable, template:
         *([f"TASK_PYTHON={shlex.quote(request.task_python[-1])}"] if request.container else []),
         f"SRUN_ARGS=({' '.join(shlex.quote(a) for a in request.srun_args)})",
         f"ENTRY={request.entry_module}",  # the srun line runs `python -m $ENTRY RUN_DIR`
+        # `python -m`, unshadowed by a user's jobs.py or ddp_core.py in the submit directory (ddp_core.python_m).
+        f"PYTHON_M=({shlex.join(python_m.RUN_MODULE)})",
         # RUN_DIR is set below; the trap reads it when the script exits (empty if it ended before that).
-        *request.watch_lines('"${RUN_DIR:-}"', '"${RUN_DIR:-}/slurm/${SLURM_JOB_ID}_batch.out"', '"$PYTHON"'),
+        *request.watch_lines(
+            '"${RUN_DIR:-}"', '"${RUN_DIR:-}/slurm/${SLURM_JOB_ID}_batch.out"', '"$PYTHON" "${PYTHON_M[@]}"'
+        ),
         *request.environment,  # the request's environment, then the config's slurm.setup lines
         *request.setup,
     ]
