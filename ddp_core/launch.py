@@ -23,8 +23,8 @@ from ddp_core.cluster.exits import ExitCode, after_submitit, leave, without_resu
 from ddp_core.cluster.log import log_failure, setup_logging
 from ddp_core.cluster.preemption import StopFlag
 from ddp_core.config import Config, load_config
-from ddp_core.dist import groups as distributed
-from ddp_core.dist.groups import failure_hint
+from ddp_core.distributed import groups
+from ddp_core.distributed.hints import failure_hint
 from ddp_core.errors import DdpJobError
 from ddp_core.run import snapshot
 from ddp_core.run.rundir import RunDir
@@ -52,7 +52,7 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
         on_hang = functools.partial(exits.after_hang, cfg, run_dir, env)
         watchdog = Watchdog(cfg.watchdog, folder, env.rank, env.world_size, on_hang).start()
         if env.slurm_job_id:
-            from ddp_core.dist import suspend  # torch, as train: imported by now
+            from ddp_core.distributed import suspend  # torch, as train: imported by now
 
             suspend.on_change(watchdog.suspended)  # a suspended job makes no progress and is not hung
         try:
@@ -83,7 +83,7 @@ def _finish(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, out
     elif env.is_main:
         early = {"early_stopped": True} if outcome.early_stopped else {}  # train.early_stop_patience ended it
         run_dir.log_event("completed", job_id=env.job_id, step=outcome.step, final=outcome.final, **early)
-    distributed.teardown()  # its barrier also keeps every rank alive until rank 0 has requeued
+    groups.teardown()  # its barrier also keeps every rank alive until rank 0 has requeued
     return code
 
 

@@ -1,4 +1,10 @@
-"""``ddp_core.task``: the public name of the Task API a user subclasses (``ddp_core.tasks.base``)."""
+"""``ddp_core.task``: public API, the Task API a user subclasses (``from ddp_core.task import Output, Task``;
+docs/models.md, and ``task.target`` in the config reference).
+
+This is the name users import and the one that stays: its names are re-exported from ``ddp_core.tasks.base``, which
+is internal (it may move). Nothing inside ddp_core imports it (the import contracts' top layer, in
+``pyproject.toml``).
+"""
 
 from ddp_core.tasks.base import Output, Task, TaskConfig, check_task, load_task
 

@@ -8,7 +8,9 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${DDPJOB_PYTHON:-$ROOT/.venv/bin/python}
 [[ -x "$PYTHON" ]] || PYTHON=python3
 
-RUN_DIR=$("$PYTHON" -m jobs prepare --sbatch-script "$@")
+# `python -m jobs`, unshadowed by a jobs.py or ddp_core.py in the working directory (ddp_core/python_m.py).
+PYTHON_M=(-c 'import os,runpy,sys;del sys.path[0];i=sys.argv.index("-m");m=sys.argv[i+1];[__import__(p) for p in ("ddp_core",m.split(".")[0])];sys.path.insert(0,os.getcwd());sys.argv=sys.argv[i+1:];runpy.run_module(m,run_name="__main__",alter_sys=True)' -m)
+RUN_DIR=$("$PYTHON" "${PYTHON_M[@]}" jobs prepare --sbatch-script "$@")
 if ! JOB_ID=$(sbatch --parsable "$RUN_DIR/slurm/job.sbatch" "$RUN_DIR"); then
     echo "submit.sh: sbatch failed; removing $RUN_DIR" >&2
     rm -rf -- "$RUN_DIR"

@@ -212,6 +212,14 @@ def wandb_records(path: Path) -> list[Any]:
     return [wandb_internal_pb2.Record.FromString(p) for p in payloads]
 
 
+def write_shadowing_files(folder: Path) -> None:
+    """A user's ``jobs.py``, ``ddp_core.py`` and ``submitit.py`` in ``folder``, a submit directory, each failing loudly
+    when imported: Slurm starts the batch script and its tasks there, and they must run ddpjob's own packages
+    (``ddp_core.python_m``)."""
+    for name in ("jobs", "ddp_core", "submitit"):
+        (folder / f"{name}.py").write_text(f"raise SystemExit('{name}.py in the submit directory was imported')\n")
+
+
 def run_script(cfg: Any, run: Any, python: str = sys.executable) -> str:
     """The batch script ``ddpjob submit`` queues for ``cfg`` in the run directory ``run`` (the pipeline's resolve and
     render steps, without the checks)."""

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from ddp_core.cluster.env import DistEnv
 from ddp_core.config import DistConfig, load_config
-from ddp_core.dist import groups as distributed
+from ddp_core.distributed import groups
 from ddp_core.errors import DdpJobError
 from tests.conftest import ROOT
 from tests.helpers import final_digests, run_trainer
@@ -52,30 +52,30 @@ def test_cuda_branch_builds_gloo_and_nccl(monkeypatch):
     def listening(*args):  # a rank other than 0 first waits for the store's port: the fake store listens at once
         calls["awaited"] = args
 
-    monkeypatch.setattr(distributed, "_await_listener", listening)
+    monkeypatch.setattr(groups, "_await_listener", listening)
     env = DistEnv(rank=3, local_rank=1, world_size=4, local_world_size=2, master_addr="n1", master_port=23456,
                   source="slurm")  # fmt: skip
-    device = distributed.setup(env, DistConfig(timeout_s=90, init_timeout_s=900))
+    device = groups.setup(env, DistConfig(timeout_s=90, init_timeout_s=900))
     assert calls["awaited"] == ("n1", 23456, 900)
     assert device == torch.device("cuda", 1) and calls["set_device"] == device
-    assert calls["backend"] == distributed.GPU_BACKEND == "cpu:gloo,cuda:nccl"
+    assert calls["backend"] == groups.GPU_BACKEND == "cpu:gloo,cuda:nccl"
     assert calls["device_id"] == device and calls["rank"] == 3 and calls["world_size"] == 4
     assert calls["timeout"] == timedelta(seconds=90)
     assert isinstance(calls["store"], Store)
     assert calls["tcp_store"] == ("n1", 23456, 4, False, timedelta(seconds=900), False)
     assert calls["signed_in"][0] == "ddpjob/0/arrived/3"
-    assert distributed.backend_spec(cuda=False) == "gloo"
+    assert groups.backend_spec(cuda=False) == "gloo"
 
 
 def test_rank_to_gpu_mapping():
     # Every task sees the node's GPUs (--gpus-per-node): local rank r drives GPU r.
-    assert [distributed.device_index(DistEnv(local_rank=r, local_world_size=4), 4) for r in range(4)] == [0, 1, 2, 3]
+    assert [groups.device_index(DistEnv(local_rank=r, local_world_size=4), 4) for r in range(4)] == [0, 1, 2, 3]
     # Each task sees only its own (--gpus-per-task=1): always the first visible one.
-    assert [distributed.device_index(DistEnv(local_rank=r, local_world_size=4), 1) for r in range(4)] == [0, 0, 0, 0]
+    assert [groups.device_index(DistEnv(local_rank=r, local_world_size=4), 1) for r in range(4)] == [0, 0, 0, 0]
     with pytest.raises(DdpJobError, match="4 ranks on node 0 but only 2 GPUs are visible"):
-        distributed.device_index(DistEnv(local_rank=3, local_world_size=4), 2)
+        groups.device_index(DistEnv(local_rank=3, local_world_size=4), 2)
     with pytest.raises(DdpJobError, match="no visible GPU"):
-        distributed.device_index(DistEnv(), 0)
+        groups.device_index(DistEnv(), 0)
 
 
 def test_guard_spec_validation():
@@ -221,13 +221,13 @@ def test_loss_stays_on_the_device(tmp_path):
 
 def test_gpu_binding_line_reads_slurm_visibility(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    line = distributed.describe_binding(DistEnv(local_rank=1, local_world_size=2), cuda=False)
+    line = groups.describe_binding(DistEnv(local_rank=1, local_world_size=2), cuda=False)
     assert line == "CUDA_VISIBLE_DEVICES=2,3 local_rank 1 -> cuda:1 (GPU 3) (no CUDA in this process: training on cpu)"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    line = distributed.describe_binding(DistEnv(local_rank=1, local_world_size=2), cuda=False)
+    line = groups.describe_binding(DistEnv(local_rank=1, local_world_size=2), cuda=False)
     assert line.startswith("CUDA_VISIBLE_DEVICES=3 local_rank 1 -> cuda:0 (GPU 3)")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert distributed.describe_binding(DistEnv(), cuda=False) == "CUDA_VISIBLE_DEVICES=unset local_rank 0 -> cpu"
+    assert groups.describe_binding(DistEnv(), cuda=False) == "CUDA_VISIBLE_DEVICES=unset local_rank 0 -> cpu"
 
 
 def test_dataloader_workers_persist_across_epochs():

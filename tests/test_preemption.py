@@ -31,6 +31,7 @@ from tests.helpers import (
     wait_for,
     wait_gone,
     wandb_records,
+    write_shadowing_files,
 )
 
 pytestmark = [pytest.mark.slurm, pytest.mark.cluster_shared("b")]  # 2-CPU jobs: see tests/cluster_guard.py
@@ -112,6 +113,7 @@ def test_usr2_twice_by_hand_resumes_bitwise_in_its_run_dir(reference, tmp_path):
     the other tests here; the template through scripts/submit.sh: test_sbatch_template_job_requeues_itself.)"""
     seed = random.randrange(1 << 30)
     script = ROOT / "slurm_templates" / "ddp.sbatch"
+    write_shadowing_files(tmp_path)  # the submit directory: its jobs.py and ddp_core.py are never imported
     out = subprocess.run(
         ["sbatch", "--parsable", f"--output={tmp_path}/%j.out", str(script), DIGITS, *CONFIG, SLOW,
          "wandb.mode=offline", f"run.root={tmp_path / 'runs'}"],
@@ -225,7 +227,9 @@ def test_time_limit_warning_counts_as_timeout(slurm_cluster, tmp_path):
 
 @pytest.mark.slurm_interface
 def test_sbatch_template_job_requeues_itself(reference, tmp_path):
-    # The plain-sbatch path (no submitit): same signal, same self-requeue, same final weights.
+    # The plain-sbatch path (no submitit): same signal, same self-requeue, same final weights. The submit directory
+    # holds a user's jobs.py and ddp_core.py: submit.sh, the batch script and its tasks never import them.
+    write_shadowing_files(tmp_path)
     proc = subprocess.run(
         [str(ROOT / "scripts" / "submit.sh"), DIGITS, *CONFIG, SLOW, f"run.root={tmp_path / 'runs'}"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,

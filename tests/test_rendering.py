@@ -4,14 +4,20 @@ queues (submitit's job layout) and the plain template's."""
 from __future__ import annotations
 
 import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from ddp_core import python_m
 from ddp_core.config import load_config
 from ddp_core.run.rundir import RunDir
+from jobs.submission.render import TASK_ENTRY, TEMPLATE
+from jobs.submission.request import SlurmRequest
 from tests.conftest import ROOT
-from tests.helpers import run_script, template_script
+from tests.helpers import run_script, template_script, write_shadowing_files
 
 GOLDEN = Path(__file__).parent / "golden"
 RUN = RunDir(Path("/runs/digits-golden"))
@@ -43,8 +49,6 @@ def test_template_script(variant):
 
 
 def test_template_by_hand_is_valid_bash():
-    import subprocess
-
     proc = subprocess.run(["bash", "-n", str(ROOT / "slurm_templates" / "ddp.sbatch")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
@@ -114,8 +118,8 @@ def test_container_nv_only_with_gpus():
     script = run_script(cfg, RUN, python="/usr/bin/python3")
     assert " apptainer exec --env PYTHONPATH=" in script and "--nv" not in script
     # the watcher runs outside the image with the submitting interpreter; the tasks with the image's
-    assert "/usr/bin/python3 -m ddp_core.cluster.supervise" in script
-    assert "/images/train.sif python3 -u -m submitit.core._submit" in script
+    assert shlex.join(["/usr/bin/python3", *python_m.words("ddp_core.cluster.supervise")]) in script
+    assert shlex.join(["/images/train.sif", "python3", "-u", *python_m.words(TASK_ENTRY)]) in script
 
 
 def test_an_image_that_is_not_a_file_is_refused_in_one_line(tmp_path):
@@ -135,3 +139,49 @@ def test_an_image_that_is_not_a_file_is_refused_in_one_line(tmp_path):
     check_image(ContainerConfig(image=str(sif)))
     check_image(ContainerConfig(image="nvcr.io#nvidia/pytorch:24.05-py3", runtime="pyxis"))
     check_image(ContainerConfig())
+
+
+def test_a_users_jobs_py_or_ddp_core_py_does_not_shadow_the_batch_scripts_commands(tmp_path):
+    """The rendered template's own lines, run in a submit directory holding jobs.py, ddp_core.py and submitit.py:
+    `jobs prepare` (which still imports the user's task module from that directory, as ``python -m`` did), the
+    watcher's two calls, and the srun line (an srun that runs its command here); then submitit's task command and
+    torchrun's worker command, as they are built."""
+    write_shadowing_files(tmp_path)
+    (tmp_path / "usertask.py").write_text("from ddp_core.tasks.digits import DigitsTask as UserTask\n")
+    cfg = load_config(ROOT / "configs" / "digits.yaml")
+    text = template_script(cfg, RUN, python=sys.executable)
+    setup = text.split("# >>> ddpjob setup\n")[1].split("# <<< ddpjob setup\n")[0]
+    prepare = next(line for line in text.splitlines() if " jobs prepare " in line)
+    srun = text[text.index("\nsrun ") :]
+    script = f"""{setup}
+trap - EXIT
+set -e
+srun() {{ while [[ $1 == -* ]]; do case $1 in --output|--error) shift 2;; *) shift;; esac; done; "$@"; }}
+SLURM_JOB_ID=77
+set -- {ROOT / "configs" / "digits.yaml"} run.root={tmp_path / "runs"} task.target=usertask:UserTask
+{prepare.strip()}
+echo "prepared $RUN_DIR"
+(RUN_DIR=; ddpjob_watch 3) || echo "watch $?"
+(SLURM_RESTART_COUNT=1 RUN_DIR={tmp_path / "missing"}; ddpjob_begin; echo "begin $?")
+RUN_DIR=--help
+{srun}"""
+    proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "in the submit directory was imported" not in out, out
+    assert f"prepared {tmp_path / 'runs'}/digits-77" in out
+    assert "task:\n  target: usertask:UserTask" in (tmp_path / "runs" / "digits-77" / "config.yaml").read_text()
+    assert "watch 3" in out and "begin 0" in out  # the watcher's own answers: 3 back for no run directory, go on
+    assert "usage: python -m ddp_core" in out  # the srun line's task ran ddpjob's trainer entry
+    # The submitted script's task command (submitit's job entry, on --help for a folder) and torchrun's workers'
+    task = next(line for line in run_script(cfg, RUN, python=sys.executable).splitlines() if line.startswith("srun "))
+    entry = shlex.split(task)[shlex.split(task).index(sys.executable) :][:-1]
+    for command in ([*entry, "--help"], [sys.executable, "-u", *python_m.words("ddp_core.script"), "--help"]):
+        proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_the_template_and_submit_sh_spell_python_m_as_ddp_core_does():
+    """The template's own setup block (sbatch by hand) and scripts/submit.sh carry ``ddp_core.python_m``'s words."""
+    line = f"PYTHON_M=({shlex.join(python_m.RUN_MODULE)})"
+    for path in (TEMPLATE, ROOT / "scripts" / "submit.sh"):
+        assert line in path.read_text().splitlines(), path

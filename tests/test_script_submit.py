@@ -115,7 +115,7 @@ def test_prepare_records_the_script_and_renders_its_srun_line(tmp_path):
     assert cfg.script.args == ["--steps", "3", "--lr", "0.1", "run.name=not_an_override"]  # after --: as they are
     assert (cfg.run.name, cfg.slurm.time_min) == ("mine", 5)
     sbatch = (run.slurm / "job.sbatch").read_text()
-    assert "\nENTRY=ddp_core.script\n" in sbatch and '-u -m "$ENTRY" "$RUN_DIR"' in sbatch
+    assert "\nENTRY=ddp_core.script\n" in sbatch and '-u "${PYTHON_M[@]}" "$ENTRY" "$RUN_DIR"' in sbatch
     assert subprocess.run(["bash", "-n", str(run.slurm / "job.sbatch")]).returncode == 0
 
 

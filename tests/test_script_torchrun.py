@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 import pytest
 
+from ddp_core import python_m
 from ddp_core.cluster.env import DistEnv, derive_master_port
 from ddp_core.cluster.exits import ExitCode
 from ddp_core.config import load_config
@@ -92,7 +93,8 @@ def test_template_for_torchrun():
     text = template_script(cfg, RUN, python="/usr/bin/python3")
     check_golden("template-script-torchrun.sbatch", text)
     assert "#SBATCH --ntasks-per-node=1\n" in text and "#SBATCH --cpus-per-task=4\n" in text
-    assert "\nENTRY=ddp_core.script\n" in text and '-u -m "$ENTRY" "$RUN_DIR"' in text  # the same srun line
+    assert "\nENTRY=ddp_core.script\n" in text
+    assert '-u "${PYTHON_M[@]}" "$ENTRY" "$RUN_DIR"' in text  # the same srun line
 
 
 def test_cluster_check_and_local_executor_use_the_layout(tmp_path, monkeypatch):
@@ -154,12 +156,14 @@ def test_agent_argv_static_rendezvous_on_the_first_node():
     argv = torchrun_argv(rdzv, 2, Path("/runs/r"))
     assert argv == ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=static", "--rdzv-id=4242", "--node-rank=1",
                     "--master-addr=n1", f"--master-port={derive_master_port(4242)}", "--max-restarts=0",
-                    "--monitor-interval=0.2", "-m", "ddp_core.script", "/runs/r"]  # fmt: skip
+                    "--monitor-interval=0.2", "--no-python", sys.executable, "-u", "-c", python_m.BOOT, "-m",
+                    "ddp_core.script", "/runs/r"]  # fmt: skip
     config, cmd, cmd_args = torchrun.config_from_args(torchrun.parse_args(argv))  # what torchrun makes of it
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node, config.max_restarts) == (2, 2, 2, 0)
     assert (config.rdzv_backend, config.rdzv_endpoint, config.rdzv_configs["rank"]) == (
         "static", f"n1:{derive_master_port(4242)}", 1)  # fmt: skip
-    assert (cmd, cmd_args) == (sys.executable, ["-u", "-m", "ddp_core.script", "/runs/r"])
+    # The worker runs python -m ddp_core.script, unshadowed by a ddp_core.py in its working directory (python_m).
+    assert (cmd, cmd_args) == (sys.executable, ["-u", "-c", python_m.BOOT, "-m", "ddp_core.script", "/runs/r"])
 
 
 def test_agent_rendezvous_refusals_and_local(monkeypatch):

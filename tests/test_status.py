@@ -229,7 +229,7 @@ def test_default_lists_newest_runs_first(tmp_path, monkeypatch):
 
 # --- logs -----------------------------------------------------------------------------------------------------
 
-BANNER = "05:23:46 [rank {r}/2] INFO ddp_core.dist.groups: slurm on n1: rank {r}/2 local {r}/2 node 0/1\n"
+BANNER = "05:23:46 [rank {r}/2] INFO ddp_core.distributed.groups: slurm on n1: rank {r}/2 local {r}/2 node 0/1\n"
 
 
 def attempt_text(rank: int, text: str) -> str:
@@ -273,6 +273,9 @@ def test_split_attempts():
     assert first.startswith("slurmstepd") and "a\n" in first and second.startswith(BANNER.format(r=0))
     batch = "ddpjob: job 5 run directory /r\nx\nddpjob: job 5 run directory /r\ny\n"
     assert logs.split_attempts(batch) == ["ddpjob: job 5 run directory /r\nx\n", "ddpjob: job 5 run directory /r\ny\n"]
+    # A log written before the package's rename: its banner's logger was ddp_core.dist.groups.
+    old = BANNER.format(r=0).replace("ddp_core.distributed.groups", "ddp_core.dist.groups")
+    assert logs.split_attempts(old + "a\n" + old + "b\n") == [old + "a\n", old + "b\n"]
 
 
 def test_array_task_logs_live_in_the_sweep_folder(tmp_path):

@@ -1,6 +1,6 @@
 """Slurm suspension (PreemptMode=SUSPEND, ``scontrol suspend``/``resume``) pauses a job longer than its collectives'
 timeout, and longer than the hang watchdog's stall allowance: the job must continue and end with the weights of an
-uninterrupted run, with no hang declared (``ddp_core.dist.suspend``, ``ddp_core.trainer.watchdog``)."""
+uninterrupted run, with no hang declared (``ddp_core.distributed.suspend``, ``ddp_core.trainer.watchdog``)."""
 
 from __future__ import annotations
 

@@ -210,24 +210,24 @@ def test_a_rank_that_starts_before_rank_0_joins_its_store_once_it_listens():
 
     from ddp_core.cluster.env import DistEnv
     from ddp_core.config import DistConfig
-    from ddp_core.dist import groups as distributed
+    from ddp_core.distributed import groups
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    assert distributed._await_listener("127.0.0.1", port, 0.3) is not None  # nothing listens: the error, in time
+    assert groups._await_listener("127.0.0.1", port, 0.3) is not None  # nothing listens: the error, in time
 
     hosted: dict[str, object] = {}
 
     def rank_0() -> None:
         time.sleep(0.5)  # rank 1 is already waiting
         env0 = DistEnv(rank=0, world_size=2, master_port=port)
-        hosted["store"] = distributed._rendezvous_store(env0, DistConfig(init_timeout_s=30))
+        hosted["store"] = groups._rendezvous_store(env0, DistConfig(init_timeout_s=30))
 
     host = threading.Thread(target=rank_0)
     host.start()
     env1 = DistEnv(rank=1, world_size=2, master_port=port)
-    store = distributed._rendezvous_store(env1, DistConfig(init_timeout_s=30))
+    store = groups._rendezvous_store(env1, DistConfig(init_timeout_s=30))
     host.join(30)
     assert "store" in hosted  # rank 0 saw rank 1 sign in
     assert store.get("ddpjob/0/arrived/1").decode() == socket.gethostname()

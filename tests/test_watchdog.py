@@ -1,5 +1,5 @@
 """Hangs and stragglers: the watchdog (ddp_core/trainer/watchdog.py) dumps, records and requeues a stalled attempt; the
-rendezvous names ranks that never arrive; the straggler report (ddp_core/dist/straggler.py) names a slow rank.
+rendezvous names ranks that never arrive; the straggler report (ddp_core/distributed/straggler.py) names a slow rank.
 
 Outside Slurm a hung run ends with the watchdog's exit code (6) and its stacks; on the local cluster a hang in a
 step, inside a collective, or before the first step requeues the job, which resumes bitwise exactly. A main
@@ -19,7 +19,7 @@ import pytest
 
 from ddp_core.config import WatchdogConfig
 from ddp_core.config.features import validate_watchdog as validate
-from ddp_core.dist.straggler import persistent
+from ddp_core.distributed.straggler import persistent
 from ddp_core.errors import DdpJobError
 from ddp_core.trainer.watchdog import _suspects, attempt_folder
 from tests.conftest import ROOT, field, run_cli
@@ -205,7 +205,7 @@ def test_a_rank_that_never_arrives_ends_the_rendezvous_naming_it(slurm_cluster, 
     assert f"rank 1 on n2 could not reach the rendezvous at n1:{bad} within dist.init_timeout_s (8 s)" in logs[1]
 
 
-# --- stragglers (ddp_core/dist/straggler.py) -------------------------------------------------------------------------
+# --- stragglers (ddp_core/distributed/straggler.py) -------------------------------------------------------------------
 
 
 def line(slowest: int, high: float, median: float, step_ms: float = 50.0) -> dict:

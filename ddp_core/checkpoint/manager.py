@@ -22,7 +22,7 @@ from ddp_core.checkpoint import store
 from ddp_core.checkpoint.train_state import TrainState
 from ddp_core.cluster.env import DistEnv
 from ddp_core.config import CheckpointConfig
-from ddp_core.dist import groups as distributed
+from ddp_core.distributed import collectives
 from ddp_core.run.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ class CheckpointManager:
                 whole = {"model": self.layout.model_state(self.model), "optimizer": self.optimizer.state_dict()}
                 assert self.full is not None, "rank 0 writes full checkpoints through its FullWriter"
                 self.full.save(step, whole | rest, sync=sync)
-            distributed.barrier()  # nobody runs ahead (or exits) before the checkpoint is durable, or copied (async)
+            collectives.barrier()  # nobody runs ahead (or exits) before the checkpoint is durable, or copied (async)
         self.last_save_s, self.saved_step = time.perf_counter() - started, step
         if self.env.is_main:
             log.info("training blocked %.3f s for the checkpoint of step %d", self.last_save_s, step)
@@ -136,7 +136,7 @@ class CheckpointManager:
         if signum != signal.SIGTERM:
             return True
         cost = max(self.last_save_s, self.full.last_write_s or 0.0) if self.full is not None else self.last_save_s
-        cost = distributed.all_gather_floats([cost])[0][0]
+        cost = collectives.all_gather_floats([cost])[0][0]
         if cost > self.cfg.sigterm_budget_s:
             log.warning("SIGTERM: the last save took %.1f s, over checkpoint.sigterm_budget_s", cost)
         return cost <= self.cfg.sigterm_budget_s

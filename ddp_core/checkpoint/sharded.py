@@ -37,7 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from ddp_core.checkpoint.store import SHARDED, CheckpointInfo, files_digest, fsync_dir, prune, remove_data, sha256_file
-from ddp_core.dist import groups as distributed
+from ddp_core.distributed import collectives
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import atomic_write_text
 
@@ -186,12 +186,12 @@ class ShardedWriter:
             tmp.mkdir(parents=True)
             assert extra is not None
             _save_extra(tmp / EXTRA, {"plain": plain, "model_keys": list(state["model"])} | extra)
-        distributed.barrier()  # the folder exists, empty of stale files, before any rank writes into it
+        collectives.barrier()  # the folder exists, empty of stale files, before any rank writes into it
         writer = dcp.FileSystemWriter(tmp)  # fsyncs every file it writes
         if self._background is None:
             dcp.save(tensors, storage_writer=writer)
             self._complete(step, tmp, started, None)
-            distributed.barrier()  # nobody runs ahead (or exits) before the manifest is written
+            collectives.barrier()  # nobody runs ahead (or exits) before the manifest is written
             return time.perf_counter() - started
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Protocol
 
 from ddp_core.cluster.env import DistEnv
 from ddp_core.config.batch import replicas
-from ddp_core.dist import groups as distributed
+from ddp_core.distributed import collectives, rng
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Carried:
         """Collective: the checkpoint's entries (complete on rank 0)."""
         mine = {name: part.state_dict() for name, part in self.per_rank.items()}
         return {name: part.state_dict() for name, part in self.shared.items()} | {
-            "per_rank": distributed.gather_to_main(mine, env)
+            "per_rank": collectives.gather_to_main(mine, env)
         }
 
     def load(self, state: Mapping[str, Any], env: DistEnv) -> None:
@@ -100,7 +100,7 @@ class TrainState:
 
     def state_dict(self, env: DistEnv) -> dict[str, Any]:
         """Collective; complete on rank 0."""
-        rngs = distributed.gather_to_main(distributed.rng_state(), env)
+        rngs = collectives.gather_to_main(rng.rng_state(), env)
         return {
             "scheduler": self.scheduler.state_dict(),
             "position": asdict(self.pos),
@@ -116,7 +116,7 @@ class TrainState:
         self.log_loss.load(state["log_loss"])
         self.carried.load(state, env)
         if state["world_size"] == env.world_size:
-            distributed.set_rng_state(state["rng"][env.rank])
+            rng.set_rng_state(state["rng"][env.rank])
         elif self.config["train"]["invariant"]:  # this attempt seeds each shard's streams from (seed, step, shard)
             log.info(
                 "checkpoint was written at world size %d, now %d: train.invariant seeds every shard's RNG itself",

@@ -1,6 +1,6 @@
 """Health checks of a rank's node before an attempt's first step: the run directory is writable, the site's own
 check passes (``slurm.health_check``, a shell command run by each node's first rank, its output in the log), and,
-for the trainer, the GPU answers and a collective on the training device completes (``dist.groups.check_health``). A
+for the trainer, the GPU answers and a collective on the training device completes (``distributed.groups``). A
 failed check raises ``HealthCheckFailed``: the batch script's watcher excludes the node from the job's later
 attempts and requeues it within ``slurm.max_health_failures``, without spending ``slurm.max_failures``
 (``cluster.failures``). Torch-free.

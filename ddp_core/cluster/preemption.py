@@ -6,7 +6,7 @@ limit) and SIGTERM (preemption, ``scontrol requeue``, scancel) to every task, bu
 not always to every rank. Each rank's handler records the signal; at step boundaries the ranks all-reduce it (MAX),
 so they all stop after the same step, checkpoint together, and rank 0 requeues the job.
 
-The all-reduce is asynchronous and on the CPU (gloo, also on GPU nodes: see ``ddp_core.dist.groups``): the one
+The all-reduce is asynchronous and on the CPU (gloo, also on GPU nodes: see ``ddp_core.distributed.groups``): the one
 started at a step boundary is read at the next exchange, by when it has long completed. No rank waits for its peers
 there, and the CUDA stream never waits for the flag. Asynchronous is not free, though: with two ranks on two cores
 an exchange after every step made a 2.3 ms step ~0.7 ms slower (the collective's threads and messages compete with

@@ -152,7 +152,7 @@ class TrainConfig:
     # line, where the loss is read back anyway, so it costs nothing per step.
     stop_on_nan: bool = True
     # `ddpjob status` names a rank whose own work per step (data wait + forward) stays this many times the
-    # median's, progress line after progress line (ddp_core/dist/straggler.py).
+    # median's, progress line after progress line (ddp_core/distributed/straggler.py).
     straggler_factor: float = 1.5
     # How often, in time, the ranks exchange their signal flags (preemption.StopFlag): every k steps, k agreed from
     # the measured step time. A signal stops the run within about twice this; 0: after every step (a collective
@@ -249,7 +249,7 @@ class DistConfig:
     init_timeout_s: float = 1200.0
     # Rehearse a GPU node's process groups on a CPU machine: "gpu" (the trainer's own GPU backends) or a backend
     # spec such as "cpu:gloo,cuda:nccl". A collective the GPU node would not serve then fails here.
-    # See docs/gpu-clusters.md and ddp_core/dist/guard.py. null: off.
+    # See docs/gpu-clusters.md and ddp_core/distributed/guard.py. null: off.
     guard: Optional[str] = None
 
 

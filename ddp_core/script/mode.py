@@ -214,7 +214,7 @@ def _requeued_meanwhile(env: DistEnv, tries: int = 3, pause_s: float = 0.3) -> b
 def _failed(run_dir: RunDir, env: DistEnv, err: BaseException) -> None:
     hint = ""
     if "torch.distributed" in sys.modules:  # a communication failure can only come from torch.distributed
-        from ddp_core.dist.groups import failure_hint  # torch: loaded by now
+        from ddp_core.distributed.hints import failure_hint  # torch: loaded by now
 
         hint = failure_hint(err)
     log_failure(log, env, err, hint)

@@ -57,6 +57,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Callable, Optional
 
+from ddp_core import python_m
 from ddp_core.cluster import signals
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.exits import leave
@@ -123,7 +125,10 @@ def _free_port() -> int:
 
 
 def torchrun_argv(rdzv: Rendezvous, nproc_per_node: int, run_dir: Path) -> list[str]:
-    """torchrun's command line for this node's agent (without ``torchrun`` itself)."""
+    """torchrun's command line for this node's agent (without ``torchrun`` itself). Each worker runs ``python -u -m
+    ddp_core.script RUN`` in ``ddp_core.python_m``'s form (``--no-python``: the interpreter is named here, torchrun's
+    own ``PYTHON_EXEC`` or this one, as torchrun would pick), so a user's ``ddp_core.py`` in the submit directory,
+    every worker's working directory, cannot shadow ddpjob's."""
     return [
         f"--nnodes={rdzv.nnodes}",
         f"--nproc-per-node={nproc_per_node}",
@@ -134,8 +139,10 @@ def torchrun_argv(rdzv: Rendezvous, nproc_per_node: int, run_dir: Path) -> list[
         f"--master-port={rdzv.master_port}",
         "--max-restarts=0",  # a run restarts by Slurm's requeue (same job, next attempt), never inside an attempt
         f"--monitor-interval={POLL_S}",
-        "-m",
-        WORKER_MODULE,
+        "--no-python",
+        os.environ.get("PYTHON_EXEC", sys.executable),
+        "-u",
+        *python_m.words(WORKER_MODULE),
         str(run_dir),
     ]
 

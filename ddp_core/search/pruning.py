@@ -75,7 +75,7 @@ def final_value(final: Optional[Mapping[str, Any]], metric: str) -> Optional[flo
 def decide(rep: Optional[Reporter], step: int, metrics: Mapping[str, float]) -> bool:
     """Collective, on every rank of a bound run after an eval: rank 0 reports and asks the pruner; every rank gets
     rank 0's answer, so all of them leave the loop after the same step."""
-    from ddp_core.dist import groups as distributed  # torch: the trainer has it loaded by now
+    from ddp_core.distributed import collectives  # torch: the trainer has it loaded by now
 
     mine = float(rep.report(step, metrics)) if rep is not None else 0.0
-    return distributed.all_gather_floats([mine])[0][0] > 0
+    return collectives.all_gather_floats([mine])[0][0] > 0

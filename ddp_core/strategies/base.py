@@ -11,7 +11,7 @@ from torch import nn
 
 from ddp_core.cluster.env import DistEnv
 from ddp_core.config import StrategyConfig
-from ddp_core.dist.straggler import WorkTimer
+from ddp_core.distributed.straggler import WorkTimer
 from ddp_core.tasks.base import Output, Task
 
 
@@ -26,7 +26,7 @@ class Strategy(ABC):
         self.device = device
         self.work = WorkTimer(
             device
-        )  # this rank's data wait and forward: the straggler report (ddp_core/dist/straggler.py)
+        )  # this rank's data wait and forward: the straggler report (ddp_core/distributed/straggler.py)
         # Set by the trainer: where each training micro-batch's Output goes (train/<name> metrics), and the fp16
         # loss scaler (train.precision=fp16) that scales each loss before its backward.
         self.on_train_output: Callable[[Output], None] = lambda out: None

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_core.dist import groups as distributed
+from ddp_core.distributed import rng
 from ddp_core.strategies.base import Strategy
 from ddp_core.strategies.units import candidate_units, checkpoint_activations
 from ddp_core.tasks.base import Task
@@ -48,11 +48,11 @@ class DDPStrategy(Strategy):
         """
         if not isinstance(model, DistributedDataParallel) or self.cfg.find_unused_parameters:
             return
-        rng = distributed.rng_state()
+        saved_rng = rng.rng_state()
         buffers = [b.detach().clone() for b in model.buffers()]
         task.compute(model, batch).loss.backward()
         model.zero_grad(set_to_none=True)
         with torch.no_grad():
             for saved, live in zip(buffers, model.buffers(), strict=True):
                 live.copy_(saved)
-        distributed.set_rng_state(rng)
+        rng.set_rng_state(saved_rng)

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from ddp_core.dist import groups as distributed
+from ddp_core.distributed import groups
 from ddp_core.errors import DdpJobError
 from ddp_core.strategies.base import Strategy
 from ddp_core.strategies.units import candidate_units, checkpoint_activations, shard_units, wrap_class_names
@@ -49,7 +49,7 @@ class FSDPStrategy(Strategy):
                 f"strategy.name='fsdp' has nothing to shard: {type(model).__name__} has no trainable parameters",
                 "check the task's build_model, or use strategy.name=ddp",
             )
-        distributed.ensure_single_process_group(self.device)  # a process started alone has no group
+        groups.ensure_single_process_group(self.device)  # a process started alone has no group
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.cfg.reshard_after_forward}
         if self.cfg.mixed_precision == "bf16":
@@ -126,9 +126,9 @@ def by_parameter_name(model: nn.Module, optimizer: torch.optim.Optimizer, state:
     parameter names instead, the form ``set_optimizer_state_dict`` takes."""
     names = {id(p): name for name, p in model.named_parameters()}
     number_to_name: dict[Any, str] = {}
-    groups = []
+    param_groups = []
     for saved, current in zip(state["param_groups"], optimizer.param_groups, strict=True):
         for number, param in zip(saved["params"], current["params"], strict=True):
             number_to_name[number] = names[id(param)]
-        groups.append(saved | {"params": [number_to_name[n] for n in saved["params"]]})
-    return {"state": {number_to_name[n]: s for n, s in state["state"].items()}, "param_groups": groups}
+        param_groups.append(saved | {"params": [number_to_name[n] for n in saved["params"]]})
+    return {"state": {number_to_name[n]: s for n, s in state["state"].items()}, "param_groups": param_groups}

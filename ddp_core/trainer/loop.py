@@ -32,7 +32,7 @@ from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.preemption import StopFlag
 from ddp_core.config import Config, Precision, to_dict
 from ddp_core.config.batch import grad_accum
-from ddp_core.dist import groups as distributed
+from ddp_core.distributed import groups, rng
 from ddp_core.run.rundir import RunDir
 from ddp_core.search import pruning
 from ddp_core.strategies import build_strategy
@@ -90,12 +90,12 @@ class Trainer:
         cfg, env = self.cfg, self.env
         # Before the rendezvous: a rank on a bad node leaves at once, and srun's --kill-on-bad-exit ends the others.
         health.check_node(self.run_dir, env, cfg.slurm.health_check)
-        self.device = device = distributed.setup(env, cfg.dist)
-        distributed.check_health(device, env)
+        self.device = device = groups.setup(env, cfg.dist)
+        groups.check_health(device, env)
         apply_determinism(cfg, device)
         self.amp = autocast(cfg, device)  # one context, entered once per micro-batch (never nested)
         # Same seed on every rank for the model's initial weights; per-rank seeds for dropout etc. after.
-        distributed.seed_all(cfg.train.seed)
+        rng.seed_all(cfg.train.seed)
         self.task = task = load_task(cfg.task)
         invariant_seed = cfg.train.seed if cfg.train.invariant else None  # world-size-invariant shards, seeded
         self.strategy = strategy = build_strategy(cfg.strategy, env, device, task, invariant_seed)
@@ -122,7 +122,7 @@ class Trainer:
             blocks=cfg.train.invariant,
         )
         self.evals = eval_loader(eval_set, strategy.data_rank, strategy.data_world, cfg.data, pin, collate)
-        distributed.seed_all(cfg.train.seed * 1000 + env.rank + 1)
+        rng.seed_all(cfg.train.seed * 1000 + env.rank + 1)
         self.train_sums = TrainSums()  # train/<name> from the task's Output.sums, train/grad_norm
         strategy.on_train_output = self.train_sums.add
         strategy.scaler = torch.amp.GradScaler(device.type) if cfg.train.precision is Precision.fp16 else None
@@ -269,7 +269,7 @@ class Trainer:
         assert self.lines is not None and self.records is not None and self.checkpoints is not None
         step = self.state.pos.step
         self.lines.finish()
-        with self.watchdog.allowance(), distributed.rng_untouched():  # the training's random streams go on as if
+        with self.watchdog.allowance(), rng.rng_untouched():  # the training's random streams go on as if
             metrics = evaluate(self.task, self.model, self.evals, self.cfg, self.strategy)  # no evaluation ran
         self.records.record("eval", metrics, step)
         if self.monitor.update(step, metrics):
@@ -324,7 +324,7 @@ class Trainer:
         scores = " ".join(f"{k} {v:.4f}" for k, v in (final or {}).items())
         elapsed = time.perf_counter() - self.started
         log.info("%s at step %d in %.1f s: %s", "pruned" if pruned else "finished", step, elapsed, scores)
-        peak = distributed.peak_memory_gb(self.device)
+        peak = groups.peak_memory_gb(self.device)
         if peak is not None:
             log.info("peak GPU memory on %s: %.2f GB allocated by tensors", self.device, peak)
         # Every rank logs its own digest: replicas that drifted apart show up as different lines.

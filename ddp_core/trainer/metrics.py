@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from ddp_core.dist import groups as distributed
+from ddp_core.distributed import collectives
 from ddp_core.tasks.base import Output
 
 
@@ -55,7 +55,7 @@ class TrainSums:
         first stages have no sums and learn them from the others)."""
         self._fold()
         if self.keys is None:
-            self.keys = distributed.union_keys(sorted(self.totals))
+            self.keys = collectives.union_keys(sorted(self.totals))
         taken = [float(self.count), *(self.totals.get(k, 0.0) for k in self.keys)]
         taken += [self.norm_sum, self.norm_max, float(self.norm_steps)]
         self.totals, self.count = {}, 0

@@ -18,8 +18,7 @@ import torch
 
 from ddp_core.cluster.env import DistEnv
 from ddp_core.config import Config, to_dict
-from ddp_core.dist import groups as distributed
-from ddp_core.dist import straggler
+from ddp_core.distributed import collectives, groups, straggler
 from ddp_core.errors import DdpJobError
 from ddp_core.run.reporting import MetricsLog, Progress
 from ddp_core.run.rundir import RunDir
@@ -91,14 +90,14 @@ class ProgressLines:
         steps = max(1, step - self.logged_step)
         values = [
             *state,
-            distributed.peak_memory_gb(self.device) or 0,
+            groups.peak_memory_gb(self.device) or 0,
             self.work.take_ms() / steps,
             *self.train_sums.take(),
         ]
         self.log_loss.reset()
         now = time.perf_counter()
         known = {"lr": self.lr(), "step_ms": 1000 * (now - self.logged_at) / steps}
-        self.line = (step, known, distributed.all_gather_floats_async(values))
+        self.line = (step, known, collectives.all_gather_floats_async(values))
         self.logged_at, self.logged_step = now, step
 
     def finish(self) -> None:
@@ -130,7 +129,7 @@ class ProgressLines:
         if len(ranks) <= 1:
             return {}
         if not self.hosts:
-            self.hosts.extend(distributed.hosts())  # every rank is at this line: one object all-gather per attempt
+            self.hosts.extend(collectives.hosts())  # every rank is at this line: one object all-gather per attempt
         spread = straggler.spread([r[3] for r in ranks], self.hosts)
         if spread:
             self.spreads.append(spread | {"step_ms": step_ms})

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ddp_core.config import Config, Precision
-from ddp_core.dist import groups as distributed
+from ddp_core.distributed import collectives
 from ddp_core.errors import DdpJobError
 from ddp_core.strategies import Strategy
 from ddp_core.tasks.base import Task
@@ -67,10 +67,10 @@ def evaluate(task: Task, model: nn.Module, loader: Any, cfg: Config, strategy: S
                 sums[key] = sums[key] + value if key in sums else value
     model.train()
     # Ranks without outputs (a pipeline's first stages) have no metric names yet: agree on them first.
-    keys = distributed.union_keys(sorted(sums))
+    keys = collectives.union_keys(sorted(sums))
     zero = torch.zeros((), dtype=torch.float64, device=strategy.device)
     local = torch.stack([zero + count] + [sums.get(k, zero) for k in keys]).cpu()  # the one read-back
-    totals = distributed.all_reduce_sum(local)  # host totals: gloo
+    totals = collectives.all_reduce_sum(local)  # host totals: gloo
     return {k: (totals[i + 1] / totals[0]).item() for i, k in enumerate(keys)}
 
 

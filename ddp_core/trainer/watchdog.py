@@ -16,7 +16,7 @@ A daemon thread in every rank, backed by faulthandler's C-level timer.
   every Python thread of its process. For that case faulthandler's own C thread is armed with a later
   deadline and re-armed by the watchdog thread while it runs: if it fires, it writes all threads' stacks and
   exits the process, and ``srun --kill-on-bad-exit`` ends the step. The other ranks' watchdogs still requeue.
-* A Slurm suspension is not a hang: ``ddp_core.dist.suspend`` tells the watchdog at the warning (SIGTSTP), which
+* A Slurm suspension is not a hang: ``ddp_core.distributed.suspend`` tells the watchdog at the warning (SIGTSTP), which
   disarms the backstop and pauses the checks, and at resume, which restarts the clock. A process stopped without
   that warning shows as a gap in the watchdog thread's own wake-ups, and its clock restarts too (the backstop,
   then armed, fires at continue if the stop outlasted its deadline).
@@ -124,7 +124,7 @@ class Watchdog:
                     break
 
     def suspended(self, stopped: bool) -> None:
-        """``ddp_core.dist.suspend``'s listener: no hang is declared while the job is suspended, and the clock restarts
+        """``distributed.suspend``'s listener: no hang is declared while the job is suspended, and the clock restarts
         when it resumes. The backstop is disarmed first: its C thread would fire the moment the process continues."""
         self.paused = stopped
         if stopped:
@@ -148,7 +148,7 @@ class Watchdog:
         while not self._stop.wait(self.poll_s):
             now, last = time.monotonic(), woke
             woke = now
-            if self.paused:  # a suspension announced by its warning signal (ddp_core.dist.suspend)
+            if self.paused:  # a suspension announced by its warning signal (ddp_core.distributed.suspend)
                 continue
             if now - last > 3 * self.poll_s + 5:
                 # This thread did not run for a while: the process was stopped (kill -STOP, a suspension whose

@@ -29,10 +29,10 @@ from jobs.runs.lookup import RUN_HELP, resolve
 # The first line of an attempt: the trainer's or script mode's rank banner (stderr), submitit's start line (stdout),
 # or the sbatch template's echo (batch log). Output before the first one (Slurm's own notes) belongs to attempt 1.
 # With script.launcher=torchrun a task's log is its node's: the agent's banner starts the attempt, and the banners
-# of the workers it started (source "torchrun") follow within it. Logs from before ddp_core's packages name the
-# trainer's banner ddp_core.distributed.
+# of the workers it started (source "torchrun") follow within it. Older logs name the trainer's banner's logger
+# ddp_core.dist.groups (before ddp_core.distributed) or ddp_core.distributed (before ddp_core's packages).
 ATTEMPT_START = re.compile(
-    r"ddp_core\.(?:dist\.groups|distributed): \S+ on \S+: rank \d+/\d+ "
+    r"ddp_core\.(?:distributed\.groups|dist\.groups|distributed): \S+ on \S+: rank \d+/\d+ "
     r"|ddp_core\.script: (?!torchrun )\S+ on \S+: (?:rank \d+/\d+ |torchrun agent )"
     r"|submitit INFO \(.*\) - Starting with JobEnvironment|^ddpjob: job \S+ run directory "
 )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from ddp_core import python_m
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
 from jobs.submission.request import SlurmRequest
@@ -75,9 +76,11 @@ def directives(options: dict[str, Any]) -> list[str]:
 def task_command(request: SlurmRequest, layout: Layout) -> str:
     """What each task runs: submitit's job entry on the job's folder, behind the request's interpreter words (each
     rank's, with the prefix that holds the warning signal and the container's command); a command that runs in the
-    batch step itself (a search's worker) runs on the batch script's interpreter, outside any image."""
-    python = shlex.join(request.task_python) if layout.srun else shlex.quote(request.host_python)
-    return f"{python} -u -m {TASK_ENTRY} {shlex.quote(str(layout.folder))}"
+    batch step itself (a search's worker) runs on the batch script's interpreter, outside any image. ``python -m``
+    in the form a user's ``submitit.py`` or ``ddp_core.py`` in the submit directory cannot shadow
+    (``ddp_core.python_m``)."""
+    python = list(request.task_python) if layout.srun else [request.host_python]
+    return shlex.join([*python, "-u", *python_m.words(TASK_ENTRY), str(layout.folder)])
 
 
 def render(request: SlurmRequest, layout: Layout) -> str:
@@ -121,8 +124,12 @@ def render_template(request: SlurmRequest, run_dir: RunDir, template: Path = TEM
         *([f"TASK_PYTHON={shlex.quote(request.task_python[-1])}"] if request.container else []),
         f"SRUN_ARGS=({' '.join(shlex.quote(a) for a in request.srun_args)})",
         f"ENTRY={request.entry_module}",  # the srun line runs `python -m $ENTRY RUN_DIR`
+        # `python -m`, unshadowed by a user's jobs.py or ddp_core.py in the submit directory (ddp_core.python_m).
+        f"PYTHON_M=({shlex.join(python_m.RUN_MODULE)})",
         # RUN_DIR is set below; the trap reads it when the script exits (empty if it ended before that).
-        *request.watch_lines('"${RUN_DIR:-}"', '"${RUN_DIR:-}/slurm/${SLURM_JOB_ID}_batch.out"', '"$PYTHON"'),
+        *request.watch_lines(
+            '"${RUN_DIR:-}"', '"${RUN_DIR:-}/slurm/${SLURM_JOB_ID}_batch.out"', '"$PYTHON" "${PYTHON_M[@]}"'
+        ),
         *request.environment,  # the request's environment, then the config's slurm.setup lines
         *request.setup,
     ]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import ddp_core
+from ddp_core import python_m
 from ddp_core.cluster import signals
 from ddp_core.cluster.exits import ExitCode
 from ddp_core.cluster.supervise import MARKER
@@ -251,28 +252,30 @@ class SlurmRequest:
             **self.additional,
         }
 
-    def watch_lines(self, run_dir: str, batch_log: str, python: Optional[str] = None) -> list[str]:
+    def watch_lines(self, run_dir: str, batch_log: str, module_runner: Optional[str] = None) -> list[str]:
         """The batch script's first lines: this attempt's marker in its log, and the EXIT trap that hands srun's status
         to the attempt's watcher (``ddp_core.cluster.supervise``), which requeues an infrastructure failure.
-        ``run_dir``, ``batch_log`` and ``python``: shell words (quoted paths, or expansions evaluated when the trap
-        runs); ``python`` defaults to the submitting interpreter (outside any container: the watcher may requeue the
-        job, which needs Slurm's commands)."""
+        ``run_dir``, ``batch_log`` and ``module_runner`` (what runs a module, as ``python -m`` would): shell words
+        (quoted paths, or expansions evaluated when the trap runs); it defaults to the submitting interpreter
+        (outside any container: the watcher may requeue the job, which needs Slurm's commands) with
+        ``ddp_core.python_m``'s words, which a user's ``ddp_core.py`` in the submit directory cannot shadow."""
         marker = MARKER.format(restart="${SLURM_RESTART_COUNT:-0}", job="${SLURM_JOB_ID}")
-        python = python or shlex.quote(self.host_python)
+        runner = module_runner or shlex.join([self.host_python, *python_m.RUN_MODULE])
         return [
             f'echo "{marker} on $(hostname)" >&2',
             # Python starts only after a failure: a job that trained to its end ends as srun did, whatever happens.
-            f'ddpjob_watch() {{ [ "$1" = 0 ] && exit 0; {python} -m ddp_core.cluster.supervise {run_dir} {batch_log} '
+            f'ddpjob_watch() {{ [ "$1" = 0 ] && exit 0; {runner} ddp_core.cluster.supervise {run_dir} {batch_log} '
             '"$1"; exit $?; }',
             "trap 'ddpjob_watch $?' EXIT",
             # A requeued attempt first accounts for a previous one that a node's death ended (node_loss); a non-zero
             # answer ends this attempt before srun, already decided: the watcher has nothing to add. ALREADY_COMPLETE:
             # the run had completed (Slurm 24.11's extra requeue), the job ends COMPLETED.
             'ddpjob_begin() { [ "${SLURM_RESTART_COUNT:-0}" = 0 ] && return 0; '
-            f"{python} -m ddp_core.cluster.supervise --begin {run_dir} && return 0; "
+            f"{runner} ddp_core.cluster.supervise --begin {run_dir} && return 0; "
             f'set -- $?; trap - EXIT; [ "$1" = {int(ExitCode.ALREADY_COMPLETE)} ] && exit 0; exit $1; }}',
         ]
 
     def task_command(self) -> list[str]:
-        """What each task runs, before its run directory: ``python -u -m MODULE`` behind the prefix."""
-        return [*self.task_python, "-u", "-m", self.entry_module]
+        """What each task runs, before its run directory: ``python -u -m MODULE`` behind the prefix, in the form a
+        user's file in the submit directory cannot shadow (``ddp_core.python_m``)."""
+        return [*self.task_python, "-u", *python_m.words(self.entry_module)]

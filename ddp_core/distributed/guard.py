@@ -15,7 +15,7 @@ any CPU machine, in two layers:
    and the calling line. It also counts (collective, device, GPU backend) per rank; ``report`` logs the
    counts at teardown, to show which backend each kind of traffic would use.
 
-``dist.guard=gpu`` rehearses the trainer's own GPU table (``ddp_core.dist.groups.GPU_BACKEND``). Any other
+``dist.guard=gpu`` rehearses the trainer's own GPU table (``ddp_core.distributed.groups.GPU_BACKEND``). Any other
 value is taken as a table to rehearse, e.g. ``nccl``, which is what the trainer used before it had a CPU
 backend. On a CUDA machine the real table is kept, and only the wrapper's checks and counts are added.
 """
@@ -42,8 +42,19 @@ log = logging.getLogger(__name__)
 # isend/irecv stay unwrapped: P2POp checks its op by identity (dist.isend), and pipelining's P2P goes through
 # batch_isend_irecv, which is checked op by op.
 _TENSOR_COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
-    "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
 )
 _OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list")
 
@@ -52,6 +63,7 @@ _state: dict[str, Any] = {"gpu_spec": None, "sim_spec": None, "counts": None, "r
 
 class CollectiveRefused(DdpJobError):
     """A collective the GPU node's process group would not serve."""
+
 
 # The process group's backends per device: what the trainer builds on GPUs, and on CPUs alone.
 GPU_BACKEND = "cpu:gloo,cuda:nccl"

@@ -1,4 +1,5 @@
-"""Process-group lifecycle, the device each rank trains on, and per-rank RNG state, from an explicit ``DistEnv``.
+"""Process-group lifecycle and the device each rank trains on, from an explicit ``DistEnv``: the rendezvous, joining
+and leaving the group, the health check's collective, the GPU binding line.
 
 **Which backend serves which tensor.** On a CUDA node the process group is ``cpu:gloo,cuda:nccl``: one group
 with two backends, picked per collective by the tensor's device.
@@ -7,7 +8,7 @@ with two backends, picked per collective by the tensor's device.
   reduce-scatters, pipeline activations and the pipeline's dp gradient average and clip norm.
 - Coordination stays on the host and goes through gloo: the per-step stop flag (``preemption.StopFlag``),
   the logged-loss and eval totals, and the object collectives (RNG states to rank 0, metric names, the
-  agreed checkpoint). torch sends object collectives through the CPU backend when the group has one.
+  agreed checkpoint: ``collectives``). torch sends object collectives through the CPU backend when the group has one.
   A CPU collective never enters a CUDA stream, so the stop flag does not stall the GPU's queue of kernels;
   the loss is read back from the GPU only when a progress line is due.
 - Groups made from the default one inherit both backends: ``new_group()``, and the device meshes of fsdp
@@ -15,7 +16,7 @@ with two backends, picked per collective by the tensor's device.
   objects.
 
 On a CPU node the whole group is ``gloo``. ``cfg.dist.guard`` rehearses a GPU node's groups on a CPU
-machine: ``ddp_core.dist.guard`` builds them with the same device→backend table, with gloo in place
+machine: ``ddp_core.distributed.guard`` builds them with the same device→backend table, with gloo in place
 of nccl, so a collective that the GPU node would not serve fails here first.
 
 **Failing loudly.** Collectives time out after ``dist.timeout_s``; joining the group (the TCP store
@@ -24,34 +25,30 @@ imports from a cold shared filesystem. NCCL's async error handling is on by defa
 (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``); the batch script sets it explicitly (``jobs.submission.submit``). After a
 timeout or a NCCL error, the ranks' communicators are aborted, and the rank's error line names its rank
 and host (``launch``). A Slurm suspension (SIGTSTP, SIGSTOP, later SIGCONT) must not count as a stuck collective:
-``ddp_core.dist.suspend`` lifts the timeouts for its length.
+``ddp_core.distributed.suspend`` lifts the timeouts for its length.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import random
 import socket
 import time
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional, cast
+from typing import Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddp_core.dist import guard as collective_guard
-from ddp_core.dist.guard import CPU_BACKEND, GPU_BACKEND
-from ddp_core.dist import suspend
-from ddp_core.config import DistConfig
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.health import HealthCheckFailed
+from ddp_core.config import DistConfig
+from ddp_core.distributed import guard as collective_guard
+from ddp_core.distributed import suspend
+from ddp_core.distributed.guard import CPU_BACKEND, GPU_BACKEND
 from ddp_core.errors import DdpJobError
 
 log = logging.getLogger(__name__)
-
 
 
 def backend_spec(cuda: bool) -> str:
@@ -120,7 +117,7 @@ def setup(env: DistEnv, cfg: Optional[DistConfig] = None) -> torch.device:
         env.source, socket.gethostname(), env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank,
         env.num_nodes, env.master_addr, env.master_port, backend if env.source != "single" else "none",
         device, env.cpus_per_rank,
-    )
+    )  # fmt: skip
     log.info("gpu binding: %s", describe_binding(env, cuda))
     return device
 
@@ -148,7 +145,9 @@ def check_health(device: torch.device, env: DistEnv, min_free: float = 0.05) -> 
         total_ranks = torch.ones(1, device=device)
         dist.all_reduce(total_ranks)
         if int(total_ranks.item()) != env.world_size:
-            raise HealthCheckFailed(f"health check on {host}: an all-reduce over {env.world_size} ranks gave a wrong sum")
+            raise HealthCheckFailed(
+                f"health check on {host}: an all-reduce over {env.world_size} ranks gave a wrong sum"
+            )
 
 
 def _rendezvous_store(env: DistEnv, cfg: DistConfig) -> dist.TCPStore:
@@ -250,66 +249,6 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, in place. Host-side totals (a CPU tensor) go through gloo on a GPU node."""
-    if dist.is_initialized():
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return values
-
-
-def all_gather_floats(values: list[float]) -> list[list[float]]:
-    """Every rank's ``values`` (the same length everywhere), on every rank, through the CPU backend."""
-    return all_gather_floats_async(values)()
-
-
-def all_gather_floats_async(values: list[float]) -> Callable[[], list[list[float]]]:
-    """``all_gather_floats`` started now, in the CPU backend's own thread; the function returned waits for it and
-    gives its result. Every rank must start it at the same point of its sequence of collectives."""
-    mine = torch.tensor(values, dtype=torch.float64)
-    if not dist.is_initialized():
-        return lambda: [mine.tolist()]
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    work = dist.all_gather(out, mine, async_op=True)
-
-    def result() -> list[list[float]]:
-        work.wait()
-        return [t.tolist() for t in out]
-
-    return result
-
-
-def hosts() -> list[str]:
-    """Every rank's host name, indexed by rank (one object all-gather: once per attempt)."""
-    if not dist.is_initialized():
-        return [socket.gethostname()]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, socket.gethostname())
-    return [str(h) for h in everyone]
-
-
-def union_keys(keys: list[str]) -> list[str]:
-    """The sorted union of every rank's ``keys``: the same list everywhere, for collectives over dicts."""
-    if not dist.is_initialized():
-        return sorted(keys)
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, keys)
-    return sorted(set().union(*everyone))
-
-
-def gather_to_main(obj: Any, env: DistEnv) -> list[Any]:
-    """Every rank's ``obj`` on rank 0 (others get an empty list)."""
-    if not dist.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * env.world_size if env.is_main else []
-    dist.gather_object(obj, out if env.is_main else None, dst=0)
-    return out
-
-
 def ensure_single_process_group(device: torch.device) -> None:
     """A one-rank group for a process started alone (FSDP needs one for its device mesh); an in-memory store,
     no port. Same device→backend table as a multi-rank job."""
@@ -323,59 +262,3 @@ def peak_memory_gb(device: torch.device) -> Optional[float]:
     if device.type != "cuda":
         return None
     return torch.cuda.max_memory_allocated(device) / 1e9
-
-
-def seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def rng_state() -> dict[str, Any]:
-    """This rank's RNG states in a form ``torch.load(weights_only=True)`` accepts."""
-    # The legacy tuple form (get_state's default): numpy's stubs type it as a union with the dict form.
-    legacy = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
-    name, keys, pos, has_gauss, cached = legacy
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-@contextlib.contextmanager
-def rng_untouched() -> Iterator[None]:
-    """This rank's RNG streams (Python, NumPy, torch, CUDA) as they were before the block, whatever it drew: an
-    evaluation (a DataLoader iterator draws its seed from torch's stream, a task may sample) must not shift the
-    training's randomness, or a run extended after its final evaluation, or evaluated on another cadence, would not
-    end on the bits of a run that never stopped."""
-    state = rng_state()
-    try:
-        yield
-    finally:
-        set_rng_state(state)
-
-
-def failure_hint(err: BaseException) -> str:
-    """What to try next for a communication failure (NCCL, gloo, the rendezvous store)."""
-    if isinstance(err, dist.DistError) or "NCCL" in str(err) or "Gloo" in str(err):
-        return (
-            " (hint: a peer rank may have died first: read every rank's log; for NCCL's own diagnosis resubmit "
-            "with slurm.setup='[\"export NCCL_DEBUG=INFO\"]'; on multi-NIC nodes pick the interface with "
-            "NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME; a collective slower than dist.timeout_s is reported as a "
-            "timeout)"
-        )
-    return ""
