@@ -15,7 +15,6 @@ from ddp_core import python_m
 from ddp_core.config import load_config
 from ddp_core.run.rundir import RunDir
 from jobs.submission.render import TASK_ENTRY, TEMPLATE
-from jobs.submission.request import SlurmRequest
 from tests.conftest import ROOT
 from tests.helpers import run_script, template_script, write_shadowing_files
 
