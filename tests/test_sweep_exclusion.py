@@ -82,7 +82,8 @@ def test_a_search_trial_retries_its_step_then_moves_its_worker_off_the_bad_node(
         ("start", None, None), ("completed", None, None),
     ], seen  # fmt: skip
     assert [e["event"] for e in events(sweep / "t0001")] == ["start", "completed"]
-    worker_log = next((sweep / "slurm").glob(f"{array}_0_log.err")).read_text()
+    # One worker is an array of one task (task 0), as the search's every generation is: submitit's array log name.
+    worker_log = (sweep / "slurm" / f"{array}_0_0_log.err").read_text()
     assert re.search(rf"job {array}\S* excludes n2", worker_log), worker_log
 
     def attempts() -> list[str]:

@@ -1,8 +1,8 @@
-"""The one gateway to Slurm's commands (sinfo, squeue, sacct, sacctmgr, scontrol, scancel), for both sides.
+"""The one gateway to Slurm's commands (sinfo, squeue, sacct, sacctmgr, scontrol, scancel, sbatch), for both sides.
 
 Every call goes through ``SlurmGateway.run`` and its one injectable runner, so tests can hand in fabricated
 output (or count calls) and a missing client or a slow controller is handled in one place. Torch-free:
-the login node (``jobs``) and the compute-node trainer both import it. (``sbatch`` itself is submitit's.)
+the login node (``jobs``, which queues every job here: ``sbatch``) and the compute-node trainer both import it.
 """
 
 from __future__ import annotations
