@@ -34,8 +34,9 @@ from tests.support.helpers import (
 pytestmark = [pytest.mark.cluster_release("26.05"), pytest.mark.cluster_shared("b")]
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 CONFIG = [
-    "task.target=tests.support.tasks:ContainedDigitsTask", "train.max_steps=24", "train.log_every=4", "train.eval_every=0",
-    "checkpoint.every_steps=8", "data.batch_size=16", "task.model.dropout=0.2", "wandb.mode=disabled",
+    "task.target=tests.support.tasks:ContainedDigitsTask", "train.max_steps=24", "train.log_every=4",
+    "train.eval_every=0", "checkpoint.every_steps=8", "data.batch_size=16", "task.model.dropout=0.2",
+    "wandb.mode=disabled",
     "train.stop_check_ms=0",  # the ranks agree on the flag after every step: the stop is STOP_AT or the next
 ]  # fmt: skip
 STOP_AT = 10  # rank 0 signals itself at its 10th batch of the first attempt (tests.support.tasks.SignalsItself)

@@ -6,8 +6,8 @@ warning signal and reports no handler, so Lightning's ``SLURMEnvironment`` insta
 it at an optimizer step every rank agrees on (``ddp_core.script.deferred``): on the warning it saves its hpc checkpoint
 and runs ``scontrol requeue``, and the requeued attempt resumes from that checkpoint. Run where the signal found each
 rank, its save's barrier deadlocked against a rank waiting in backward's all-reduce. One run, five attempts: the
-warning comes at a different moment of each of the first four (tests/support/lightning_script.py), and in the fourth a rank's
-save never finishes, which the watchdog armed by the warning catches and requeues.
+warning comes at a different moment of each of the first four (tests/support/lightning_script.py), and in the fourth a
+rank's save never finishes, which the watchdog armed by the warning catches and requeues.
 """
 
 from __future__ import annotations

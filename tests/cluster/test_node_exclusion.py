@@ -41,8 +41,9 @@ def test_a_node_whose_ranks_keep_dying_is_excluded_and_the_run_completes_exactly
     SIGKILL at its 25th batch of every attempt, as on a node whose processes keep dying: the second failure there
     excludes n2, and the same job, requeued off it, resumes from its checkpoint on n1 and n3 and ends with the
     uninterrupted run's weights."""
-    proc = run_cli("submit", DIGITS, "--wait", *TWO, "task.target=tests.support.tasks:CrashingTask", "task.data.crash_host=n2",
-                   "task.data.crash_at=25", "task.data.error=SIGKILL", cwd=tmp_path)  # fmt: skip
+    proc = run_cli("submit", DIGITS, "--wait", *TWO, "task.target=tests.support.tasks:CrashingTask",
+                   "task.data.crash_host=n2", "task.data.crash_at=25", "task.data.error=SIGKILL",
+                   cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
     seen = [(e["event"], e.get("kind"), e.get("host")) for e in events(run_dir) if e["event"] != "rank_failed"]
@@ -65,16 +66,8 @@ def test_a_node_that_dies_whole_is_replaced_and_the_run_completes_exactly(slurm_
     and n3 and ends with the uninterrupted run's weights."""
     halted = tmp_path / "halted"
     halt = ["task.data.crash_host=n1", "task.data.crash_at=25", "task.data.error=HALT", f"task.data.halt_file={halted}"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "jobs",
-        "submit",
-        DIGITS,
-        "--wait",
-        *TWO,
-        "task.target=tests.support.tasks:CrashingTask",
-    ]
+    cmd = [sys.executable, "-m", "jobs", "submit", DIGITS, "--wait", *TWO,
+           "task.target=tests.support.tasks:CrashingTask"]  # fmt: skip
     proc = subprocess.Popen([*cmd, *halt], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(halted.exists, 120, "rank 0 to reach its 25th batch on n1")

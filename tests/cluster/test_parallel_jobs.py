@@ -1,7 +1,8 @@
 """An FSDP job on the real local cluster: sharded checkpoints through a signal and requeue, and export to a plain state
 dict. A sharded checkpoint continued at another world size is the same on Slurm as under torchrun, where
-tests/unit/ddp_core/strategies/test_fsdp.py (FSDP at 2 and 1 ranks), tests/unit/ddp_core/strategies/test_pipeline.py (a pipeline's, at world size 1 under ddp) and
-tests/unit/ddp_core/trainer/test_global_batch.py prove it; a pipeline's resume likewise (tests/unit/ddp_core/strategies/test_pipeline.py, tests/unit/ddp_core/trainer/test_trainer.py)."""
+tests/unit/ddp_core/strategies/test_fsdp.py (FSDP at 2 and 1 ranks), tests/unit/ddp_core/strategies/test_pipeline.py (a
+pipeline's, at world size 1 under ddp) and tests/unit/ddp_core/trainer/test_global_batch.py prove it; a pipeline's
+resume likewise (tests/unit/ddp_core/strategies/test_pipeline.py, tests/unit/ddp_core/trainer/test_trainer.py)."""
 
 from __future__ import annotations
 

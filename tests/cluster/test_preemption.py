@@ -39,8 +39,9 @@ from tests.support.interrupts import interrupt, wait_training
 pytestmark = [pytest.mark.cluster_shared("b")]  # 2-CPU jobs: see tests/support/cluster_guard.py
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 CONFIG = [
-    "task.target=tests.support.tasks:SlowDigitsTask", "train.max_steps=300", "train.log_every=5", "train.eval_every=100",
-    "checkpoint.every_steps=40", "checkpoint.keep_last=10", "data.batch_size=16", "task.model.dropout=0.2",
+    "task.target=tests.support.tasks:SlowDigitsTask", "train.max_steps=300", "train.log_every=5",
+    "train.eval_every=100", "checkpoint.every_steps=40", "checkpoint.keep_last=10", "data.batch_size=16",
+    "task.model.dropout=0.2",
     "wandb.mode=disabled",  # W&B's offline writer costs each attempt ~3 s of CPU: only the test that checks it has it
 ]  # fmt: skip
 SLOW = "task.data.pause_s=0.03"  # ~10 s of training: room for signals at random steps

@@ -11,8 +11,10 @@ from jobs import cli
 from tests.support.cli_runner import run_cli
 from tests.support.digits import DIGITS
 
+# Refused before sbatch, or by it: no job runs (tests/support/cluster_guard.py).
+pytestmark = pytest.mark.cluster_shared("a")
 
-@pytest.mark.cluster_shared("a")  # refused before sbatch: no job (tests/support/cluster_guard.py)
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -33,7 +35,6 @@ def test_impossible_request_is_refused(slurm_cluster, tmp_path, monkeypatch, cap
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.cluster_shared("a")  # sbatch rejects it: no job
 def test_a_resume_that_sbatch_rejects_leaves_the_run_config_as_it_was(slurm_cluster, tmp_path):
     prepared = run_cli("prepare", DIGITS, cwd=tmp_path)
     assert prepared.returncode == 0, prepared.stderr

@@ -95,8 +95,9 @@ def test_tutorial_script_runs_unchanged_on_two_nodes(slurm_cluster, tmp_path):
 def test_charlm_script_interrupted_twice_ends_bitwise_equal(charlm_reference, tmp_path):
     """examples/charlm_script.py, 2 ranks, ``scancel --signal=USR2`` twice at random moments: one job id,
     restart count 2, the steps continue without a gap, and the uninterrupted twin's weights. (W&B across a script's
-    attempts: tests/unit/ddp_core/script/test_script_mode.py sends it only the steps not sent before, and the writer's offline records
-    of one run across attempts are tests/unit/ddp_core/trainer/test_wandb.py's and, across Slurm requeues, tests/cluster/test_preemption.py's.)"""
+    attempts: tests/unit/ddp_core/script/test_script_mode.py sends it only the steps not sent before, and the writer's
+    offline records of one run across attempts are tests/unit/ddp_core/trainer/test_wandb.py's and, across Slurm
+    requeues, tests/cluster/test_preemption.py's.)"""
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     job_id, run_dir = _submitted(run_cli("submit", *CHARLM_COMMON, "wandb.mode=disabled", *CHARLM_ARGS, cwd=tmp_path))
@@ -242,7 +243,8 @@ def test_cancelled_script_run_resumes_from_its_checkpoint(slurm_cluster, tmp_pat
 
 @pytest.fixture(scope="module")
 def uninterrupted_weights(slurm_cluster, tmp_path_factory) -> str:
-    """tests/support/resume_script.py's final weights, uninterrupted, in the layout of the tests below (2 ranks, one node)."""
+    """tests/support/resume_script.py's final weights, uninterrupted, in the layout of the tests below (2 ranks, one
+    node)."""
     script = str(ROOT / "tests" / "support" / "resume_script.py")
     plain = run_cli("submit", "--script", script, "slurm.tasks_per_node=2", "wandb.mode=disabled", "--wait",
                     cwd=tmp_path_factory.mktemp("uninterrupted"))  # fmt: skip
@@ -258,9 +260,9 @@ def test_a_plain_script_with_resume_args_survives_a_requeue_and_a_kill(
 ):
     """script.resume_args: a plain script that saves its own checkpoints, given the warning signal on its first
     attempt (it has no handler: ddpjob requeues it) and with a rank killed by SIGKILL on its second
-    (tests/support/resume_script.py), finishes in the same job, resuming from its own checkpoint each time, with the weights of
-    an uninterrupted run. Under torchrun too: its rank 0 worker gets the warning from Slurm as an srun rank does, and
-    the agent reports the worker the signal killed."""
+    (tests/support/resume_script.py), finishes in the same job, resuming from its own checkpoint each time, with the
+    weights of an uninterrupted run. Under torchrun too: its rank 0 worker gets the warning from Slurm as an srun rank
+    does, and the agent reports the worker the signal killed."""
     script = str(ROOT / "tests" / "support" / "resume_script.py")
     proc = run_cli("submit", "--script", script, "slurm.tasks_per_node=2", "script.resume_args=[--resume]",
                    f"script.launcher={launcher}", "wandb.mode=disabled", "--wait", "--", "--interrupt",

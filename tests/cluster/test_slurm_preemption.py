@@ -3,8 +3,9 @@ partition (or QOS) is preempted by submitting higher-priority work, the way a re
 
 Every requeued run is 4 ranks on 2 nodes (2 x 2) and must end with the weights of one uninterrupted 4-rank
 run; a run that ends instead (preempted for good) is one rank. Other world sizes resume exactly through the warning
-signal elsewhere: 1 rank (tests/cluster/test_search_slurm.py's requeued worker, tests/cluster/test_sweep.py's array task), 2 ranks
-(tests/cluster/test_preemption.py) and 3 ranks (tests/unit/ddp_core/trainer/test_trainer.py, without Slurm); a larger world takes the same path.
+signal elsewhere: 1 rank (tests/cluster/test_search_slurm.py's requeued worker, tests/cluster/test_sweep.py's array
+task), 2 ranks (tests/cluster/test_preemption.py) and 3 ranks (tests/unit/ddp_core/trainer/test_trainer.py, without
+Slurm); a larger world takes the same path.
 """
 
 from __future__ import annotations

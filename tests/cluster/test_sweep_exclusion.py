@@ -1,8 +1,9 @@
 """A node that a trial of a sweep excludes is excluded for the sweep's later trials: a grid sweep's array tasks and an
 adaptive search's workers each watch their trials' failures as a single run's batch script does (docs/failures.md).
 
-The cluster alone (tests/support/cluster_guard.py): every job takes one CPU on each of two nodes of partition "wide" (n1-n3),
-which Slurm places on n1 and n2 (n3 has the higher weight), and the failures are the test's own ranks dying on n2."""
+The cluster alone (tests/support/cluster_guard.py): every job takes one CPU on each of two nodes of partition "wide"
+(n1-n3), which Slurm places on n1 and n2 (n3 has the higher weight), and the failures are the test's own ranks dying on
+n2."""
 
 from __future__ import annotations
 

@@ -59,7 +59,8 @@ def test_missing_config_file(tmp_path):
 
 
 def test_dry_run_prints_script_and_config_and_submits_nothing(tmp_path):
-    # As its own process (`python -m jobs`): the other submits run ddpjob's main in the test's (tests/support/cli_runner.py).
+    # As its own process (`python -m jobs`): the other submits run ddpjob's main in the test's
+    # (tests/support/cli_runner.py).
     proc = run_cli("submit", DIGITS, "--dry-run", "optim.lr=0.01", cwd=tmp_path, process=True)
     assert proc.returncode == 0, proc.stderr
     assert "#SBATCH --ntasks-per-node=2" in proc.stdout

@@ -1,6 +1,7 @@
 """The failure table (ddp_core.cluster.failures) and what the batch script's watcher reads (cluster.supervise).
 
-The jobs that fail for real, requeue and resume are in tests/cluster/test_preemption.py and tests/cluster/test_slurm_jobs.py.
+The jobs that fail for real, requeue and resume are in tests/cluster/test_preemption.py and
+tests/cluster/test_slurm_jobs.py.
 """
 
 from __future__ import annotations

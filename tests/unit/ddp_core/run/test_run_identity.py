@@ -17,8 +17,8 @@ from tests.support.helpers import ROOT, events, final_digests
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 QUICK = ["train.eval_every=0", "optim.warmup_steps=5", "train.log_every=10", "checkpoint.every_steps=1000",
          "wandb.mode=disabled", "train.max_steps=20", "train.stop_check_ms=0"]  # fmt: skip
-# Rank RANK sends itself the stop signal at its BATCH-th batch (tests/support/tasks.py): the run checkpoints and stops (the
-# ranks exchange their flags after every step, train.stop_check_ms=0, so it stops well within the 20 steps).
+# Rank RANK sends itself the stop signal at its BATCH-th batch (tests/support/tasks.py): the run checkpoints and stops
+# (the ranks exchange their flags after every step, train.stop_check_ms=0, so it stops well within the 20 steps).
 SIGNALLED = "task.target=tests.support.tasks:SignalledDigitsTask"
 
 

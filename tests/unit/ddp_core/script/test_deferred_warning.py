@@ -1,6 +1,7 @@
 """Script mode calls a script's own handler for the warning signal at an optimizer step every rank agrees on
 (``ddp_core.script.deferred``), and catches ranks that stop making progress after it. Without Slurm: two ranks of
-``python -m ddp_core.script RUN`` on this host; the Lightning script on the cluster is tests/cluster/test_lightning.py."""
+``python -m ddp_core.script RUN`` on this host; the Lightning script on the cluster is
+tests/cluster/test_lightning.py."""
 
 from __future__ import annotations
 

@@ -75,8 +75,8 @@ def _digests(ranks: Ranks) -> list[str]:
 def test_charlm_script_stopped_by_usr2_to_one_rank_resumes_at_its_step(tmp_path):
     """USR2 to rank 1 alone: both ranks stop after the same step (exit 4 outside Slurm, the checkpoint written, how to
     continue said), and started again they resume there and complete, with one digest. That the resumed weights are
-    an uninterrupted run's is the script's own doing, the same under any launcher: tests/cluster/test_script_jobs.py proves
-    it on the local cluster (srun twice, torchrun once), so no uninterrupted twin runs here."""
+    an uninterrupted run's is the script's own doing, the same under any launcher: tests/cluster/test_script_jobs.py
+    proves it on the local cluster (srun twice, torchrun once), so no uninterrupted twin runs here."""
     steps = 100
     args = ["--steps", str(steps), "--save-every", "30", "--log-every", "10"]
     run, first = _run_charlm(tmp_path, "stopped", args)

@@ -126,7 +126,8 @@ def test_without_a_global_batch_a_resume_at_another_world_size_continues_the_str
 @pytest.mark.parametrize(
     ("strategy", "nproc", "extra"),
     [("ddp", 2, []), ("fsdp", 2, []), ("dp", 1, []),
-     ("pipeline", 2, ["strategy.stages=2", "strategy.microbatches=2", "task.target=tests.support.tasks:SlowDigitsTask"])],
+     ("pipeline", 2, ["strategy.stages=2", "strategy.microbatches=2",
+                      "task.target=tests.support.tasks:SlowDigitsTask"])],
     ids=["ddp", "fsdp", "dp", "pipeline"],
 )  # fmt: skip
 def test_accumulated_micro_batches_step_as_one_global_batch(tmp_path, strategy, nproc, extra):

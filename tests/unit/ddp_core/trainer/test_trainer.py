@@ -109,9 +109,9 @@ def test_interrupted_runs_are_exact_at_three_ranks(tmp_path):
     pipeline: test_pipeline.py; 4 ranks on 2 nodes: test_slurm_preemption.py.)"""
     nproc, strategy, data_world = 3, "ddp", 3
     # train.stop_check_ms=0: the ranks exchange their flags after every step, so a signal lands at a known step.
-    common = [*BASE, "task.target=tests.support.tasks:SignalledDigitsTask", "data.batch_size=32", "task.model.dropout=0.2",
-              "train.max_steps=30", "checkpoint.every_steps=1000", f"strategy.name={strategy}",
-              "train.stop_check_ms=0"]  # fmt: skip
+    common = [*BASE, "task.target=tests.support.tasks:SignalledDigitsTask", "data.batch_size=32",
+              "task.model.dropout=0.2", "train.max_steps=30", "checkpoint.every_steps=1000",
+              f"strategy.name={strategy}", "train.stop_check_ms=0"]  # fmt: skip
     ref = final_digests(trainer(tmp_path / "ref", *common, nproc=nproc))
     assert len(set(ref)) == 1
     per_epoch = (1438 // data_world) // 32  # digits: 1438 training samples, sharded, whole batches of 32
@@ -148,7 +148,8 @@ def test_a_signal_outside_slurm_stops_non_zero_and_resumes(tmp_path):
     """torchrun or a plain process: nothing requeues, so a signalled run checkpoints, records 'stopped' and exits
     4 (not 0, which would read as finished); started again on its run directory it completes. With async saves
     the signal's save is synchronous: complete before the process exits. (The same with sync saves, the default:
-    tests/unit/ddp_core/trainer/test_wandb.py's and tests/unit/ddp_core/run/test_run_identity.py's stopped runs, and test_script_mode.py's.)"""
+    tests/unit/ddp_core/trainer/test_wandb.py's and tests/unit/ddp_core/run/test_run_identity.py's stopped runs, and
+    test_script_mode.py's.)"""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "ddp_core", DIGITS, "--run-dir", str(run), *BASE, "train.max_steps=200",
            "train.log_every=1", "task.target=tests.support.tasks:SlowDigitsTask", "task.data.pause_s=0.02",

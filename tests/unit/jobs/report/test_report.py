@@ -362,7 +362,8 @@ def test_grid_page_renders_in_headless_chromium(grid: Path, tmp_path: Path):
 
 
 def test_browser_catches_a_broken_page(tmp_path: Path):
-    """The check the real sweep's page goes through (tests/cluster/test_report_sweep.py) sees errors and blank charts."""
+    """The check the real sweep's page goes through (tests/cluster/test_report_sweep.py) sees errors and blank
+    charts."""
     need_chromium()
     page = tmp_path / "broken.html"
     page.write_text('<html><head></head><body><section class="chart" data-chart="x"><div></div></section>'

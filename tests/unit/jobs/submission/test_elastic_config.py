@@ -1,6 +1,7 @@
 """Elastic node counts on the login node: ``slurm.nodes`` as a count or MIN-MAX (YAML, overrides, the saved config),
 the world sizes a job may run at, the request against a partition, the doctor's view, and the dry run. The bad
-inputs are rows of tests/unit/test_bad_inputs.py; the rendered scripts are goldens (tests/unit/jobs/submission/test_rendering.py)."""
+inputs are rows of tests/unit/test_bad_inputs.py; the rendered scripts are goldens
+(tests/unit/jobs/submission/test_rendering.py)."""
 
 from __future__ import annotations
 
