@@ -1,4 +1,5 @@
-"""The login-node CLI: fast help, one-line errors before anything is created, dry runs that submit nothing."""
+"""The login-node CLI: fast help, one-line errors before anything is created, dry runs that submit nothing. (What
+the cluster's sbatch refuses: tests/cluster/test_sbatch_refusals.py.)"""
 
 from __future__ import annotations
 

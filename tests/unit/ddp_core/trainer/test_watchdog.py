@@ -2,8 +2,9 @@
 rendezvous names ranks that never arrive; the straggler report (ddp_core/distributed/straggler.py) names a slow rank.
 
 Outside Slurm a hung run ends with the watchdog's exit code (6) and its stacks; on the local cluster a hang in a
-step, inside a collective, or before the first step requeues the job, which resumes bitwise exactly. A main
-thread that holds the GIL is ended by faulthandler's C-level backstop."""
+step, inside a collective, or before the first step requeues the job, which resumes bitwise exactly
+(tests/cluster/test_hangs_and_stragglers.py). A main thread that holds the GIL is ended by faulthandler's C-level
+backstop."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """ddpjob doctor and the Slurm gateway: fabricated cluster setups (output formats captured from the local Slurm
-22.05 cluster with read-only commands) asserted on findings' keys, levels and values; plus read-only runs of
-``ddpjob doctor`` against the live cluster."""
+22.05 cluster with read-only commands) asserted on findings' keys, levels and values. (Against the live cluster, and
+the drill: tests/cluster/test_doctor_live.py.)"""
 
 from __future__ import annotations
 

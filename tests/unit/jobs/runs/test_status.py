@@ -1,4 +1,5 @@
-"""ddpjob status / logs / cancel: fabricated run directories and sacct/squeue output, plus one real job."""
+"""ddpjob status / logs / cancel: fabricated run directories and sacct/squeue output. (On real jobs:
+tests/cluster/test_status_real_jobs.py.)"""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 Without Slurm: how swept values become each trial's arguments (and what is refused, in one line, before anything
 exists); the array's task function and run directories, with submitit's executor faked; then each trial run for
 real by ``python -m ddp_core.script TRIAL`` (the script logging through ``ddp_core.runtime``), and status, logs and
-report read what those runs wrote. One cluster test runs a sweep of four trials as one job array.
+report read what those runs wrote. A sweep of four trials as one job array on the cluster:
+tests/cluster/test_script_sweep_array.py.
 """
 
 from __future__ import annotations
