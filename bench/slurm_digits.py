@@ -20,7 +20,7 @@ COMMON = ["train.eval_every=0", "train.log_every=50", "checkpoint.every_steps=0"
 
 
 def ddpjob(*args: str, cwd: Path) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # jobs import tests.tasks from the repo
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # jobs import tests.support.tasks from the repo
     out = subprocess.run(
         [sys.executable, "-m", "jobs", *args], cwd=cwd, env=env, capture_output=True, text=True, check=True
     )
@@ -49,7 +49,7 @@ def throughput(ranks: int, tmp: Path) -> tuple[float, float]:
 
 def requeue_latency(tmp: Path) -> tuple[float, int]:
     """(seconds from scancel --signal to the requeued attempt's first logged step, steps lost)."""
-    slow = ["task.target=tests.tasks:SlowDigitsTask", "task.data.pause_s=0.02", "train.max_steps=400",
+    slow = ["task.target=tests.support.tasks:SlowDigitsTask", "task.data.pause_s=0.02", "train.max_steps=400",
             "train.log_every=1", "train.eval_every=0", "checkpoint.every_steps=100", "wandb.mode=disabled"]  # fmt: skip
     out = ddpjob("submit", DIGITS, *slow, cwd=tmp)
     run_dir, job = Path(out["run dir"]), out["job"]

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from ddp_core.cluster.slurm import GATEWAY
-from tests import cli_runner, cluster_guard
+from tests.support import cluster_guard
+from tests.support.helpers import running_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 NICE = 5  # tests without the cluster: see _yield_to_cluster_jobs
@@ -29,7 +30,7 @@ NICE = 5  # tests without the cluster: see _yield_to_cluster_jobs
 
 @pytest.fixture(scope="session", autouse=True)
 def _job_environment():
-    # Jobs inherit the submitter's environment: let them import tests.tasks, and keep threads low.
+    # Jobs inherit the submitter's environment: let them import tests.support.tasks, and keep threads low.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("WANDB_SILENT", "true")
@@ -49,17 +50,6 @@ def pytest_configure(config: pytest.Config) -> None:
     if getattr(config.option, "dist", "no") == "loadgroup" and pytest.version_tuple >= (9,):
         # xdist 3.8 groups by rewriting node ids, which pytest 9 no longer reads: every group would be split.
         raise pytest.UsageError("--dist loadgroup needs pytest < 9 here (pyproject.toml pins it): scripts/setup")
-
-
-def running_profile() -> str:
-    """The local cluster's profile (see scripts/slurm-local), read from its configuration."""
-    try:
-        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return "none"
-    if "preempt/partition_prio" in out:
-        return "preempt-signal" if "preempt_send_user_signal" in out else "preempt"
-    return "preempt-qos" if "preempt/qos" in out else "default"
 
 
 def running_release() -> str:
@@ -100,7 +90,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def exclusive(item: pytest.Item) -> bool:
-    """A cluster test that takes the cluster alone (tests/cluster_guard.py)."""
+    """A cluster test that takes the cluster alone (tests/support/cluster_guard.py)."""
     return item.get_closest_marker("slurm") is not None and item.get_closest_marker("cluster_shared") is None
 
 
@@ -147,7 +137,7 @@ def _yield_to_cluster_jobs(request: pytest.FixtureRequest):
 @pytest.fixture(autouse=True)
 def _cluster_turn(request: pytest.FixtureRequest):
     """Each cluster test takes its turn on the cluster, alone or shared, and starts on a healthy one (an idle one
-    when alone): see tests/cluster_guard.py."""
+    when alone): see tests/support/cluster_guard.py."""
     if not (request.node.get_closest_marker("slurm") and _cluster_up()):
         yield
         return
@@ -163,20 +153,3 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = outcome.get_result()
     if report.failed and report.when == "call" and item.get_closest_marker("slurm"):
         report.sections.append(("cluster state after the failure", cluster_guard.snapshot()))
-
-
-def run_cli(
-    *args: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None, process: bool = False
-) -> subprocess.CompletedProcess[str]:
-    """Run ``ddpjob ARGS`` the way a user would, from ``cwd`` (``env`` adds to the environment): the commands that
-    import torch in this test's process, set up as their own would be, others (and ``process=True``) as
-    ``python -m jobs`` (see tests/cli_runner.py)."""
-    return cli_runner.run(args, cwd, timeout, env or {}, process)
-
-
-def field(output: str, name: str) -> str:
-    """The value of a ``name: value`` line the CLI printed."""
-    for line in output.splitlines():
-        if line.startswith(f"{name}:"):
-            return line.split(":", 1)[1].strip()
-    raise AssertionError(f"no '{name}:' line in output:\n{output}")

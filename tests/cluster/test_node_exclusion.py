@@ -1,0 +1,96 @@
+"""Nodes that fail: one whose ranks keep dying is excluded, and one that dies whole (its slurmd and every process on it)
+costs one requeue; either way the run completes exactly on the other nodes (docs/failures.md), on the local
+cluster's three nodes. The module takes the cluster alone (tests/support/cluster_guard.py): Slurm then places a job of
+partition "wide" on n1 and n2 (the spare n3 has a higher weight), so the bad node is known before the job starts."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.cli_runner import field, run_cli
+from tests.support.digits import DIGITS, TWO
+from tests.support.helpers import ROOT, digests, events, rank_logs, wait_for
+
+SLURM_LOCAL = str(ROOT / "scripts" / "slurm-local")
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_cluster, tmp_path_factory) -> dict[int, str]:
+    """The uninterrupted 2-node run's weight digests, which also shows its placement: one rank on each of n1 and n2."""
+    proc = run_cli("submit", DIGITS, "--wait", *TWO, cwd=tmp_path_factory.mktemp("reference"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    logs = rank_logs(Path(field(proc.stdout, "run dir")), field(proc.stdout, "job"))
+    hosts = {rank: re.search(r"slurm on (\S+): rank (\d)/2 local 0/1 node (\d)/2", text) for rank, text in logs.items()}
+    assert all(hosts.values()), logs
+    assert {m[1] for m in hosts.values()} == {"n1", "n2"} and {m[3] for m in hosts.values()} == {"0", "1"}
+    assert {rank: m[1] for rank, m in hosts.items()} == {0: "n1", 1: "n2"}, logs  # the batch script runs on n1 too
+    found = digests(logs)
+    assert found[0] == found[1]
+    return found
+
+
+def test_a_node_whose_ranks_keep_dying_is_excluded_and_the_run_completes_exactly_on_the_others(
+    slurm_cluster, tmp_path, reference
+):
+    """Two nodes of partition "wide" (n1-n3; Slurm takes n1 and n2 first, n3 is the spare). Every rank on n2 dies by
+    SIGKILL at its 25th batch of every attempt, as on a node whose processes keep dying: the second failure there
+    excludes n2, and the same job, requeued off it, resumes from its checkpoint on n1 and n3 and ends with the
+    uninterrupted run's weights."""
+    proc = run_cli("submit", DIGITS, "--wait", *TWO, "task.target=tests.support.tasks:CrashingTask",
+                   "task.data.crash_host=n2", "task.data.crash_at=25", "task.data.error=SIGKILL",
+                   cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
+    seen = [(e["event"], e.get("kind"), e.get("host")) for e in events(run_dir) if e["event"] != "rank_failed"]
+    assert seen == [
+        ("start", None, None), ("failure", "infrastructure", "n2"), ("requeued", "failure", None),
+        ("start", None, None), ("failure", "infrastructure", "n2"), ("excluded", None, "n2"),
+        ("requeued", "failure", None), ("start", None, None), ("completed", None, None),
+    ], seen  # fmt: skip
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    assert "ExcNodeList=n2" in shown and re.search(r"\bNodeList=n\[1,3\]", shown), shown
+    logs = rank_logs(run_dir, job_id)
+    assert "resumed from step_00000040.pt" in logs[0] and digests(logs) == reference, logs
+
+
+def test_a_node_that_dies_whole_is_replaced_and_the_run_completes_exactly(slurm_cluster, tmp_path, reference):
+    """n1, the node of rank 0 and of the batch script, dies whole at rank 0's 25th batch: its slurmd and every process
+    on it are killed from outside (scripts/slurm-local kill-node), so nothing there records or decides anything. Slurm
+    marks it DOWN (SlurmdTimeout), ends the attempt (NODE_FAIL) and requeues the job; the next attempt's batch script
+    records the failure on n1 before srun (ddp_core.cluster.node_loss), and the run resumes from its checkpoint on n2
+    and n3 and ends with the uninterrupted run's weights."""
+    halted = tmp_path / "halted"
+    halt = ["task.data.crash_host=n1", "task.data.crash_at=25", "task.data.error=HALT", f"task.data.halt_file={halted}"]
+    cmd = [sys.executable, "-m", "jobs", "submit", DIGITS, "--wait", *TWO,
+           "task.target=tests.support.tasks:CrashingTask"]  # fmt: skip
+    proc = subprocess.Popen([*cmd, *halt], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(halted.exists, 120, "rank 0 to reach its 25th batch on n1")
+        killed = subprocess.run([SLURM_LOCAL, "kill-node", "n1"], capture_output=True, text=True, timeout=60)
+        assert killed.returncode == 0, killed.stdout + killed.stderr
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        started = subprocess.run([SLURM_LOCAL, "start-node", "n1"], capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stdout + started.stderr
+    assert proc.returncode == 0, out + err
+    assert halted.read_text() == "n1 rank 0 at batch 25\n"
+    run_dir, job_id = Path(field(out, "run dir")), field(out, "job")
+    seen = [(e["event"], e.get("kind"), e.get("host")) for e in events(run_dir) if e["event"] != "rank_failed"]
+    assert seen == [("start", None, None), ("failure", "infrastructure", "n1"), ("start", None, None),
+                    ("completed", None, None)], seen  # fmt: skip
+    [failure] = [e for e in events(run_dir) if e["event"] == "failure"]
+    assert failure["restart_count"] == 0 and "n1 stopped responding" in failure["error"], failure
+    assert "NODE_FAIL" in failure["error"], failure
+    rows = subprocess.run(["sacct", "-n", "-P", "-D", "-X", "-o", "State,NodeList", "-j", job_id],
+                          capture_output=True, text=True).stdout.split()  # fmt: skip
+    assert rows == ["NODE_FAIL|n[1-2]", "COMPLETED|n[2-3]"], rows
+    logs = rank_logs(run_dir, job_id)
+    assert "resumed from step_00000020.pt" in logs[0] and digests(logs) == reference, logs
+    status = run_cli("status", str(run_dir), cwd=tmp_path)
+    assert f"at step 20: node n1: {failure['error']} (infrastructure: requeued)" in status.stdout, status.stdout

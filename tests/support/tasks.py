@@ -1,0 +1,341 @@
+"""Tasks used only by tests: they run inside real Slurm jobs (the repo root is on PYTHONPATH there)."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset
+
+from ddp_core.task import Output
+from ddp_core.tasks.base import Task
+from ddp_core.tasks.charlm import CharLMTask
+from ddp_core.tasks.digits import DigitsTask
+from ddp_core.tasks.hf_gpt2 import HFGPT2Task
+
+
+class CrashingTask(DigitsTask):
+    """Digits, but rank ``crash_rank`` (or, with ``crash_host``, every rank on that host: a bad node) fails at its
+    ``crash_at``-th training batch of every attempt: ``error`` names the builtin exception it raises, or
+    ``SIGKILL``, which it sends itself (what the OOM killer or a segfault in a library look like from outside), or
+    ``HALT``: it writes ``halt_file`` and waits there for the test to take its whole node down from outside
+    (``scripts/slurm-local kill-node``), so the node dies at a chosen step rather than at a raced moment."""
+
+    def __init__(
+        self,
+        crash_rank: int = 1,
+        crash_at: int = 20,
+        error: str = "RuntimeError",
+        crash_host: str = "",
+        halt_file: str = "",
+        **kwargs: object,
+    ) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.crash_rank, self.crash_at, self.error, self.batches = crash_rank, crash_at, error, 0
+        self.crash_host, self.halt_file = crash_host, halt_file
+
+    def compute(self, model: nn.Module, batch: tuple) -> Output:
+        if model.training:
+            self.batches += 1
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            chosen = socket.gethostname() == self.crash_host if self.crash_host else rank == self.crash_rank
+            if chosen and self.batches == self.crash_at:
+                if self.error == "SIGKILL":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if self.error == "HALT":
+                    Path(self.halt_file).write_text(f"{socket.gethostname()} rank {rank} at batch {self.batches}\n")
+                    while True:
+                        time.sleep(1)
+                raise getattr(builtins, self.error)(f"injected failure at batch {self.batches}")
+        return super().compute(model, batch)
+
+
+class SlowDigitsTask(DigitsTask):
+    """Digits with a pause per batch, so signals can land at chosen steps. Numerics unchanged. The pause is
+    in split(), which every strategy calls on every rank (a pipeline never calls compute())."""
+
+    def __init__(self, pause_s: float = 0.0, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.pause_s = pause_s
+
+    def split(self, batch: tuple) -> tuple:
+        if self.pause_s:
+            time.sleep(self.pause_s)
+        return super().split(batch)
+
+
+class SignalsItself:
+    """A task mixin: one rank sends itself the warning signal at a chosen batch of the attempt, as Slurm would
+    mid-step. ``DDPJOB_TEST_SIGNAL_AT=RANK:BATCH`` (this process's environment: each attempt picks its own)
+    names the rank and the 1-based count of split() calls (every strategy calls it once per batch on every
+    rank); ``RANK:BATCH@N``: only in the Slurm job's attempt N (``SLURM_RESTART_COUNT``), so the job's next attempts
+    run on. Numerics unchanged."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[call-arg]
+        where, _, attempt = os.environ.get("DDPJOB_TEST_SIGNAL_AT", "-1:0").partition("@")
+        rank, _, batch = where.partition(":")
+        if attempt and int(attempt) != int(os.environ.get("SLURM_RESTART_COUNT", "0")):
+            rank = "-1"
+        self.signal_rank, self.signal_batch, self.batches = int(rank), int(batch), 0
+
+    def split(self, batch: tuple) -> tuple:
+        self.batches += 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == self.signal_rank and self.batches == self.signal_batch:
+            os.kill(os.getpid(), signal.SIGUSR2)
+        return super().split(batch)  # type: ignore[misc]
+
+
+class SignalledDigitsTask(SignalsItself, DigitsTask):
+    """Digits that signal themselves (``SignalsItself``)."""
+
+
+class SignalledCharLMTask(SignalsItself, CharLMTask):
+    """The char LM that signals itself (``SignalsItself``)."""
+
+
+class ContainedDigitsTask(SignalledDigitsTask):
+    """``SignalledDigitsTask`` that records where each rank of each attempt runs, in ``where_dir``: apptainer's
+    ``APPTAINER_CONTAINER``, the test image's ``/etc/ddpjob-image`` and whether a ``scontrol`` is on PATH."""
+
+    def __init__(self, where_dir: str = "", **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        marker = Path("/etc/ddpjob-image")
+        where = {
+            "container": os.environ.get("APPTAINER_CONTAINER"),
+            "image": marker.read_text().strip() if marker.exists() else None,
+            "scontrol": shutil.which("scontrol"),
+        }
+        name = f"rank{os.environ.get('SLURM_PROCID')}-attempt{os.environ.get('SLURM_RESTART_COUNT', '0')}.json"
+        (Path(where_dir) / name).write_text(json.dumps(where))
+
+
+class StragglerDigitsTask(DigitsTask):
+    """Digits where rank 1 pauses at every batch: rank 0 spends most of its time waiting in the gradient all-reduce,
+    where a suspension catches it (with equal ranks it rarely does). Numerics unchanged."""
+
+    def __init__(self, pause_s: float = 0.0, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.pause_s = pause_s
+
+    def split(self, batch: tuple) -> tuple:
+        if self.pause_s and dist.is_initialized() and dist.get_rank() == 1:
+            time.sleep(self.pause_s)
+        return super().split(batch)
+
+
+class UnrecordableTask(DigitsTask):
+    """Digits that, at training batch ``break_at``, puts a directory where the run's event log is (as a failing
+    file system might): the attempt trains to its end, then cannot record that it completed."""
+
+    def __init__(self, events_file: str = "", break_at: int = 0, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.events_file, self.break_at, self.batches = events_file, break_at, 0
+
+    def split(self, batch: tuple) -> tuple:
+        self.batches += 1
+        if self.batches == self.break_at:
+            os.unlink(self.events_file)
+            os.mkdir(self.events_file)
+        return super().split(batch)
+
+
+class HangingTask(DigitsTask):
+    """Digits where rank ``hang_rank`` stops the job's progress once per run: only while ``once_file`` does not exist
+    (the hanging rank creates it), so the requeued or resumed attempt runs normally, with unchanged numerics.
+    ``hang_in``: "step" (the rank sleeps in split() at batch ``hang_at``; the others then wait in the all-reduce),
+    "collective" (the other ranks enter a collective at batch ``hang_at`` that this rank skips; it goes on into the
+    gradient all-reduce, so every rank waits inside a collective), "datasets" (the rank sleeps while building
+    the datasets, before the first step) or "gil" (the rank runs a C call that never releases the GIL)."""
+
+    def __init__(self, once_file: str, hang_rank: int = 1, hang_at: int = 5, hang_in: str = "step",
+                 **kwargs: object) -> None:  # fmt: skip
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.once_file, self.hang_rank, self.hang_at, self.hang_in = once_file, hang_rank, hang_at, hang_in
+        self.batches, self.armed = 0, not os.path.exists(once_file)  # decided once, before any rank creates it
+        self.side: object = None
+
+    def _rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def _hang_here(self) -> None:
+        open(self.once_file, "w").close()
+        while True:
+            time.sleep(3600)
+
+    def build_datasets(self) -> tuple:
+        if self.hang_in == "datasets" and self.armed and self._rank() == self.hang_rank:
+            self._hang_here()
+        return super().build_datasets()
+
+    def split(self, batch: tuple) -> tuple:
+        self.batches += 1
+        if self.hang_in == "collective" and self.side is None and dist.is_initialized():
+            self.side = dist.new_group(backend="gloo")  # every rank, at its first batch: a group for the trap
+        if self.batches == self.hang_at and self.armed:
+            if self.hang_in == "step" and self._rank() == self.hang_rank:
+                self._hang_here()
+            if self.hang_in == "gil" and self._rank() == self.hang_rank:
+                open(self.once_file, "w").close()
+                re.fullmatch(r"(a|aa)+b", "a" * 64)  # years of backtracking in C, holding the GIL throughout
+            if self.hang_in == "collective":
+                if self._rank() != self.hang_rank:
+                    dist.all_reduce(torch.zeros(1), group=self.side)  # never completes: hang_rank skips it
+                open(self.once_file, "w").close()
+        return super().split(batch)
+
+
+class TrainMetricsDigitsTask(DigitsTask):
+    """Digits whose training steps report metric sums too (accuracy), as eval does: logged as train/accuracy."""
+
+    def score(self, logits: torch.Tensor, y: torch.Tensor) -> Output:
+        loss = torch.nn.functional.cross_entropy(logits.float(), y)
+        correct = (logits.argmax(-1) == y).sum().float()
+        sums = {"loss_sum_mean": loss.detach() * len(y), "accuracy": correct}
+        return Output(loss=loss, count=len(y), sums=sums)
+
+
+class FlatMetricDigitsTask(DigitsTask):
+    """Digits whose evaluation also reports ``flat``, the same value at every evaluation: a monitored metric that
+    never improves after its first value (early stopping)."""
+
+    def score(self, logits: torch.Tensor, y: torch.Tensor) -> Output:
+        out = super().score(logits, y)
+        if not torch.is_grad_enabled():
+            out.sums["flat"] = torch.tensor(float(len(y)))
+        return out
+
+
+class _DigitStream(torch.utils.data.IterableDataset):
+    """The digits training samples as a stream of dicts, in a seeded order that changes with the epoch."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y, self.epoch = x, y, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        order = torch.randperm(len(self.y), generator=torch.Generator().manual_seed(1000 + self.epoch))
+        for i in order.tolist():
+            yield {"pixels": self.x[i], "label": self.y[i]}
+
+
+class StreamDigitsTask(DigitsTask):
+    """Digits served as an ``IterableDataset`` of dicts: the task's ``collate_fn`` makes (inputs, targets) batches
+    (the default collate would give a dict, which ``split`` cannot unpack)."""
+
+    def build_datasets(self) -> tuple:
+        train, evals = super().build_datasets()
+        x, y = train.tensors
+        return _DigitStream(x, y), evals
+
+    def collate_fn(self, samples: list) -> tuple:
+        if isinstance(samples[0], dict):
+            return torch.stack([s["pixels"] for s in samples]), torch.stack([s["label"] for s in samples])
+        return super().collate_fn(samples)
+
+
+class HFGPT2NoBlocksTask(HFGPT2Task):
+    """The Hugging Face GPT-2 without its pipeline_blocks hook: a model pipeline cannot split."""
+
+    def pipeline_blocks(self, model: nn.Module) -> None:
+        return None
+
+
+class IndexedSet(torch.utils.data.Dataset):
+    """A dataset's samples with their index appended: (x, y, index)."""
+
+    def __init__(self, inner: torch.utils.data.Dataset) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> tuple:
+        return (*self.inner[i], i)
+
+
+class SampleLogDigitsTask(SignalledDigitsTask):
+    """SignalledDigitsTask whose training batches carry their samples' indices: each rank appends every trained
+    micro-batch (its indices, in order) as one JSON line to ``{log_dir}/{DDPJOB_TEST_ATTEMPT}_{rank}.jsonl``, with
+    the world size. A batch seen twice in a row (DDPStrategy.prime's discarded pass, then the step itself) is
+    logged once. Numerics unchanged."""
+
+    def __init__(self, log_dir: str = "", **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.log_dir = log_dir
+        self.last: object = None
+
+    def build_datasets(self) -> tuple:
+        train, evals = super().build_datasets()
+        return IndexedSet(train), evals
+
+    def split(self, batch: tuple) -> tuple:
+        if len(batch) == 3:
+            x, y, index = batch
+            if batch is not self.last:
+                self.last = batch
+                rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+                path = f"{self.log_dir}/{os.environ.get('DDPJOB_TEST_ATTEMPT', 'a')}_{rank}.jsonl"
+                with open(path, "a") as f:
+                    f.write(json.dumps({"world": world, "samples": index.tolist()}) + "\n")
+            batch = (x, y)
+        return super().split(batch)
+
+
+class GatedSampleLogDigitsTask(SampleLogDigitsTask):
+    """SampleLogDigitsTask in a Slurm job whose attempts log apart (``a{SLURM_RESTART_COUNT}``) and whose first
+    attempt stops itself at a chosen point: at its ``stop_at``-th batch rank 0 writes ``{gate_dir}/reached`` and
+    waits for ``{gate_dir}/go`` (the test changes the cluster meanwhile), then sends itself the warning signal, as
+    Slurm would. Later attempts never stop. Numerics unchanged."""
+
+    def __init__(self, gate_dir: str = "", stop_at: int = 0, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        os.environ["DDPJOB_TEST_ATTEMPT"] = f"a{attempt}"  # read at each logged batch: this attempt's own files
+        self.gate, self.stop_at = Path(gate_dir), (stop_at if attempt == 0 else 0)
+
+    def split(self, batch: tuple) -> tuple:
+        out = super().split(batch)  # counts the batch and logs its samples
+        if self.stop_at and self.batches == self.stop_at and dist.get_rank() == 0:
+            (self.gate / "reached").write_text(str(dist.get_world_size()))
+            deadline = time.monotonic() + 120
+            while not (self.gate / "go").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGUSR2)
+        return out
+
+
+class AnnotatedTask(Task):
+    """Every kind of annotation check_task reads (tests/unit/test_bad_inputs.py's rows name it as task.target)."""
+
+    def __init__(
+        self,
+        path: Optional[str] = None,
+        sizes: Optional[list[int]] = None,
+        mode: Literal["a", "b"] = "a",
+        weights: dict[str, float] | None = None,
+        scale: Union[int, str] = 1,
+        shape: tuple[int, int] = (1, 1),
+        anything=None,  # deliberately unannotated: takes any value
+    ) -> None:
+        self.path = path
+
+    def build_model(self, width: int = 8, **extra: Any) -> nn.Module:
+        return nn.Linear(width, width)
+
+    def build_datasets(self) -> tuple[Dataset, Dataset]:
+        raise NotImplementedError

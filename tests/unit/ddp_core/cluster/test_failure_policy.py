@@ -1,0 +1,170 @@
+"""The after-failure policy (ddp_core.cluster.policy) that the batch script's watcher, the node-loss check and a search
+worker's trial step share: its decision table, and the search step that once kept a copy of its own (no room check,
+earlier failures of every job counted).
+
+Slurm's answers come from a fabricated gateway (SlurmGateway's runner): what is decided, recorded and asked of Slurm
+for each row. The jobs that fail for real, on the local cluster, are in tests/cluster/test_slurm_jobs.py,
+tests/cluster/test_node_exclusion.py and tests/cluster/test_sweep_exclusion.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddp_core.cluster.env import DistEnv
+from ddp_core.cluster.exits import ExitCode
+from ddp_core.cluster.failures import Failure, Kind
+from ddp_core.cluster.policy import Decision, Outcome, decide_after
+from ddp_core.cluster.slurm import SlurmGateway
+from ddp_core.config import load_config, to_yaml
+from ddp_core.run.rundir import RunDir
+from ddp_core.search import step
+from tests.support.helpers import ROOT
+
+
+class Slurm:
+    """A gateway over a fabricated cluster: job 57 runs in partition ``local`` (``nodes``); every call is kept."""
+
+    def __init__(self, nodes: str = "n[1-3]") -> None:
+        self.nodes = nodes
+        self.calls: list[tuple[str, ...]] = []
+        self.gateway = SlurmGateway(self.answer)
+
+    def answer(self, cmd: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+        self.calls.append(tuple(cmd))
+        out = ""
+        if cmd[:3] == ("scontrol", "show", "job"):
+            out = f"JobId={cmd[-1]} JobState=RUNNING Partition=local Restarts=0\n"
+        elif cmd[:3] == ("scontrol", "show", "partition"):
+            out = f"PartitionName=local Nodes={self.nodes} TotalNodes=3\n"
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+
+    def asked(self) -> list[tuple[str, ...]]:
+        """The calls that changed the job: requeues and exclusions."""
+        return [c for c in self.calls if c[:2] in (("scontrol", "requeue"), ("scontrol", "update"))]
+
+
+def run_dir(tmp_path: Path, *overrides: str) -> RunDir:
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir(parents=True)
+    run.config_file.write_text(to_yaml(load_config(None, ["run.name=t", *overrides])))
+    return run
+
+
+def failure_event(job: str, host: str, kind: str = "infrastructure") -> dict[str, object]:
+    return {"job_id": job, "restart_count": 0, "kind": kind, "rank": 1, "host": host, "step": 10, "error": "x"}
+
+
+KILLED = Failure(Kind.infrastructure, 1, "n2", 40, "killed by a signal (Killed)")
+ENV = DistEnv(job_id="57", slurm_job_id="57", restart_count=0)
+
+
+def decide(run: RunDir, slurm: Slurm, failure: Failure = KILLED, **kw: Any) -> Decision:
+    job = slurm.gateway.show_job("57")
+    return decide_after(failure, run, ENV, slurm.gateway, run.load_config().slurm, job=job, **kw)
+
+
+def events(run: RunDir) -> list[tuple[str, object]]:
+    return [(e["event"], e.get("host") or e.get("kind")) for e in run.events()]
+
+
+def test_a_user_error_fails_wherever_it_happens(tmp_path):
+    run, slurm = run_dir(tmp_path), Slurm()
+    bad = Failure(Kind.user, 1, "n2", 40, "ValueError: bad batch")
+    for can_run_again in (False, True):
+        decision = decide(run, slurm, bad, can_run_again=can_run_again, here={"n1", "n2"})
+        assert (decision.outcome, decision.code) == (Outcome.FAILED, ExitCode.FAILED)
+    assert events(run) == [("failure", "n2"), ("failed", None)] * 2
+    assert run.events()[-1]["reason"] == "rank 1 on n2 failed at step 40: ValueError: bad batch"
+    assert slurm.asked() == []
+
+
+def test_the_watcher_requeues_where_a_step_runs_again(tmp_path):
+    """The same first failure: the watcher's attempt is over (requeued); a caller that can run again does, here."""
+    run, slurm = run_dir(tmp_path), Slurm()
+    assert decide(run, slurm).outcome is Outcome.REQUEUED
+    assert slurm.asked() == [("scontrol", "requeue", "57")]  # nothing excluded: no ExcNodeList
+    run2, slurm2 = run_dir(tmp_path / "2"), Slurm()
+    assert decide(run2, slurm2, can_run_again=True, here={"n1", "n2"}).outcome is Outcome.RUN_AGAIN
+    assert events(run2) == [("failure", "n2")] and slurm2.asked() == []
+
+
+def test_a_second_failure_on_a_node_of_this_allocation_requeues_the_job_off_it_and_keeps_the_array_off(tmp_path):
+    run, slurm = run_dir(tmp_path), Slurm()
+    run.log_event("failure", **failure_event("57", "n2"))
+    decision = decide(run, slurm, can_run_again=True, here={"n1", "n2"}, array_job_id="50")
+    assert decision.outcome is Outcome.REQUEUED
+    assert events(run)[-3:] == [("failure", "n2"), ("excluded", "n2"), ("requeued", "failure")]
+    assert slurm.asked() == [("scontrol", "requeue", "57"), ("scontrol", "update", "JobId=57", "ExcNodeList=n2"),
+                             ("scontrol", "update", "JobId=50", "ExcNodeList=n2")]  # fmt: skip
+    # The node-loss check's case: the failed node is not this attempt's, which runs (the exclusion is kept).
+    run2, slurm2 = run_dir(tmp_path / "2"), Slurm()
+    run2.log_event("failure", **failure_event("57", "n2"))
+    assert decide(run2, slurm2, can_run_again=True, here={"n1", "n3"}).outcome is Outcome.RUN_AGAIN
+    assert events(run2)[-2:] == [("failure", "n2"), ("excluded", "n2")] and slurm2.asked() == []
+
+
+@pytest.mark.parametrize("can_run_again", [False, True])
+def test_an_exclusion_that_leaves_too_few_nodes_fails_the_job(tmp_path, can_run_again):
+    run, slurm = run_dir(tmp_path, "slurm.nodes=2"), Slurm("n[1-2]")
+    run.log_event("failure", **failure_event("57", "n2"))
+    decision = decide(run, slurm, can_run_again=can_run_again, here={"n1", "n2"})
+    assert (decision.outcome, decision.code) == (Outcome.FAILED, ExitCode.FAILED)
+    assert events(run)[-2:] == [("failure", "n2"), ("failed", None)]
+    assert run.events()[-1]["reason"].startswith("excluding n2 would leave too few nodes for this job")
+    assert slurm.asked() == []
+
+
+def test_the_budget_counts_this_jobs_failures_only(tmp_path):
+    run, slurm = run_dir(tmp_path, "slurm.max_failures=1"), Slurm()
+    run.log_event("failure", **failure_event("50", "n3"))  # another job's (an earlier submission, another worker)
+    assert decide(run, slurm, can_run_again=True, here={"n1", "n2"}).outcome is Outcome.RUN_AGAIN
+    decision = decide(run, slurm, can_run_again=True, here={"n1", "n2"})  # this job's second: n2 excluded, too
+    assert (decision.outcome, decision.code) == (Outcome.STOPPED, ExitCode.BUDGET_SPENT)
+    assert "after 2 failures (slurm.max_failures=1)" in run.events()[-1]["reason"]
+    assert slurm.asked() == []
+
+
+# A trial's step: srun's report of a rank killed on n2 the first time, success the second.
+STEP = "[ -e {mark} ] && exit 0; touch {mark}; echo 'srun: error: n2: task 1: Killed' >&2; exit 137"
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    for name, value in {"SLURM_JOB_ID": "57", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_ARRAY_JOB_ID": "50"}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("SLURM_RESTART_COUNT", "SLURM_PROCID", "TORCHELASTIC_RUN_ID", "RANK"):  # one process, the worker's
+        monkeypatch.delenv(name, raising=False)
+
+
+def run_step(run: RunDir, slurm: Slurm, tmp_path: Path) -> int:
+    command = ["bash", "-c", STEP.format(mark=tmp_path / "failed-once")]
+    return step.run(command, run, threading.Event(), slurm.gateway)
+
+
+def test_a_trial_step_runs_again_within_its_workers_own_budget(tmp_path, worker):
+    """The trial failed under another worker's job before: those failures spend that job's budget, not this one's."""
+    run, slurm = run_dir(tmp_path, "slurm.max_failures=1"), Slurm()
+    run.log_event("failure", **failure_event("49", "n3"))
+    assert run_step(run, slurm, tmp_path) == 0  # ran again, and succeeded
+    assert events(run)[-1] == ("failure", "n2") and slurm.asked() == []
+
+
+def test_a_trial_step_fails_when_excluding_its_node_leaves_too_few(tmp_path, worker):
+    """Before the policy was shared, the step requeued its worker off n2 into a partition that could not hold it."""
+    run, slurm = run_dir(tmp_path, "slurm.nodes=2"), Slurm("n[1-2]")
+    run.log_event("failure", **failure_event("57", "n2"))
+    assert run_step(run, slurm, tmp_path) == 137
+    assert events(run)[-2:] == [("failure", "n2"), ("failed", None)] and slurm.asked() == []
+    assert step.last_failure(run).startswith("excluding n2 would leave too few nodes for this job")
+
+
+def test_the_step_is_torch_free():
+    code = "import sys, ddp_core.search.step, ddp_core.cluster.policy; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0

@@ -1,0 +1,96 @@
+"""Hangs and stragglers: the watchdog (ddp_core/trainer/watchdog.py) dumps, records and requeues a stalled attempt; the
+rendezvous names ranks that never arrive; the straggler report (ddp_core/distributed/straggler.py) names a slow rank.
+
+Outside Slurm a hung run ends with the watchdog's exit code (6) and its stacks; on the local cluster a hang in a
+step, inside a collective, or before the first step requeues the job, which resumes bitwise exactly
+(tests/cluster/test_hangs_and_stragglers.py). A main thread that holds the GIL is ended by faulthandler's C-level
+backstop."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_core.config import WatchdogConfig
+from ddp_core.config.features import validate_watchdog as validate
+from ddp_core.distributed.straggler import persistent
+from ddp_core.errors import DdpJobError
+from ddp_core.trainer.watchdog import _suspects
+from tests.support.hangs import HANGING, QUICK, hang_folder
+from tests.support.helpers import (
+    ROOT,
+    events,
+)
+
+DIGITS = str(ROOT / "configs" / "digits.yaml")
+
+
+def test_watchdog_settings_are_checked_against_the_collective_timeout():
+    validate(WatchdogConfig(stall_s=0), collective_timeout_s=10)  # off
+    with pytest.raises(DdpJobError, match=r"'watchdog.stall_s' = 600 is invalid: must be below dist.timeout_s"):
+        validate(WatchdogConfig(stall_s=600), collective_timeout_s=600)
+    with pytest.raises(DdpJobError, match=r"'watchdog.first_step_s' = 5 is invalid: must be >= watchdog.stall_s"):
+        validate(WatchdogConfig(stall_s=10, first_step_s=5), collective_timeout_s=600)
+    with pytest.raises(DdpJobError, match=r"'watchdog.stall_s' = nan is invalid"):
+        validate(WatchdogConfig(stall_s=float("nan")), collective_timeout_s=600)
+
+
+def test_suspects_are_ranks_in_their_own_code_else_the_ones_behind():
+    waiting = "/x/torch/distributed/distributed_c10d.py:3000 in all_reduce"
+    ranks = [{"rank": 0, "step": 3, "frame": waiting}, {"rank": 1, "step": 3, "frame": "/u/train.py:7 in load"}]
+    assert [r["rank"] for r in _suspects(ranks)] == [1]
+    behind = [{"rank": 0, "step": 4, "frame": waiting}, {"rank": 1, "step": 3, "frame": waiting}]
+    assert [r["rank"] for r in _suspects(behind)] == [1]
+    alike = [{"rank": 0, "step": 3, "frame": waiting}, {"rank": 1, "step": 3, "frame": waiting}]
+    assert [r["rank"] for r in _suspects(alike)] == [0, 1]
+
+
+def run_alone(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))} | {"OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "ddp_core", DIGITS, "--run-dir", str(tmp_path / "run"), *QUICK, *HANGING,
+           f"task.data.once_file={tmp_path / 'once'}", "task.data.hang_rank=0", *overrides]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+
+
+def test_a_hang_outside_slurm_dumps_stacks_and_exits_6(tmp_path):
+    started = time.monotonic()
+    proc = run_alone(tmp_path, "watchdog.stall_s=2")
+    assert proc.returncode == 6, proc.stderr[-3000:]
+    assert time.monotonic() - started < 60
+    folder = hang_folder(tmp_path / "run")
+    stacks = (folder / "rank0.txt").read_text()
+    assert "Thread MainThread" in stacks and "in _hang_here" in stacks and "time.sleep(3600)" in stacks
+    assert "ddpjob-watchdog" not in stacks  # its own stack is noise
+    summary = (folder / "summary.txt").read_text()
+    assert summary.startswith("hang: no progress for 2 s; suspect rank 0 on ") and "in _hang_here" in summary
+    (hang,) = events(tmp_path / "run", "hang")
+    assert hang["step"] == 4 and hang["stacks"] == str(folder)
+    assert "continue with: python -m ddp_core" in proc.stderr
+
+
+def test_a_main_thread_holding_the_gil_is_ended_by_the_backstop(tmp_path):
+    """No Python thread runs while the main thread holds the GIL in C: faulthandler's own thread dumps and exits."""
+    proc = run_alone(tmp_path, "watchdog.stall_s=2", "task.data.hang_in=gil")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    stacks = (hang_folder(tmp_path / "run") / "rank0.txt").read_text()
+    assert "most recent call first" in stacks and "in split" in stacks, stacks  # faulthandler's format
+
+
+# --- stragglers (ddp_core/distributed/straggler.py) -------------------------------------------------------------------
+
+
+def line(slowest: int, high: float, median: float, step_ms: float = 50.0) -> dict:
+    return {"slowest_rank": slowest, "work_ms_max": high, "work_ms_median": median, "step_ms": step_ms}
+
+
+def test_a_straggler_is_the_same_rank_slow_line_after_line_at_a_cost():
+    assert persistent([line(1, 54, 27)] * 3, factor=1.5) == 1
+    assert persistent([line(1, 54, 27)] * 2, factor=1.5) is None  # not yet line after line
+    assert persistent([line(1, 54, 27), line(0, 54, 27), line(1, 54, 27)], factor=1.5) is None  # not one rank
+    assert persistent([line(1, 54, 27)] * 3, factor=2.5) is None  # under the factor
+    assert persistent([line(1, 3, 1)] * 3, factor=1.5) is None  # 3x, but 2 ms of a 50 ms step is noise
