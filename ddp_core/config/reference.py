@@ -6,7 +6,7 @@ key also lists its values' comments. ``render(root)`` takes the root dataclass (
 renders the same way; ``fields_without_docs(root)`` names the keys with no description.
 
 Regenerate the page with ``python -m ddp_core.config.reference > docs/configuration.md``;
-``tests/test_config_reference.py`` fails when the page is out of date or a key is undocumented.
+``tests/unit/ddp_core/config/test_config_reference.py`` fails when the page is out of date or a key is undocumented.
 """
 
 from __future__ import annotations
@@ -202,8 +202,8 @@ def render(root: type = Config) -> str:
         "Every key of a run's config, its type, its default and what it does. This page is generated from the "
         "config dataclasses themselves (`ddp_core/config/schema.py` and `features.py`, the root `Config` in "
         "`tree.py`): the descriptions are the comments on each field in the source. After changing a key, "
-        f"regenerate it with `{COMMAND}`; `tests/test_config_reference.py` fails when the page is out of date or "
-        "a key has no description.",
+        f"regenerate it with `{COMMAND}`; `tests/unit/ddp_core/config/test_config_reference.py` fails when the page "
+        "is out of date or a key has no description.",
         "",
         "A config is a YAML file with one mapping per section below (`configs/digits.yaml` is an example; see "
         "[step 2 of the README](../README.md#2-a-config)). Overrides follow it on the command line as `key=value` "

@@ -130,7 +130,8 @@ class OptimConfig:
     min_lr: float = 0.0  # the cosine / linear decay ends at this lr instead of at 0
     # How torch.optim updates. foreach on every device: on a CPU, where torch would loop over the parameters in
     # Python, it cut AdamW's step for the digits MLP from 550 to 415 us, with bitwise the same result
-    # (tests/test_train_hooks.py). A resumed run steps the way the config says, not the checkpoint.
+    # (tests/unit/ddp_core/trainer/test_train_hooks.py). A resumed run steps the way the config says, not the
+    # checkpoint.
     implementation: OptimizerImpl = OptimizerImpl.foreach
 
 
