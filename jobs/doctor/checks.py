@@ -154,17 +154,19 @@ def read_run(run: Optional[Path], root: Path = Path("runs")) -> RunInfo:
 
 
 def _settings(path: Optional[Path], save_s: Optional[float]) -> RunInfo:
-    from ddp_core.config import CheckpointConfig, SlurmConfig  # omegaconf: not for `ddpjob --help`
+    """The run's config (else the defaults), and its Slurm request as the pipeline resolves it."""
+    from ddp_core.config import load_config
+    from jobs.submission.request import SlurmRequest
 
-    ckpt, slurm = CheckpointConfig(), SlurmConfig()
+    cfg = None
     if path is not None:
         try:
             cfg = RunDir(path).load_config()
-            ckpt, slurm = cfg.checkpoint, cfg.slurm
         except DdpJobError:
             pass  # an older or hand-edited config: the defaults still say what the trainer does
-    sig = slurm.signal.upper().removeprefix("SIG")
-    nodes = (slurm.nodes, slurm.min_nodes, slurm.max_nodes)
+    cfg = cfg or load_config(None, ["run.name=doctor"])
+    ckpt, slurm, request = cfg.checkpoint, cfg.slurm, SlurmRequest.resolve(cfg)
+    sig, nodes = request.signal.partition("@")[0], (request.nodes, request.min_nodes, request.max_nodes)
     image = slurm.container.image if slurm.container.runtime == "apptainer" else None
     return RunInfo(
         path, save_s, ckpt.sigterm_budget_s, slurm.signal_lead_s, sig, ckpt.every_steps, slurm.qos, nodes, image
