@@ -84,7 +84,7 @@ def submit(cfg: Config, request: SlurmRequest, run_dir: RunDir, local: bool = Fa
         if local:
             job = run_here(request, run_dir, call)
         else:
-            (job,) = queue(render(request, Layout.run(run_dir.path)), run_dir.slurm, [call], request)
+            (job,) = queue(request, Layout.run(run_dir.path), [call])
     run_dir.record_job(str(job.job_id), "local" if local else "submitit")
     return Submitted(job, run_dir)
 
@@ -100,16 +100,15 @@ def run_here(request: SlurmRequest, run_dir: RunDir, call: DelayedSubmission) ->
     return executor.submit(call.function, *call.args)
 
 
-def queue(
-    script: str, folder: Path, calls: Sequence[DelayedSubmission], request: SlurmRequest, array: bool = False
-) -> list[Any]:
-    """sbatch ``script`` (rendered with its layout's ``folder``) through the Slurm gateway: one job for one call, or
-    with ``array`` an array of ``len(calls)`` tasks (the script's ``--array``, even of one). Each task's call is
-    pickled where submitit's job entry waits for it (``<job id>_submitted.pkl``) once sbatch has named the job;
-    returns a submitit ``SlurmJob`` per call. Raises with sbatch's own message when it refuses, or when its answer
-    names no job."""
+def queue(request: SlurmRequest, layout: Layout, calls: Sequence[DelayedSubmission]) -> list[Any]:
+    """Render ``request`` in ``layout`` and sbatch it through the Slurm gateway: one job, or for an array layout an
+    array of ``len(calls)`` tasks (even of one). Each task's call is pickled where submitit's job entry waits for it
+    (``<job id>_submitted.pkl``) once sbatch has named the job; returns a submitit ``SlurmJob`` per call. Raises with
+    sbatch's own message when it refuses, or when its answer names no job."""
     import submitit
 
+    array, folder = layout.count is not None, layout.folder
+    assert not array or layout.count == len(calls), "an array's layout counts its calls"
     folder.mkdir(parents=True, exist_ok=True)
     pickles = []
     for call in calls:
@@ -117,7 +116,7 @@ def queue(
         call.set_timeout(request.time_min, MAX_TIMEOUTS)
         call.dump(pickles[-1])
     path = folder / f".submission_file_{uuid.uuid4().hex}.sh"
-    path.write_text(script)
+    path.write_text(render(request, layout))
     answer = GATEWAY.sbatch(path)
     if answer.returncode != 0:
         raise RuntimeError(answer.stderr.strip() or f"sbatch exited {answer.returncode}")
@@ -168,9 +167,9 @@ def submitted_or_withdrawn(
 
 
 def withdraw(folder: Path, before: set[str], err: BaseException) -> list[str]:
-    """Cancel the jobs queued from ``folder`` since ``before``: submitit still moves files and writes the job id
-    after sbatch accepts a job, and a job whose submission then failed cannot start correctly. Returns their ids;
-    raises if scancel fails, so the caller keeps what the job needs and the user learns its id."""
+    """Cancel the jobs queued from ``folder`` since ``before``: the submission still moves files (the pickled calls,
+    the script) after sbatch accepts a job, and a job whose submission then failed cannot start correctly. Returns
+    their ids; raises if scancel fails, so the caller keeps what the job needs and the user learns its id."""
     stray = [job_id for job_id in GATEWAY.queued_from(folder) if job_id not in before]
     if stray and GATEWAY.cancel(stray).returncode != 0:
         raise DdpJobError(

@@ -169,13 +169,12 @@ def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int, request
     for number, chunk in enumerate(chunks(todo, max_array_size())):
         runs = folder / f"runs-{stamp}-{number}.txt"  # each task's run directory: its batch script watches it
         runs.write_text("".join(f"{p.run_dir.path}\n" for p in chunk))
-        script = render(request, Layout.array(folder, runs, len(chunk), parallelism))
         done = f"; {len(arrays)} earlier arrays were submitted: {' '.join(arrays)}" if arrays else ""
         hint = "fix the cause and rerun the same `ddpjob sweep` command: it submits only the trials not yet queued"
         # Earlier arrays of this sweep may still be queued from the folder: only this one's are withdrawn.
         with submitted_or_withdrawn(folder, "sweep submission", hint, earlier=done, unit="array"):
             calls = [DelayedSubmission(run, str(p.run_dir.path)) for p in chunk]
-            jobs = queue(script, folder, calls, request, array=True)  # one sbatch per chunk
+            jobs = queue(request, Layout.array(folder, runs, len(chunk), parallelism), calls)  # one sbatch per chunk
         array_id = str(jobs[0].job_id).split("_")[0]
         arrays.append(array_id)
         for p, job in zip(chunk, jobs, strict=True):

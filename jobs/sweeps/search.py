@@ -36,7 +36,7 @@ from ddp_core.search.study import (
     write_spec,
 )
 from jobs.submission import checks, snapshot
-from jobs.submission.render import Layout, render
+from jobs.submission.render import Layout
 from jobs.submission.request import SlurmRequest
 from jobs.submission.submit import queue, submitted_or_withdrawn
 from jobs.sweeps.search_spec import SearchSpec
@@ -157,11 +157,10 @@ def submit_workers(root: Path, cfg: Config, request: SlurmRequest) -> Optional[s
         folder.mkdir(parents=True, exist_ok=True)
         # Each trial's srun line is search.json's step: the worker runs it, inside its own batch step.
         request = dataclasses.replace(request, job_name=cfg.slurm.job_name or spec["name"])
-        script = render(request, Layout.workers(folder, tasks))
         hint = "fix the cause and rerun the same command: the study continues"
         with submitted_or_withdrawn(folder, "search submission", hint, unit="array"):
             calls = [DelayedSubmission(search_worker.run, str(root), generation) for _ in range(tasks)]
-            jobs = queue(script, folder, calls, request, array=True)
+            jobs = queue(request, Layout.workers(folder, tasks), calls)
         array = str(jobs[0].job_id).split("_")[0]
         entry = {
             "generation": generation,
