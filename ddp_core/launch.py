@@ -46,7 +46,7 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
         if env.is_main:
             # The previous attempt of this Slurm job may still be exiting when its requeued successor starts.
             holder = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.job_id or "-"}
-            lock = run_dir.hold_trainer_lock(holder, wait_s=60.0 if env.restart_count else 0.0)
+            lock = run_dir.hold_trainer_lock(holder, wait_s=60.0 if env.restart_count or env.launch else 0.0)
         # From before the rendezvous to the last step: a rank stuck anywhere in between is a hang.
         folder = attempt_folder(run_dir.hangs, env.job_id, env.restart_count)
         on_hang = functools.partial(exits.after_hang, cfg, run_dir, env)

@@ -21,6 +21,7 @@ PORT_SPAN = 12000
 # Prime and coprime to PORT_SPAN: consecutive job ids map to distinct ports for PORT_SPAN ids in a row.
 _PORT_STRIDE = 1009
 _TORCH_DEFAULT_PORT = 29500
+LAUNCH_VAR = "DDPJOB_LAUNCH"  # the batch script's count of this attempt's job steps (see DistEnv.launch)
 # Slurm's own cap on the hosts one hostlist expression may name.
 _MAX_HOSTS = 65536
 
@@ -38,6 +39,9 @@ class DistEnv:
     job_id: Optional[str] = None  # the launcher's job identity (Slurm job, torchrun run, submitit-local pid)
     slurm_job_id: Optional[str] = None  # set only inside a Slurm job: what `scontrol requeue` needs
     restart_count: int = 0
+    # Which job step of this attempt the ranks are: 0, then one more per in-allocation restart (DDPJOB_LAUNCH, exported
+    # by the batch script's loop of steps, ``jobs.submission.request``).
+    launch: int = 0
     cpus_per_rank: int = 1
     source: str = "single"  # torchrun | slurm | submitit-local | single
     # torchrun's agent already serves the rendezvous store on master_port: rank 0 joins it as a client.
@@ -68,6 +72,7 @@ class DistEnv:
             job_id=job_id,
             slurm_job_id=job_id,
             restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
+            launch=_int(env, LAUNCH_VAR, 0),
             cpus_per_rank=_cpus(env, 1),
             source="single",
         )
@@ -130,6 +135,7 @@ def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
         job_id=env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID"),
         slurm_job_id=env.get("SLURM_JOB_ID"),  # torchrun inside an allocation can still requeue it
         restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
+        launch=_int(env, LAUNCH_VAR, 0),
         cpus_per_rank=_torchrun_cpus(env, local_world),
         source="torchrun",
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
@@ -153,10 +159,11 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
         if "SLURM_STEP_NUM_NODES" in env
         else _int(env, "SLURM_JOB_NUM_NODES", 1),
         master_addr=expand_nodelist(nodelist)[0],
-        master_port=_int(env, "MASTER_PORT", 0) or derive_master_port(int(job_id or 0)),
+        master_port=_int(env, "MASTER_PORT", 0) or derive_master_port(int(job_id or 0), _int(env, LAUNCH_VAR, 0)),
         job_id=job_id,
         slurm_job_id=job_id,
         restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
+        launch=_int(env, LAUNCH_VAR, 0),
         cpus_per_rank=_cpus(env, local_world),
         source="slurm",
     )
@@ -177,11 +184,14 @@ def _from_submitit_local(env: Mapping[str, str]) -> DistEnv:
     )
 
 
-def derive_master_port(job_id: int) -> int:
+def derive_master_port(job_id: int, launch: int = 0) -> int:
     """A rendezvous port that differs for jobs sharing a node. Each array task has its own SLURM_JOB_ID already:
     adding the task id made ports collide (two arrays' ids and task ids summing alike). torch's default port
-    29500, which a hand-started torchrun on the node may hold, maps to the top of the range instead."""
-    port = PORT_BASE + (job_id * _PORT_STRIDE) % PORT_SPAN
+    29500, which a hand-started torchrun on the node may hold, maps to the top of the range instead. Each job step of an
+    attempt (``launch``) takes the next port: its predecessor's may still be held while its ranks' sockets close. A
+    derived port may still be taken (two jobs' ids can map alike): rank 0 then listens on another one and tells the
+    others through the run directory (``cluster.rendezvous``)."""
+    port = PORT_BASE + (job_id * _PORT_STRIDE + launch) % PORT_SPAN
     return PORT_BASE + PORT_SPAN if port == _TORCH_DEFAULT_PORT else port
 
 

@@ -60,6 +60,9 @@ class ExitCode(enum.IntEnum):
     # A requeued attempt of a job whose run had already completed (Slurm 24.11 requeues a job preempted once more when
     # its next attempt ends): the batch script's check before srun says so, and the script ends COMPLETED (exit 0).
     ALREADY_COMPLETE = 9
+    # The batch script's watcher, after a failed job step: run the ranks again as a new step in this allocation (the
+    # batch script's loop of steps reads it; never a job's exit code).
+    RESTART = 10
     TERMINATED = 143  # 128 + SIGTERM, the shell convention
 
 

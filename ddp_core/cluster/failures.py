@@ -27,7 +27,7 @@ import errno
 import re
 import socket
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ddp_core.cluster.env import DistEnv
 from ddp_core.config import SlurmConfig
@@ -109,6 +109,7 @@ def record(run_dir: RunDir, env: DistEnv, err: BaseException, step: Optional[int
             "rank_failed",
             job_id=env.job_id,
             restart_count=env.restart_count,
+            launch=env.launch,
             rank=env.rank,
             host=socket.gethostname(),
             step=step,
@@ -215,11 +216,16 @@ def budget(failure: Failure, slurm: SlurmConfig) -> tuple[str, int]:
     return "failure", slurm.max_failures
 
 
-def spent(failure: Failure, earlier: list[dict[str, Any]]) -> int:
-    """How much of its budget ``failure`` spends, with ``earlier`` (the run's ``failure`` events before it) on the
-    same budget: user errors never count."""
+def spent(failure: Failure, earlier: list[dict[str, Any]], restarted: Sequence[dict[str, Any]] = ()) -> int:
+    """How much of its requeue budget ``failure`` spends, with ``earlier`` (the run's ``failure`` events before it) on
+    the same budget: user errors never count, nor the failures a restart inside the allocation took (``restarted``:
+    the job's ``restarted`` events, each with its failure's kind)."""
     health = failure.kind is Kind.health
-    return 1 + sum(1 for e in earlier if e.get("kind") != Kind.user.value and (e.get("kind") == "health") == health)
+
+    def same(e: dict[str, Any]) -> bool:
+        return e.get("kind") != Kind.user.value and (e.get("kind") == "health") == health
+
+    return 1 + sum(1 for e in earlier if same(e)) - sum(1 for e in restarted if same(e))
 
 
 def excluded_hosts(events: list[dict[str, Any]]) -> dict[str, str]:
@@ -254,10 +260,14 @@ def to_exclude(events: list[dict[str, Any]], failure: Failure) -> dict[str, str]
 
 
 def attempt_events(events: list[dict[str, Any]], env: DistEnv) -> list[dict[str, Any]]:
-    """This attempt's events: from its ``start`` on; without one (it failed before its first step), its ranks'
-    ``rank_failed`` events."""
+    """This job step's events (its attempt's, and within it its launch's: ``DistEnv.launch``): from its ``start`` on;
+    without one (it failed before its first step), its ranks' ``rank_failed`` events."""
     mine = [e for e in events if e.get("job_id") == env.job_id]
-    starts = [i for i, e in enumerate(mine) if e["event"] == "start" and e.get("restart_count") == env.restart_count]
+
+    def this_step(e: dict[str, Any]) -> bool:
+        return e.get("restart_count") == env.restart_count and e.get("launch", 0) == env.launch
+
+    starts = [i for i, e in enumerate(mine) if e["event"] == "start" and this_step(e)]
     if starts:
         return mine[starts[-1] :]
-    return [e for e in mine if e["event"] == "rank_failed" and e.get("restart_count") == env.restart_count]
+    return [e for e in mine if e["event"] == "rank_failed" and this_step(e)]

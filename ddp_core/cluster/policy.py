@@ -53,12 +53,31 @@ class Outcome(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Decision:
-    """What follows a failure: the outcome, the failure as recorded (a repeated unknown one reads user) and, for
-    ``STOPPED``, ``requeue_within``'s code (``BUDGET_SPENT``, ``REQUEUE_FAILED``)."""
+    """What follows a failure: the outcome, the failure as recorded (a repeated unknown one reads user), for
+    ``STOPPED`` ``requeue_within``'s code (``BUDGET_SPENT``, ``REQUEUE_FAILED``), and for a restart inside the
+    allocation (``Allocation``) the nodes its next job step runs on."""
 
     outcome: Outcome
     failure: Failure
     code: int = exits.ExitCode.OK
+    nodes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The allocation a failed job step ran in, which can run the next one (the batch script's watcher): a restart
+    there costs no trip through the queue."""
+
+    live: tuple[str, ...]  # its nodes that still respond, in the allocation's order (the batch node first)
+    step_nodes: int  # the nodes a step runs on: the allocation's less slurm.spare_nodes
+    fewest: int  # the fewest a step may run on: slurm.nodes' MIN for an elastic job, else step_nodes
+    restarts: int  # the restarts this attempt made already (its ``restarted`` events)
+
+    def pick(self, excluded: Collection[str]) -> tuple[str, ...]:
+        """The next step's nodes: the first ``step_nodes`` live ones the run does not exclude; empty when fewer than
+        ``fewest`` are left."""
+        usable = [n for n in self.live if n not in excluded][: self.step_nodes]
+        return tuple(usable) if len(usable) >= self.fewest else ()
 
 
 def decide_after(
@@ -74,12 +93,16 @@ def decide_after(
     can_run_again: bool = False,
     attempt: Optional[int] = None,
     label: str = "",
+    allocation: Optional[Allocation] = None,
 ) -> Decision:
     """Record ``failure`` and decide what follows it (the module docstring). ``job``: the job's record, whose
     partition the room check reads (None: not checked); ``here``: the nodes of the allocation that would run again;
     ``array_job_id``: the job's array, if any; ``attempt``: the restart count of the attempt the failure ended
-    (default: this one's); ``label``: what the log lines start with (a trial's name)."""
-    earlier = [e for e in run_dir.events() if e["event"] == "failure" and e.get("job_id") == env.job_id]
+    (default: this one's); ``label``: what the log lines start with (a trial's name); ``allocation``: the allocation
+    that can run the next job step, within ``slurm.max_restarts`` (the batch script's watcher)."""
+    events = run_dir.events()
+    earlier = [e for e in events if e["event"] == "failure" and e.get("job_id") == env.job_id]
+    restarted = [e for e in events if e["event"] == "restarted" and e.get("job_id") == env.job_id]
     failure = as_repeated(failure, earlier)
     ended = env.restart_count if attempt is None else attempt
     run_dir.log_event("failure", job_id=env.job_id, restart_count=ended, **failure.fields())
@@ -87,12 +110,14 @@ def decide_after(
         reason = f"{failure.where} failed at step {failure.step}: {failure.error}"
         return failed(run_dir, env, failure, reason, "a user error, not retried: fix it, then continue with", label)
     name, limit = budget(failure, slurm)  # a health check's own: its node is excluded each time
-    used = spent(failure, earlier)
+    used = spent(failure, earlier, restarted)
     after = f"{failure.kind.value} failure of {failure.where} at step {failure.step} ({failure.error})"
     log.warning("%s%s", label, after)
     events = run_dir.events()  # with this failure's event: to_exclude counts it
     new = to_exclude(events, failure)
     excluded = {**excluded_hosts(events), **new}
+    if allocation is not None and allocation.restarts < slurm.max_restarts and (nodes := allocation.pick(excluded)):
+        return restart(run_dir, env, failure, new, allocation, nodes, slurm.max_restarts)
     if can_run_again and used <= limit and not set(here) & set(excluded):
         record_exclusions(run_dir, env, new)
         log.info("%srunning it again here (%d of %d %ss spent)", label, used, limit, name)
@@ -111,6 +136,31 @@ def decide_after(
     if new and array_job_id:
         keep_array_off(gateway, array_job_id, sorted(excluded))
     return Decision(Outcome.REQUEUED, failure, code)
+
+
+def restart(
+    run_dir: RunDir,
+    env: DistEnv,
+    failure: Failure,
+    new: dict[str, str],
+    allocation: Allocation,
+    nodes: tuple[str, ...],
+    limit: int,
+) -> Decision:
+    """A restart inside the allocation: the exclusions and a ``restarted`` event recorded, ``RUN_AGAIN`` on ``nodes``.
+    It spends the attempt's restart budget, not ``slurm.max_failures`` (``failures.spent``)."""
+    record_exclusions(run_dir, env, new)
+    count = allocation.restarts + 1
+    run_dir.log_event(
+        "restarted", job_id=env.job_id, restart_count=env.restart_count, launch=env.launch + 1, step=failure.step,
+        kind=failure.kind.value, count=count, nodes=list(nodes),
+    )  # fmt: skip
+    spared = [n for n in nodes if n not in allocation.live[: allocation.step_nodes]]
+    log.warning(
+        "restarting the ranks in this allocation on %s%s (restart %d of slurm.max_restarts=%d)",
+        ",".join(nodes), f", spare {','.join(spared)} taking over" if spared else "", count, limit,
+    )  # fmt: skip
+    return Decision(Outcome.RUN_AGAIN, failure, nodes=nodes)
 
 
 def failed(

@@ -30,13 +30,14 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ddp_core.cluster import exits, node_loss
-from ddp_core.cluster.env import DistEnv
-from ddp_core.cluster.failures import DECIDED, attempt_events, diagnose, srun_task_ends
-from ddp_core.cluster.policy import Outcome, decide_after
+from ddp_core.cluster.env import DistEnv, expand_nodelist
+from ddp_core.cluster.failures import DECIDED, Failure, Kind, attempt_events, diagnose, srun_task_ends
+from ddp_core.cluster.policy import Allocation, Outcome, decide_after
 from ddp_core.cluster.slurm import NODE_GATEWAY, SlurmGateway
+from ddp_core.config import SlurmConfig
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
 
@@ -59,10 +60,17 @@ def srun_lines(batch_log: Path, env: DistEnv) -> list[str]:
 
 
 def decide(
-    run_dir: RunDir, batch_log: Path, status: int, env: DistEnv, gateway: SlurmGateway, array_job_id: str = ""
+    run_dir: RunDir,
+    batch_log: Path,
+    status: int,
+    env: DistEnv,
+    gateway: SlurmGateway,
+    array_job_id: str = "",
+    in_allocation: bool = False,
 ) -> int:
-    """What the batch script exits with (see the module docstring). ``array_job_id``: a sweep's array, whose tasks
-    still pending (the sweep's later trials) stay off the nodes this run excludes."""
+    """What the batch script exits with (see the module docstring), or ``RESTART`` (with ``in_allocation``: the
+    batch script's loop of job steps, which can run another). ``array_job_id``: a sweep's array, whose tasks still
+    pending (the sweep's later trials) stay off the nodes this run excludes."""
     if status == 0 or not env.slurm_job_id:
         return status
     job = gateway.show_job(env.slurm_job_id)
@@ -82,9 +90,66 @@ def decide(
         status,
         max(metric_steps) if metric_steps else None,
     )
-    # The attempt is over: the job runs again only through the queue (cluster.policy).
-    decision = decide_after(failure, run_dir, env, gateway, cfg.slurm, job=job, array_job_id=array_job_id)
+    allocation = this_allocation(env, gateway, cfg.slurm, events) if in_allocation and job is not None else None
+    if allocation is not None:
+        failure = lost_node(failure, ran_on(env, events, allocation), allocation)
+    decision = decide_after(
+        failure, run_dir, env, gateway, cfg.slurm, job=job, array_job_id=array_job_id, allocation=allocation
+    )
+    if decision.outcome is Outcome.RUN_AGAIN:
+        # The next step's srun options, for the batch script's loop (its standard output; the logs go to stderr).
+        print(f"--nodes={len(decision.nodes)} --ntasks={len(decision.nodes) * tasks_per_node()} "
+              f"--nodelist={','.join(decision.nodes)}")  # fmt: skip
+        return exits.ExitCode.RESTART
     return 0 if decision.outcome is Outcome.REQUEUED else status
+
+
+def this_allocation(
+    env: DistEnv, gateway: SlurmGateway, slurm: SlurmConfig, events: list[dict[str, Any]]
+) -> Allocation:
+    """The job's allocation as it stands: its nodes that still respond (Slurm's node state), how many a job step
+    takes, and the restarts this attempt made."""
+    nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))
+    live = tuple(n for n in nodes if not down(gateway.show_node(n)))
+    step_nodes = len(nodes) - slurm.spare_nodes
+    restarts = sum(
+        1 for e in events
+        if e["event"] == "restarted" and e.get("job_id") == env.job_id and e.get("restart_count") == env.restart_count
+    )  # fmt: skip
+    return Allocation(live, step_nodes, min(step_nodes, slurm.min_nodes) if slurm.elastic else step_nodes, restarts)
+
+
+def down(node: Optional[dict[str, str]]) -> bool:
+    """Whether Slurm says a node is gone (DOWN, NOT_RESPONDING: the ``*`` of sinfo); a node it cannot answer for is
+    taken as alive, and srun finds out."""
+    state = (node or {}).get("State", "")
+    return any(word in state for word in ("DOWN", "NOT_RESPONDING", "FAIL"))
+
+
+def ran_on(env: DistEnv, events: list[dict[str, Any]], allocation: Allocation) -> list[str]:
+    """The nodes of the job step that failed: those its ``restarted`` event chose, else (the attempt's first step)
+    the allocation's first ``step_nodes``, where srun's ``--nodes`` puts it."""
+    for e in reversed(events):
+        if e["event"] == "restarted" and e.get("job_id") == env.job_id and e.get("launch") == env.launch:
+            if e.get("restart_count") == env.restart_count:
+                return list(e.get("nodes") or [])
+    return expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))[: allocation.step_nodes]
+
+
+def lost_node(failure: Failure, step_nodes: list[str], allocation: Allocation) -> Failure:
+    """A failure no rank explained, on a step one of whose nodes is gone: that node's death (``--no-kill`` kept the
+    allocation), an infrastructure failure naming it."""
+    gone = [n for n in step_nodes if n not in allocation.live]
+    if not gone or failure.kind in (Kind.user, Kind.health):
+        return failure
+    what = f"node failure: {', '.join(gone)} stopped responding (the allocation kept the others: --no-kill)"
+    return Failure(Kind.infrastructure, None, gone[0], failure.step, what)
+
+
+def tasks_per_node() -> int:
+    """The allocation's tasks per node (sbatch --ntasks-per-node, which ddpjob always sets)."""
+    raw = os.environ.get("SLURM_NTASKS_PER_NODE", "1")
+    return int(raw) if raw.isdigit() else 1
 
 
 def main(argv: Optional[Sequence[str]] = None, gateway: SlurmGateway = NODE_GATEWAY) -> int:
@@ -93,8 +158,12 @@ def main(argv: Optional[Sequence[str]] = None, gateway: SlurmGateway = NODE_GATE
     logging.getLogger("ddp_core").setLevel(logging.INFO)
     if len(args) == 2 and args[0] == "--begin":
         return main_begin(args[1], gateway)
+    in_allocation = args[:1] == ["--in-allocation"]
+    args = args[1:] if in_allocation else args
     if len(args) != 3 or not args[2].lstrip("-").isdigit():
-        log.error("usage: python -m ddp_core.cluster.supervise RUN_DIR BATCH_LOG STATUS | --begin RUN_DIR")
+        log.error(
+            "usage: python -m ddp_core.cluster.supervise [--in-allocation] RUN_DIR BATCH_LOG STATUS | --begin RUN_DIR"
+        )
         return 2
     status = int(args[2])
     if not args[0]:  # the template's batch script ended before it had a run directory
@@ -104,7 +173,9 @@ def main(argv: Optional[Sequence[str]] = None, gateway: SlurmGateway = NODE_GATE
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         array_job_id = os.environ.get("SLURM_ARRAY_JOB_ID", "")
-        return decide(RunDir(Path(args[0])), Path(args[1]), status, DistEnv.from_env(), gateway, array_job_id)
+        return decide(
+            RunDir(Path(args[0])), Path(args[1]), status, DistEnv.from_env(), gateway, array_job_id, in_allocation
+        )
     except (DdpJobError, OSError, ValueError) as err:
         log.error("the attempt's watcher could not decide (%s): the job ends as srun left it", err)
         return status

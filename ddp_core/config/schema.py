@@ -292,6 +292,15 @@ class SlurmConfig:
     # Requeue budget, per submission: attempts that failed on infrastructure (a rank killed by a signal, a broken
     # collective, a device error) that requeue the job; a user error is never retried (docs/failures.md).
     max_failures: int = 3
+    # Restart budget, per attempt: infrastructure failures after which the ranks are relaunched as a new job step in
+    # the same allocation, from the newest state, with no trip through the queue; once spent (or when the allocation
+    # cannot run them: too few live nodes), the job is requeued within slurm.max_failures (docs/failures.md). 0: always
+    # requeue.
+    max_restarts: int = 3
+    # Nodes allocated beyond those the ranks need and kept idle: a node that dies or keeps failing is replaced by one of
+    # them for the next job step, with no requeue (docs/failures.md). Jobs are submitted with --no-kill, so a node's
+    # death does not end the allocation.
+    spare_nodes: int = 0
     # A shell command each node's first rank runs before an attempt's first step (e.g. a site's node check); a
     # non-zero exit excludes the node and requeues the job (docs/failures.md). Its output goes to the rank's log.
     health_check: Optional[str] = None

@@ -150,7 +150,15 @@ def _validate_ranges(cfg: Config) -> None:
         f"must be >= 0 and below the time limit ({cfg.slurm.time_min * 60} s)",
     )
     _require(cfg.slurm.array_parallelism > 0, "slurm.array_parallelism", cfg.slurm.array_parallelism, "must be > 0")
-    for key in ("max_timeouts", "max_preemptions", "max_hangs", "max_failures", "max_health_failures"):
+    for key in (
+        "max_timeouts",
+        "max_preemptions",
+        "max_hangs",
+        "max_failures",
+        "max_health_failures",
+        "max_restarts",
+        "spare_nodes",
+    ):
         _require(getattr(cfg.slurm, key) >= 0, f"slurm.{key}", getattr(cfg.slurm, key), "must be >= 0")
     _require(cfg.slurm.tasks_per_node > 0, "slurm.tasks_per_node", cfg.slurm.tasks_per_node, "must be > 0")
     _require(

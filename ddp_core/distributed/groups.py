@@ -35,11 +35,13 @@ import os
 import socket
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from ddp_core.cluster import rendezvous
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.health import HealthCheckFailed
 from ddp_core.config import DistConfig
@@ -84,8 +86,9 @@ def device_index(env: DistEnv, gpu_count: int) -> int:
     return env.local_rank % gpu_count
 
 
-def setup(env: DistEnv, cfg: Optional[DistConfig] = None) -> torch.device:
-    """Pick the device, cap threads, and join the process group when there is more than one process."""
+def setup(env: DistEnv, cfg: Optional[DistConfig] = None, meeting: Optional[Path] = None) -> torch.device:
+    """Pick the device, cap threads, and join the process group when there is more than one process. ``meeting``:
+    where the job step's rendezvous port is agreed (``cluster.rendezvous.meeting_file``), if anywhere."""
     cfg = cfg or DistConfig()
     torch.set_num_threads(env.cpus_per_rank)
     cuda = torch.cuda.is_available()
@@ -98,7 +101,7 @@ def setup(env: DistEnv, cfg: Optional[DistConfig] = None) -> torch.device:
     if cfg.guard:
         backend = collective_guard.install(cfg.guard, cuda, env)
     if env.source != "single":
-        store = _rendezvous_store(env, cfg)
+        store = _rendezvous_store(env, cfg, meeting)
         dist.init_process_group(
             backend,
             store=store,
@@ -150,12 +153,17 @@ def check_health(device: torch.device, env: DistEnv, min_free: float = 0.05) -> 
             )
 
 
-def _rendezvous_store(env: DistEnv, cfg: DistConfig) -> dist.TCPStore:
+def _rendezvous_store(env: DistEnv, cfg: DistConfig, meeting: Optional[Path]) -> dist.TCPStore:
     """Our own store: its timeout bounds the rendezvous (every rank joins), the group's bounds each collective.
     Each rank signs in; rank 0 waits for all of them, so a rank that never arrives (a wrong address or port, a
-    node that cannot reach the master) ends the attempt within ``dist.init_timeout_s`` naming who is missing."""
+    node that cannot reach the master) ends the attempt within ``dist.init_timeout_s`` naming who is missing.
+    ``meeting``: where rank 0 publishes the port it listens on, the derived one or, when that is taken, another the
+    kernel gives it; the others read it there (``cluster.rendezvous``). None: every rank uses ``env.master_port``."""
     hosting = env.rank == 0 and not env.agent_store
-    where = f"{env.master_addr}:{env.master_port}"
+    port = env.master_port
+    if meeting is not None and not hosting:
+        port = rendezvous.await_port(meeting, cfg.init_timeout_s, env.rank)
+    where = f"{env.master_addr}:{port}"
 
     def unreachable(err: str) -> DdpJobError:
         return DdpJobError(
@@ -166,31 +174,42 @@ def _rendezvous_store(env: DistEnv, cfg: DistConfig) -> dist.TCPStore:
         )
 
     if not hosting:
-        failed = _await_listener(env.master_addr, env.master_port, cfg.init_timeout_s)
+        failed = _await_listener(env.master_addr, port, cfg.init_timeout_s)
         if failed is not None:
             raise unreachable(failed)
     try:
-        store = dist.TCPStore(
-            env.master_addr,
-            env.master_port,
-            env.world_size,
-            is_master=hosting,
-            timeout=timedelta(seconds=cfg.init_timeout_s),
-            wait_for_workers=False,  # rank 0 waits below, where it can say which ranks are missing
-        )
+        store = _tcp_store(env, port, hosting, cfg.init_timeout_s)
     except dist.DistNetworkError as err:
-        if hosting and "in use" in str(err):
+        if not (hosting and "in use" in str(err)):
+            raise unreachable(str(err).splitlines()[0]) from None
+        if meeting is None:
             raise DdpJobError(
-                f"rank 0 on {socket.gethostname()} cannot listen on the rendezvous port {env.master_port}: in use",
+                f"rank 0 on {socket.gethostname()} cannot listen on the rendezvous port {port}: in use",
                 "another process on this node holds it (a job sharing the node, a stray torchrun): export a free "
                 "MASTER_PORT in slurm.setup, or resubmit",
             ) from None
-        raise unreachable(str(err).splitlines()[0]) from None
-    prefix = f"ddpjob/{env.restart_count}/arrived/"  # torchrun's store outlives a restart of its workers
+        store = _tcp_store(env, 0, hosting, cfg.init_timeout_s)  # the kernel's pick: free by construction
+        log.warning("rendezvous port %d is in use on %s: listening on %d instead", port, socket.gethostname(),
+                    store.port)  # fmt: skip
+        where = f"{env.master_addr}:{store.port}"
+    if meeting is not None and hosting:
+        rendezvous.publish(meeting, store.port)  # once it listens: a rank that reads the port connects at once
+    prefix = f"ddpjob/{env.restart_count}/{env.launch}/arrived/"  # torchrun's store outlives a restart of its workers
     store.set(f"{prefix}{env.rank}", socket.gethostname())
     if env.rank == 0:
         _await_ranks(store, [f"{prefix}{r}" for r in range(env.world_size)], cfg.init_timeout_s, where)
     return store
+
+
+def _tcp_store(env: DistEnv, port: int, hosting: bool, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(
+        env.master_addr,
+        port,
+        env.world_size,
+        is_master=hosting,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,  # rank 0 waits in _rendezvous_store, where it can say which ranks are missing
+    )
 
 
 def _await_listener(host: str, port: int, timeout_s: float) -> Optional[str]:

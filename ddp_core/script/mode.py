@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Optional, Sequence
 
-from ddp_core.cluster import exits, failures, health, signals
+from ddp_core.cluster import exits, failures, health, rendezvous, signals
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.exits import ExitCode, after_submitit, leave, without_result
 from ddp_core.cluster.log import log_failure, setup_logging
@@ -127,8 +127,11 @@ def spec_from_config(
 def resumed_attempt(run_dir: RunDir, env: DistEnv) -> bool:
     """Whether an earlier attempt of the run started: the same answer on every rank, whenever rank 0 records this
     attempt's own start."""
-    this = (env.job_id, env.restart_count)
-    return any(e["event"] == "start" and (e.get("job_id"), e.get("restart_count")) != this for e in run_dir.events())
+    this = (env.job_id, env.restart_count, env.launch)
+    return any(
+        e["event"] == "start" and (e.get("job_id"), e.get("restart_count"), e.get("launch", 0)) != this
+        for e in run_dir.events()
+    )
 
 
 def read_script_spec(run_dir: RunDir) -> ScriptSpec:
@@ -136,9 +139,13 @@ def read_script_spec(run_dir: RunDir) -> ScriptSpec:
     return spec_from_config(run_dir.load_config().script, str(run_dir.config_file), snapshot.read_record(run_dir))
 
 
-def script_environment(env: DistEnv, run_dir: RunDir, warning_signal: str) -> dict[str, str]:
-    """torchrun's variables for this rank, plus ddpjob's: what the script's process must see."""
-    master_port = env.master_port
+def script_environment(
+    env: DistEnv, run_dir: RunDir, warning_signal: str, init_timeout_s: float = 600.0
+) -> dict[str, str]:
+    """torchrun's variables for this rank, plus ddpjob's: what the script's process must see. A Slurm step's first
+    rank picks the port its script will listen on (the derived one, else a free one) and publishes it, the others read
+    it (``cluster.rendezvous``): a port another job holds never fails the run."""
+    master_port = rendezvous.agree(env, run_dir.path, env.rank == 0, init_timeout_s)
     if env.source == "single" and not os.environ.get("MASTER_PORT"):
         # A lone process has no launcher to pick a port for it: a free one, so two runs on one host never collide.
         master_port = _free_port()
@@ -279,7 +286,7 @@ def _run(run_dir_arg: str) -> int:
     except DdpJobError as err:
         log.error("%s", err)
         return ExitCode.USAGE
-    os.environ.update(script_environment(env, run_dir, cfg.slurm.signal))
+    os.environ.update(script_environment(env, run_dir, cfg.slurm.signal, cfg.dist.init_timeout_s))
     # One thread per core the rank was given, as the trainer does, unless the job says otherwise.
     os.environ.setdefault("OMP_NUM_THREADS", str(env.cpus_per_rank))
     warning = signals.warning_signal(cfg.slurm.signal)
@@ -294,11 +301,12 @@ def _run(run_dir_arg: str) -> int:
         if env.is_main:
             # The previous attempt of this Slurm job may still be exiting when its requeued successor starts.
             holder = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.job_id or "-"}
-            lock = run_dir.hold_trainer_lock(holder, wait_s=60.0 if env.restart_count else 0.0)
+            lock = run_dir.hold_trainer_lock(holder, wait_s=60.0 if env.restart_count or env.launch else 0.0)
             run_dir.log_event(
                 "start",
                 job_id=env.job_id,
                 restart_count=env.restart_count,
+                launch=env.launch,
                 step=None,
                 world_size=env.world_size,
                 nodes=env.num_nodes,  # what Slurm gave this attempt: an elastic job's varies

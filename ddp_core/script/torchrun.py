@@ -66,6 +66,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Callable, Optional
 
 from ddp_core import python_m
+from ddp_core.cluster import rendezvous as meeting
 from ddp_core.cluster import signals
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.exits import leave
@@ -98,8 +99,10 @@ class Rendezvous:
     run_id: str  # --rdzv-id: torchrun's TORCHELASTIC_RUN_ID for the workers (the Slurm job id)
 
 
-def rendezvous(env: DistEnv) -> Rendezvous:
-    """This agent's rendezvous from its ``DistEnv``: the Slurm step's nodes (one task each), or one local node."""
+def rendezvous(env: DistEnv, run_dir: Path, timeout_s: float = 600.0) -> Rendezvous:
+    """This agent's rendezvous from its ``DistEnv``: the Slurm step's nodes (one task each), or one local node. Node
+    0's agent, which serves torchrun's store, picks the port (the derived one, else a free one) and publishes it in
+    ``run_dir``; the others read it (``cluster.rendezvous``), waiting up to ``timeout_s``."""
     if env.source == "slurm":
         if env.world_size != env.num_nodes:
             raise DdpJobError(
@@ -107,7 +110,8 @@ def rendezvous(env: DistEnv) -> Rendezvous:
                 f"{env.num_nodes} node(s)",
                 "submit with ddpjob (its request for torchrun is --ntasks-per-node=1), or run srun --ntasks-per-node=1",
             )
-        return Rendezvous(env.num_nodes, env.node_rank, env.master_addr, env.master_port, env.job_id or "none")
+        port = meeting.agree(env, run_dir, env.node_rank == 0, timeout_s)
+        return Rendezvous(env.num_nodes, env.node_rank, env.master_addr, port, env.job_id or "none")
     if env.world_size > 1:
         raise DdpJobError(
             f"script.launcher=torchrun: this process is already rank {env.rank} of {env.world_size} ({env.source}); "
@@ -137,7 +141,7 @@ def torchrun_argv(rdzv: Rendezvous, nproc_per_node: int, run_dir: Path) -> list[
         f"--node-rank={rdzv.node_rank}",
         f"--master-addr={rdzv.master_addr}",
         f"--master-port={rdzv.master_port}",
-        "--max-restarts=0",  # a run restarts by Slurm's requeue (same job, next attempt), never inside an attempt
+        "--max-restarts=0",  # ddpjob restarts a failed step itself, as a new srun step (the batch script's loop)
         f"--monitor-interval={POLL_S}",
         "--no-python",
         os.environ.get("PYTHON_EXEC", sys.executable),
@@ -300,7 +304,7 @@ def run_agent(
     host = socket.gethostname()
     nproc = ranks_per_node(cfg)
     try:
-        rdzv = rendezvous(env)
+        rdzv = rendezvous(env, run_dir, cfg.dist.init_timeout_s)
     except DdpJobError as err:
         log.error("%s", err)
         return 2

@@ -27,7 +27,7 @@ import torch
 
 from ddp_core.checkpoint.manager import CheckpointManager
 from ddp_core.checkpoint.train_state import Carried, TrainState
-from ddp_core.cluster import health
+from ddp_core.cluster import health, rendezvous
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.preemption import StopFlag
 from ddp_core.config import Config, Precision, to_dict
@@ -90,7 +90,7 @@ class Trainer:
         cfg, env = self.cfg, self.env
         # Before the rendezvous: a rank on a bad node leaves at once, and srun's --kill-on-bad-exit ends the others.
         health.check_node(self.run_dir, env, cfg.slurm.health_check)
-        self.device = device = groups.setup(env, cfg.dist)
+        self.device = device = groups.setup(env, cfg.dist, rendezvous.meeting_file(self.run_dir.path, env))
         groups.check_health(device, env)
         apply_determinism(cfg, device)
         self.amp = autocast(cfg, device)  # one context, entered once per micro-batch (never nested)
@@ -159,6 +159,7 @@ class Trainer:
                 "start",
                 job_id=self.env.job_id,
                 restart_count=self.env.restart_count,
+                launch=self.env.launch,
                 step=step,
                 world_size=self.env.world_size,
                 nodes=self.env.num_nodes,  # what Slurm gave this attempt: an elastic job's varies (slurm.nodes MIN-MAX)

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ddp_core.cluster.failures import excluded_hosts
 from ddp_core.trainer.watchdog import cause
@@ -14,8 +14,8 @@ def for_run(name: str, events: list[dict[str, Any]], straggler: Optional[dict[st
     notes = []
     if hangs := [e for e in events if e["event"] == "hang"]:
         notes.append(f"hang in {name} after step {hangs[-1].get('step')}: {cause(str(hangs[-1].get('summary', '')))}")
-    if found := [e for e in events if e["event"] == "failure"]:
-        notes.append(failure_note(name, found[-1]))
+    if found := [i for i, e in enumerate(events) if e["event"] == "failure"]:
+        notes.append(failure_note(name, events[found[-1]], events[found[-1] + 1 :]))
     if excluded := excluded_hosts(events):
         notes.append(f"excluded in {name}: " + "; ".join(f"{host} ({why})" for host, why in excluded.items()))
     if straggler is not None:
@@ -23,12 +23,17 @@ def for_run(name: str, events: list[dict[str, Any]], straggler: Optional[dict[st
     return notes
 
 
-def failure_note(name: str, e: dict[str, Any]) -> str:
+def failure_note(name: str, e: dict[str, Any], after: Sequence[dict[str, Any]] = ()) -> str:
     if e.get("rank") is not None:
         who = f"rank {e.get('rank')} on {e.get('host')}"
     else:  # srun's report named no rank, or the whole node was lost (cluster.node_loss)
         who = f"node {e.get('host')}" if e.get("host") else "the job step"
-    retried = "a user error, not retried" if e.get("kind") == "user" else f"{e.get('kind')}: requeued"
+    # What followed it: a restart in the same allocation (its ``restarted`` event), else a requeue.
+    decided = (a for a in after if a["event"] in ("restarted", "requeued", "start", "failed", "budget_exhausted"))
+    first = next(decided, None)
+    restarted = first if first is not None and first["event"] == "restarted" else None
+    then = f"restarted in the allocation on {','.join(restarted.get('nodes') or [])}" if restarted else "requeued"
+    retried = "a user error, not retried" if e.get("kind") == "user" else f"{e.get('kind')}: {then}"
     return f"failure in {name} at step {e.get('step')}: {who}: {e.get('error')} ({retried})"
 
 

@@ -99,7 +99,8 @@ def render(request: SlurmRequest, layout: Layout) -> str:
     command = task_command(request, layout)
     if layout.srun:
         srun = ["srun", "--unbuffered", "--output", stdout, "--error", stderr, *request.srun_args]
-        command = f"{shlex.join(srun)} {command}"
+        steps = "ddpjob_steps " if layout.watch is not None else ""  # again after a failure (SlurmRequest.watch_lines)
+        command = f"{steps}{shlex.join(srun)} {command}"
     lines = ["#!/bin/bash", "", "# Parameters", *directives(options), "", "# setup", *setup]
     return "\n".join([*lines, "", "# command", "export SUBMITIT_EXECUTOR=slurm", command, ""])
 

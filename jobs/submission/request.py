@@ -127,6 +127,7 @@ class SlurmRequest:
     entry_module: str = "ddp_core"
     host_python: str = sys.executable  # the batch script's own steps (its watcher), on the node, outside any image
     container: tuple[str, ...] = ()  # the words of task_python that start the image ("apptainer exec ... IMAGE")
+    spare_nodes: int = 0  # slurm.spare_nodes: allocated beyond min/max_nodes, idle until a node of a step fails
 
     @classmethod
     def resolve(
@@ -179,6 +180,7 @@ class SlurmRequest:
             # (ddp_core.cluster.releases), and a step would give each task one CPU.
             srun_args=(
                 "--kill-on-bad-exit=1",
+                "--open-mode=append",  # a restarted job step adds to the ranks' logs of the steps before it
                 f"--cpu-bind={s.cpu_bind}",
                 f"--cpus-per-task={per_rank * per_task}",
                 *container_srun,
@@ -187,6 +189,7 @@ class SlurmRequest:
             entry_module=entry_module(cfg),
             host_python=python,
             container=container,
+            spare_nodes=s.spare_nodes,
         )
 
     @property
@@ -199,9 +202,15 @@ class SlurmRequest:
 
     @property
     def nodes(self) -> int | str:
-        """``--nodes``: the count, or ``MIN-MAX``; the tasks are always per node (``--ntasks-per-node``), so an
-        elastic job's task count follows the nodes it got."""
-        return self.min_nodes if self.min_nodes == self.max_nodes else f"{self.min_nodes}-{self.max_nodes}"
+        """``--nodes``: the count, or ``MIN-MAX``, with the spare nodes; the tasks are always per node
+        (``--ntasks-per-node``), so an elastic job's task count follows the nodes it got."""
+        low, high = self.min_nodes + self.spare_nodes, self.max_nodes + self.spare_nodes
+        return low if low == high else f"{low}-{high}"
+
+    @property
+    def ranked_nodes(self) -> int | str:
+        """``slurm.nodes`` as configured: the nodes the ranks run on, without the spares."""
+        return self.min_nodes if not self.elastic else f"{self.min_nodes}-{self.max_nodes}"
 
     def check_fits(self, part: cluster.Partition) -> None:
         """Raise ``DdpJobError`` naming the key when this request can never be scheduled on ``part``. A range whose
@@ -209,14 +218,27 @@ class SlurmRequest:
         if self.min_nodes > part.nodes:
             least = f", and a job needs MIN {self.min_nodes} to start" if self.elastic else ""
             raise DdpJobError(
-                f"config key 'slurm.nodes' = {self.nodes} exceeds partition '{part.name}' ({part.nodes} nodes{least})",
+                f"config key 'slurm.nodes' = {self.ranked_nodes} exceeds partition '{part.name}' "
+                f"({part.nodes} nodes{least})",
                 f"use slurm.nodes<={part.nodes}" + (f", or a range with MIN<={part.nodes}" if self.elastic else ""),
             )
-        if self.max_nodes > part.nodes:
+        if self.min_nodes + self.spare_nodes > part.nodes:
+            raise DdpJobError(
+                f"config key 'slurm.spare_nodes' = {self.spare_nodes}: with slurm.nodes = {self.ranked_nodes} a job "
+                f"needs {self.min_nodes + self.spare_nodes} nodes, and partition '{part.name}' has {part.nodes}",
+                f"use slurm.spare_nodes<={max(0, part.nodes - self.min_nodes)}, or a partition with more nodes",
+            )
+        if self.max_nodes + self.spare_nodes > part.nodes and self.spare_nodes:
+            log.warning(
+                "slurm.nodes = %s with slurm.spare_nodes = %d: partition '%s' has %d nodes, so the ranks run on at "
+                "most %d of them",
+                self.ranked_nodes, self.spare_nodes, part.name, part.nodes, part.nodes - self.spare_nodes,
+            )  # fmt: skip
+        elif self.max_nodes > part.nodes:
             log.warning(
                 "slurm.nodes = %s: partition '%s' has %d nodes, so attempts run on at most %d (MAX %d is never "
                 "reached); slurm.nodes=%d-%d says so",
-                self.nodes,
+                self.ranked_nodes,
                 part.name,
                 part.nodes,
                 part.nodes,
@@ -249,12 +271,16 @@ class SlurmRequest:
             **{k.replace("_", "-"): v for k, v in {**self.where, **self.gpus}.items()},
             "signal": self.signal,
             "requeue": True,
+            # A node that dies does not end the allocation: the batch script's next job step runs without it.
+            "no-kill": True,
             **self.additional,
         }
 
     def watch_lines(self, run_dir: str, batch_log: str, module_runner: Optional[str] = None) -> list[str]:
-        """The batch script's first lines: this attempt's marker in its log, and the EXIT trap that hands srun's status
-        to the attempt's watcher (``ddp_core.cluster.supervise``), which requeues an infrastructure failure.
+        """The batch script's first lines: this attempt's marker in its log, the EXIT trap that hands a failed status
+        to the attempt's watcher (``ddp_core.cluster.supervise``), the start check of a requeued attempt, and
+        ``ddpjob_steps``, which runs the job steps: srun, and again in the same allocation after an infrastructure
+        failure the watcher restarts there (within ``slurm.max_restarts``), else as the watcher decided.
         ``run_dir``, ``batch_log`` and ``module_runner`` (what runs a module, as ``python -m`` would): shell words
         (quoted paths, or expansions evaluated when the trap runs); it defaults to the submitting interpreter
         (outside any container: the watcher may requeue the job, which needs Slurm's commands) with
@@ -273,7 +299,23 @@ class SlurmRequest:
             'ddpjob_begin() { [ "${SLURM_RESTART_COUNT:-0}" = 0 ] && return 0; '
             f"{runner} ddp_core.cluster.supervise --begin {run_dir} && return 0; "
             f'set -- $?; trap - EXIT; [ "$1" = {int(ExitCode.ALREADY_COMPLETE)} ] && exit 0; exit $1; }}',
+            # The job steps: `ddpjob_steps srun ARGS...` runs srun, and after a failure asks the watcher, which either
+            # restarts the ranks in this allocation (exit RESTART, printing the next step's srun options: its nodes)
+            # or ends the attempt as it decided (a requeue, a failure); srun's first step leaves the spares idle.
+            f"ddpjob_steps() {{ local launch=0 code next picked=({self.first_step_options()}); while :; do "
+            'export DDPJOB_LAUNCH=$launch; "$1" "${picked[@]}" "${@:2}" && exit 0; code=$?; next=0; '
+            f'picked=($({runner} ddp_core.cluster.supervise --in-allocation {run_dir} {batch_log} "$code")) || '
+            f'next=$?; [ "$next" = {int(ExitCode.RESTART)} ] || {{ trap - EXIT; exit "$next"; }}; '
+            f'launch=$((launch + 1)); echo "{marker} on $(hostname), job step $launch" >&2; done; }}',
         ]
+
+    def first_step_options(self) -> str:
+        """srun's options for an attempt's first job step, as shell words: with spare nodes, all but the spares (their
+        count left to Slurm's ``--nodes``); without, none (srun takes the whole allocation)."""
+        if not self.spare_nodes:
+            return ""
+        nodes = f"$((SLURM_JOB_NUM_NODES - {self.spare_nodes}))"
+        return f"--nodes={nodes} --ntasks=$(({nodes} * {self.tasks_per_node}))"
 
     def task_command(self) -> list[str]:
         """What each task runs, before its run directory: ``python -u -m MODULE`` behind the prefix, in the form a

@@ -30,7 +30,8 @@ class CrashingTask(DigitsTask):
     ``crash_at``-th training batch of every attempt: ``error`` names the builtin exception it raises, or
     ``SIGKILL``, which it sends itself (what the OOM killer or a segfault in a library look like from outside), or
     ``HALT``: it writes ``halt_file`` and waits there for the test to take its whole node down from outside
-    (``scripts/slurm-local kill-node``), so the node dies at a chosen step rather than at a raced moment."""
+    (``scripts/slurm-local kill-node``), so the node dies at a chosen step rather than at a raced moment.
+    ``crash_launch``: only in that job step of the job's first attempt (``DDPJOB_LAUNCH``; -1: every one)."""
 
     def __init__(
         self,
@@ -39,18 +40,21 @@ class CrashingTask(DigitsTask):
         error: str = "RuntimeError",
         crash_host: str = "",
         halt_file: str = "",
+        crash_launch: int = -1,
         **kwargs: object,
     ) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.crash_rank, self.crash_at, self.error, self.batches = crash_rank, crash_at, error, 0
         self.crash_host, self.halt_file = crash_host, halt_file
+        launch = (os.environ.get("SLURM_RESTART_COUNT", "0") or "0", os.environ.get("DDPJOB_LAUNCH", "0"))
+        self.armed = crash_launch < 0 or launch == ("0", str(crash_launch))
 
     def compute(self, model: nn.Module, batch: tuple) -> Output:
         if model.training:
             self.batches += 1
             rank = dist.get_rank() if dist.is_initialized() else 0
             chosen = socket.gethostname() == self.crash_host if self.crash_host else rank == self.crash_rank
-            if chosen and self.batches == self.crash_at:
+            if chosen and self.armed and self.batches == self.crash_at:
                 if self.error == "SIGKILL":
                     os.kill(os.getpid(), signal.SIGKILL)
                 if self.error == "HALT":

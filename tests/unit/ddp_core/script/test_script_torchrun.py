@@ -148,10 +148,12 @@ def agent_slurm_env(node: int, **extra: str) -> dict[str, str]:
             "SLURM_CPUS_PER_TASK": "6", "SLURM_RESTART_COUNT": "1", **extra}  # fmt: skip
 
 
-def test_agent_argv_static_rendezvous_on_the_first_node():
+def test_agent_argv_static_rendezvous_on_the_first_node(tmp_path):
     from torch.distributed import run as torchrun
 
-    rdzv = rendezvous(DistEnv.from_env(agent_slurm_env(1)))
+    first = rendezvous(DistEnv.from_env(agent_slurm_env(0)), tmp_path)  # node 0's agent publishes the port first
+    rdzv = rendezvous(DistEnv.from_env(agent_slurm_env(1)), tmp_path, timeout_s=5)
+    assert first == Rendezvous(2, 0, "n1", derive_master_port(4242), "4242")
     assert rdzv == Rendezvous(2, 1, "n1", derive_master_port(4242), "4242")
     argv = torchrun_argv(rdzv, 2, Path("/runs/r"))
     assert argv == ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=static", "--rdzv-id=4242", "--node-rank=1",
@@ -166,16 +168,31 @@ def test_agent_argv_static_rendezvous_on_the_first_node():
     assert (cmd, cmd_args) == (sys.executable, ["-u", "-c", python_m.BOOT, "-m", "ddp_core.script", "/runs/r"])
 
 
-def test_agent_rendezvous_refusals_and_local(monkeypatch):
+def test_agent_rendezvous_refusals_and_local(monkeypatch, tmp_path):
     two_tasks = agent_slurm_env(0, SLURM_NTASKS="4", SLURM_STEP_NUM_TASKS="4", SLURM_STEP_TASKS_PER_NODE="2(x2)")
     with pytest.raises(DdpJobError, match="runs one Slurm task per node, but this step has 4 tasks on 2 node"):
-        rendezvous(DistEnv.from_env(two_tasks))
+        rendezvous(DistEnv.from_env(two_tasks), tmp_path)
     with pytest.raises(DdpJobError, match="already rank 1 of 2"):
-        rendezvous(DistEnv.from_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}))
+        rendezvous(DistEnv.from_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}), tmp_path)
     monkeypatch.setenv("MASTER_PORT", "23456")
-    local = rendezvous(DistEnv.from_env({}))
+    local = rendezvous(DistEnv.from_env({}), tmp_path)
     assert (local.nnodes, local.node_rank, local.master_addr, local.master_port) == (1, 0, "127.0.0.1", 23456)
     assert local.run_id == f"local-{os.getpid()}"
+
+
+def test_agents_meet_on_another_port_when_the_derived_one_is_taken(tmp_path):
+    """Another process listens on the job's derived port: node 0's agent takes a free one and publishes it in the run
+    directory, and node 1's agent, which would have guessed the taken one, reads it there."""
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("", derive_master_port(4242, 2)))
+        holder.listen()
+        first = rendezvous(DistEnv.from_env(agent_slurm_env(0, DDPJOB_LAUNCH="2")), tmp_path)
+        second = rendezvous(DistEnv.from_env(agent_slurm_env(1, DDPJOB_LAUNCH="2")), tmp_path, timeout_s=5)
+    assert first.master_port != derive_master_port(4242, 2) and second.master_port == first.master_port
+    assert (tmp_path / "slurm" / "rendezvous" / "4242.1.2").read_text() == f"{first.master_port}\n"
+    with pytest.raises(DdpJobError, match="published no port in .*4242.1.3 within dist.init_timeout_s"):
+        rendezvous(DistEnv.from_env(agent_slurm_env(1, DDPJOB_LAUNCH="3")), tmp_path, timeout_s=0.2)
 
 
 def test_worker_identity_is_torchruns_with_slurms_job():
