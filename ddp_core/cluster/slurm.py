@@ -149,9 +149,11 @@ def exit_text(status: str) -> str:
 
 
 def first_word_state(rows: list[list[str]]) -> str:
-    """The state of a one-column ``State`` answer's first row, first word ('CANCELLED by 0' -> 'CANCELLED'); ''."""
-    words = rows[0][0].split() if rows else []
-    return words[0] if words else ""
+    """The state of a one-column ``State`` answer's first row, first word ('CANCELLED by 0' -> 'CANCELLED'); ''.
+    A job that lost a node and went on without it (``--no-kill``) has a ``RESIZING`` row for the allocation it had
+    before: its state is the row after it."""
+    states = [row[0].split()[0] for row in rows if row and row[0].split()]
+    return next((state for state in states if state != "RESIZING"), states[0] if states else "")
 
 
 def accounting_failure(proc: subprocess.CompletedProcess[str]) -> Optional[str]:

@@ -98,8 +98,10 @@ def decide(
     )
     if decision.outcome is Outcome.RUN_AGAIN:
         # The next step's srun options, for the batch script's loop (its standard output; the logs go to stderr).
+        # --overlap: a step that lost a node never completes there, and Slurm holds its CPUs on the others until
+        # then ("Requested nodes are busy" for ever); its ranks are gone, so the new step shares nothing in use.
         print(f"--nodes={len(decision.nodes)} --ntasks={len(decision.nodes) * tasks_per_node()} "
-              f"--nodelist={','.join(decision.nodes)}")  # fmt: skip
+              f"--nodelist={','.join(decision.nodes)} --overlap")  # fmt: skip
         return exits.ExitCode.RESTART
     return 0 if decision.outcome is Outcome.REQUEUED else status
 

@@ -1,0 +1,122 @@
+"""Recovery inside the allocation (docs/failures.md): a rank killed from outside, or a whole node lost, costs a new job
+step in the same allocation, never a trip through the queue, and the run still ends bitwise equal to an uninterrupted
+one; past slurm.max_restarts, and when the batch node itself dies, the queue is the fallback. Two nodes of partition
+"wide" (n1 and n2 on an idle cluster; n3 weighs more and is the spare); the module takes the cluster alone."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.cli_runner import field, run_cli
+from tests.support.digits import DIGITS, TWO
+from tests.support.helpers import ROOT, digests, events, rank_logs, wait_for
+
+SLURM_LOCAL = str(ROOT / "scripts" / "slurm-local")
+KILLED_ONCE = ["task.target=tests.support.tasks:CrashingTask", "task.data.crash_at=25", "task.data.error=SIGKILL",
+               "task.data.crash_launch=0"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_cluster, tmp_path_factory) -> dict[int, str]:
+    """The uninterrupted 2-node run's weight digests."""
+    proc = run_cli("submit", DIGITS, "--wait", *TWO, cwd=tmp_path_factory.mktemp("reference"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = digests(rank_logs(Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")))
+    assert found[0] == found[1]
+    return found
+
+
+def sacct(job_id: str, fields: str) -> list[str]:
+    return subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-o", fields, "-j", job_id],
+                          capture_output=True, text=True).stdout.split()  # fmt: skip
+
+
+def test_a_killed_rank_restarts_in_the_allocation_ahead_of_a_waiting_job(slurm_cluster, tmp_path, reference):
+    """Rank 1 dies by SIGKILL at its 25th batch while a top-priority job waits for two whole nodes of the partition
+    (n3 and one of the run's): the ranks run again as a new job step of the same allocation from the checkpoint at
+    step 20, the waiting job never gets the run's nodes, and the run ends with the uninterrupted run's weights."""
+    waiting = subprocess.run(
+        ["sbatch", "--parsable", "-p", "wide", "-N", "2", "--exclusive", "--priority=TOP", "-J", "competitor",
+         "-o", str(tmp_path / "competitor.out"), "--begin=now+3", "--wrap", "sleep 1"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert waiting.returncode == 0, waiting.stderr
+    competitor = waiting.stdout.strip()
+    proc = run_cli("submit", DIGITS, "--wait", *TWO, "task.data.crash_rank=1", *KILLED_ONCE, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
+    seen = [(e["event"], e.get("launch")) for e in events(run_dir) if e["event"] not in ("rank_failed",)]
+    assert seen == [("start", 0), ("failure", None), ("restarted", 1), ("start", 1), ("completed", None)], seen
+    [failure] = events(run_dir, "failure")
+    assert failure["kind"] == "infrastructure" and failure["rank"] == 1 and "killed by a signal" in failure["error"]
+    assert {e["restart_count"] for e in events(run_dir, "start")} == {0}  # one attempt: no requeue
+    assert sacct(job_id, "State") == ["COMPLETED"], sacct(job_id, "State")
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    assert "Restarts=0" in shown, shown
+    wait_for(lambda: sacct(competitor, "State") == ["COMPLETED"], 60, "the waiting job to run after the run")
+    [run_end] = sacct(job_id, "End")
+    [competitor_start] = sacct(competitor, "Start")
+    assert competitor_start >= run_end, (competitor_start, run_end)
+    logs = rank_logs(run_dir, job_id)
+    assert "resumed from step_00000020.pt" in logs[0] and digests(logs) == reference, logs
+    status = run_cli("status", str(run_dir), cwd=tmp_path)
+    assert "(infrastructure: restarted in the allocation on n1,n2)" in status.stdout, status.stdout
+
+
+def test_a_spent_restart_budget_falls_back_to_the_queue(slurm_cluster, tmp_path, reference):
+    """The rank on n2 dies at its 25th batch of every job step there: one restart in the allocation
+    (slurm.max_restarts=1); the second failure spends that budget (and, the second on n2, excludes it), so the job
+    is requeued through the queue within slurm.max_failures, off n2, and completes on n1 and n3 with the
+    uninterrupted run's weights."""
+    proc = run_cli(
+        "submit", DIGITS, "--wait", *TWO, "task.target=tests.support.tasks:CrashingTask", "task.data.crash_host=n2",
+        "task.data.crash_at=25", "task.data.error=SIGKILL", "slurm.max_restarts=1", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
+    seen = [(e["event"], e.get("restart_count"), e.get("launch")) for e in events(run_dir)
+            if e["event"] in ("start", "restarted", "requeued", "excluded", "completed")]  # fmt: skip
+    assert seen == [("start", 0, 0), ("restarted", 0, 1), ("start", 0, 1), ("excluded", None, None),
+                    ("requeued", None, None), ("start", 1, 0), ("completed", None, None)], seen  # fmt: skip
+    assert [e["host"] for e in events(run_dir, "excluded")] == ["n2"]
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    assert re.search(r"\bNodeList=n\[1,3\]", shown), shown
+    logs = rank_logs(run_dir, job_id)
+    assert "resumed from step_00000020.pt" in logs[0] and digests(logs) == reference, logs
+
+
+def test_a_dead_node_is_replaced_by_the_spare_without_a_requeue(slurm_cluster, tmp_path, reference):
+    """slurm.spare_nodes=1: the job holds n1, n2 and n3 and its ranks run on n1 and n2. n2 dies whole at rank 1's
+    25th batch (its slurmd and every process on it killed from outside, scripts/slurm-local kill-node): the
+    allocation survives (--no-kill), and the next job step runs on n1 and the spare n3, from the checkpoint at step
+    20, with the uninterrupted run's weights."""
+    halted = tmp_path / "halted"
+    halt = ["task.data.crash_host=n2", "task.data.crash_at=25", "task.data.error=HALT", f"task.data.halt_file={halted}",
+            "task.data.crash_launch=0"]  # fmt: skip
+    cmd = [sys.executable, "-m", "jobs", "submit", DIGITS, "--wait", *TWO, "slurm.spare_nodes=1",
+           "task.target=tests.support.tasks:CrashingTask"]  # fmt: skip
+    proc = subprocess.Popen([*cmd, *halt], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(halted.exists, 120, "rank 1 to reach its 25th batch on n2")
+        killed = subprocess.run([SLURM_LOCAL, "kill-node", "n2"], capture_output=True, text=True, timeout=60)
+        assert killed.returncode == 0, killed.stdout + killed.stderr
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        started = subprocess.run([SLURM_LOCAL, "start-node", "n2"], capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stdout + started.stderr
+    assert proc.returncode == 0, out + err
+    run_dir, job_id = Path(field(out, "run dir")), field(out, "job")
+    seen = [(e["event"], e.get("host")) for e in events(run_dir) if e["event"] not in ("rank_failed",)]
+    assert seen == [("start", None), ("failure", "n2"), ("restarted", None), ("start", None), ("completed", None)]
+    [restarted] = events(run_dir, "restarted")
+    assert restarted["nodes"] == ["n1", "n3"] and restarted["restart_count"] == 0, restarted
+    # Slurm took the dead node out of the allocation (a RESIZING record of the one before) and kept the job running.
+    assert sacct(job_id, "State,NodeList") == ["RESIZING|n[1-3]", "COMPLETED|n[1,3]"], sacct(job_id, "State,NodeList")
+    logs = rank_logs(run_dir, job_id)
+    assert "resumed from step_00000020.pt" in logs[0] and digests(logs) == reference, logs
