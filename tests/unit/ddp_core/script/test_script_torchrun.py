@@ -191,7 +191,7 @@ def test_agents_meet_on_another_port_when_the_derived_one_is_taken(tmp_path):
         second = rendezvous(DistEnv.from_env(agent_slurm_env(1, DDPJOB_LAUNCH="2")), tmp_path, timeout_s=5)
     assert first.master_port != derive_master_port(4242, 2) and second.master_port == first.master_port
     assert (tmp_path / "slurm" / "rendezvous" / "4242.1.2").read_text() == f"{first.master_port}\n"
-    with pytest.raises(DdpJobError, match="published no port in .*4242.1.3 within dist.init_timeout_s"):
+    with pytest.raises(DdpJobError, match=r"published no port in .*4242\.1\.3 within dist\.init_timeout_s"):
         rendezvous(DistEnv.from_env(agent_slurm_env(1, DDPJOB_LAUNCH="3")), tmp_path, timeout_s=0.2)
 
 
