@@ -7,9 +7,11 @@ since the step started and srun's report (``cluster.failures``), and the after-f
 watcher's own, with running again in this allocation allowed) records it in the trial's run directory and decides:
 
 - a user error: ``failed``; the step's code stands, and the worker tells the study the trial failed;
-- infrastructure or unknown, within ``slurm.max_failures`` (health: ``max_health_failures``) of this worker's job
-  (a worker of another job that takes the trial over starts a budget of its own, as ``ddpjob resume`` does): the step
-  runs again in the same allocation and resumes from the trial's checkpoint, unless the failure excludes a node of
+- infrastructure or unknown: the step runs again in the same allocation and resumes from the trial's checkpoint,
+  first as a restart within ``slurm.max_restarts`` (a ``restarted`` event, as the batch script's watcher restarts a
+  single run's step), then within ``slurm.max_failures`` (health: ``max_health_failures``) of this worker's job (a
+  worker of another job that takes the trial over starts a budget of its own, as ``ddpjob resume`` does), unless the
+  failure excludes a node of
   this allocation (``failures.to_exclude``): then the worker's job is requeued off it (``ExcNodeList``, and the
   array's pending workers too), and its next attempt resumes the trial, still bound to it; or, when the partition
   would have too few nodes left without it, ``failed`` and the trial fails.
@@ -27,21 +29,24 @@ import os
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from typing import Optional, Sequence
 
 from ddp_core.cluster import exits
-from ddp_core.cluster.env import DistEnv
+from ddp_core.cluster.env import LAUNCH_VAR, DistEnv
 from ddp_core.cluster.failures import DECIDED, diagnose, srun_task_ends
-from ddp_core.cluster.policy import Outcome, decide_after, nodes_of
+from ddp_core.cluster.policy import Allocation, Outcome, decide_after, nodes_of
 from ddp_core.cluster.slurm import NODE_GATEWAY, JobInfo, SlurmGateway
 from ddp_core.run.rundir import RunDir
 
 log = logging.getLogger("ddp_core")
 
 
-def call(command: Sequence[str]) -> tuple[int, list[str]]:
-    """Run the srun step; its stderr passes through to the worker's, and is kept for srun's report of its tasks."""
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace")
+def call(command: Sequence[str], launch: int = 0) -> tuple[int, list[str]]:
+    """Run the srun step (the trial's ``launch``-th in this attempt: ``DistEnv.launch``); its stderr passes through to
+    the worker's, and is kept for srun's report of its tasks."""
+    environ = {**os.environ, LAUNCH_VAR: str(launch)}
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace", env=environ)
     assert proc.stderr is not None
     lines = []
     for line in proc.stderr:
@@ -52,10 +57,10 @@ def call(command: Sequence[str]) -> tuple[int, list[str]]:
 
 def run(command: Sequence[str], run_dir: RunDir, ending: threading.Event, gateway: SlurmGateway = NODE_GATEWAY) -> int:
     """Run the trial's step, again after each failure the module docstring retries here; returns the last code."""
-    env = DistEnv.from_env()
+    env, launch = DistEnv.from_env(), 0
     while True:
         before = len(run_dir.events())
-        code, stderr = call(command)
+        code, stderr = call(command, launch)
         new = run_dir.events()[before:]
         # Rank 0 decided a requeue inside a container image without scontrol: this worker, outside it, makes it.
         if not ending.is_set() and (made := exits.requeue_deferred(run_dir, env, new, code, gateway)) is not None:
@@ -66,11 +71,16 @@ def run(command: Sequence[str], run_dir: RunDir, ending: threading.Event, gatewa
         failure = diagnose(
             [e for e in new if e["event"] == "rank_failed"], srun_task_ends(stderr), code, max(steps) if steps else None
         )
+        here = tuple(sorted(nodes_of(os.environ.get("SLURM_JOB_NODELIST", ""))))
+        # The trial's steps take the whole allocation: a restart runs on all of it or not at all.
+        allocation = Allocation(here, len(here), len(here), restarts=launch)
+        step_env = replace(env, launch=launch)  # the failed step's: its events, and the restart's count
         decision = decide_after(
-            failure, run_dir, env, gateway, run_dir.load_config().slurm, job=job_of(env, gateway),
-            here=nodes_of(os.environ.get("SLURM_JOB_NODELIST", "")), can_run_again=True,
-            array_job_id=os.environ.get("SLURM_ARRAY_JOB_ID", ""), label=f"trial {run_dir.name}: ",
+            failure, run_dir, step_env, gateway, run_dir.load_config().slurm, job=job_of(env, gateway), here=here,
+            can_run_again=True, array_job_id=os.environ.get("SLURM_ARRAY_JOB_ID", ""),
+            label=f"trial {run_dir.name}: ", allocation=allocation,
         )  # fmt: skip
+        launch += 1
         if decision.outcome is Outcome.REQUEUED:
             return 0  # the worker's job is requeued off an excluded node: Slurm ends this step's worker
         if decision.outcome is not Outcome.RUN_AGAIN:

@@ -38,8 +38,9 @@ def test_a_node_whose_ranks_keep_dying_is_excluded_and_the_run_completes_exactly
     slurm_cluster, tmp_path, reference
 ):
     """Two nodes of partition "wide" (n1-n3; Slurm takes n1 and n2 first, n3 is the spare). Every rank on n2 dies by
-    SIGKILL at its 25th batch of every attempt, as on a node whose processes keep dying: the second failure there
-    excludes n2, and the same job, requeued off it, resumes from its checkpoint on n1 and n3 and ends with the
+    SIGKILL at its 25th batch of every job step, as on a node whose processes keep dying: the first failure restarts
+    the ranks in the allocation (slurm.max_restarts), the second there excludes n2, which the allocation cannot do
+    without (no spare), so the same job, requeued off it, resumes from its checkpoint on n1 and n3 and ends with the
     uninterrupted run's weights."""
     proc = run_cli("submit", DIGITS, "--wait", *TWO, "task.target=tests.support.tasks:CrashingTask",
                    "task.data.crash_host=n2", "task.data.crash_at=25", "task.data.error=SIGKILL",
@@ -48,7 +49,7 @@ def test_a_node_whose_ranks_keep_dying_is_excluded_and_the_run_completes_exactly
     run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
     seen = [(e["event"], e.get("kind"), e.get("host")) for e in events(run_dir) if e["event"] != "rank_failed"]
     assert seen == [
-        ("start", None, None), ("failure", "infrastructure", "n2"), ("requeued", "failure", None),
+        ("start", None, None), ("failure", "infrastructure", "n2"), ("restarted", "infrastructure", None),
         ("start", None, None), ("failure", "infrastructure", "n2"), ("excluded", None, "n2"),
         ("requeued", "failure", None), ("start", None, None), ("completed", None, None),
     ], seen  # fmt: skip

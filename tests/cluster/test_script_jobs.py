@@ -260,7 +260,8 @@ def test_a_plain_script_with_resume_args_survives_a_requeue_and_a_kill(
 ):
     """script.resume_args: a plain script that saves its own checkpoints, given the warning signal on its first
     attempt (it has no handler: ddpjob requeues it) and with a rank killed by SIGKILL on its second
-    (tests/support/resume_script.py), finishes in the same job, resuming from its own checkpoint each time, with the
+    (tests/support/resume_script.py: restarted in that attempt's allocation, a new rendezvous under torchrun too),
+    finishes in the same job, resuming from its own checkpoint each time, with the
     weights of an uninterrupted run. Under torchrun too: its rank 0 worker gets the warning from Slurm as an srun rank
     does, and the agent reports the worker the signal killed."""
     script = str(ROOT / "tests" / "support" / "resume_script.py")
@@ -278,6 +279,8 @@ def test_a_plain_script_with_resume_args_survives_a_requeue_and_a_kill(
     failures = [(e["kind"], e["rank"], e["error"]) for e in events(run_dir, "failure")]
     signal = {"srun": "Killed", "torchrun": "SIGKILL"}[launcher]
     assert failures == [("infrastructure", 1, f"killed by a signal ({signal})")], failures
-    assert [e["restart_count"] for e in events(run_dir, "start")] == [0, 1, 2]
-    assert [e["kind"] for e in events(run_dir, "requeued")] == ["preemption", "failure"]
+    # The warning requeues the job (attempt 1); the kill restarts the ranks in that attempt's allocation (job step 1).
+    assert [(e["restart_count"], e["launch"]) for e in events(run_dir, "start")] == [(0, 0), (1, 0), (1, 1)]
+    assert [e["kind"] for e in events(run_dir, "requeued")] == ["preemption"]
+    assert [(e["restart_count"], e["launch"]) for e in events(run_dir, "restarted")] == [(1, 1)]
     assert "the warning signal (SIGUSR2) came and the script has no handler for it" in ranks

@@ -83,10 +83,12 @@ def test_a_user_error_fails_fast_and_says_where(slurm_cluster, tmp_path):
 
 def test_infrastructure_failures_requeue_within_max_failures(slurm_cluster, tmp_path):
     # Rank 1 is killed by SIGKILL at its 10th batch of every attempt: one requeue (slurm.max_failures=1), then the
-    # budget is spent and the job ends FAILED, saying so.
+    # budget is spent and the job ends FAILED, saying so. No restart inside the allocation (slurm.max_restarts=0): the
+    # queue's budget alone (test_restart_in_allocation shows the two together).
     proc = run_cli(
         "submit", DIGITS, "--wait", *QUICK, "train.max_steps=100000", "task.target=tests.support.tasks:CrashingTask",
         "task.data.crash_rank=1", "task.data.crash_at=10", "task.data.error=SIGKILL", "slurm.max_failures=1",
+        "slurm.max_restarts=0",
         cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode != 0, proc.stdout + proc.stderr

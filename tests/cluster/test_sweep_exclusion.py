@@ -59,9 +59,9 @@ def yaml_seed(config: Path) -> str:
 
 def test_a_search_trial_retries_its_step_then_moves_its_worker_off_the_bad_node(slurm_cluster, tmp_path):
     """An adaptive search's worker runs each trial as an srun step of its allocation (n2 and another node): every
-    rank on n2 dies at its 25th batch of each step. The worker runs the failed step again in place (one failure may
-    be bad luck), and after the second failure there excludes n2 and requeues itself off it; its next attempt, on n1
-    and n3, resumes the trial from its checkpoint, and the search completes both trials."""
+    rank on n2 dies at its 25th batch of each step. The worker restarts the failed step in place (one failure may
+    be bad luck: slurm.max_restarts), and after the second failure there excludes n2 and requeues itself off it; its
+    next attempt, on n1 and n3, resumes the trial from its checkpoint, and the search completes both trials."""
     proc = run_cli("sweep", DIGITS, *TWO, *CRASH, "optim.lr=loguniform(1e-3,1e-2)", "--search", "random",
                    "--trials", "2", "--parallel", "1", "--name", "bad-node-search", cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -75,9 +75,9 @@ def test_a_search_trial_retries_its_step_then_moves_its_worker_off_the_bad_node(
     first = sweep / "t0000"
     seen = [(e["event"], e.get("kind"), e.get("host")) for e in events(first) if e["event"] != "rank_failed"]
     assert seen == [
-        ("start", None, None), ("failure", "infrastructure", "n2"), ("start", None, None),
-        ("failure", "infrastructure", "n2"), ("excluded", None, "n2"), ("requeued", "failure", None),
-        ("start", None, None), ("completed", None, None),
+        ("start", None, None), ("failure", "infrastructure", "n2"), ("restarted", "infrastructure", None),
+        ("start", None, None), ("failure", "infrastructure", "n2"), ("excluded", None, "n2"),
+        ("requeued", "failure", None), ("start", None, None), ("completed", None, None),
     ], seen  # fmt: skip
     assert [e["event"] for e in events(sweep / "t0001")] == ["start", "completed"]
     # One worker is an array of one task (task 0), as the search's every generation is: submitit's array log name.

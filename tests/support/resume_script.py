@@ -4,7 +4,8 @@
 With ``--interrupt``, the test's interruptions come at chosen steps, from inside: on the first attempt rank 0 sends
 the job Slurm's warning signal at step 5 (``scancel --signal=USR2``, as the time limit's warning does), which this
 script has no handler for, so ddpjob requeues the job (SIGTERM ends both ranks); on the second, rank 1 is killed by
-SIGKILL at step 12 (the OOM killer), which the batch script's watcher requeues. The third attempt finishes.
+SIGKILL at step 12 (the OOM killer), after which the batch script restarts the ranks in the same allocation, and
+that job step finishes.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,9 @@ class CrashingTask(DigitsTask):
     ``SIGKILL``, which it sends itself (what the OOM killer or a segfault in a library look like from outside), or
     ``HALT``: it writes ``halt_file`` and waits there for the test to take its whole node down from outside
     (``scripts/slurm-local kill-node``), so the node dies at a chosen step rather than at a raced moment.
-    ``crash_launch``: only in that job step of the job's first attempt (``DDPJOB_LAUNCH``; -1: every one)."""
+    ``crash_launch``: only in that job step of the job's first attempt (``DDPJOB_LAUNCH``; -1: every one).
+    ``crash_rank_by_launch``: in the job's first attempt, job step ``i``'s crashing rank is its ``i``-th item, and
+    the later steps crash nowhere (it replaces ``crash_rank`` and ``crash_launch``)."""
 
     def __init__(
         self,
@@ -41,6 +43,7 @@ class CrashingTask(DigitsTask):
         crash_host: str = "",
         halt_file: str = "",
         crash_launch: int = -1,
+        crash_rank_by_launch: Sequence[int] = (),
         **kwargs: object,
     ) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
@@ -48,6 +51,10 @@ class CrashingTask(DigitsTask):
         self.crash_host, self.halt_file = crash_host, halt_file
         launch = (os.environ.get("SLURM_RESTART_COUNT", "0") or "0", os.environ.get("DDPJOB_LAUNCH", "0"))
         self.armed = crash_launch < 0 or launch == ("0", str(crash_launch))
+        if crash_rank_by_launch:
+            step = int(launch[1])
+            self.armed = launch[0] == "0" and step < len(crash_rank_by_launch)
+            self.crash_rank = crash_rank_by_launch[step] if self.armed else -1
 
     def compute(self, model: nn.Module, batch: tuple) -> Output:
         if model.training:
