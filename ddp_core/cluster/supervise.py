@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -92,7 +93,8 @@ def decide(
     )
     allocation = this_allocation(env, gateway, cfg.slurm, events) if in_allocation and job is not None else None
     if allocation is not None:
-        failure = lost_node(failure, ran_on(env, events, allocation), allocation)
+        first = ran_on(env, events, allocation_order(cfg.slurm), allocation.step_nodes)
+        failure = lost_node(failure, first, allocation)
     decision = decide_after(
         failure, run_dir, env, gateway, cfg.slurm, job=job, array_job_id=array_job_id, allocation=allocation
     )
@@ -111,7 +113,7 @@ def this_allocation(
 ) -> Allocation:
     """The job's allocation as it stands: its nodes that still respond (Slurm's node state), how many a job step
     takes, and the restarts this attempt made."""
-    nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))
+    nodes = allocation_order(slurm)
     live = tuple(n for n in nodes if not down(gateway.show_node(n)))
     step_nodes = len(nodes) - slurm.spare_nodes
     restarts = sum(
@@ -121,6 +123,14 @@ def this_allocation(
     return Allocation(live, step_nodes, min(step_nodes, slurm.min_nodes) if slurm.elastic else step_nodes, restarts)
 
 
+def allocation_order(slurm: SlurmConfig) -> list[str]:
+    """The allocation's nodes in the order job steps take them: with spare nodes the batch node (this one) comes last,
+    a spare the steps use only when no other node is left (``SlurmRequest.first_step_options``)."""
+    nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))
+    here = socket.gethostname()
+    return [n for n in nodes if n != here] + [n for n in nodes if n == here] if slurm.spare_nodes else nodes
+
+
 def down(node: Optional[dict[str, str]]) -> bool:
     """Whether Slurm says a node is gone (DOWN, NOT_RESPONDING: the ``*`` of sinfo); a node it cannot answer for is
     taken as alive, and srun finds out."""
@@ -128,14 +138,14 @@ def down(node: Optional[dict[str, str]]) -> bool:
     return any(word in state for word in ("DOWN", "NOT_RESPONDING", "FAIL"))
 
 
-def ran_on(env: DistEnv, events: list[dict[str, Any]], allocation: Allocation) -> list[str]:
+def ran_on(env: DistEnv, events: list[dict[str, Any]], order: list[str], step_nodes: int) -> list[str]:
     """The nodes of the job step that failed: those its ``restarted`` event chose, else (the attempt's first step)
-    the allocation's first ``step_nodes``, where srun's ``--nodes`` puts it."""
+    the first ``step_nodes`` of the allocation's ``order``, where the first step's srun options put it."""
     for e in reversed(events):
         if e["event"] == "restarted" and e.get("job_id") == env.job_id and e.get("launch") == env.launch:
             if e.get("restart_count") == env.restart_count:
                 return list(e.get("nodes") or [])
-    return expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))[: allocation.step_nodes]
+    return order[:step_nodes]
 
 
 def lost_node(failure: Failure, step_nodes: list[str], allocation: Allocation) -> Failure:

@@ -271,8 +271,11 @@ class SlurmRequest:
             **{k.replace("_", "-"): v for k, v in {**self.where, **self.gpus}.items()},
             "signal": self.signal,
             "requeue": True,
-            # A node that dies does not end the allocation: the batch script's next job step runs without it.
-            "no-kill": True,
+            # With a node to run without (a spare, or fewer for an elastic job), a node that dies does not end the
+            # allocation: the batch script's next job step runs without it. Not otherwise: Slurm (22.05) keeps a
+            # --no-kill job RUNNING, with nothing left in it, when its batch node dies, while without it Slurm ends and
+            # requeues the job (NODE_FAIL), so the batch node's death goes through the queue.
+            **({"no-kill": True} if self.spare_nodes or self.elastic else {}),
             **self.additional,
         }
 
@@ -310,12 +313,13 @@ class SlurmRequest:
         ]
 
     def first_step_options(self) -> str:
-        """srun's options for an attempt's first job step, as shell words: with spare nodes, all but the spares (their
-        count left to Slurm's ``--nodes``); without, none (srun takes the whole allocation)."""
+        """srun's options for an attempt's first job step, as shell words: with spare nodes, all but the spares, and
+        the batch node among the spares (it runs the batch script and its watcher: a rank's failure never takes them
+        down with it); without, none (srun takes the whole allocation)."""
         if not self.spare_nodes:
             return ""
         nodes = f"$((SLURM_JOB_NUM_NODES - {self.spare_nodes}))"
-        return f"--nodes={nodes} --ntasks=$(({nodes} * {self.tasks_per_node}))"
+        return f'--nodes={nodes} --ntasks=$(({nodes} * {self.tasks_per_node})) --exclude="$(hostname)"'
 
     def task_command(self) -> list[str]:
         """What each task runs, before its run directory: ``python -u -m MODULE`` behind the prefix, in the form a

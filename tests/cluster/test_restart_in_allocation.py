@@ -91,10 +91,10 @@ def test_a_spent_restart_budget_falls_back_to_the_queue(slurm_cluster, tmp_path,
 
 
 def test_a_dead_node_is_replaced_by_the_spare_without_a_requeue(slurm_cluster, tmp_path, reference):
-    """slurm.spare_nodes=1: the job holds n1, n2 and n3 and its ranks run on n1 and n2. n2 dies whole at rank 1's
-    25th batch (its slurmd and every process on it killed from outside, scripts/slurm-local kill-node): the
-    allocation survives (--no-kill), and the next job step runs on n1 and the spare n3, from the checkpoint at step
-    20, with the uninterrupted run's weights."""
+    """slurm.spare_nodes=1: the job holds n1, n2 and n3; the batch script runs on n1, which is kept as the spare, and
+    the ranks run on n2 and n3. n2 dies whole at its rank's 25th batch (its slurmd and every process on it killed from
+    outside, scripts/slurm-local kill-node): the allocation survives (--no-kill), and the next job step runs on n3 and
+    the spare n1, from the checkpoint at step 20, with the uninterrupted run's weights."""
     halted = tmp_path / "halted"
     halt = ["task.data.crash_host=n2", "task.data.crash_at=25", "task.data.error=HALT", f"task.data.halt_file={halted}",
             "task.data.crash_launch=0"]  # fmt: skip
@@ -102,7 +102,7 @@ def test_a_dead_node_is_replaced_by_the_spare_without_a_requeue(slurm_cluster, t
            "task.target=tests.support.tasks:CrashingTask"]  # fmt: skip
     proc = subprocess.Popen([*cmd, *halt], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(halted.exists, 120, "rank 1 to reach its 25th batch on n2")
+        wait_for(halted.exists, 120, "the rank on n2 to reach its 25th batch")
         killed = subprocess.run([SLURM_LOCAL, "kill-node", "n2"], capture_output=True, text=True, timeout=60)
         assert killed.returncode == 0, killed.stdout + killed.stderr
         out, err = proc.communicate(timeout=300)
@@ -115,7 +115,9 @@ def test_a_dead_node_is_replaced_by_the_spare_without_a_requeue(slurm_cluster, t
     seen = [(e["event"], e.get("host")) for e in events(run_dir) if e["event"] not in ("rank_failed",)]
     assert seen == [("start", None), ("failure", "n2"), ("restarted", None), ("start", None), ("completed", None)]
     [restarted] = events(run_dir, "restarted")
-    assert restarted["nodes"] == ["n1", "n3"] and restarted["restart_count"] == 0, restarted
+    assert restarted["nodes"] == ["n3", "n1"] and restarted["restart_count"] == 0, restarted
+    starts = [(e["launch"], e["nodes"]) for e in events(run_dir, "start")]
+    assert starts == [(0, 2), (1, 2)], starts
     # Slurm took the dead node out of the allocation (a RESIZING record of the one before) and kept the job running.
     assert sacct(job_id, "State,NodeList") == ["RESIZING|n[1-3]", "COMPLETED|n[1,3]"], sacct(job_id, "State,NodeList")
     logs = rank_logs(run_dir, job_id)

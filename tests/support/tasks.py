@@ -63,6 +63,8 @@ class CrashingTask(DigitsTask):
             chosen = socket.gethostname() == self.crash_host if self.crash_host else rank == self.crash_rank
             if chosen and self.armed and self.batches == self.crash_at:
                 if self.error == "SIGKILL":
+                    if self.halt_file:  # when the kill came, for a benchmark's clock (bench/restart.py)
+                        Path(self.halt_file).write_text(f"{time.time():.3f}\n")
                     os.kill(os.getpid(), signal.SIGKILL)
                 if self.error == "HALT":
                     Path(self.halt_file).write_text(f"{socket.gethostname()} rank {rank} at batch {self.batches}\n")

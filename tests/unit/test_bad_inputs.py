@@ -144,6 +144,8 @@ ROWS: list[Row] = [
     refused("signal_lead_past_limit", "slurm.signal_lead_s=1800", "below the time limit (1800 s)"),
     refused("max_timeouts_negative", "slurm.max_timeouts=-1", "'slurm.max_timeouts' = -1 is invalid"),
     refused("max_preemptions_negative", "slurm.max_preemptions=-1", "'slurm.max_preemptions' = -1 is invalid"),
+    refused("max_restarts_negative", "slurm.max_restarts=-1", "'slurm.max_restarts' = -1 is invalid"),
+    refused("spare_nodes_negative", "slurm.spare_nodes=-1", "'slurm.spare_nodes' = -1 is invalid"),
     refused("array_parallelism_zero", "slurm.array_parallelism=0", "'slurm.array_parallelism' = 0 is invalid"),
     refused("pipeline_stages_zero", "strategy={name: pipeline, stages: 0}", "'strategy.stages' = 0 is invalid"),
     refused("pipeline_microbatches", "strategy={name: pipeline, microbatches: 3}", "'strategy.microbatches' = 3"),

@@ -149,8 +149,9 @@ def run_step(run: RunDir, slurm: Slurm, tmp_path: Path) -> int:
 
 
 def test_a_trial_step_runs_again_within_its_workers_own_budget(tmp_path, worker):
-    """The trial failed under another worker's job before: those failures spend that job's budget, not this one's."""
-    run, slurm = run_dir(tmp_path, "slurm.max_failures=1"), Slurm()
+    """The trial failed under another worker's job before: those failures spend that job's budget, not this one's.
+    No restart budget (slurm.max_restarts=0): the step runs again within slurm.max_failures."""
+    run, slurm = run_dir(tmp_path, "slurm.max_failures=1", "slurm.max_restarts=0"), Slurm()
     run.log_event("failure", **failure_event("49", "n3"))
     assert run_step(run, slurm, tmp_path) == 0  # ran again, and succeeded
     assert events(run)[-1] == ("failure", "n2") and slurm.asked() == []

@@ -139,7 +139,7 @@ def test_a_users_jobs_py_or_ddp_core_py_does_not_shadow_the_batch_scripts_comman
     text = template_script(cfg, RUN, python=sys.executable)
     setup = text.split("# >>> ddpjob setup\n")[1].split("# <<< ddpjob setup\n")[0]
     prepare = next(line for line in text.splitlines() if " jobs prepare " in line)
-    srun = text[text.index("\nsrun ") :]
+    srun = text[text.index("\nddpjob_steps srun ") :]
     script = f"""{setup}
 trap - EXIT
 set -e
@@ -160,7 +160,11 @@ RUN_DIR=--help
     assert "watch 3" in out and "begin 0" in out  # the watcher's own answers: 3 back for no run directory, go on
     assert "usage: python -m ddp_core" in out  # the srun line's task ran ddpjob's trainer entry
     # The submitted script's task command (submitit's job entry, on --help for a folder) and torchrun's workers'
-    task = next(line for line in run_script(cfg, RUN, python=sys.executable).splitlines() if line.startswith("srun "))
+    task = next(
+        line
+        for line in run_script(cfg, RUN, python=sys.executable).splitlines()
+        if line.startswith("ddpjob_steps srun ")
+    )
     entry = shlex.split(task)[shlex.split(task).index(sys.executable) :][:-1]
     for command in ([*entry, "--help"], [sys.executable, "-u", *python_m.words("ddp_core.script"), "--help"]):
         proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=60)

@@ -1,0 +1,120 @@
+"""Restarts inside the allocation (ddp_core.cluster.policy's ``Allocation``, the batch script's watcher
+``cluster.supervise --in-allocation``): which failures restart where, what they spend, and what the watcher hands the
+batch script's loop of job steps.
+
+Slurm's answers come from a fabricated gateway (tests/unit/ddp_core/cluster/test_failure_policy.py's); the jobs that
+restart for real, on the local cluster, are in tests/cluster/test_restart_in_allocation.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from ddp_core.cluster import supervise
+from ddp_core.cluster.env import DistEnv
+from ddp_core.cluster.exits import ExitCode
+from ddp_core.cluster.failures import Failure, Kind, attempt_events
+from ddp_core.cluster.policy import Allocation, Outcome
+from ddp_core.cluster.slurm import SlurmGateway
+from tests.unit.ddp_core.cluster.test_failure_policy import Slurm, decide, events, failure_event, run_dir
+
+TWO_OF_THREE = Allocation(live=("n1", "n2", "n3"), step_nodes=2, fewest=2, restarts=0)
+
+
+def test_a_failure_restarts_in_the_allocation_without_spending_the_requeue_budget(tmp_path):
+    run, slurm = run_dir(tmp_path, "slurm.max_failures=0"), Slurm()
+    decision = decide(run, slurm, allocation=TWO_OF_THREE)
+    assert (decision.outcome, decision.nodes) == (Outcome.RUN_AGAIN, ("n1", "n2"))
+    assert events(run) == [("failure", "n2"), ("restarted", "infrastructure")] and slurm.asked() == []
+    restarted = run.events()[-1]
+    assert (restarted["launch"], restarted["count"], restarted["step"], restarted["nodes"]) == (1, 1, 40, ["n1", "n2"])
+    # Its budget spent, the next failure (on another node: nothing excluded) goes through the queue, and the one the
+    # restart took did not count against slurm.max_failures=0: the requeue is this failure's, the first of the budget.
+    spent = Allocation(TWO_OF_THREE.live, 2, 2, restarts=3)
+    other = Failure(Kind.infrastructure, 0, "n1", 45, "killed by a signal (Killed)")
+    decision = decide(run, slurm, other, allocation=spent)
+    assert (decision.outcome, decision.code) == (Outcome.STOPPED, ExitCode.BUDGET_SPENT)
+    assert "after 1 failure (slurm.max_failures=0)" in run.events()[-1]["reason"]
+
+
+def test_max_restarts_zero_always_requeues(tmp_path):
+    run, slurm = run_dir(tmp_path, "slurm.max_restarts=0"), Slurm()
+    assert decide(run, slurm, allocation=TWO_OF_THREE).outcome is Outcome.REQUEUED
+    assert slurm.asked() == [("scontrol", "requeue", "57")]
+
+
+def test_a_dead_node_is_replaced_by_a_spare_and_a_node_failing_twice_by_another(tmp_path):
+    run, slurm = run_dir(tmp_path, "slurm.spare_nodes=1"), Slurm()
+    lost_n2 = Allocation(live=("n1", "n3"), step_nodes=2, fewest=2, restarts=0)
+    assert decide(run, slurm, allocation=lost_n2).nodes == ("n1", "n3")
+    # A second infrastructure failure on n2 excludes it: the step runs on the live nodes the run does not exclude.
+    run2, slurm2 = run_dir(tmp_path / "2", "slurm.spare_nodes=1"), Slurm()
+    run2.log_event("failure", **failure_event("57", "n2"))
+    decision = decide(run2, slurm2, allocation=TWO_OF_THREE)
+    assert (decision.outcome, decision.nodes) == (Outcome.RUN_AGAIN, ("n1", "n3"))
+    assert events(run2)[-3:] == [("failure", "n2"), ("excluded", "n2"), ("restarted", "infrastructure")]
+    assert slurm2.asked() == []
+
+
+def test_without_a_spare_a_lost_node_requeues_unless_the_job_is_elastic(tmp_path):
+    fixed = Allocation(live=("n1",), step_nodes=2, fewest=2, restarts=0)
+    run, slurm = run_dir(tmp_path), Slurm()
+    assert decide(run, slurm, allocation=fixed).outcome is Outcome.REQUEUED
+    # slurm.nodes=1-2: the job goes on with the one node left (the trainer keeps the global batch).
+    elastic = Allocation(live=("n1",), step_nodes=2, fewest=1, restarts=0)
+    run2, slurm2 = run_dir(tmp_path / "2", "slurm.nodes=1-2"), Slurm()
+    assert decide(run2, slurm2, allocation=elastic).nodes == ("n1",) and slurm2.asked() == []
+
+
+def test_a_user_error_is_never_restarted(tmp_path):
+    run, slurm = run_dir(tmp_path), Slurm()
+    bad = Failure(Kind.user, 1, "n2", 40, "ValueError: bad batch")
+    assert decide(run, slurm, bad, allocation=TWO_OF_THREE).outcome is Outcome.FAILED
+    assert [e for e, _ in events(run)] == ["failure", "failed"]
+
+
+class Allocated(Slurm):
+    """The fabricated cluster, with n2 down."""
+
+    def answer(self, cmd: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+        if cmd[:3] == ("scontrol", "show", "node"):
+            self.calls.append(tuple(cmd))
+            state = "DOWN+NOT_RESPONDING" if cmd[-1] == "n2" else "ALLOCATED"
+            return subprocess.CompletedProcess(cmd, 0, f"NodeName={cmd[-1]} State={state}\n", "")
+        return super().answer(cmd)
+
+
+@pytest.fixture
+def batch(monkeypatch):
+    """The batch script's environment: a 3-node allocation, 1 task per node."""
+    for name, value in {"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_NTASKS_PER_NODE": "1"}.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_the_watcher_hands_the_loop_the_next_steps_nodes(tmp_path, batch, capsys):
+    """srun's report says only that the step ended; n2 is down: the failure is n2's, and the next step runs on n1 and
+    the spare n3 (the options the batch script's loop puts before srun's own)."""
+    run, slurm = run_dir(tmp_path, "slurm.nodes=2", "slurm.spare_nodes=1", "slurm.tasks_per_node=1"), Allocated()
+    log = tmp_path / "batch.err"
+    log.write_text("ddpjob: attempt 0 of job 57 started on n1\nsrun: error: Node failure on n2\n")
+    env = DistEnv(job_id="57", slurm_job_id="57")
+    code = supervise.decide(run, log, 1, env, SlurmGateway(slurm.answer), in_allocation=True)
+    assert code == ExitCode.RESTART
+    assert capsys.readouterr().out.split() == ["--nodes=2", "--ntasks=2", "--nodelist=n1,n3", "--overlap"]
+    [failure] = [e for e in run.events() if e["event"] == "failure"]
+    assert (failure["kind"], failure["host"]) == ("infrastructure", "n2") and "n2 stopped responding" in failure[
+        "error"
+    ]
+    # Without --in-allocation (the EXIT trap's call: no loop to run another step) the job is requeued.
+    run2 = run_dir(tmp_path / "2", "slurm.nodes=2", "slurm.spare_nodes=1")
+    assert supervise.decide(run2, log, 1, env, SlurmGateway(slurm.answer)) == ExitCode.OK
+    assert ("scontrol", "requeue", "57") in slurm.calls
+
+
+def test_the_next_step_numbers_its_own_events(tmp_path):
+    """A restarted step's ``rank_failed`` events are its own: the watcher of step 1 does not read step 0's."""
+    old = {"event": "rank_failed", "job_id": "57", "restart_count": 0, "launch": 0, "kind": "user"}
+    new = {"event": "rank_failed", "job_id": "57", "restart_count": 0, "launch": 1, "kind": "infrastructure"}
+    assert attempt_events([old, new], DistEnv(job_id="57", launch=1)) == [new]
