@@ -297,9 +297,9 @@ class SlurmConfig:
     # cannot run them: too few live nodes), the job is requeued within slurm.max_failures (docs/failures.md). 0: always
     # requeue.
     max_restarts: int = 3
-    # Nodes allocated beyond those the ranks need and kept idle: a node that dies or keeps failing is replaced by one of
-    # them for the next job step, with no requeue (docs/failures.md). Jobs are submitted with --no-kill, so a node's
-    # death does not end the allocation.
+    # Nodes allocated beyond those the ranks need and kept idle (the batch node among them): a node that dies or keeps
+    # failing is replaced by one of them for the next job step, with no requeue (docs/failures.md). Such jobs (and
+    # elastic ones) are submitted with --no-kill, so a node's death does not end the allocation.
     spare_nodes: int = 0
     # A shell command each node's first rank runs before an attempt's first step (e.g. a site's node check); a
     # non-zero exit excludes the node and requeues the job (docs/failures.md). Its output goes to the rank's log.
