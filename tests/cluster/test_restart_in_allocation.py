@@ -5,6 +5,7 @@ one; past slurm.max_restarts, and when the batch node itself dies, the queue is 
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,21 @@ def test_a_dead_node_is_replaced_by_the_spare_without_a_requeue(slurm_cluster, t
     assert sacct(job_id, "State,NodeList") == ["RESIZING|n[1-3]", "COMPLETED|n[1,3]"], sacct(job_id, "State,NodeList")
     logs = rank_logs(run_dir, job_id)
     assert "resumed from step_00000020.pt" in logs[0] and digests(logs) == reference, logs
+
+
+def test_a_taken_rendezvous_port_is_replaced_by_one_the_ranks_agree_on(slurm_cluster, tmp_path):
+    """Another process listens on the port the job's ranks would meet on (here: the one its MASTER_PORT names, as a
+    job sharing the node whose id maps to the same port would): rank 0 listens on a free port instead and publishes
+    it in the run directory, rank 1 reads it there, and the job completes."""
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        proc = run_cli("submit", DIGITS, "--wait", *TWO, f"slurm.setup=['export MASTER_PORT={taken}']", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
+    published = int((run_dir / "slurm" / "rendezvous" / f"{job_id}.0.0").read_text())
+    logs = rank_logs(run_dir, job_id)
+    assert published != taken and f"rendezvous port {taken} is in use on n1: listening on {published}" in logs[0]
+    assert f"master n1:{taken}" in logs[1]  # its derived port, as logged before it read the published one
