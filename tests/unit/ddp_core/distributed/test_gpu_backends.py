@@ -62,7 +62,7 @@ def test_cuda_branch_builds_gloo_and_nccl(monkeypatch):
     assert calls["timeout"] == timedelta(seconds=90)
     assert isinstance(calls["store"], Store)
     assert calls["tcp_store"] == ("n1", 23456, 4, False, timedelta(seconds=900), False)
-    assert calls["signed_in"][0] == "ddpjob/0/arrived/3"
+    assert calls["signed_in"][0] == "ddpjob/0/0/arrived/3"  # attempt 0, job step 0
     assert groups.backend_spec(cuda=False) == "gloo"
 
 
