@@ -51,7 +51,7 @@ class Costs:
     save_s: float = 1.484  # bench/README: a synchronous full save of 1.2 GB on one H200 (async: 0.004)
     local_every_steps: int = 0  # checkpoint.local_every_steps; 0: no local tier
     local_save_s: float = 0.021  # bench/README: an async save's whole cost to training (one H200), as the tier's copy
-    detect_s: float = 1.0  # placeholder: a rank's death to the watcher's decision (0.3-0.5 s on the local cluster)
+    detect_s: float = 1.0  # placeholder: a rank's death to the watcher's decision (0.3 s locally: bench/soak.py)
     startup_s: float = 4.9  # bench/README: launch -> first step, 2 ranks (the 2-core VM); 8,000 ranks: more
     relaunch_s: float = 5.0  # placeholder: the decision -> the new job step's ranks start, in the allocation
     queue_s: float = 3600.0  # placeholder: a requeued 1,000-node job's wait for nodes
@@ -247,19 +247,19 @@ def simulate(costs: Costs, policy: Policy, scale: Scale, runs: int, seed: int) -
     return mean
 
 
-POLICIES = (
-    Policy("requeue (today: slurm.max_restarts=0)"),
-    Policy("in-allocation restart, 0 spares", True, 0),
-    Policy("in-allocation restart, 1 spare", True, 1),
-    Policy("in-allocation restart, 4 spares", True, 4),
-)
+def policies(spares: Sequence[int] = (0, 1, 4)) -> list[Policy]:
+    """Today's requeue path, and in-allocation restart with each count of spare nodes."""
+    return [Policy("requeue (today: slurm.max_restarts=0)")] + [
+        Policy(f"in-allocation restart, {n} spare{'s' * (n != 1)}", True, n) for n in spares
+    ]
 
 
-def policy_table(costs: Costs, scale: Scale, runs: int, seed: int) -> str:
+def policy_table(costs: Costs, scale: Scale, runs: int, seed: int, spares: Sequence[int]) -> str:
     head = ["policy", "goodput", "checkpoints", "trained again", "start-up", "restarts", "queue", "spares idle",
             "failures", "requeues", "restarts in allocation"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|---|" + "--:|" * (len(head) - 1)]
-    for policy in (*POLICIES, Policy("in-allocation restart, 1 spare, slurm.max_restarts=3", True, 1, 3)):
+    budget = Policy(f"in-allocation restart, {spares[-1]} spares, slurm.max_restarts=3", True, spares[-1], 3)
+    for policy in (*policies(spares), budget):
         o = simulate(costs, policy, scale, runs, seed)
         shares = " | ".join(f"{100 * o.share(t):.2f}%" for t in (*TERMS[1:], "spares"))
         counts = f"{o.failures} | {o.requeues} | {o.restarts}"
@@ -267,17 +267,18 @@ def policy_table(costs: Costs, scale: Scale, runs: int, seed: int) -> str:
     return "\n".join(lines)
 
 
-def queue_table(costs: Costs, scale: Scale, runs: int, seed: int, waits: Sequence[float]) -> str:
-    lines = ["| queue wait | " + " | ".join(p.name for p in POLICIES) + " |", "|---|" + "--:|" * len(POLICIES)]
+def queue_table(costs: Costs, scale: Scale, runs: int, seed: int, waits: Sequence[float], spares: Sequence[int]) -> str:
+    compared = policies(spares)
+    lines = ["| queue wait | " + " | ".join(p.name for p in compared) + " |", "|---|" + "--:|" * len(compared)]
     for wait in waits:
         waited = dataclasses.replace(costs, queue_s=wait)
-        cells = [f"{100 * simulate(waited, p, scale, runs, seed).goodput:.2f}%" for p in POLICIES]
+        cells = [f"{100 * simulate(waited, p, scale, runs, seed).goodput:.2f}%" for p in compared]
         lines.append(f"| {_hours(wait)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def tier_table(costs: Costs, scale: Scale, runs: int, seed: int, every: Sequence[int], local: Sequence[int]) -> str:
-    policy = POLICIES[2]
+    policy = Policy("in-allocation restart, 1 spare", True, 1)
     lines = [f"| every_steps \\ local_every_steps ({policy.name}) | " + " | ".join(str(n or "off") for n in local)
              + " |", "|---|" + "--:|" * len(local)]  # fmt: skip
     for d in every:
@@ -317,6 +318,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     for f in dataclasses.fields(Scale):
         p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    p.add_argument("--spares", type=int, nargs="+", default=[0, 1, 4], help="in-allocation restart's spare nodes")
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--queue-waits", type=float, nargs="+", default=[0, 300, 1800, 3600, 4 * 3600, 12 * 3600])
@@ -328,9 +330,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     runs, seed = args["runs"], args["seed"]
     print(header(costs, scale, runs, seed), end="\n\n")
     print(f"Policies (queue wait {_hours(costs.queue_s)}): each term's share of the node-time held\n")
-    print(policy_table(costs, scale, runs, seed), end="\n\n")
+    print(policy_table(costs, scale, runs, seed, args["spares"]), end="\n\n")
     print("Goodput by queue wait after a requeue\n")
-    print(queue_table(costs, scale, runs, seed, args["queue_waits"]), end="\n\n")
+    print(queue_table(costs, scale, runs, seed, args["queue_waits"], args["spares"]), end="\n\n")
     print("Goodput by durable interval (rows) and node-local interval (columns), in steps\n")
     print(tier_table(costs, scale, runs, seed, args["every"], args["local"]))
     return 0
