@@ -33,6 +33,7 @@ goodput = training / total. Records without a time (``t`` in events, ``time`` in
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
@@ -160,11 +161,11 @@ def _launches(events: list[Record], rows: list[Record]) -> list[_Launch]:
             job = launches[-1].start.get("job_id") == start.get("job_id")
             launches[-1].ended_by = "allocation" if restarted else "requeue" if job else "job"
         launches.append(_Launch(start, after, [], min(first if begin is None else begin, first), first))
+    rows = sorted(rows, key=lambda r: r["time"])
+    times = [r["time"] for r in rows]
     for k, launch in enumerate(launches):
-        until = launches[k + 1].first if k + 1 < len(launches) else None
-        launch.rows = [
-            r for r in rows if launch.first <= (_t(r, "time") or 0.0) and (until is None or r["time"] < until)
-        ]
+        until = bisect.bisect_left(times, launches[k + 1].first) if k + 1 < len(launches) else len(rows)
+        launch.rows = rows[bisect.bisect_left(times, launch.first) : until]
     return launches
 
 
