@@ -9,9 +9,11 @@ from __future__ import annotations
 import html
 from typing import Any, Optional
 
+from ddp_core.run.rundir import RunDir
 from jobs.report import figures
 from jobs.report.table import fmt, label, metric_keys, rerun_command, resume_command, value_text
 from jobs.report.trials import NO_METRICS, Sweep, Trial
+from jobs.runs import goodput
 
 TOP_K = 10
 CSS = """body{font:14px system-ui,sans-serif;margin:1.5em;color:#222;max-width:1400px}
@@ -107,9 +109,6 @@ def _hyperparameter_charts(sweep: Sweep) -> list[str]:
 def _goodput(sweep: Sweep) -> str:
     """One run's goodput (``jobs.runs.goodput``): each term's time and share, and what it counts; empty for a sweep
     or a run that has not started."""
-    from ddp_core.run.rundir import RunDir
-    from jobs.runs import goodput
-
     measured = goodput.of_run(RunDir(sweep.trials[0].path)) if sweep.kind == "run" and sweep.trials else None
     if measured is None:
         return ""
