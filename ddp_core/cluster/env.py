@@ -10,7 +10,9 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from ddp_core.errors import DdpJobError
@@ -282,3 +284,17 @@ def expand_tasks_per_node(spec: str) -> list[int]:
             raise DdpJobError(f"cannot parse Slurm tasks-per-node {spec!r}")
         counts.extend([int(match[1])] * int(match[2] or 1))
     return counts
+
+
+def process_started() -> Optional[float]:
+    """When this process started (epoch seconds, to ~10 ms), from Linux's /proc: the moment srun (or torchrun) launched
+    this rank, before its imports. None where /proc cannot say. A rank's ``start`` event records it, so a run's
+    goodput tells the launch's start-up apart from the queue before it (``jobs.runs.goodput``)."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        # Field 22 (starttime, clock ticks after boot); the fields after the ")" of the command's name start at 3.
+        ticks = int(stat.rpartition(")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK")), 3)

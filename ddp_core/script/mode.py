@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Optional, Sequence
 
 from ddp_core.cluster import exits, failures, health, rendezvous, signals
-from ddp_core.cluster.env import DistEnv
+from ddp_core.cluster.env import DistEnv, process_started
 from ddp_core.cluster.exits import ExitCode, after_submitit, leave, without_result
 from ddp_core.cluster.log import log_failure, setup_logging
 from ddp_core.cluster.preemption import back_in_queue
@@ -307,6 +307,7 @@ def _run(run_dir_arg: str) -> int:
                 job_id=env.job_id,
                 restart_count=env.restart_count,
                 launch=env.launch,
+                launched=process_started(),  # where this launch's start-up began (jobs.runs.goodput)
                 step=None,
                 world_size=env.world_size,
                 nodes=env.num_nodes,  # what Slurm gave this attempt: an elastic job's varies

@@ -28,7 +28,7 @@ import torch
 from ddp_core.checkpoint.manager import CheckpointManager
 from ddp_core.checkpoint.train_state import Carried, TrainState
 from ddp_core.cluster import health, rendezvous
-from ddp_core.cluster.env import DistEnv
+from ddp_core.cluster.env import DistEnv, process_started
 from ddp_core.cluster.preemption import StopFlag
 from ddp_core.config import Config, Precision, to_dict
 from ddp_core.config.batch import grad_accum
@@ -165,6 +165,7 @@ class Trainer:
                 nodes=self.env.num_nodes,  # what Slurm gave this attempt: an elastic job's varies (slurm.nodes MIN-MAX)
                 global_batch=self.data.step_samples,
                 grad_accum=self.grad_accum,
+                launched=process_started(),  # this rank's process began: the launch's start-up is from here
             )
             log.info(
                 "global batch %d = %d samples x %d micro-batches x %d replicas",

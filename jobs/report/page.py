@@ -1,6 +1,7 @@
 """``report.html``: one self-contained page (plotly.js inline, no CDN, no external file) that answers what a sweep
 was for: the best trial and the commands that rerun or resume it, the metric against each swept key, parallel
-coordinates and importances, the top trials, curves over steps, and every trial with its state.
+coordinates and importances, the top trials, curves over steps, and every trial with its state; a single run's page
+also says where its time went (its goodput, ``jobs.runs.goodput``).
 """
 
 from __future__ import annotations
@@ -8,9 +9,11 @@ from __future__ import annotations
 import html
 from typing import Any, Optional
 
+from ddp_core.run.rundir import RunDir
 from jobs.report import figures
 from jobs.report.table import fmt, label, metric_keys, rerun_command, resume_command, value_text
 from jobs.report.trials import NO_METRICS, Sweep, Trial
+from jobs.runs import goodput
 
 TOP_K = 10
 CSS = """body{font:14px system-ui,sans-serif;margin:1.5em;color:#222;max-width:1400px}
@@ -103,6 +106,25 @@ def _hyperparameter_charts(sweep: Sweep) -> list[str]:
     return parts
 
 
+def _goodput(sweep: Sweep) -> str:
+    """One run's goodput (``jobs.runs.goodput``): each term's time and share, and what it counts; empty for a sweep
+    or a run that has not started."""
+    measured = goodput.of_run(RunDir(sweep.trials[0].path)) if sweep.kind == "run" and sweep.trials else None
+    if measured is None:
+        return ""
+    rows = "".join(
+        f"<tr><td>{html.escape(label)}</td><td>{goodput.duration(measured.seconds[term])}</td>"
+        f"<td>{100 * measured.share(term):.1f}%</td><td>{html.escape(measured.counts(term))}</td>"
+        f'<td class="text">{html.escape(what)}</td></tr>'
+        for term, label, what in goodput.TERMS
+    )
+    head = "".join(f"<th>{h}</th>" for h in ("", "time", "share", "count", "what it is"))
+    return (
+        f'<h2>Goodput</h2><p class="goodput">{html.escape(measured.line())}</p>'
+        f'<table class="goodput"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>'
+    )
+
+
 def render(sweep: Sweep, title: str, search_lines: list[str]) -> str:
     from plotly.offline import get_plotlyjs  # plotly.js, inlined: the page works offline
 
@@ -126,7 +148,7 @@ def render(sweep: Sweep, title: str, search_lines: list[str]) -> str:
     every = _table(sweep, ranked, best, False)
     if sweep.keys:
         every = f"<details><summary>all {len(ranked)} trials</summary>{every}</details>"
-    parts += ["<h2>Every trial</h2>" if sweep.kind != "run" else "", every]
+    parts += ["<h2>Every trial</h2>" if sweep.kind != "run" else "", every, _goodput(sweep)]
     body = "\n".join(p for p in parts if p)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title><style>{CSS}</style>

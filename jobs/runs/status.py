@@ -4,7 +4,8 @@ A row per run joins what the run directory says (run.json's job ids, attempts.js
 manifests, and for script mode the script from config.yaml) with Slurm's accounting. A refresh asks ``sacct`` once for
 every job of every row (``-D`` lists each requeued attempt of a job as its own line), never once per job: a sweep of a
 thousand trials is one call. Which runs a command is about, and their jobs, is ``jobs.runs.listing``, shared with
-``ddpjob logs`` and ``ddpjob cancel`` (``jobs.runs.logs``).
+``ddpjob logs`` and ``ddpjob cancel`` (``jobs.runs.logs``). Under one run's table: the code its attempts import and its
+goodput, where its time went (``jobs.runs.goodput``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ddp_core.cluster.slurm import Runner
 from ddp_core.errors import DdpJobError
-from jobs.runs import notes
+from jobs.runs import goodput, notes
 from jobs.runs.attempts import Attempt, in_array_range, job_attempts
 from jobs.runs.listing import DEFAULT_ROOT, Job, query_ids, run_jobs, runs_to_show, shown_path
 from jobs.runs.ranking import ranking_metric
@@ -323,6 +324,8 @@ def status_text(
         text += f"\n{rows[0].no_accounting}"
     if len(rows) == 1 and not is_sweep:
         text += f"\ncode: {_code_line(rows[0].run)}"
+        if (measured := goodput.measure(rows[0].events, rows[0].run.metrics())) is not None:
+            text += f"\n{measured.line()}"
     if best is not None:
         text += f"\n* best by {metric}: {shown_path(best.run.path)} = {best.metric:.6g}"
     if study is not None:

@@ -1,5 +1,9 @@
 """Rank bootstrap from SLURM, torchrun, submitit-local and single-process environments."""
 
+import subprocess
+import sys
+import time
+
 import pytest
 
 from ddp_core.cluster.env import DistEnv, derive_master_port, expand_nodelist, expand_tasks_per_node
@@ -129,3 +133,12 @@ def test_hand_exported_rank_variables_under_srun_keep_slurms_local_rank():
 def test_malformed_nodelists_are_project_errors(nodelist):
     with pytest.raises(DdpJobError, match="nodelist"):
         expand_nodelist(nodelist)
+
+
+def test_process_started_is_when_the_process_began():
+    # A fresh interpreter's start, from /proc: after the spawn, before its imports finish (to the kernel's 10 ms ticks).
+    code = "import time; from ddp_core.cluster.env import process_started; print(process_started(), time.time())"
+    spawned = time.time()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    started, imported = map(float, out.split())
+    assert spawned - 0.05 <= started <= imported

@@ -22,9 +22,11 @@ from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
 from jobs import cli
 from jobs.report import PNG_SIZE, write_report, write_table
+from jobs.runs import goodput
 from jobs.runs.lookup import find_runs
 from jobs.sweeps.record import infer_scale
 from tests.support import browser
+from tests.support.goodput import restarted_in_allocation, write_run
 from tests.support.helpers import ROOT
 from tests.support.report_pages import figures, png_panels
 
@@ -176,6 +178,17 @@ def test_single_run_report_and_out_dir(sweep: Path, tmp_path: Path):
     assert all([t["name"] for t in c["data"]] == ["★ lr-1e-3 (running)"] for c in charts.values())
     assert "<td>lr-1e-3" in best_rows(page)[0]
     assert not (sweep / "report.html").exists()
+
+
+def test_single_run_report_says_its_goodput(sweep: Path, tmp_path: Path):
+    run = write_run(tmp_path / "run", *restarted_in_allocation())
+    page = write_report(run)[1].read_text()
+    measured = goodput.of_run(RunDir(run))
+    assert measured is not None and page.count("<h2>Goodput</h2>") == 1
+    assert f'<p class="goodput">{measured.line()}</p>' in page
+    cells = re.findall(r"<tr><td>steps trained again</td><td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td>", page)
+    assert cells == [("5.6s", "13.3%", "14 steps")]
+    assert "<h2>Goodput</h2>" not in write_report(sweep)[1].read_text()  # a folder of runs: each run has its own
 
 
 def test_empty_run_still_reports(sweep: Path):
