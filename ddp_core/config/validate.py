@@ -153,8 +153,7 @@ def _validate_ranges(cfg: Config) -> None:
 
 
 def _validate_time_limit(cfg: Config) -> None:
-    """The warning signal and the deadline stop: each lead below the time limit (``slurm.time_min``), or the stop
-    would come before the job starts (Slurm rejects a signal's lead past the limit itself, at sbatch)."""
+    """The warning signal, and each lead before the time limit (the signal's, the deadline stop's) below that limit."""
     s = cfg.slurm
     _require(
         not s.sends_signal or str(s.signal).upper().removeprefix("SIG") in {"USR1", "USR2"},

@@ -58,7 +58,9 @@ def test_without_a_signal_the_job_saves_and_requeues_itself_before_its_time_limi
     assert first["state"] == "REQUEUED" and last["state"] == "COMPLETED", (first, last)
     end = datetime.fromisoformat(first["start"]).timestamp() + 60
     left = end - events(run_dir, "requeued")[0]["t"]
-    assert 0 < left < 60, f"requeued {left:.1f} s before the time limit"
+    # About slurm.deadline_margin_s (30 s) before it: the save and the requeue take it from there, and sacct's
+    # whole seconds put the end up to 1 s early.
+    assert 0 < left < 40, f"requeued {left:.1f} s before the time limit"
     print(f"deadline stop at step {stopped}: requeued {left:.1f} s before the time limit")
 
     logs = rank_logs(run_dir, job_id)
