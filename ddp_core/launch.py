@@ -71,7 +71,8 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
 
 def _after_stop(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, outcome: Outcome) -> int:
     rerun = f"python -m ddp_core {run_dir.path}"
-    return exits.after_stop(cfg, run_dir, env, outcome.signum, outcome.step, rerun, stop_flag.received_at)
+    at, deadline = stop_flag.received_at, stop_flag.by_deadline
+    return exits.after_stop(cfg, run_dir, env, outcome.signum, outcome.step, rerun, at, deadline)
 
 
 def _finish(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, outcome: Outcome) -> int:
@@ -92,12 +93,12 @@ def run(run_dir: str) -> dict[str, float]:
     """Train the run in ``run_dir`` (created on the login node). Called by submitit on every task."""
     rd = RunDir(Path(run_dir))
     cfg = rd.load_config()
-    stop_flag = StopFlag(cfg.slurm.signal, cfg.train.stop_check_ms / 1000)
+    stop_flag = StopFlag(cfg.slurm.warning, cfg.train.stop_check_ms / 1000)
     env = DistEnv.from_env()
     setup_logging(env)
     outcome = _train(cfg, rd, env, stop_flag)
     code = _finish(cfg, rd, env, stop_flag, outcome)
-    signals.ignore_from_now(cfg.slurm.signal)  # submitit still writes its result before the process leaves
+    signals.ignore_from_now(cfg.slurm.warning)  # submitit still writes its result before the process leaves
     if outcome.final is None:
         without_result(code)
     return outcome.final
@@ -176,7 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             run_dir = _run_dir_for(cfg, env, args.run_dir)
             if env.is_main:
                 run_dir.initialize(cfg)
-        stop_flag = StopFlag(cfg.slurm.signal, cfg.train.stop_check_ms / 1000)
+        stop_flag = StopFlag(cfg.slurm.warning, cfg.train.stop_check_ms / 1000)
     except DdpJobError as err:
         log.error("%s", err)
         return ExitCode.USAGE

@@ -3,13 +3,14 @@
 It decides when a save is due (``checkpoint.every_steps``), picks the writer (full from rank 0 or sharded from every
 rank, each synchronous or async, by the strategy's ``checkpoint_kind`` and ``checkpoint.async_save``), loads the
 newest checkpoint every rank verified, keeps the best one (``checkpoint.monitor``), and knows what a synchronous
-save costs, for the SIGTERM budget (``checkpoint.sigterm_budget_s``). Pruning (``checkpoint.keep_last``) happens in
-the writers after each save. The trainer calls it in one line per use; what it saves is the ``TrainState``'s
-``state_dict`` plus the model and optimizer as the strategy lays them out.
+save costs, for the SIGTERM budget (``checkpoint.sigterm_budget_s``) and the deadline stop (``save_cost_s``).
+Pruning (``checkpoint.keep_last``) happens in the writers after each save. The trainer calls it in one line per use;
+what it saves is the ``TrainState``'s ``state_dict`` plus the model and optimizer as the strategy lays them out.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
@@ -88,6 +89,8 @@ class CheckpointManager:
             )
         self.last_save_s = 0.0  # what training blocked for in the last save
         self.saved_step = -1
+        self.longest_save_s = 0.0  # the longest any save of this attempt blocked training
+        self.recorded_s: Optional[float] = None  # what earlier attempts' saves cost (metrics.jsonl), read once
 
     def load_latest(self, state: TrainState) -> Optional[store.CheckpointInfo]:
         """Collective: load the newest checkpoint every rank verified into the model, the optimizer and ``state``;
@@ -122,12 +125,25 @@ class CheckpointManager:
                 self.full.save(step, whole | rest, sync=sync)
             collectives.barrier()  # nobody runs ahead (or exits) before the checkpoint is durable, or copied (async)
         self.last_save_s, self.saved_step = time.perf_counter() - started, step
+        self.longest_save_s = max(self.longest_save_s, self.last_save_s)
         if self.env.is_main:
             log.info("training blocked %.3f s for the checkpoint of step %d", self.last_save_s, step)
         # write_s: what the last completed save cost from start to manifest, i.e. what a signal's synchronous save
         # costs (save_s is far less for a background save).
         written = {"write_s": round(self.full.last_write_s, 4)} if self.full and self.full.last_write_s else {}
         return {"save_s": round(self.last_save_s, 4)} | written
+
+    def save_cost_s(self) -> float:
+        """What a synchronous save costs, as this rank measured it, no collective: the longest save of this attempt,
+        or the last one a writer completed in the background (rank 0), whichever is longer; before any, what
+        earlier attempts recorded (``metrics.jsonl``'s checkpoint records); 0 if none did."""
+        writer = self.full or self.sharded
+        cost = max(self.longest_save_s, (writer.last_write_s if writer is not None else None) or 0.0)
+        if cost > 0:
+            return cost
+        if self.recorded_s is None:
+            self.recorded_s = recorded_save_cost(self.run_dir)
+        return self.recorded_s
 
     def fits_before(self, signum: int) -> bool:
         """Collective: whether a synchronous save fits before Slurm's SIGKILL: always for the warning signal; for
@@ -155,3 +171,24 @@ class CheckpointManager:
             full.close()
         if sharded is not None:
             sharded.close(wait)
+
+
+# The checkpoint records a save's cost is read from: the most recent few (an old one may predate a larger model).
+RECENT_SAVES = 3
+
+
+def recorded_save_cost(run_dir: RunDir) -> float:
+    """The longest of the run's most recent saves in ``metrics.jsonl`` (``save_s``, or ``write_s`` for one in the
+    background); 0 if none is recorded. Only the checkpoint records are parsed."""
+    try:
+        lines = [line for line in run_dir.metrics_file.read_text().splitlines() if '"split": "checkpoint"' in line]
+    except OSError:
+        return 0.0
+    costs = []
+    for line in lines[-RECENT_SAVES:]:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        costs += [float(v) for k, v in record.items() if k in ("save_s", "write_s") and isinstance(v, (int, float))]
+    return max(costs, default=0.0)

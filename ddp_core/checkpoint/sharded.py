@@ -172,6 +172,9 @@ class ShardedWriter:
         self._pending: Optional[Future[Any]] = None
         self._group: Optional[dist.ProcessGroup] = None  # async saves' own gloo group (made at the first one)
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt") if async_save else None
+        # Rank 0: seconds the last completed save took from its start to its manifest (what a synchronous save costs,
+        # in the background or not). None before the first one.
+        self.last_write_s: Optional[float] = None
 
     def save(self, step: int, state: dict[str, Any], extra: Optional[dict[str, Any]]) -> float:
         """Collective. ``state``: this rank's model/optimizer state (``Strategy.sharded_state``); ``extra``: the
@@ -266,7 +269,7 @@ class ShardedWriter:
         }
         atomic_write_text(manifest, json.dumps(meta, indent=1) + "\n")
         fsync_dir(self.directory)
-        took = time.perf_counter() - started
+        took = self.last_write_s = time.perf_counter() - started
         log.info(
             "checkpoint step %d saved (%d files, %.1f MB, %.2f s, training blocked %.2f s): %s",
             step,

@@ -67,14 +67,22 @@ class ExitCode(enum.IntEnum):
 
 
 def after_stop(
-    cfg: Config, run_dir: RunDir, env: DistEnv, signum: int, step: Optional[int], rerun: str, received_at: float
+    cfg: Config,
+    run_dir: RunDir,
+    env: DistEnv,
+    signum: int,
+    step: Optional[int],
+    rerun: str,
+    received_at: float,
+    deadline: bool = False,
 ) -> int:
     """Rank 0 decides what an attempt interrupted by ``signum`` (received at ``received_at``, epoch seconds) after
     ``step`` (its checkpoint) leads to (``preemption.decide``): requeue, or leave. Returns the exit code. Every rank
     returns the same code for a signal; rank 0's tells Slurm whether its requeue failed. ``rerun``: the command that
     continues it outside Slurm. Shared by the trainer, ``ddp_core.runtime.requeue`` and a plain script's held warning
-    (script mode): one set of budgets and events."""
-    warning = signals.warning_signal(cfg.slurm.signal)
+    (script mode): one set of budgets and events. ``deadline``: rank 0 stopped the ranks itself before the time limit
+    (``cluster.deadline``): a timeout, signal or not."""
+    warning = signals.warning_signal(cfg.slurm.warning)
     if not env.slurm_job_id:
         # Outside Slurm nothing requeues: not a timeout or a preemption, and not a success either.
         if env.is_main:
@@ -87,7 +95,7 @@ def after_stop(
     job = NODE_GATEWAY.show_job(env.slurm_job_id)
     mode = NODE_GATEWAY.preempt_mode(job) if job is not None and job.preempt_time else None
     left = preemption.time_left(job, received_at or time.time(), os.environ.get("SLURM_JOB_END_TIME"))
-    decision = preemption.decide(signum, warning, job, mode, env.restart_count, left, cfg.slurm.signal_lead_s)
+    decision = preemption.decide(signum, warning, job, mode, env.restart_count, left, cfg.slurm.signal_lead_s, deadline)
     kind = decision.kind
     run_dir.log_event("interrupted", kind=kind.value, job_id=env.job_id, step=step)
     log.info("stopped at step %s: %s", step, decision.why)

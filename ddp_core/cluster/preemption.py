@@ -15,6 +15,9 @@ apart: each exchange also carries every rank's proposal for the next k (from its
 and the smallest one is taken. Every rank reads the same results at the same steps, so they all stop after the same
 step, at most about twice ``stop_check_ms`` (plus a step) after the signal. ``stop_check_ms=0``: after every step.
 
+The same exchange carries rank 0's deadline stop (``ddp_core.cluster.deadline``): where no warning signal came in
+time, rank 0 records it itself before the time limit, and the ranks stop as if it had come.
+
 Torch-free at import (``agree`` imports torch): ``ddp_core.runtime`` installs a
 ``StopFlag`` when a user's script imports it, before the script has imported torch.
 """
@@ -25,12 +28,12 @@ import logging
 import signal
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from enum import Enum
 from types import FrameType
 from typing import TYPE_CHECKING, Optional
 
 from ddp_core.cluster import signals
+from ddp_core.cluster.deadline import Deadline, job_end
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.slurm import MISSING, NODE_GATEWAY, TIMED_OUT, JobInfo, SlurmGateway
 
@@ -60,7 +63,8 @@ class StopFlag:
     ``interval_s``: the time to aim for between two exchanges of the flag in ``agree`` (0: every call).
     ``handlers=False``: installs none; its owner calls ``record`` (script mode's deferred warning, which records only
     the warning signal). ``group``: the process group of the exchanges (None: the default group, which must serve CPU
-    tensors)."""
+    tensors). ``deadline``: rank 0's deadline stop, checked at each exchange (``ddp_core.cluster.deadline``);
+    ``by_deadline``: this rank recorded the warning for it."""
 
     def __init__(self, warning_signal: str, interval_s: float = 0.0, handlers: bool = True) -> None:
         self.warning = signals.warning_signal(warning_signal)
@@ -68,6 +72,8 @@ class StopFlag:
         self.received_at = 0.0
         self.interval_s = interval_s
         self.group: Optional[dist.ProcessGroup] = None
+        self.deadline: Optional[Deadline] = None
+        self.by_deadline = False
         self._pending: Optional[tuple[dist.Work, torch.Tensor, int]] = None  # the exchange in flight, its call
         self._calls = 0  # agree() calls so far: every rank counts the same
         self._due = 1  # the call that exchanges next
@@ -104,6 +110,7 @@ class StopFlag:
         import torch.distributed as dist
 
         if not dist.is_initialized():
+            self._check_deadline(1, time.perf_counter())  # the next call is the next chance to stop
             return self.received
         agreed, every = self._read()
         now = time.perf_counter()
@@ -111,6 +118,9 @@ class StopFlag:
         pace = (now - at) / max(1, self._calls - call)  # seconds per step on this rank
         propose = 1 if not call or pace <= 0 else int(self.interval_s / pace)
         self._last = (self._calls, now)
+        # Not flagged now, the earliest stop is after the exchange after next: ``every`` steps to the next, at most
+        # this rank's own proposal after it.
+        self._check_deadline(every + min(max(1, propose), MAX_CHECK_EVERY), now, pace if call else None)
         # A CPU tensor: gloo, never the CUDA stream. The warning signal's number is smaller than SIGTERM's on Linux
         # (USR1 10, USR2 12, TERM 15), so MAX makes SIGTERM win if any rank saw it; MAX of minus the proposals is
         # minus the smallest.
@@ -119,6 +129,17 @@ class StopFlag:
         self._pending = (work, value, self._calls)
         self._due = self._calls + every
         return agreed
+
+    def _check_deadline(self, steps: int, now: float, pace: Optional[float] = None) -> None:
+        """Rank 0 at an exchange: record the warning itself when the deadline says so (``steps``: until the earliest
+        stop if it does not now; ``pace``: seconds per step, None before the flag has measured one)."""
+        if self.deadline is None or self.received:
+            return
+        if pace is None:  # the attempt's first steps: their time since training started, priming included
+            pace = (now - self.deadline.armed_at) / max(1, self._calls)
+        if self.deadline.check(steps, pace):
+            self.record(self.warning)
+            self.by_deadline = True
 
     def _read(self) -> tuple[int, int]:
         """The exchange in flight, waited for: (agreed signal, steps until the next exchange); (0, 1) if none."""
@@ -153,10 +174,12 @@ def decide(
     own_restarts: int,
     time_left_s: Optional[float],
     lead_s: int,
+    deadline: bool = False,
 ) -> Decision:
     """What an attempt that stopped on ``signum`` (after its checkpoint) leads to, from what Slurm says about the
     job (``job``: ``scontrol show job``; None where scontrol cannot be reached) and how its partition or QOS
-    preempts (``mode``: REQUEUE, CANCEL, ...; None if unknown). The decision table:
+    preempts (``mode``: REQUEUE, CANCEL, ...; None if unknown). ``deadline``: rank 0 recorded the warning itself,
+    for the time limit (``ddp_core.cluster.deadline``). The decision table:
 
     | signal  | what Slurm says                                  | kind       | then                               |
     |---------|--------------------------------------------------|------------|------------------------------------|
@@ -170,6 +193,7 @@ def decide(
     | SIGTERM | RUNNING with EndTime now: the time limit         | timeout    | leave (the warning signal, earlier,|
     |         |                                                  |            | was the chance to requeue)         |
     | SIGTERM | otherwise (COMPLETING, CANCELLED): scancel       | cancelled  | leave, never requeue               |
+    | warning | rank 0's deadline stop (no signal in time)       | timeout    | rank 0 requeues (timeout budget)   |
     | warning | time left <= signal_lead_s (+ slack)             | timeout    | rank 0 requeues (timeout budget)   |
     | warning | earlier (scancel --signal, a site's notice)      | preemption | rank 0 requeues                    |
     | SIGTERM | scontrol unreachable (a container without it)    | terminated | leave (Slurm's choice stands)      |
@@ -194,6 +218,8 @@ def decide(
         if job.state == "TIMEOUT" or (job.state == "RUNNING" and time_left_s is not None and time_left_s <= 5):
             return Decision(Interruption.timeout, False, "SIGTERM at the time limit: the job ends")
         return Decision(Interruption.cancelled, False, f"SIGTERM: the job ends ({job.state or 'cancelled'})")
+    if deadline:
+        return Decision(Interruption.timeout, True, "the time limit is near (deadline stop)")
     if time_left_s is None or time_left_s <= lead_s + _TIMEOUT_SLACK_S:
         return Decision(Interruption.timeout, True, "the time limit is near")
     return Decision(Interruption.preemption, True, "warning signal well before the time limit")
@@ -208,14 +234,8 @@ def time_left(job: Optional[JobInfo], since: float, env_end: Optional[str] = Non
     """Seconds from ``since`` to the job's scheduled end; None when unknown (unlimited). Where scontrol cannot say
     (``job`` None: a container image without it), ``env_end``: the end Slurm put in the job's environment at its
     start (``SLURM_JOB_END_TIME``, epoch seconds), so a warning signal well before it is still told from a timeout."""
-    if job is None and env_end is not None and env_end.isdigit() and int(env_end) > 0:
-        return int(env_end) - since
-    if job is None or job.end_time is None:
-        return None
-    try:
-        return datetime.fromisoformat(job.end_time).timestamp() - since
-    except ValueError:
-        return None
+    end = job_end(job, None) if job is not None else job_end(None, env_end)
+    return None if end is None else end - since
 
 
 @dataclass(frozen=True)

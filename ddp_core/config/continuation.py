@@ -37,6 +37,7 @@ KEEP = (
     "slurm.job_name",
     "slurm.signal",
     "slurm.signal_lead_s",
+    "slurm.deadline_margin_s",
     "slurm.max_",
     "slurm.health_check",
     "slurm.array_parallelism",

@@ -280,9 +280,15 @@ class SlurmConfig:
     qos: Optional[str] = None  # sbatch --qos; null: the cluster's default
     job_name: Optional[str] = None  # the Slurm job's name; null: run.name
     # Warning signal sent to every rank slurm.signal_lead_s before the time limit; the trainer checkpoints at the
-    # next step and requeues the job (docs/preemption.md).
-    signal: str = "USR2"
+    # next step and requeues the job (docs/preemption.md). USR1 or USR2; none (or null): Slurm sends no signal, and
+    # the trainer's deadline stop (slurm.deadline_margin_s) alone saves and requeues before the limit.
+    signal: Optional[str] = "USR2"
     signal_lead_s: int = 120  # seconds before the time limit that slurm.signal is sent
+    # The trainer stops by itself before the time limit, signal or not (whichever comes first): once the steps until
+    # its next stop check, its measured save time and this many seconds more would reach the job's end, every rank
+    # checkpoints and rank 0 requeues the job, a timeout (slurm.max_timeouts). It covers the requeue, the teardown
+    # and an evaluation that falls in between (docs/preemption.md, "The deadline without a signal").
+    deadline_margin_s: int = 30
     # Requeue budget, per submission: attempts ended by the time limit that requeue the job (timeouts, preemptions
     # and hangs are budgeted separately).
     max_timeouts: int = 20
@@ -318,6 +324,17 @@ class SlurmConfig:
     @property
     def ranks_per_node(self) -> int:
         return self.gpus_per_node if self.gpus_per_node > 0 else self.tasks_per_node
+
+    @property
+    def sends_signal(self) -> bool:
+        """Whether Slurm sends the warning signal (``slurm.signal`` is not none)."""
+        return self.signal is not None and self.signal.strip().lower() != "none"
+
+    @property
+    def warning(self) -> str:
+        """The signal the ranks take as the warning: ``slurm.signal``, or USR2 where Slurm sends none (the trainer's
+        deadline stop is recorded as it; ``scancel --signal=USR2`` still stops the run)."""
+        return self.signal if self.signal is not None and self.sends_signal else "USR2"
 
     @property
     def node_range(self) -> tuple[int, int]:

@@ -137,18 +137,7 @@ def _validate_ranges(cfg: Config) -> None:
     for key, value in non_negative.items():
         _require(value >= 0, key, value, "must be >= 0")
     _require(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "must be > 0")
-    _require(
-        cfg.slurm.signal.upper().removeprefix("SIG") in {"USR1", "USR2"},
-        "slurm.signal",
-        cfg.slurm.signal,
-        "must be USR1 or USR2 (SIGTERM is Slurm's own kill signal and is handled anyway)",
-    )
-    _require(
-        0 <= cfg.slurm.signal_lead_s < cfg.slurm.time_min * 60,
-        "slurm.signal_lead_s",
-        cfg.slurm.signal_lead_s,
-        f"must be >= 0 and below the time limit ({cfg.slurm.time_min * 60} s)",
-    )
+    _validate_time_limit(cfg)
     _require(cfg.slurm.array_parallelism > 0, "slurm.array_parallelism", cfg.slurm.array_parallelism, "must be > 0")
     for key in (
         "max_timeouts",
@@ -169,6 +158,29 @@ def _validate_ranges(cfg: Config) -> None:
     )
     _require(cfg.slurm.gpu_bind in GPU_BIND, "slurm.gpu_bind", cfg.slurm.gpu_bind, f"must be one of {GPU_BIND}")
     _require(cfg.slurm.cpu_bind in CPU_BIND, "slurm.cpu_bind", cfg.slurm.cpu_bind, f"must be one of {CPU_BIND}")
+
+
+def _validate_time_limit(cfg: Config) -> None:
+    """The warning signal, and each lead before the time limit (the signal's, the deadline stop's) below that limit."""
+    s = cfg.slurm
+    _require(
+        not s.sends_signal or str(s.signal).upper().removeprefix("SIG") in {"USR1", "USR2"},
+        "slurm.signal",
+        s.signal,
+        "must be USR1, USR2 or none (SIGTERM is Slurm's own kill signal and is handled anyway)",
+    )
+    limit = s.time_min * 60
+    leads = {"slurm.deadline_margin_s": s.deadline_margin_s}
+    if s.sends_signal:  # without a signal its lead means nothing
+        leads["slurm.signal_lead_s"] = s.signal_lead_s
+    for key, value in leads.items():
+        if value < 0:
+            raise DdpJobError(f"config key '{key}' = {value} is invalid: must be >= 0", f"set {key}=0 or more")
+        if value >= limit:
+            raise DdpJobError(
+                f"config key '{key}' = {value} is invalid: must be below the time limit ({limit} s)",
+                f"set {key} below {limit}, or raise slurm.time_min",
+            )
 
 
 def _validate_trainer_extras(cfg: Config) -> None:

@@ -38,6 +38,10 @@ time limit takes the allocation. A rank is armed once its main thread runs Pytho
 on the signal with the others: a rank stuck in C++ since before both is not, and the summary marks it as silent.
 ``watchdog.stall_s: 0`` turns this off.
 
+**No warning by its time.** Where Slurm's warning never comes (a site or container setup it does not reach),
+``warn_before_end`` sends it to rank 0 itself at ``end - slurm.signal_lead_s`` (``ddp_core.cluster.deadline``),
+unless it came: the exchange above then carries it to every rank, and the script's handler runs as for Slurm's.
+
 Every rank must call ``optimizer.step`` equally often (DDP, FSDP and Lightning do): the exchange is a collective.
 Torch is imported when the script installs its first handler (it has imported torch by then).
 """
@@ -45,13 +49,14 @@ Torch is imported when the script installs its first handler (it has imported to
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
 from types import FrameType
 from typing import Any, Callable, Optional
 
-from ddp_core.cluster import signals
+from ddp_core.cluster import deadline, signals
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.preemption import StopFlag
 from ddp_core.config import Config, WatchdogConfig
@@ -71,8 +76,8 @@ class DeferredWarning:
 
     def __init__(self, cfg: Config, run_dir: RunDir, env: DistEnv, on_hang: OnHang) -> None:
         self.cfg, self.run_dir, self.env, self.on_hang = cfg, run_dir, env, on_hang
-        self.warning = signals.warning_signal(cfg.slurm.signal)
-        self.flag = StopFlag(cfg.slurm.signal, EXCHANGE_S, handlers=False)
+        self.warning = signals.warning_signal(cfg.slurm.warning)
+        self.flag = StopFlag(cfg.slurm.warning, EXCHANGE_S, handlers=False)
         self.handler: Optional[Callable[[int, Optional[FrameType]], Any]] = None  # the script's, kept
         self.steps = 0  # optimizer steps this attempt, every rank counts the same
         self.watchdog: Optional[Watchdog] = None
@@ -180,6 +185,20 @@ class DeferredWarning:
         self.watchdog = Watchdog(limits, folder, self.env.rank, self.env.world_size, self.on_hang).start()
         if self.steps:
             self.watchdog.beat(self.steps)
+
+    def warn_before_end(self) -> None:
+        """Rank 0 (srun launcher): send the warning to this process at ``end - slurm.signal_lead_s`` if it has not come
+        by then, recorded or held (module docstring). Call it while this thread holds the warning and SIGTERM."""
+        due = deadline.warning_due(self.cfg.slurm, self.env)
+        if due is not None:
+            deadline.at(due, self._warn_unless_signalled, "deadline-warning")
+
+    def _warn_unless_signalled(self) -> None:
+        if self.flag.received_at or self.warning in signal.sigpending():
+            return  # Slurm's came (a second one would run the script's handler twice)
+        log.warning("no %s by %d s before the time limit (slurm.signal_lead_s): ddpjob sends it itself",
+                    self.warning.name, self.cfg.slurm.signal_lead_s)  # fmt: skip
+        os.kill(os.getpid(), self.warning)
 
     def close(self) -> None:
         """The script returned: no stall to watch for any more."""

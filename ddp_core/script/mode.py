@@ -286,12 +286,14 @@ def _run(run_dir_arg: str) -> int:
     except DdpJobError as err:
         log.error("%s", err)
         return ExitCode.USAGE
-    os.environ.update(script_environment(env, run_dir, cfg.slurm.signal, cfg.dist.init_timeout_s))
+    os.environ.update(script_environment(env, run_dir, cfg.slurm.warning, cfg.dist.init_timeout_s))
     # One thread per core the rank was given, as the trainer does, unless the job says otherwise.
     os.environ.setdefault("OMP_NUM_THREADS", str(env.cpus_per_rank))
-    warning = signals.warning_signal(cfg.slurm.signal)
+    warning = signals.warning_signal(cfg.slurm.warning)
     deferred = DeferredWarning(cfg, run_dir, env, functools.partial(_after_hang, cfg, run_dir, env))
     deferred.intercept()  # the script's own handler for it runs where every rank agrees (ddp_core.script.deferred)
+    if env.is_main and "TORCHELASTIC_RUN_ID" not in os.environ:  # a torchrun worker's agent warns for it
+        deferred.warn_before_end()  # Slurm's warning never came by its time: ddpjob's own (cluster.deadline)
     if env.is_main and env.slurm_job_id and cfg.script.resume_args:
         signals.when_held(warning, lambda: _requeue_held_warning(cfg, run_dir, env, warning))
 
@@ -338,7 +340,7 @@ def _run(run_dir_arg: str) -> int:
         deferred.close()
         if lock is not None:
             lock.close()
-    signals.ignore_from_now(cfg.slurm.signal)  # the script's exit handlers still run before the process leaves
+    signals.ignore_from_now(cfg.slurm.warning)  # the script's exit handlers still run before the process leaves
     return code
 
 
@@ -388,7 +390,7 @@ def _run_agent(run_dir: RunDir, cfg: Config, env: DistEnv) -> int:
         return ExitCode.USAGE
     from ddp_core.script.torchrun import run_agent
 
-    warning = signals.warning_signal(cfg.slurm.signal)
+    warning = signals.warning_signal(cfg.slurm.warning)
 
     def requeue() -> None:
         # Rank 0's worker requeues the job itself where the warning reached it too (torchrun's module docstring).

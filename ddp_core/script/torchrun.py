@@ -38,7 +38,9 @@ torch's agent runs in a helper thread (so it installs no handlers) and the main 
   the step (proctrack/cgroup, linuxproc), rank 0's worker gets the warning itself and requeues the job, as in srun
   mode (``cluster.signals.when_held``); where it signals only the task (proctrack/pgid: torch's workers have sessions
   of their own), node 0's agent does, once no worker has taken the warning for a longer grace and the attempt has
-  not recorded a requeue (``on_unhandled_warning``). torch starts every worker in a
+  not recorded a requeue (``on_unhandled_warning``). Where Slurm's warning never came by ``end -
+  slurm.signal_lead_s``, node 0's agent takes it as come then (``ddp_core.cluster.deadline``): its workers get it,
+  and the others agree on it at their next optimizer step (``ddp_core.script.deferred``). torch starts every worker in a
   session of its own (``start_new_session``), so a signal to the agent's process group would not reach them:
   each worker process is signalled by pid, its own children (DataLoader workers) are not.
 
@@ -66,8 +68,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Callable, Optional
 
 from ddp_core import python_m
+from ddp_core.cluster import deadline, signals
 from ddp_core.cluster import rendezvous as meeting
-from ddp_core.cluster import signals
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.exits import leave
 from ddp_core.errors import DdpJobError
@@ -222,6 +224,13 @@ class Forwarder:
         for pid in workers:
             _kill(pid, signum)
 
+    def warn_if_none(self) -> None:
+        """Slurm's warning is due and has not come: take it as come now (``run_agent``)."""
+        if self.warning_at is None:
+            log.warning("no %s by slurm.signal_lead_s before the time limit: the agent sends it itself",
+                        self.warning.name)  # fmt: skip
+            self._handle(self.warning, None)
+
     def deliver_warning(self) -> None:
         """The warning signal to every worker that handles it and has not had it yet."""
         if not self.warning_pending:
@@ -313,7 +322,7 @@ def run_agent(
     argv = torchrun_argv(rdzv, nproc, run_dir)
     log.info("torchrun %s", " ".join(argv))
     args = torchrun.parse_args(argv)
-    forwarder = Forwarder(signals.warning_signal(cfg.slurm.signal))
+    forwarder = Forwarder(signals.warning_signal(cfg.slurm.warning))
     outcome: list[BaseException] = []
 
     def agent() -> None:
@@ -330,8 +339,12 @@ def run_agent(
     # Started while this task still held the warning signal and SIGTERM (cluster.signals): the agent thread keeps
     # them held, and so do the workers it starts, from their first instruction. This thread handles them from now.
     signals.release(forwarder.warning, signal.SIGTERM)
+    due = deadline.warning_due(cfg.slurm, env) if env.is_main else None  # node 0's agent: rank 0's
     while thread.is_alive():
         thread.join(POLL_S)  # signal handlers run here, between waits
+        if due is not None and time.time() >= due:
+            due = None
+            forwarder.warn_if_none()
         forwarder.deliver_warning()
         if on_unhandled_warning is not None and forwarder.unhandled(HELD_WARNING_GRACE_S):
             on_unhandled_warning()

@@ -27,7 +27,7 @@ import torch
 
 from ddp_core.checkpoint.manager import CheckpointManager
 from ddp_core.checkpoint.train_state import Carried, TrainState
-from ddp_core.cluster import health, rendezvous
+from ddp_core.cluster import deadline, health, rendezvous
 from ddp_core.cluster.env import DistEnv, process_started
 from ddp_core.cluster.preemption import StopFlag
 from ddp_core.config import Config, Precision, to_dict
@@ -152,7 +152,7 @@ class Trainer:
             self.checkpoints.load_latest(self.state)
 
     def start(self) -> None:
-        """The attempt's start event, its records and progress lines."""
+        """The attempt's start event, its records and progress lines, and rank 0's deadline stop."""
         step = self.state.pos.step
         if self.env.is_main:
             self.run_dir.log_event(
@@ -190,6 +190,9 @@ class Trainer:
             lambda: scheduler.get_last_lr()[0],
             self.records,
         )
+        if self.env.is_main:  # rank 0's clock decides the stop before the time limit (ddp_core.cluster.deadline)
+            assert self.checkpoints is not None  # build() made it
+            self.stop_flag.deadline = deadline.arm(self.cfg.slurm, self.env, self.checkpoints.save_cost_s)
         self.started = time.perf_counter()
 
     def train(self) -> Outcome:
@@ -297,7 +300,8 @@ class Trainer:
         assert self.checkpoints is not None and self.lines is not None
         if self.checkpoints.fits_before(signum):
             self.save(sync=True)
-        log.info("stopping at step %d on %s", self.state.pos.step, signal.Signals(signum).name)
+        why = " (the deadline stop)" if self.stop_flag.by_deadline else ""
+        log.info("stopping at step %d on %s%s", self.state.pos.step, signal.Signals(signum).name, why)
         self.lines.finish()
         self.checkpoints.close()  # an async save completes before the requeue (and the process group)
         self.stop_flag.settle()

@@ -82,6 +82,7 @@ class RunInfo:
     qos: Optional[str]
     nodes: tuple[Any, int, int] = (1, 1, 1)  # slurm.nodes as given, its MIN and its MAX
     image: Optional[str] = None  # slurm.container's apptainer image: the compute-node probe looks inside it
+    deadline_margin_s: int = 30  # slurm.deadline_margin_s: the trainer's own stop before the time limit
 
 
 def read_cluster(gateway: SlurmGateway, partition: Optional[str]) -> Cluster:
@@ -166,11 +167,13 @@ def _settings(path: Optional[Path], save_s: Optional[float]) -> RunInfo:
             pass  # an older or hand-edited config: the defaults still say what the trainer does
     cfg = cfg or load_config(None, ["run.name=doctor"])
     ckpt, slurm, request = cfg.checkpoint, cfg.slurm, SlurmRequest.resolve(cfg)
-    sig, nodes = request.signal.partition("@")[0], (request.nodes, request.min_nodes, request.max_nodes)
+    sig = request.signal.partition("@")[0] if request.signal else "none"  # none: no warning signal
+    nodes = (request.nodes, request.min_nodes, request.max_nodes)
     image = slurm.container.image if slurm.container.runtime == "apptainer" else None
     return RunInfo(
-        path, save_s, ckpt.sigterm_budget_s, slurm.signal_lead_s, sig, ckpt.every_steps, slurm.qos, nodes, image
-    )
+        path, save_s, ckpt.sigterm_budget_s, slurm.signal_lead_s, sig, ckpt.every_steps, slurm.qos, nodes, image,
+        slurm.deadline_margin_s,
+    )  # fmt: skip
 
 
 def _preempt_mode(e: Exposure) -> Finding:
@@ -226,6 +229,9 @@ def _actions(e: Exposure, run: RunInfo, user_signal: bool) -> list[Finding]:
         "UNKNOWN": "preemption depends on the job's QOS, which cannot be read here",
     }
     timeout = f"time limit: {run.signal} {run.signal_lead_s} s before the end (slurm.signal_lead_s) -> checkpoint "
+    if run.signal == "none":
+        timeout = (f"time limit: no warning signal (slurm.signal: none); the trainer stops itself once a save and "
+                   f"slurm.deadline_margin_s={run.deadline_margin_s} would no longer fit -> checkpoint ")  # fmt: skip
     return [
         Finding("on_preemption", "info", what.get(e.mode, f"PreemptMode={e.mode}: not handled"), value=e.mode),
         Finding("on_time_limit", "info", timeout + "and requeue (slurm.max_timeouts budget)", value=run.signal_lead_s),
@@ -258,6 +264,9 @@ def _sigterm_budget(e: Exposure, run: RunInfo, need: int, window: int, user_sign
 
 def _signal_lead(run: RunInfo, need: int) -> Finding:
     # The requeue must happen before the limit: a job still running then ends TIMEOUT and is not requeued.
+    if run.signal == "none":
+        why = "slurm.signal: none: the trainer's deadline stop leaves the save it measured before the time limit"
+        return Finding("signal_lead", "ok", why, value=None)
     if need <= run.signal_lead_s:
         why = f"slurm.signal_lead_s={run.signal_lead_s}: leaves the {need} s a save needs before the time limit"
         return Finding("signal_lead", "ok", why, value=run.signal_lead_s)

@@ -150,7 +150,7 @@ def run_drill(
         (cfg, run, job_id), (_, twin, twin_id) = submit_pair(partition, overrides, root)
         jobs = [job_id, twin_id]
         drill = Drill(cfg, run, job_id, gateway)
-        sig = cfg.slurm.signal
+        sig = cfg.slurm.warning
         timings.append(
             drill.interrupt(f"the warning signal (SIG{sig})", lambda: _check(gateway.signal(job_id, sig)), "preemption")
         )

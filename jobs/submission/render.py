@@ -86,7 +86,7 @@ def task_command(request: SlurmRequest, layout: Layout) -> str:
 def render(request: SlurmRequest, layout: Layout) -> str:
     """The batch script of ``request`` in ``layout`` (see the module docstring)."""
     stdout, stderr = str(layout.folder / "%j_%t_log.out"), str(layout.folder / "%j_%t_log.err")
-    options: dict[str, Any] = {"signal": request.signal, "wckey": WCKEY}
+    options: dict[str, Any] = {"wckey": WCKEY}  # --signal among the request's options, where it has one
     if layout.count is not None:
         options["array"] = f"0-{layout.count - 1}%{min(layout.count, layout.parallelism)}"
         stdout, stderr = stdout.replace("%j", "%A_%a"), stderr.replace("%j", "%A_%a")

@@ -115,7 +115,9 @@ class SlurmRequest:
     cpus_per_rank: int  # what the run's config.yaml records as slurm.cpus_per_task
     time_min: int
     gpus_per_node: int  # slurm.gpus_per_node
-    signal: str  # --signal, to every task (no "B:"): each rank sets its flag and they agree
+    # --signal, to every task (no "B:"): each rank sets its flag and they agree; None: no --signal (slurm.signal: none,
+    # the trainer's deadline stop alone)
+    signal: Optional[str]
     gpus: dict[str, int] = field(default_factory=dict)  # gpus_per_node, or gpus_per_task with gpu_bind=task
     where: dict[str, str] = field(default_factory=dict)  # partition, account, qos, mem: those that are set
     additional: dict[str, Any] = field(default_factory=dict)  # slurm.additional, as sbatch options
@@ -168,7 +170,7 @@ class SlurmRequest:
             cpus_per_rank=per_rank,
             time_min=s.time_min,
             gpus_per_node=s.gpus_per_node,
-            signal=f"{s.signal.upper().removeprefix('SIG')}@{s.signal_lead_s}",
+            signal=f"{s.warning.upper().removeprefix('SIG')}@{s.signal_lead_s}" if s.sends_signal else None,
             gpus=gpus,
             where={k: v for k, v in where.items() if v is not None},
             additional={k.replace("_", "-"): v for k, v in s.additional.items()},
@@ -185,7 +187,7 @@ class SlurmRequest:
                 f"--cpus-per-task={per_rank * per_task}",
                 *container_srun,
             ),
-            task_python=(*signals.task_prefix(s.signal, python), *container, task_python),
+            task_python=(*signals.task_prefix(s.warning, python), *container, task_python),
             entry_module=entry_module(cfg),
             host_python=python,
             container=container,
@@ -269,7 +271,7 @@ class SlurmRequest:
             "cpus-per-task": self.cpus_per_task,
             "time": self.time_min,
             **{k.replace("_", "-"): v for k, v in {**self.where, **self.gpus}.items()},
-            "signal": self.signal,
+            **({"signal": self.signal} if self.signal else {}),
             "requeue": True,
             # With a node to run without (a spare, or fewer for an elastic job), a node that dies does not end the
             # allocation: the batch script's next job step runs without it. Not otherwise: Slurm (22.05) keeps a

@@ -88,6 +88,16 @@ class SlowDigitsTask(DigitsTask):
         return super().split(batch)
 
 
+class SlowFirstAttemptDigitsTask(SlowDigitsTask):
+    """Digits with ``pause_s`` per batch in a job's first attempt only (``SLURM_RESTART_COUNT`` unset or 0): a run too
+    slow to finish within its time limit there, and quick once requeued. Numerics unchanged."""
+
+    def split(self, batch: tuple) -> tuple:
+        if os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+            return super().split(batch)
+        return DigitsTask.split(self, batch)
+
+
 class SignalsItself:
     """A task mixin: one rank sends itself the warning signal at a chosen batch of the attempt, as Slurm would
     mid-step. ``DDPJOB_TEST_SIGNAL_AT=RANK:BATCH`` (this process's environment: each attempt picks its own)

@@ -142,6 +142,13 @@ ROWS: list[Row] = [
     refused("time_zero", "slurm.time_min=0", "'slurm.time_min' = 0 is invalid"),
     refused("signal_lead_negative", "slurm.signal_lead_s=-1", "'slurm.signal_lead_s' = -1 is invalid"),
     refused("signal_lead_past_limit", "slurm.signal_lead_s=1800", "below the time limit (1800 s)"),
+    refused("deadline_margin_negative", "slurm.deadline_margin_s=-5",
+            "'slurm.deadline_margin_s' = -5 is invalid: must be >= 0 (hint: set slurm.deadline_margin_s=0 or more)"),
+    refused("deadline_margin_past_limit", ("slurm.time_min=1", "slurm.signal=none", "slurm.deadline_margin_s=60"),
+            "'slurm.deadline_margin_s' = 60 is invalid: must be below the time limit (60 s) (hint: set "
+            "slurm.deadline_margin_s below 60, or raise slurm.time_min)"),
+    refused("signal_lead_past_short_limit", ("slurm.time_min=1", "slurm.deadline_margin_s=10"),
+            "'slurm.signal_lead_s' = 120 is invalid: must be below the time limit (60 s)"),
     refused("max_timeouts_negative", "slurm.max_timeouts=-1", "'slurm.max_timeouts' = -1 is invalid"),
     refused("max_preemptions_negative", "slurm.max_preemptions=-1", "'slurm.max_preemptions' = -1 is invalid"),
     refused("max_restarts_negative", "slurm.max_restarts=-1", "'slurm.max_restarts' = -1 is invalid"),
@@ -152,6 +159,10 @@ ROWS: list[Row] = [
     refused("split_zero", "strategy.split=[0]", "'strategy.split' = [0] is invalid: entries must be > 0"),
     accepted("lr_int", "optim.lr=1", "optim.lr", 1.0),
     accepted("mem_fraction", "slurm.mem_gb=0.5", "slurm.mem_gb", 0.5),
+    # No warning signal: its lead is moot (a one-minute job with the default 120 s), the deadline stop's margin is not.
+    accepted("signal_none", ("slurm.signal=none", "slurm.time_min=1"), "slurm.signal", "none"),
+    accepted("signal_null", config_file("slurm: {signal: null, time_min: 1, deadline_margin_s: 59}"), "slurm.signal",
+             None, "file"),
     accepted("pipeline", "strategy={name: pipeline, stages: 2, microbatches: 4}", "strategy.microbatches", 4),
     # --- data.global_batch_size: a multiple of data.batch_size x the job's data-parallel replicas ---
     refused("global_batch_zero", "data.global_batch_size=0", "'data.global_batch_size' = 0 is invalid"),

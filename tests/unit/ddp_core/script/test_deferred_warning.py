@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 from ddp_core.cluster.exits import ExitCode
@@ -84,3 +85,40 @@ def test_ranks_that_stop_after_the_warning_are_caught(tmp_path):
     assert "time.sleep(600)" in (folder / "rank1.txt").read_text()  # the stuck rank's stack, its source line
     assert json.loads((folder / "rank1.json").read_text())["step"] > 10  # optimizer steps, when it stalled
     assert "no progress for 4 s; suspect rank 1" in (folder / "summary.txt").read_text()
+
+
+# Steps until the script's handler has run (on both ranks in the same step), at most 400 (20 s).
+WAITS = """
+import signal, time
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+handled = []
+signal.signal(signal.SIGUSR1, lambda signum, frame: handled.append(step))
+for step in range(400):
+    time.sleep(0.05)
+    model(torch.ones(8, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    if handled:
+        break
+print(f"rank {rank}: handled at steps {handled}", flush=True)
+"""
+
+
+def test_a_warning_that_never_comes_is_sent_by_ddpjob_at_its_time(tmp_path):
+    """No signal from Slurm: rank 0 sends the configured one itself ``slurm.signal_lead_s`` before the job's end
+    (``SLURM_JOB_END_TIME``, here 3 s after the ranks start), and both ranks run the script's handler in one step."""
+    script = tmp_path / "waits.py"
+    script.write_text(WAITS)
+    run = make_run(tmp_path, script, overrides=("slurm.signal=USR1", "slurm.signal_lead_s=60"))
+    end = {"SLURM_JOB_END_TIME": str(int(time.time()) + 63)}
+    ranks = Ranks(run, 2, tmp_path / "logs", job_id="424242", extra=end)
+    assert ranks.wait() == [0, 0], ranks.all_text()
+    handled = [re.findall(r"handled at steps \[(\d+)\]", ranks.text(r)) for r in (0, 1)]
+    assert handled[0] == handled[1] and len(handled[0]) == 1, ranks.all_text()
+    assert "no SIGUSR1 by 60 s before the time limit (slurm.signal_lead_s): ddpjob sends it itself" in ranks.text(0)
+    assert "ddpjob sends it itself" not in ranks.text(1)  # rank 0's alone: the exchange carries it

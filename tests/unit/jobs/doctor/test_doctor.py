@@ -283,6 +283,14 @@ def test_signal_lead_too_short_for_the_save(tmp_path):
     assert f["signal_lead"].fix == "set slurm.signal_lead_s=155 or more"
 
 
+def test_without_a_signal_the_deadline_stop_is_what_happens_at_the_time_limit(tmp_path):
+    config = "slurm:\n  signal: none\n  deadline_margin_s: 45\n"
+    f = diagnose(FakeSlurm(), "local", make_run(tmp_path / "run", saves=[100.0], config=config))
+    assert f["signal_lead"].level == "ok" and "deadline stop" in f["signal_lead"].message
+    assert "no warning signal (slurm.signal: none)" in f["on_time_limit"].message
+    assert "slurm.deadline_margin_s=45" in f["on_time_limit"].message
+
+
 def test_recent_saves_of_the_newest_run_count(tmp_path):
     old = make_run(tmp_path / "runs" / "old", saves=[50.0])
     new = make_run(tmp_path / "runs" / "sweep" / "trial", saves=[90.0, 1, 1, 1, 1, 2.0])  # 90 s is not recent

@@ -12,6 +12,7 @@ import pytest
 from ddp_core import python_m
 from ddp_core.config import load_config
 from jobs.submission.render import TASK_ENTRY, TEMPLATE
+from tests.support.cli_runner import run_cli
 from tests.support.golden import RUN, check_golden
 from tests.support.helpers import ROOT, run_script, template_script, write_shadowing_files
 
@@ -176,3 +177,21 @@ def test_the_template_and_submit_sh_spell_python_m_as_ddp_core_does():
     line = f"PYTHON_M=({shlex.join(python_m.RUN_MODULE)})"
     for path in (TEMPLATE, ROOT / "scripts" / "submit.sh"):
         assert line in path.read_text().splitlines(), path
+
+
+def test_no_warning_signal_renders_no_signal_option(tmp_path):
+    """``slurm.signal: none``: neither script asks Slurm for a warning signal, nor does ``--dry-run`` show one; the
+    tasks still start with the signal they take as the warning held (USR2: a deadline stop is recorded as it)."""
+    off = ["slurm.signal=none", "slurm.time_min=1", "slurm.deadline_margin_s=20"]
+    cfg = load_config(ROOT / "configs" / "digits.yaml", off)
+    on = load_config(ROOT / "configs" / "digits.yaml", ["slurm.time_min=1", "slurm.signal_lead_s=50"])
+    for render in (run_script, template_script):
+        with_signal, without = render(on, RUN, python="/usr/bin/python3"), render(cfg, RUN, python="/usr/bin/python3")
+        assert "#SBATCH --signal=USR2@50\n" in with_signal and "--signal=" not in without
+        assert without == with_signal.replace("#SBATCH --signal=USR2@50\n", "")  # nothing else differs
+    proc = run_cli(
+        "submit", str(ROOT / "configs" / "digits.yaml"), "--dry-run", "--no-cluster-check", *off, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "#SBATCH --requeue" in proc.stdout and "--signal" not in proc.stdout
+    assert "  signal: none\n" in proc.stdout  # the resolved config says so

@@ -1,0 +1,69 @@
+"""The deadline stop on the real local cluster: a job that gets no warning signal (``slurm.signal: none``) still saves
+and requeues itself before its time limit (``ddp_core.cluster.deadline``).
+
+Slurm ends a job at its time limit with SIGTERM, then SIGKILL after KillWait: too late to requeue it (a job still
+running then ends TIMEOUT). How late: slurmctld checks time limits in its background loop, so the SIGTERM comes after
+EndTime by up to that loop's period plus ``OverTimeLimit`` (here 22.05, OverTimeLimit=0: 10 s after EndTime, KillWait
+10 s more). The stop aims at EndTime itself, never at that slack.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from tests.support.cli_runner import field, run_cli
+from tests.support.helpers import ROOT, events, rank_logs, wait_gone
+
+pytestmark = [pytest.mark.cluster_shared("a"), pytest.mark.slurm_interface]  # 2-CPU jobs: cluster_guard.py
+DIGITS = str(ROOT / "configs" / "digits.yaml")
+# 300 steps of 0.25 s in the first attempt (75 s: a one-minute limit cannot hold them), a few seconds once requeued.
+CONFIG = [
+    "task.target=tests.support.tasks:SlowFirstAttemptDigitsTask", "task.data.pause_s=0.25", "train.max_steps=300",
+    "train.log_every=5", "checkpoint.every_steps=20", "data.batch_size=16", "wandb.mode=disabled",
+    "slurm.signal=none", "slurm.time_min=1",  # no warning signal; slurm.deadline_margin_s: its default, 30 s
+]  # fmt: skip
+
+
+def attempts(job_id: str) -> list[dict[str, str]]:
+    """The job's attempts as sacct keeps them (``--duplicates``: a requeued one is a record of its own)."""
+    out = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "--duplicates", "-o", "State,Start,End,Timelimit", "-j", job_id],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    keys = ("state", "start", "end", "limit")
+    return [dict(zip(keys, line.split("|"), strict=True)) for line in out.stdout.splitlines() if line.strip()]
+
+
+def test_without_a_signal_the_job_saves_and_requeues_itself_before_its_time_limit(slurm_cluster, tmp_path):
+    proc = run_cli("submit", DIGITS, *CONFIG, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+    assert "--signal" not in (run_dir / "slurm" / f"{job_id}_submission.sh").read_text()
+    assert wait_gone(job_id, 240) == "COMPLETED"
+
+    record = [(e["event"], e.get("kind")) for e in events(run_dir)]
+    assert record == [("start", None), ("interrupted", "timeout"), ("requeued", "timeout"), ("start", None),
+                      ("completed", None)], record  # fmt: skip
+    starts = events(run_dir, "start")
+    assert [(e["job_id"], e["restart_count"]) for e in starts] == [(job_id, 0), (job_id, 1)]
+    (stopped,) = [e["step"] for e in events(run_dir, "interrupted")]
+    assert 0 < stopped < 300 and starts[1]["step"] == stopped
+
+    # Saved and requeued before the first attempt's EndTime (its start plus the one-minute limit), never killed.
+    first, last = attempts(job_id)
+    assert first["state"] == "REQUEUED" and last["state"] == "COMPLETED", (first, last)
+    end = datetime.fromisoformat(first["start"]).timestamp() + 60
+    left = end - events(run_dir, "requeued")[0]["t"]
+    # About slurm.deadline_margin_s (30 s) before it: the save and the requeue take it from there, and sacct's
+    # whole seconds put the end up to 1 s early.
+    assert 0 < left < 40, f"requeued {left:.1f} s before the time limit"
+    print(f"deadline stop at step {stopped}: requeued {left:.1f} s before the time limit")
+
+    logs = rank_logs(run_dir, job_id)
+    assert "deadline stop: now + " in logs[0] and "stopping at step" in logs[1]
+    assert f"resumed from step_{stopped:08d}.pt" in logs[0], logs[0][-3000:]
+    assert "finished at step 300" in logs[0]
