@@ -30,6 +30,9 @@ from ddp_core.config.schema import (
 from ddp_core.config.tree import Config, plain, to_dict
 from ddp_core.errors import DdpJobError
 
+BUDGETS = ("max_timeouts", "max_preemptions", "max_hangs", "max_failures", "max_health_failures", "max_restarts",
+           "spare_nodes")  # the slurm section's budgets and counts, each >= 0 (0: none)  # fmt: skip
+
 
 def _require(ok: bool, key: str, value: Any, why: str) -> None:
     if not ok:
@@ -139,15 +142,7 @@ def _validate_ranges(cfg: Config) -> None:
     _require(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "must be > 0")
     _validate_time_limit(cfg)
     _require(cfg.slurm.array_parallelism > 0, "slurm.array_parallelism", cfg.slurm.array_parallelism, "must be > 0")
-    for key in (
-        "max_timeouts",
-        "max_preemptions",
-        "max_hangs",
-        "max_failures",
-        "max_health_failures",
-        "max_restarts",
-        "spare_nodes",
-    ):
+    for key in BUDGETS:
         _require(getattr(cfg.slurm, key) >= 0, f"slurm.{key}", getattr(cfg.slurm, key), "must be >= 0")
     _require(cfg.slurm.tasks_per_node > 0, "slurm.tasks_per_node", cfg.slurm.tasks_per_node, "must be > 0")
     _require(
@@ -163,12 +158,9 @@ def _validate_ranges(cfg: Config) -> None:
 def _validate_time_limit(cfg: Config) -> None:
     """The warning signal, and each lead before the time limit (the signal's, the deadline stop's) below that limit."""
     s = cfg.slurm
-    _require(
-        not s.sends_signal or str(s.signal).upper().removeprefix("SIG") in {"USR1", "USR2"},
-        "slurm.signal",
-        s.signal,
-        "must be USR1, USR2 or none (SIGTERM is Slurm's own kill signal and is handled anyway)",
-    )
+    signal_ok = not s.sends_signal or str(s.signal).upper().removeprefix("SIG") in {"USR1", "USR2"}
+    why = "must be USR1, USR2 or none (SIGTERM is Slurm's own kill signal and is handled anyway)"
+    _require(signal_ok, "slurm.signal", s.signal, why)
     limit = s.time_min * 60
     leads = {"slurm.deadline_margin_s": s.deadline_margin_s}
     if s.sends_signal:  # without a signal its lead means nothing

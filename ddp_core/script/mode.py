@@ -127,11 +127,10 @@ def spec_from_config(
 def resumed_attempt(run_dir: RunDir, env: DistEnv) -> bool:
     """Whether an earlier attempt of the run started: the same answer on every rank, whenever rank 0 records this
     attempt's own start."""
-    this = (env.job_id, env.restart_count, env.launch)
-    return any(
-        e["event"] == "start" and (e.get("job_id"), e.get("restart_count"), e.get("launch", 0)) != this
-        for e in run_dir.events()
-    )
+    starts = [
+        (e.get("job_id"), e.get("restart_count"), e.get("launch", 0)) for e in run_dir.events() if e["event"] == "start"
+    ]
+    return any(s != (env.job_id, env.restart_count, env.launch) for s in starts)
 
 
 def read_script_spec(run_dir: RunDir) -> ScriptSpec:

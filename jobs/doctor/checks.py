@@ -21,17 +21,16 @@ from typing import Any, Optional
 from ddp_core.cluster import signals
 from ddp_core.cluster.slurm import DEFAULT_MAX_ARRAY_SIZE, GATEWAY, SlurmGateway, duration_s, effective_preempt_mode
 from ddp_core.errors import DdpJobError
-from ddp_core.run.rundir import RunDir
 from jobs.doctor.drill import render_timings, run_drill
 from jobs.doctor.findings import Finding, node_count_finding, render
 from jobs.doctor.node_probe import site_findings
+from jobs.doctor.run_settings import RunInfo, read_run
 from jobs.runs.listing import shown_path
-from jobs.runs.lookup import RUN_HELP, find_runs, resolve
+from jobs.runs.lookup import RUN_HELP
 
 # A save measured at S seconds is given 1.5 S + 5 s: the step in flight ends first, and a busy file system
 # (many jobs checkpointing at once when a big job preempts them) is slower than when it was measured.
 MARGIN_FACTOR, MARGIN_S = 1.5, 5.0
-RECENT_SAVES = 5  # the newest saves say how long one takes now (the optimizer state may have grown)
 QOS_FIELDS = ("Name", "Preempt", "PreemptMode", "GraceTime", "MaxSubmitPU")
 ASSOC_FIELDS = ("Partition", "DefaultQOS", "MaxSubmit", "GrpSubmit")
 PREEMPTIBLE = ("REQUEUE", "CANCEL")  # the modes that end an attempt (SUSPEND and GANG only pause it)
@@ -67,22 +66,6 @@ class Exposure:
     where: str  # "partition low", "QOS low"
     by: tuple[str, ...] = ()  # the partitions or QOS whose jobs preempt it
     rules: tuple[str, ...] = ()  # preempt/qos: every "A preempts B (mode, GraceTime)" of the cluster
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """What a run says about its checkpoints; the config's defaults where there is no run."""
-
-    path: Optional[Path]
-    save_s: Optional[float]
-    sigterm_budget_s: float
-    signal_lead_s: int
-    signal: str
-    every_steps: int
-    qos: Optional[str]
-    nodes: tuple[Any, int, int] = (1, 1, 1)  # slurm.nodes as given, its MIN and its MAX
-    image: Optional[str] = None  # slurm.container's apptainer image: the compute-node probe looks inside it
-    deadline_margin_s: int = 30  # slurm.deadline_margin_s: the trainer's own stop before the time limit
 
 
 def read_cluster(gateway: SlurmGateway, partition: Optional[str]) -> Cluster:
@@ -131,49 +114,6 @@ def exposure(c: Cluster, qos: Optional[str] = None) -> Exposure:
     by = tuple(a for a, b in pairs if b == name)
     mode = modes.get(name, effective_preempt_mode(c.config, {}, "")) if by else "OFF"
     return Exposure(kind, mode, graces.get(name, 0), f"QOS {name}", by, rules)
-
-
-def _save_cost(record: dict[str, Any]) -> Optional[float]:
-    """What a checkpoint record says a synchronous save (a signal's) costs: ``save_s``, the time training blocked,
-    or ``write_s``, a background save's time from start to manifest, whichever is larger."""
-    times = [float(t) for t in (record.get("save_s"), record.get("write_s")) if isinstance(t, (int, float))]
-    return max(times) if times else None
-
-
-def read_run(run: Optional[Path], root: Path = Path("runs")) -> RunInfo:
-    """``run``'s largest recent save time and its settings; without ``run``, the newest run under ``root`` that
-    measured a save."""
-    run = resolve(str(run), root) if run is not None else None
-    runs = [p for p in find_runs(root) if RunDir(p).metrics_file.is_file()] if run is None and root.is_dir() else []
-    runs.sort(key=lambda p: RunDir(p).metrics_file.stat().st_mtime, reverse=True)
-    for path in [run] if run is not None else runs:
-        costs = [_save_cost(r) for r in RunDir(path).metrics() if r["split"] == "checkpoint"]
-        saves = [s for s in costs if s is not None]
-        if saves:
-            return _settings(path, float(max(saves[-RECENT_SAVES:])))
-    return _settings(run, None)
-
-
-def _settings(path: Optional[Path], save_s: Optional[float]) -> RunInfo:
-    """The run's config (else the defaults), and its Slurm request as the pipeline resolves it."""
-    from ddp_core.config import load_config
-    from jobs.submission.request import SlurmRequest
-
-    cfg = None
-    if path is not None:
-        try:
-            cfg = RunDir(path).load_config()
-        except DdpJobError:
-            pass  # an older or hand-edited config: the defaults still say what the trainer does
-    cfg = cfg or load_config(None, ["run.name=doctor"])
-    ckpt, slurm, request = cfg.checkpoint, cfg.slurm, SlurmRequest.resolve(cfg)
-    sig = request.signal.partition("@")[0] if request.signal else "none"  # none: no warning signal
-    nodes = (request.nodes, request.min_nodes, request.max_nodes)
-    image = slurm.container.image if slurm.container.runtime == "apptainer" else None
-    return RunInfo(
-        path, save_s, ckpt.sigterm_budget_s, slurm.signal_lead_s, sig, ckpt.every_steps, slurm.qos, nodes, image,
-        slurm.deadline_margin_s,
-    )  # fmt: skip
 
 
 def _preempt_mode(e: Exposure) -> Finding:
