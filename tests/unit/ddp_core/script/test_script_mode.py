@@ -47,7 +47,10 @@ def test_launcher_exports_torchruns_contract(tmp_path):
     run = RunDir(make_run(tmp_path, TUTORIAL))
     slurm = {k: v for k, v in srun_task_env(1, 2, 0, "4242").items() if k.startswith("SLURM_")}
     env = DistEnv.from_env(slurm)  # no MASTER_PORT: derived from the job id, as in a real job
-    exported = script_environment(env, run, "USR1")
+    # Rank 0 publishes the port its script will listen on (the derived one: free here); rank 1 reads it.
+    first = DistEnv.from_env({k: v for k, v in srun_task_env(0, 2, 0, "4242").items() if k.startswith("SLURM_")})
+    assert script_environment(first, run, "USR1")["MASTER_PORT"] == str(derive_master_port(4242))
+    exported = script_environment(env, run, "USR1", init_timeout_s=5)
     assert {k: exported[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")} == {
         "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"
     }  # fmt: skip

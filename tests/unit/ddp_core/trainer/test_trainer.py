@@ -217,15 +217,15 @@ def test_a_rank_that_starts_before_rank_0_joins_its_store_once_it_listens():
     def rank_0() -> None:
         time.sleep(0.5)  # rank 1 is already waiting
         env0 = DistEnv(rank=0, world_size=2, master_port=port)
-        hosted["store"] = groups._rendezvous_store(env0, DistConfig(init_timeout_s=30))
+        hosted["store"] = groups._rendezvous_store(env0, DistConfig(init_timeout_s=30), None)
 
     host = threading.Thread(target=rank_0)
     host.start()
     env1 = DistEnv(rank=1, world_size=2, master_port=port)
-    store = groups._rendezvous_store(env1, DistConfig(init_timeout_s=30))
+    store = groups._rendezvous_store(env1, DistConfig(init_timeout_s=30), None)
     host.join(30)
     assert "store" in hosted  # rank 0 saw rank 1 sign in
-    assert store.get("ddpjob/0/arrived/1").decode() == socket.gethostname()
+    assert store.get("ddpjob/0/0/arrived/1").decode() == socket.gethostname()
 
 
 def test_a_second_trainer_in_the_same_run_directory_is_refused(tmp_path):
