@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.support.cli_runner import field, run_cli
 from tests.support.digits import DIGITS, TWO
-from tests.support.helpers import ROOT, digests, events, rank_logs, wait_for
-
-SLURM_LOCAL = str(ROOT / "scripts" / "slurm-local")
+from tests.support.helpers import digests, events, rank_logs, submit_and_kill_node
 
 
 @pytest.fixture(scope="module")
@@ -67,19 +64,9 @@ def test_a_node_that_dies_whole_is_replaced_and_the_run_completes_exactly(slurm_
     and n3 and ends with the uninterrupted run's weights."""
     halted = tmp_path / "halted"
     halt = ["task.data.crash_host=n1", "task.data.crash_at=25", "task.data.error=HALT", f"task.data.halt_file={halted}"]
-    cmd = [sys.executable, "-m", "jobs", "submit", DIGITS, "--wait", *TWO,
-           "task.target=tests.support.tasks:CrashingTask"]  # fmt: skip
-    proc = subprocess.Popen([*cmd, *halt], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for(halted.exists, 120, "rank 0 to reach its 25th batch on n1")
-        killed = subprocess.run([SLURM_LOCAL, "kill-node", "n1"], capture_output=True, text=True, timeout=60)
-        assert killed.returncode == 0, killed.stdout + killed.stderr
-        out, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-        started = subprocess.run([SLURM_LOCAL, "start-node", "n1"], capture_output=True, text=True, timeout=120)
-    assert started.returncode == 0, started.stdout + started.stderr
-    assert proc.returncode == 0, out + err
+    overrides = [DIGITS, "--wait", *TWO, "task.target=tests.support.tasks:CrashingTask", *halt]
+    code, out, err = submit_and_kill_node(overrides, tmp_path, "n1", halted)
+    assert code == 0, out + err
     assert halted.read_text() == "n1 rank 0 at batch 25\n"
     run_dir, job_id = Path(field(out, "run dir")), field(out, "job")
     seen = [(e["event"], e.get("kind"), e.get("host")) for e in events(run_dir) if e["event"] != "rank_failed"]

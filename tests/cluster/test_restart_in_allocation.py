@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.support.cli_runner import field, run_cli
 from tests.support.digits import DIGITS, TWO
-from tests.support.helpers import ROOT, digests, events, rank_logs, wait_for
+from tests.support.helpers import digests, events, rank_logs, submit_and_kill_node, wait_for
 
-SLURM_LOCAL = str(ROOT / "scripts" / "slurm-local")
 KILLED_ONCE = ["task.target=tests.support.tasks:CrashingTask", "task.data.crash_at=25", "task.data.error=SIGKILL",
                "task.data.crash_launch=0"]  # fmt: skip
 
@@ -99,19 +97,9 @@ def test_a_dead_node_is_replaced_by_the_spare_without_a_requeue(slurm_cluster, t
     halted = tmp_path / "halted"
     halt = ["task.data.crash_host=n2", "task.data.crash_at=25", "task.data.error=HALT", f"task.data.halt_file={halted}",
             "task.data.crash_launch=0"]  # fmt: skip
-    cmd = [sys.executable, "-m", "jobs", "submit", DIGITS, "--wait", *TWO, "slurm.spare_nodes=1",
-           "task.target=tests.support.tasks:CrashingTask"]  # fmt: skip
-    proc = subprocess.Popen([*cmd, *halt], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for(halted.exists, 120, "the rank on n2 to reach its 25th batch")
-        killed = subprocess.run([SLURM_LOCAL, "kill-node", "n2"], capture_output=True, text=True, timeout=60)
-        assert killed.returncode == 0, killed.stdout + killed.stderr
-        out, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-        started = subprocess.run([SLURM_LOCAL, "start-node", "n2"], capture_output=True, text=True, timeout=120)
-    assert started.returncode == 0, started.stdout + started.stderr
-    assert proc.returncode == 0, out + err
+    overrides = [DIGITS, "--wait", *TWO, "slurm.spare_nodes=1", "task.target=tests.support.tasks:CrashingTask", *halt]
+    code, out, err = submit_and_kill_node(overrides, tmp_path, "n2", halted)
+    assert code == 0, out + err
     run_dir, job_id = Path(field(out, "run dir")), field(out, "job")
     seen = [(e["event"], e.get("host")) for e in events(run_dir) if e["event"] not in ("rank_failed",)]
     assert seen == [("start", None), ("failure", "n2"), ("restarted", None), ("start", None), ("completed", None)]

@@ -246,3 +246,23 @@ def running_profile() -> str:
     if "preempt/partition_prio" in out:
         return "preempt-signal" if "preempt_send_user_signal" in out else "preempt"
     return "preempt-qos" if "preempt/qos" in out else "default"
+
+
+def submit_and_kill_node(overrides: Sequence[str], cwd: Path, node: str, halted: Path) -> tuple[int, str, str]:
+    """``ddpjob submit --wait`` with ``overrides`` (a ``CrashingTask`` with ``error=HALT`` and ``halt_file=halted``):
+    once a rank on ``node`` has halted at its chosen batch, the node dies whole from outside (``scripts/slurm-local
+    kill-node``: its slurmd and every process on it), at that step rather than at a raced moment; the node is brought
+    back after the job ends, whatever happened. Returns the command's exit code, stdout and stderr."""
+    local = str(ROOT / "scripts" / "slurm-local")
+    cmd = [sys.executable, "-m", "jobs", "submit", *overrides]
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(halted.exists, 120, f"a rank on {node} to reach its chosen batch")
+        killed = subprocess.run([local, "kill-node", node], capture_output=True, text=True, timeout=60)
+        assert killed.returncode == 0, killed.stdout + killed.stderr
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        started = subprocess.run([local, "start-node", node], capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stdout + started.stderr
+    return proc.returncode, out, err
