@@ -53,12 +53,11 @@ class Carried:
     def __init__(self, shared: Mapping[str, Stateful], per_rank: Mapping[str, Stateful]) -> None:
         self.shared, self.per_rank = dict(shared), dict(per_rank)
 
-    def state(self, env: DistEnv) -> dict[str, Any]:
-        """Collective: the checkpoint's entries (complete on rank 0)."""
+    def state(self, env: DistEnv, everywhere: bool = False) -> dict[str, Any]:
+        """Collective: the checkpoint's entries (complete on rank 0; on every rank with ``everywhere``)."""
         mine = {name: part.state_dict() for name, part in self.per_rank.items()}
-        return {name: part.state_dict() for name, part in self.shared.items()} | {
-            "per_rank": collectives.gather_to_main(mine, env)
-        }
+        ranks = collectives.gather_to_all(mine) if everywhere else collectives.gather_to_main(mine, env)
+        return {name: part.state_dict() for name, part in self.shared.items()} | {"per_rank": ranks}
 
     def load(self, state: Mapping[str, Any], env: DistEnv) -> None:
         for name, part in self.shared.items():
@@ -98,9 +97,10 @@ class TrainState:
         self.pos = Position()
         self.scheduler, self.log_loss, self.carried, self.config = scheduler, log_loss, carried, config
 
-    def state_dict(self, env: DistEnv) -> dict[str, Any]:
-        """Collective; complete on rank 0."""
-        rngs = collectives.gather_to_main(rng.rng_state(), env)
+    def state_dict(self, env: DistEnv, everywhere: bool = False) -> dict[str, Any]:
+        """Collective; complete on rank 0, or with ``everywhere`` on every rank (a node-local copy's writers)."""
+        mine = rng.rng_state()
+        rngs = collectives.gather_to_all(mine) if everywhere else collectives.gather_to_main(mine, env)
         return {
             "scheduler": self.scheduler.state_dict(),
             "position": asdict(self.pos),
@@ -108,7 +108,7 @@ class TrainState:
             "rng": rngs,
             "world_size": env.world_size,
             "config": self.config,
-        } | self.carried.state(env)
+        } | self.carried.state(env, everywhere)
 
     def load_state_dict(self, state: Mapping[str, Any], env: DistEnv) -> None:
         self.scheduler.load_state_dict(state["scheduler"])

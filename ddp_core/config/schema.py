@@ -195,6 +195,15 @@ class CheckpointConfig:
     # checkpoint of the best evaluation so far is kept apart from keep_last (never pruned; its best value survives
     # resume); `ddpjob export RUN --best OUT.pt` exports it. null: none.
     monitor: Optional[str] = None
+    # A node-local tier below the durable checkpoints: every this many optimizer steps the whole train state is
+    # copied, in the background, to checkpoint.local_path on each node (the 2 newest copies kept), so a failed
+    # attempt that runs again in the same job resumes from there, losing at most this many steps
+    # (docs/failures.md, "The node-local tier"). 0: off. Below checkpoint.every_steps when that is set.
+    local_every_steps: int = 0
+    # The node-local folder of checkpoint.local_every_steps: an absolute path on every compute node (RAM-backed
+    # /dev/shm counts against the job's memory on many sites). Copies go to LOCAL_PATH/ddpjob-JOBID/HOST/ and are
+    # removed when the run completes or fails with a user error.
+    local_path: str = "/dev/shm"
 
 
 @dataclass

@@ -78,6 +78,7 @@ def validate(cfg: Config) -> None:
     _require(cfg.train.straggler_factor >= 1, "train.straggler_factor", cfg.train.straggler_factor, "must be >= 1")
     _require(cfg.train.stop_check_ms >= 0, "train.stop_check_ms", cfg.train.stop_check_ms, "must be >= 0")
     _validate_trainer_extras(cfg)
+    _validate_local_tier(cfg)
     _validate_script_strings(cfg)
     validate_script(cfg.script, cfg.slurm)
     _validate_script_mode(cfg)
@@ -129,6 +130,7 @@ def _validate_ranges(cfg: Config) -> None:
         "data.num_workers": cfg.data.num_workers,
         "train.eval_every": cfg.train.eval_every,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
+        "checkpoint.local_every_steps": cfg.checkpoint.local_every_steps,
         "optim.warmup_steps": cfg.optim.warmup_steps,
         "optim.weight_decay": cfg.optim.weight_decay,
         "optim.grad_clip": cfg.optim.grad_clip,
@@ -179,6 +181,37 @@ def _validate_trainer_extras(cfg: Config) -> None:
             f"is supported with strategy.name ddp, dp or model_parallel, not "
             f"{cfg.strategy.name.value!r}; use bf16 there",
         )
+
+
+def _validate_local_tier(cfg: Config) -> None:
+    """checkpoint.local_every_steps and local_path, as far as the login node can tell: it cannot see the compute
+    nodes' folders (whether local_path exists there, is writable and has room is checked by the ranks at start)."""
+    c = cfg.checkpoint
+    if c.local_every_steps <= 0:
+        return
+    key = "checkpoint.local_every_steps"
+    if cfg.script.enabled:
+        raise DdpJobError(
+            f"config key '{key}' is set, but the node-local tier is the built-in trainer's, not script mode's",
+            "drop it (your script writes its own checkpoints to runtime.checkpoint_dir())",
+        )
+    _require(
+        not c.every_steps or c.local_every_steps < c.every_steps,
+        key,
+        c.local_every_steps,
+        f"must be below checkpoint.every_steps ({c.every_steps}): a local copy at a durable checkpoint's step is "
+        "never used",
+    )
+    path = c.local_path
+    _require(not _CONTROL.search(path), "checkpoint.local_path", path, "no control characters")
+    _require(
+        path.startswith("/"),
+        "checkpoint.local_path",
+        path,
+        "must be an absolute path on the compute nodes, e.g. /dev/shm or /tmp (a relative one would land in each "
+        "rank's working directory, on the shared filesystem)",
+    )
+    _require(".." not in path.split("/"), "checkpoint.local_path", path, "no '..' in it: name the folder itself")
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

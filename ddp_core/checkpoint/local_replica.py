@@ -1,0 +1,112 @@
+"""Replicas of the node-local tier's sharded copies on a peer node: node k's shards are kept on node (k+1) % nodes.
+
+The nodes are ordered by their first rank; the rank of index i on node k sends each copy it wrote to the rank of index
+i on node k+1 and receives the copy of the rank of index i on node k-1 (with 2 nodes, the same peer both ways).
+``Ring.exchange`` runs in the writer's thread once the copy is written (``full.FullWriter``'s ``after_write``), over
+the tier's own gloo group: every rank writes its copies at the same steps, so each rank's exchanges pair up with
+its peers' in order. A failed write still takes part (sending nothing), so its peer is not left waiting.
+
+What a rank receives goes into its own node's folder under the sender's rank (``wWORLD/rank-R/``), in the format of
+``store``: the data, then the manifest the sender wrote (its checksum covers the data: ``store.verify`` checks the
+replica as it checks any copy).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ddp_core.checkpoint import store
+from ddp_core.run.rundir import atomic_write_text, fsync_dir
+
+log = logging.getLogger(__name__)
+
+
+def ring_peers(hosts: list[str], rank: int) -> tuple[Optional[int], Optional[int]]:
+    """(the rank this one sends its copies to, the rank it receives copies from), from every rank's host: the
+    ranks of the same index on the next and the previous node; None where that node has fewer ranks, or on a job
+    of one node (nothing to replicate to)."""
+    nodes: dict[str, list[int]] = {}
+    for r, host in enumerate(hosts):
+        nodes.setdefault(host, []).append(r)
+    order = list(nodes)
+    if len(order) < 2:
+        return None, None
+    k = order.index(hosts[rank])
+    index = nodes[hosts[rank]].index(rank)
+    following, previous = nodes[order[(k + 1) % len(order)]], nodes[order[k - 1]]
+    return (
+        following[index] if index < len(following) else None,
+        previous[index] if index < len(previous) else None,
+    )
+
+
+def wait_all(works: list[Any]) -> None:
+    """Wait for point-to-point operations (``dist.isend``/``irecv``) started together."""
+    for work in works:
+        work.wait()
+
+
+class Ring:
+    """One rank's part of the replication: send to ``following``, receive from ``previous`` (either may be None)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        rank: int,
+        following: Optional[int],
+        previous: Optional[int],
+        group: Optional[dist.ProcessGroup],
+        keep: int,
+    ) -> None:
+        self.folder, self.rank, self.following, self.previous = folder, rank, following, previous
+        self.group, self.keep = group, keep
+
+    def exchange(self, step: int, info: Optional[store.CheckpointInfo]) -> None:
+        """In the writer's thread, after the copy of ``step`` (None: its write failed): the copy goes to the next
+        node, the previous node's arrives and is kept."""
+        payload = b""
+        manifest = b""
+        if info is not None and self.following is not None:
+            manifest = info.path.with_suffix(".json").read_bytes()
+            payload = manifest + info.path.read_bytes()
+        header = torch.tensor([step, len(manifest), len(payload)], dtype=torch.int64)
+        received = torch.zeros(3, dtype=torch.int64)
+        works = []
+        if self.following is not None:
+            works.append(dist.isend(header, self.following, group=self.group))
+        if self.previous is not None:
+            works.append(dist.irecv(received, self.previous, group=self.group))
+        wait_all(works)
+        works = []
+        if payload:
+            assert self.following is not None
+            sent = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            works.append(dist.isend(sent, self.following, group=self.group))
+        incoming = torch.empty(int(received[2]), dtype=torch.uint8)
+        if self.previous is not None and incoming.numel():
+            works.append(dist.irecv(incoming, self.previous, group=self.group))
+        wait_all(works)
+        if incoming.numel():
+            assert self.previous is not None
+            self._keep(int(received[0]), int(received[1]), incoming.numpy().tobytes())
+
+    def _keep(self, step: int, manifest_size: int, payload: bytes) -> None:
+        """The previous node's copy of ``step``, kept as its sender wrote it: data first, manifest last."""
+        folder = self.folder / f"rank-{self.previous}"
+        folder.mkdir(parents=True, exist_ok=True)
+        final = folder / f"step_{step:08d}.pt"
+        tmp = folder / f".step_{step:08d}.pt.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(memoryview(payload)[manifest_size:])
+        final.with_suffix(".json").unlink(missing_ok=True)
+        os.replace(tmp, final)
+        fsync_dir(folder)
+        atomic_write_text(final.with_suffix(".json"), payload[:manifest_size].decode())
+        store.prune(folder, self.keep)
+        log.debug("kept rank %d's local copy of step %d", self.previous, step)
