@@ -54,14 +54,17 @@ class FullWriter:
         async_save: bool,
         writer_rank: int = 0,
         optimizer: Optional[torch.optim.Optimizer] = None,
+        before_write: Optional[Callable[[int, dict[str, Any]], dict[str, Any]]] = None,
         after_write: Optional[Callable[[int, Optional[checkpoint.CheckpointInfo]], None]] = None,
         level: int = logging.INFO,
     ) -> None:
         self.directory, self.keep_last, self.writer_rank = directory, keep_last, writer_rank
         self.level = level  # of the lines each save logs (the node-local tier's, at every few steps, are DEBUG)
-        # Called in the writing thread after each save with (step, the checkpoint), or (step, None) after a failed
-        # one: the node-local tier sends its copy to a peer node there (``local_replica``), in step with the peer.
-        self._after_write = after_write
+        # Called in the writing thread: before each write with (step, the state), returning what is written, and
+        # after it with (step, the checkpoint), or (step, None) after a failed one. The node-local tier gathers the
+        # ranks' own parts there, and sends its copy to a peer node (``local``, ``local_replica``): work that
+        # pairs with the other ranks' writers, in order, off the training thread.
+        self._before_write, self._after_write = before_write, after_write
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt") if async_save else None
         self._staging = Staging()
         self._optimizer = optimizer if async_save else None
@@ -93,6 +96,8 @@ class FullWriter:
         self.wait()  # at most one save in flight: bounded memory, and manifests appear in step order
         if self._background is None or sync:
             began = time.perf_counter()
+            if self._before_write is not None:
+                state = self._before_write(step, state)
             info = checkpoint.save(
                 self.directory, step, state, self.keep_last, self.writer_rank, prune_old=False, level=self.level
             )
@@ -140,6 +145,8 @@ class FullWriter:
         info: Optional[checkpoint.CheckpointInfo] = None
         try:
             copying.wait()
+            if self._before_write is not None:
+                snapshot = self._before_write(step, snapshot)
             info = checkpoint.save(self.directory, step, snapshot, self.keep_last, self.writer_rank, level=self.level)
         except BaseException:
             # Logged now, with its traceback: the training thread learns of it only at its next wait.

@@ -13,9 +13,11 @@ folder left by another run under a reused job id is removed, never loaded) and t
   the same index on the next node, which keeps it in its own node's ``rank-R`` folder (``local_replica``).
 
 A copy is written like an async full checkpoint (``full.FullWriter``: staged to host memory, written in a background
-thread; training blocks only for the copy that the next forward and backward do not hide). What each copy holds
-besides the model and optimizer is the ``TrainState`` complete on every rank (``state_dict(everywhere=True)``), so
-each copy restores by itself. Finding, agreeing on and loading a copy at start: ``local_restore``.
+thread; training blocks only for the copy that the next forward and backward do not hide). Besides the model and
+optimizer it holds ``ranks``, the ranks' train-state parts (``TrainState.parts``, packed by each rank in the
+training thread and gathered in the writers' threads: ``local_replica.gather_parts``): every rank's in a full-state
+copy, rank 0's and the writer's own in a sharded one, so each copy restores its ranks by itself. Finding, agreeing on
+and loading a copy at start: ``local_restore``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import re
 import shutil
 import socket
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,7 +37,7 @@ import torch.distributed as dist
 
 from ddp_core.checkpoint import store
 from ddp_core.checkpoint.full import FullWriter
-from ddp_core.checkpoint.local_replica import Ring, ring_peers
+from ddp_core.checkpoint.local_replica import Ring, gather_parts, ring_peers
 from ddp_core.checkpoint.staging import storage_key
 from ddp_core.cluster.env import DistEnv
 from ddp_core.config import CheckpointConfig
@@ -179,27 +182,46 @@ class LocalTier:
             if following is not None or previous is not None:
                 self.ring = Ring(self.node / f"w{env.world_size}", env.rank, following, previous, self.group, KEEP)
         self.writer: Optional[FullWriter] = None
+        self.side: Optional[ThreadPoolExecutor] = None  # a full-state strategy's other ranks: their parts go out
+        self.sending: Optional[Future[Any]] = None
         if self.leader or not full:
             after = self.ring.exchange if self.ring is not None else None
             # The optimizer's tensors are copied beside the next forward and backward (plain tensors only: a
             # sharded state's local shards are copied before save returns).
             self.writer = FullWriter(
-                self.folder, KEEP, True, env.rank, optimizer if full else None, after, level=logging.DEBUG
+                self.folder, KEEP, True, env.rank, optimizer if full else None, self._gathered, after, logging.DEBUG
             )
+        else:
+            self.side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-local")
         self.checked = False  # the room in local_path, measured at this attempt's first copy
 
     def due(self, step: int, max_steps: int) -> bool:
         return step % self.every == 0 and step < max_steps
 
-    def save(self, step: int, state: dict[str, Any]) -> float:
-        """This rank's copy of ``step`` (on a full-state strategy's other ranks: nothing), in the background.
-        Returns the seconds training blocked."""
+    def save(self, step: int, state: dict[str, Any], own: bytes) -> None:
+        """Collective: the copy of ``step`` in the background: ``state`` this rank's model and optimizer (its shards),
+        ``own`` its packed train-state part (``TrainState.parts``); the copy holds them as ``{"ranks": {RANK: part}}``
+        beside ``state``. A full-state strategy's ranks other than the node's first send their part only."""
         if self.writer is None:
-            return 0.0
+            assert self.side is not None
+            self._sent()  # one in flight: the parts go out in step order
+            self.sending = self.side.submit(self._gathered, step, {"ranks": own})
+            return
         if not self.checked:
-            self.check_room(tensor_bytes(state))
+            self.check_room(tensor_bytes(state) + len(own) * (self.env.world_size if self.kind == store.FULL else 2))
             self.checked = True
-        return self.writer.save(step, state)
+        self.writer.save(step, state | {"ranks": own})
+
+    def _gathered(self, step: int, snapshot: dict[str, Any]) -> dict[str, Any]:
+        """In the background (the writer's ``before_write``): the ranks' parts in place of this rank's own."""
+        every = self.kind == store.FULL
+        parts = gather_parts(self.group, self.env.rank, self.env.world_size, snapshot["ranks"], every)
+        return snapshot | {"ranks": parts}
+
+    def _sent(self) -> None:
+        sending, self.sending = self.sending, None
+        if sending is not None:
+            sending.result()
 
     def check_room(self, size: int) -> None:
         """Raise ``DdpJobError`` naming checkpoint.local_path when this node's writers' copies will not fit: each
@@ -219,11 +241,18 @@ class LocalTier:
         log.info("node-local copies: %s (%.0f MB free, %.1f MB per copy)", self.folder, room / 1e6, size / 1e6)
 
     def close(self, wait: bool = True) -> None:
-        """Complete the copy in flight. Without ``wait`` (a failed attempt) a sharded copy that still has to meet
-        its peer node is left to the process's exit: waiting for a peer that is gone would never return."""
-        writer, self.writer = self.writer, None
-        if writer is not None and (wait or self.ring is None):
+        """Complete the copy in flight. Without ``wait`` (a failed attempt) it is left to the process's exit: it
+        meets the other ranks (their parts, a peer node), and waiting for a rank that is gone would never return."""
+        writer, side, self.writer, self.side = self.writer, self.side, None, None
+        if not wait:
+            return
+        if writer is not None:
             writer.close()
+        if side is not None:
+            try:
+                self._sent()
+            finally:
+                side.shutdown()
 
     def discard(self) -> None:
         """Remove this node's copies (the run completed, or failed in a way another attempt cannot fix)."""

@@ -25,6 +25,7 @@ from torch import nn
 from ddp_core.checkpoint import full as full_checkpoint
 from ddp_core.checkpoint import local_restore, store
 from ddp_core.checkpoint.local import LocalTier, fill_shards, local_shards
+from ddp_core.checkpoint.local_replica import pack, unpack
 from ddp_core.checkpoint.train_state import TrainState
 from ddp_core.cluster.env import DistEnv
 from ddp_core.config import CheckpointConfig
@@ -135,17 +136,21 @@ class CheckpointManager:
         if latest is None:
             return None
         state.load_state_dict(load_checkpoint(latest, self.layout, self.model, self.optimizer), self.env)
-        log.info("resumed from %s (step %d, epoch %d)", latest.path.name, state.pos.step, state.pos.epoch)
+        log.info("resumed from %s (step %d, epoch %d): tier durable", latest.path.name, state.pos.step, state.pos.epoch)
         return Restored("durable", latest.step)
 
     def load_local(self, copy: dict[str, Any]) -> dict[str, Any]:
-        """Restore model and optimizer from a node-local copy; returns the train state's entries."""
-        if self.layout.checkpoint_kind != store.SHARDED:
-            return load_full(copy, self.layout, self.model, self.optimizer)
-        template = self.layout.sharded_state(self.model, self.optimizer)
-        self.layout.load_sharded_state(self.model, self.optimizer, fill_shards(template, copy["shards"]))
-        rest: dict[str, Any] = copy["rest"]
-        return rest
+        """Restore model and optimizer from a node-local copy; returns the train state's entries: rank 0's shared
+        ones and this rank's own (the other ranks' own parts are not needed, and a sharded copy holds none)."""
+        if self.layout.checkpoint_kind == store.SHARDED:
+            template = self.layout.sharded_state(self.model, self.optimizer)
+            self.layout.load_sharded_state(self.model, self.optimizer, fill_shards(template, copy["shards"]))
+        else:
+            load_full(copy, self.layout, self.model, self.optimizer)
+        parts = copy["ranks"]
+        shared = unpack(parts[0])["shared"]
+        owns = [unpack(parts[rank])["own"] if rank == self.env.rank else None for rank in range(shared["world_size"])]
+        return shared | {"rng": [o and o["rng"] for o in owns], "per_rank": [o and o["per_rank"] for o in owns]}
 
     def local_due(self, step: int, max_steps: int) -> bool:
         """A node-local copy after ``step`` (``checkpoint.local_every_steps``; the trainer asks when no durable save
@@ -157,13 +162,15 @@ class CheckpointManager:
         training blocked (staging the copy; waiting for the previous one if it is still being written)."""
         assert self.local is not None
         started = time.perf_counter()
-        rest = state.state_dict(self.env, everywhere=True)  # every copy restores by itself
+        shared, own = state.parts(self.env)
+        # Packed now (small: the ranks' parts travel in the background), so the copy's staging walks no RNG state.
+        packed = pack({"shared": shared, "own": own})
+        whole: dict[str, Any] = {}
         if self.layout.checkpoint_kind == store.SHARDED:
-            shards = local_shards(self.layout.sharded_state(self.model, self.optimizer))
-            self.local.save(state.pos.step, {"shards": shards, "rest": rest})
+            whole = {"shards": local_shards(self.layout.sharded_state(self.model, self.optimizer))}
         elif self.local.writer is not None:
             whole = {"model": self.layout.model_state(self.model), "optimizer": self.optimizer.state_dict()}
-            self.local.save(state.pos.step, whole | rest)
+        self.local.save(state.pos.step, whole, packed)
         return time.perf_counter() - started
 
     def discard_local(self, collective: bool = True) -> None:

@@ -299,7 +299,8 @@ class Trainer:
 
     def save_local(self) -> None:
         """Collective: this step's node-local copy (``checkpoint.local_every_steps``), written in the background."""
-        assert self.checkpoints is not None
+        assert self.checkpoints is not None and self.lines is not None
+        self.lines.finish()  # this step's progress line is written before a copy an attempt may resume from
         with self.watchdog.allowance():  # it waits for the previous copy if that is still being written
             self.checkpoints.save_local(self.state)
 

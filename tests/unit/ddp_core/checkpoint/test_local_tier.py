@@ -20,7 +20,7 @@ from torch import nn
 
 from ddp_core.checkpoint import local_restore, store
 from ddp_core.checkpoint.local import LocalTier, fill_shards, local_shards
-from ddp_core.checkpoint.local_replica import ring_peers
+from ddp_core.checkpoint.local_replica import pack, ring_peers, unpack
 from ddp_core.checkpoint.manager import CheckpointManager, Restored
 from ddp_core.checkpoint.train_state import Carried, TrainState
 from ddp_core.cluster.env import DistEnv
@@ -231,22 +231,25 @@ def _tier(tmp: Path, rank: int, world: int, kind: str, host: str, job: str) -> L
 
 
 def _spare_node_gets_its_copy_from_a_peer(rank: int, world: int, tmp: Path) -> None:
-    # Full-state: each node writes its own copy; node b dies, c takes its place and gets node a's copy.
+    # Full-state: each node writes its own copy, with every rank's own part; node b dies, c takes its place and
+    # gets node a's copy.
     tier = _tier(tmp, rank, world, store.FULL, "ab"[rank], "5")
     for step in (1, 2, 3):
-        tier.save(step, {"w": torch.full((3,), float(step)), "position": {"step": step}})
+        tier.save(step, {"w": torch.full((3,), float(step))}, pack({"rank": rank, "step": step}))
     tier.close()
     assert steps_in(tmp / "shm" / "ddpjob-5" / "ab"[rank] / "full") == [2, 3]
     spare = _tier(tmp, rank, world, store.FULL, "ac"[rank], "5")
     found = local_restore.restore(spare, -1)
     assert found is not None and found[0] == 3 and torch.equal(found[1]["w"], torch.full((3,), 3.0))
+    assert {r: unpack(part) for r, part in found[1]["ranks"].items()} == {r: {"rank": r, "step": 3} for r in (0, 1)}
     assert found[2] == ("this node" if rank == 0 else "rank 0 on a")
     assert local_restore.restore(spare, 3) is None  # a durable checkpoint of step 3: nothing newer here
 
-    # Sharded: each rank's copy is also kept on the peer node; c gets rank 1's shards from their replica on a.
+    # Sharded: each rank's copy (its shards, rank 0's part and its own) is also kept on the peer node; c gets rank
+    # 1's copy from its replica on a.
     tier = _tier(tmp, rank, world, store.SHARDED, "ab"[rank], "6")
     for step in (1, 2, 3):
-        tier.save(step, {"shards": {"w": torch.full((2,), 10.0 * rank + step)}, "rest": {"step": step}})
+        tier.save(step, {"shards": {"w": torch.full((2,), 10.0 * rank + step)}}, pack({"rank": rank, "step": step}))
     tier.close()
     dist.barrier()
     job = tmp / "shm" / "ddpjob-6"
@@ -254,9 +257,9 @@ def _spare_node_gets_its_copy_from_a_peer(rank: int, world: int, tmp: Path) -> N
     assert steps_in(job / "ab"[rank] / "w2" / f"rank-{1 - rank}") == [2, 3]  # the peer node's replica
     spare = _tier(tmp, rank, world, store.SHARDED, "ac"[rank], "6")
     found = local_restore.restore(spare, -1)
-    assert (
-        found is not None and found[0] == 3 and torch.equal(found[1]["shards"]["w"], torch.full((2,), 10.0 * rank + 3))
-    )
+    assert found is not None and found[0] == 3
+    assert torch.equal(found[1]["shards"]["w"], torch.full((2,), 10.0 * rank + 3))
+    assert {r: unpack(part) for r, part in found[1]["ranks"].items()} == {r: {"rank": r, "step": 3} for r in {0, rank}}
     assert found[2] == ("this node" if rank == 0 else "rank 0 on a")
     dist.barrier()
     if rank == 0:  # the replica of rank 1's newest copy is corrupt: step 2 is the newest both ranks can get
@@ -265,6 +268,16 @@ def _spare_node_gets_its_copy_from_a_peer(rank: int, world: int, tmp: Path) -> N
     dist.barrier()
     found = local_restore.restore(spare, -1)
     assert found is not None and found[0] == 2 and float(found[1]["shards"]["w"][0]) == 10.0 * rank + 2
+
+    # Full-state, both ranks on one node: its first rank writes the copy, the other sends its own part along.
+    tier = _tier(tmp, rank, world, store.FULL, "a", "7")
+    assert (tier.writer is not None) == (rank == 0)
+    for step in (1, 2):
+        tier.save(step, {"w": torch.full((3,), float(step))}, pack({"rank": rank, "step": step}))
+    tier.close()
+    found = local_restore.restore(_tier(tmp, rank, world, store.FULL, "a", "7"), -1)
+    assert found is not None and found[0] == 2 and found[2] == "this node"
+    assert {r: unpack(part) for r, part in found[1]["ranks"].items()} == {r: {"rank": r, "step": 2} for r in (0, 1)}
 
 
 def test_a_node_that_replaced_a_dead_one_gets_its_copy_from_a_peer(tmp_path):
