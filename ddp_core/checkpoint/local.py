@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ddp_core.checkpoint import store
 from ddp_core.checkpoint.full import FullWriter
-from ddp_core.checkpoint.local_replica import Ring, gather_parts, ring_peers
+from ddp_core.checkpoint.local_replica import Parts, Ring, ring_peers
 from ddp_core.checkpoint.staging import storage_key
 from ddp_core.cluster.env import DistEnv
 from ddp_core.config import CheckpointConfig
@@ -174,6 +174,7 @@ class LocalTier:
         # training's collectives on the default group.
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() and env.world_size > 1 else None
         collectives.barrier()  # every node's folder claimed before any rank reads or writes in it
+        self.parts = Parts(self.group, env.rank, env.world_size)
         full = kind == store.FULL
         self.folder = self.node / (FULL_FOLDER if full else sharded_folder(env.world_size, env.rank))
         self.ring: Optional[Ring] = None
@@ -214,9 +215,7 @@ class LocalTier:
 
     def _gathered(self, step: int, snapshot: dict[str, Any]) -> dict[str, Any]:
         """In the background (the writer's ``before_write``): the ranks' parts in place of this rank's own."""
-        every = self.kind == store.FULL
-        parts = gather_parts(self.group, self.env.rank, self.env.world_size, snapshot["ranks"], every)
-        return snapshot | {"ranks": parts}
+        return snapshot | {"ranks": self.parts.gather(snapshot["ranks"], every=self.kind == store.FULL)}
 
     def _sent(self) -> None:
         sending, self.sending = self.sending, None

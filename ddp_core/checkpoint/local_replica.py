@@ -1,11 +1,12 @@
 """What the node-local tier's writers exchange with the other ranks, in their background threads, over the tier's own
 gloo group: the ranks' own train-state parts (``gather_parts``), and the sharded copies' replicas (``Ring``).
 
-**Own parts.** Each rank's RNG state and per-rank components (``TrainState.parts``), packed in the training thread,
-reach the writers in the background: every rank's to every rank under a full-state strategy (each node's copy
-restores every rank), rank 0's and the writer's own under a sharded one (a rank's copy restores that rank). Every
-rank takes part once per copy, in step order: writers in ``FullWriter``'s ``before_write``, the other ranks of a
-full-state strategy in a thread of their own (``local.LocalTier``).
+**Own parts** (``Parts``). Each rank's RNG state and per-rank components (``TrainState.parts``; rank 0's also the
+train state's shared entries), packed in the training thread, reach the writers in the background: every rank's to
+every rank under a full-state strategy (each node's copy restores every rank), rank 0's and the writer's own under a
+sharded one (a rank's copy restores that rank). Every rank takes part once per copy, in step order: writers in
+``FullWriter``'s ``before_write``, the other ranks of a full-state strategy in a thread of their own
+(``local.LocalTier``).
 
 **Replicas** of the sharded copies on a peer node: node k's shards are kept on node (k+1) % nodes.
 
@@ -109,26 +110,51 @@ def _as_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
-def gather_parts(
-    group: Optional[dist.ProcessGroup], rank: int, world: int, own: bytes, every: bool
-) -> dict[int, bytes]:
-    """Collective over ``group``: every rank's packed part (``every``), or rank 0's and this rank's, by rank."""
-    if group is None:
-        return {rank: own}
-    if not every:
-        size = torch.tensor([len(own)], dtype=torch.int64)
-        dist.broadcast(size, 0, group=group)
-        first = _as_tensor(own) if rank == 0 else torch.empty(int(size[0]), dtype=torch.uint8)
-        dist.broadcast(first, 0, group=group)
-        return {0: first.numpy().tobytes(), rank: own}
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([len(own)], dtype=torch.int64), group=group)
-    longest = max(int(size[0]) for size in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[: len(own)] = _as_tensor(own)
-    parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(parts, mine, group=group)
-    return {r: part[: int(sizes[r][0])].numpy().tobytes() for r, part in enumerate(parts)}
+_HEADER = 8  # a framed part's length, little-endian, before its bytes
+_SLOT = 4096  # slots grow in steps of this
+
+
+def _framed(own: bytes, slot: int) -> torch.Tensor:
+    framed = torch.zeros(_HEADER + slot, dtype=torch.uint8)
+    framed[:_HEADER] = _as_tensor(len(own).to_bytes(_HEADER, "little"))
+    if len(own) <= slot:
+        framed[_HEADER : _HEADER + len(own)] = _as_tensor(own)
+    return framed
+
+
+def _unframed(framed: torch.Tensor) -> tuple[int, bytes]:
+    data = framed.numpy().tobytes()
+    size = int.from_bytes(data[:_HEADER], "little")
+    return size, data[_HEADER : _HEADER + size]
+
+
+class Parts:
+    """Collective over the tier's group, once per copy: the ranks' packed train-state parts, by rank: every rank's
+    (``every``: a full-state copy's), or rank 0's and this rank's (a sharded one's). Each part travels framed in a
+    slot of the size the last copy needed, so a copy takes one all-gather (or broadcast); a part that outgrew it is
+    sent again in a larger slot, which every rank learns of from the same lengths."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], rank: int, world: int) -> None:
+        self.group, self.rank, self.world = group, rank, world
+        self.slot = 0  # the same on every rank: set from lengths every rank received
+
+    def gather(self, own: bytes, every: bool) -> dict[int, bytes]:
+        if self.group is None:
+            return {self.rank: own}
+        while True:
+            if every:
+                parts = [torch.empty(_HEADER + self.slot, dtype=torch.uint8) for _ in range(self.world)]
+                dist.all_gather(parts, _framed(own, self.slot), group=self.group)
+                found = dict(enumerate(_unframed(part) for part in parts))
+            else:
+                empty = torch.empty(_HEADER + self.slot, dtype=torch.uint8)
+                first = _framed(own, self.slot) if self.rank == 0 else empty
+                dist.broadcast(first, 0, group=self.group)
+                found = {0: _unframed(first)}
+            longest = max(size for size, _ in found.values())
+            if longest <= self.slot:
+                return {r: data for r, (_, data) in found.items()} | ({} if every else {self.rank: own})
+            self.slot = -(-longest // _SLOT) * _SLOT
 
 
 class Ring:

@@ -122,7 +122,7 @@ class CheckpointManager:
         found = local_restore.restore(self.local, durable) if self.local is not None else None
         if found is not None:
             step, copy, where = found
-            state.load_state_dict(self.load_local(copy), self.env)
+            state.load_state_dict(self.load_local(copy) | {"config": state.config}, self.env)
             log.info(
                 "resumed from the node-local copy of step %d (epoch %d) from %s, newer than the newest durable "
                 "checkpoint (%s): tier local",
@@ -164,7 +164,9 @@ class CheckpointManager:
         started = time.perf_counter()
         shared, own = state.parts(self.env)
         # Packed now (small: the ranks' parts travel in the background), so the copy's staging walks no RNG state.
-        packed = pack({"shared": shared, "own": own})
+        # Only rank 0's shared entries are loaded (as from a durable checkpoint); the config is the attempt's own.
+        shared.pop("config")
+        packed = pack({"shared": shared, "own": own} if self.env.is_main else {"own": own})
         whole: dict[str, Any] = {}
         if self.layout.checkpoint_kind == store.SHARDED:
             whole = {"shards": local_shards(self.layout.sharded_state(self.model, self.optimizer))}

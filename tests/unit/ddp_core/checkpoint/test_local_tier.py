@@ -20,7 +20,7 @@ from torch import nn
 
 from ddp_core.checkpoint import local_restore, store
 from ddp_core.checkpoint.local import LocalTier, fill_shards, local_shards
-from ddp_core.checkpoint.local_replica import pack, ring_peers, unpack
+from ddp_core.checkpoint.local_replica import Parts, pack, ring_peers, unpack
 from ddp_core.checkpoint.manager import CheckpointManager, Restored
 from ddp_core.checkpoint.train_state import Carried, TrainState
 from ddp_core.cluster.env import DistEnv
@@ -268,6 +268,14 @@ def _spare_node_gets_its_copy_from_a_peer(rank: int, world: int, tmp: Path) -> N
     dist.barrier()
     found = local_restore.restore(spare, -1)
     assert found is not None and found[0] == 2 and float(found[1]["shards"]["w"][0]) == 10.0 * rank + 2
+
+    # The parts travel in a slot of the last copy's size; one that outgrew it is sent again in a larger one.
+    parts = Parts(spare.group, rank, world)
+    for sizes in ((10, 10), (5000, 10000), (3, 3), (20000, 20000)):
+        own = bytes([rank]) * sizes[rank]
+        assert parts.gather(own, every=True) == {r: bytes([r]) * sizes[r] for r in (0, 1)}
+        assert parts.gather(own, every=False) == {0: bytes([0]) * sizes[0], rank: own}
+    assert parts.slot == 20480
 
     # Full-state, both ranks on one node: its first rank writes the copy, the other sends its own part along.
     tier = _tier(tmp, rank, world, store.FULL, "a", "7")
