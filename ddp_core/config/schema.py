@@ -198,7 +198,8 @@ class CheckpointConfig:
     # A node-local tier below the durable checkpoints: every this many optimizer steps the whole train state is
     # copied, in the background, to checkpoint.local_path on each node (the 2 newest copies kept), so a failed
     # attempt that runs again in the same job resumes from there, losing at most this many steps
-    # (docs/failures.md, "The node-local tier"). 0: off. Below checkpoint.every_steps when that is set.
+    # (docs/failures.md, "The node-local tier"). 0: off. Below checkpoint.every_steps when that is set. Copies at
+    # least 0.5 s of training apart cost at most 3% (a copy takes a few ms of CPU per rank, and its write's time).
     local_every_steps: int = 0
     # The node-local folder of checkpoint.local_every_steps: an absolute path on every compute node (RAM-backed
     # /dev/shm counts against the job's memory on many sites). Copies go to LOCAL_PATH/ddpjob-JOBID/HOST/ and are
