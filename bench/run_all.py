@@ -37,6 +37,7 @@ BENCHES = [
     ("sweep_report", "sweep reports"),
     ("strategies", "strategies"),
     ("invariant", "world-size-invariant training"),
+    ("local_checkpoint", "node-local checkpoints"),
 ]
 
 

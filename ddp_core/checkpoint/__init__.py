@@ -3,6 +3,8 @@
 Owns the on-disk format (``store``: checksummed files, a manifest written last, finding the newest verified
 checkpoint, pruning and the best copy), the writers (``full``: one file from rank 0, synchronous or staged to host
 memory and written in the background through ``staging``; ``sharded``: torch.distributed.checkpoint, one shard per
-rank) and the state a checkpoint holds besides the model and optimizer (``train_state``: step, loader position,
-per-rank RNG). Imports ``dist``, ``run``, ``cluster`` and ``errors``.
+rank), the state a checkpoint holds besides the model and optimizer (``train_state``: step, loader position,
+per-rank RNG), and the node-local tier below the durable checkpoints (``local``, ``local_replica``,
+``local_restore``: frequent copies in node memory, replicated across nodes, restored when newer). Imports ``dist``,
+``run``, ``cluster`` and ``errors``.
 """

@@ -28,7 +28,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -54,8 +54,17 @@ class FullWriter:
         async_save: bool,
         writer_rank: int = 0,
         optimizer: Optional[torch.optim.Optimizer] = None,
+        before_write: Optional[Callable[[int, dict[str, Any]], dict[str, Any]]] = None,
+        after_write: Optional[Callable[[int, Optional[checkpoint.CheckpointInfo]], None]] = None,
+        level: int = logging.INFO,
     ) -> None:
         self.directory, self.keep_last, self.writer_rank = directory, keep_last, writer_rank
+        self.level = level  # of the lines each save logs (the node-local tier's, at every few steps, are DEBUG)
+        # Called in the writing thread: before each write with (step, the state), returning what is written, and
+        # after it with (step, the checkpoint), or (step, None) after a failed one. The node-local tier gathers the
+        # ranks' own parts there, and sends its copy to a peer node (``local``, ``local_replica``): work that
+        # pairs with the other ranks' writers, in order, off the training thread.
+        self._before_write, self._after_write = before_write, after_write
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt") if async_save else None
         self._staging = Staging()
         self._optimizer = optimizer if async_save else None
@@ -87,8 +96,14 @@ class FullWriter:
         self.wait()  # at most one save in flight: bounded memory, and manifests appear in step order
         if self._background is None or sync:
             began = time.perf_counter()
-            checkpoint.save(self.directory, step, state, self.keep_last, self.writer_rank, prune_old=False)
+            if self._before_write is not None:
+                state = self._before_write(step, state)
+            info = checkpoint.save(
+                self.directory, step, state, self.keep_last, self.writer_rank, prune_old=False, level=self.level
+            )
             self.last_write_s = time.perf_counter() - began
+            if self._after_write is not None:
+                self._after_write(step, info)
             # Deleting the oldest checkpoint is off the training thread: unlinking a multi-GB file (and, on a file
             # system mounted with discard, trimming its blocks at the next journal commit) cost 0.3 to 1.5 s here,
             # a third of the save itself. The checkpoint just written is complete either way.
@@ -100,7 +115,12 @@ class FullWriter:
         self.fence_s = 0.0
         self._pending = self._background.submit(self._write, step, snapshot, self._copying, began)
         self._pending_step = step
-        log.info("checkpoint step %d: training blocked %.3f s for the copy, writing in the background", step, blocked)
+        log.log(
+            self.level,
+            "checkpoint step %d: training blocked %.3f s for the copy, writing in the background",
+            step,
+            blocked,
+        )
         return blocked
 
     def _later(self) -> set[StorageKey]:
@@ -122,13 +142,19 @@ class FullWriter:
             self.fence_s = time.perf_counter() - started
 
     def _write(self, step: int, snapshot: dict[str, Any], copying: Copying, began: float) -> checkpoint.CheckpointInfo:
+        info: Optional[checkpoint.CheckpointInfo] = None
         try:
             copying.wait()
-            info = checkpoint.save(self.directory, step, snapshot, self.keep_last, self.writer_rank)
+            if self._before_write is not None:
+                snapshot = self._before_write(step, snapshot)
+            info = checkpoint.save(self.directory, step, snapshot, self.keep_last, self.writer_rank, level=self.level)
         except BaseException:
             # Logged now, with its traceback: the training thread learns of it only at its next wait.
             log.exception("the checkpoint of step %d failed in the background", step)
             raise
+        finally:
+            if self._after_write is not None:
+                self._after_write(step, info)
         self.last_write_s = time.perf_counter() - began
         return info
 

@@ -6,6 +6,10 @@ newest checkpoint every rank verified, keeps the best one (``checkpoint.monitor`
 save costs, for the SIGTERM budget (``checkpoint.sigterm_budget_s``) and the deadline stop (``save_cost_s``).
 Pruning (``checkpoint.keep_last``) happens in the writers after each save. The trainer calls it in one line per use;
 what it saves is the ``TrainState``'s ``state_dict`` plus the model and optimizer as the strategy lays them out.
+
+With ``checkpoint.local_every_steps`` it also keeps the node-local tier (``local``): copies of the same state in
+node memory between durable checkpoints; at start the newer of the newest local copy every rank can get
+(``local_restore``) and the newest durable checkpoint is loaded (``restored`` says which).
 """
 
 from __future__ import annotations
@@ -14,12 +18,15 @@ import json
 import logging
 import signal
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from torch import nn
 
 from ddp_core.checkpoint import full as full_checkpoint
-from ddp_core.checkpoint import store
+from ddp_core.checkpoint import local_restore, store
+from ddp_core.checkpoint.local import LocalTier, fill_shards, local_shards
+from ddp_core.checkpoint.local_replica import pack, unpack
 from ddp_core.checkpoint.train_state import TrainState
 from ddp_core.cluster.env import DistEnv
 from ddp_core.config import CheckpointConfig
@@ -62,10 +69,23 @@ def load_checkpoint(info: store.CheckpointInfo, layout: Layout, model: nn.Module
         state, rest = sharded.load(info, layout.sharded_state(model, optimizer))
         layout.load_sharded_state(model, optimizer, state)
         return rest
-    state = store.load(info)
+    return load_full(store.load(info), layout, model, optimizer)
+
+
+def load_full(state: dict[str, Any], layout: Layout, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """Restore model and optimizer from a full checkpoint's state; returns it (the train state reads the rest)."""
     layout.load_model_state(model, state["model"])
     layout.load_optimizer_state(model, optimizer, state["optimizer"])
     return state
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What an attempt started from: ``tier`` "durable" (a checkpoint in the run directory) or "local" (a node-local
+    copy), and its step."""
+
+    tier: str
+    step: int
 
 
 class CheckpointManager:
@@ -91,15 +111,83 @@ class CheckpointManager:
         self.saved_step = -1
         self.longest_save_s = 0.0  # the longest any save of this attempt blocked training
         self.recorded_s: Optional[float] = None  # what earlier attempts' saves cost (metrics.jsonl), read once
+        self.local: Optional[LocalTier] = None
+        if cfg.local_every_steps and env.job_id is None:
+            log.warning("checkpoint.local_every_steps: this process has no job id to key node-local copies by: off")
+        elif cfg.local_every_steps:
+            self.local = LocalTier(cfg, env, run_dir, layout.checkpoint_kind, optimizer)
 
-    def load_latest(self, state: TrainState) -> Optional[store.CheckpointInfo]:
-        """Collective: load the newest checkpoint every rank verified into the model, the optimizer and ``state``;
-        None (and nothing loaded) when there is none."""
+    def load_latest(self, state: TrainState) -> Optional[Restored]:
+        """Collective: load the newest checkpoint every rank verified, or a newer node-local copy every rank can get,
+        into the model, the optimizer and ``state``; None (and nothing loaded) when there is neither."""
         latest = store.find_latest_agreed(self.run_dir.checkpoints)
-        if latest is not None:
-            state.load_state_dict(load_checkpoint(latest, self.layout, self.model, self.optimizer), self.env)
-            log.info("resumed from %s (step %d, epoch %d)", latest.path.name, state.pos.step, state.pos.epoch)
-        return latest
+        durable = -1 if latest is None else latest.step
+        found = local_restore.restore(self.local, durable) if self.local is not None else None
+        if found is not None:
+            step, copy, where = found
+            state.load_state_dict(self.load_local(copy) | {"config": state.config}, self.env)
+            log.info(
+                "resumed from the node-local copy of step %d (epoch %d) from %s, newer than the newest durable "
+                "checkpoint (%s): tier local",
+                state.pos.step,
+                state.pos.epoch,
+                where,
+                f"step {durable}" if latest is not None else "none",
+            )
+            assert step == state.pos.step, "a copy holds its own step"
+            return Restored("local", step)
+        if latest is None:
+            return None
+        state.load_state_dict(load_checkpoint(latest, self.layout, self.model, self.optimizer), self.env)
+        log.info("resumed from %s (step %d, epoch %d): tier durable", latest.path.name, state.pos.step, state.pos.epoch)
+        return Restored("durable", latest.step)
+
+    def load_local(self, copy: dict[str, Any]) -> dict[str, Any]:
+        """Restore model and optimizer from a node-local copy; returns the train state's entries: rank 0's shared
+        ones and this rank's own (the other ranks' own parts are not needed, and a sharded copy holds none)."""
+        if self.layout.checkpoint_kind == store.SHARDED:
+            template = self.layout.sharded_state(self.model, self.optimizer)
+            self.layout.load_sharded_state(self.model, self.optimizer, fill_shards(template, copy["shards"]))
+        else:
+            load_full(copy, self.layout, self.model, self.optimizer)
+        parts = copy["ranks"]
+        shared = unpack(parts[0])["shared"]
+        owns = [unpack(parts[rank])["own"] if rank == self.env.rank else None for rank in range(shared["world_size"])]
+        return shared | {"rng": [o and o["rng"] for o in owns], "per_rank": [o and o["per_rank"] for o in owns]}
+
+    def local_due(self, step: int, max_steps: int) -> bool:
+        """A node-local copy after ``step`` (``checkpoint.local_every_steps``; the trainer asks when no durable save
+        is due: that one is as new)."""
+        return self.local is not None and self.local.due(step, max_steps)
+
+    def save_local(self, state: TrainState) -> float:
+        """Collective: the node-local copy of ``state``'s step, written in the background. Returns the seconds
+        training blocked (staging the copy; waiting for the previous one if it is still being written)."""
+        assert self.local is not None
+        started = time.perf_counter()
+        shared, own = state.parts(self.env)
+        # Packed now (small: the ranks' parts travel in the background), so the copy's staging walks no RNG state.
+        # Only rank 0's shared entries are loaded (as from a durable checkpoint); the config is the attempt's own.
+        shared.pop("config")
+        packed = pack({"shared": shared, "own": own} if self.env.is_main else {"own": own})
+        whole: dict[str, Any] = {}
+        if self.layout.checkpoint_kind == store.SHARDED:
+            whole = {"shards": local_shards(self.layout.sharded_state(self.model, self.optimizer))}
+        elif self.local.writer is not None:
+            whole = {"model": self.layout.model_state(self.model), "optimizer": self.optimizer.state_dict()}
+        self.local.save(state.pos.step, whole, packed)
+        return time.perf_counter() - started
+
+    def discard_local(self, collective: bool = True) -> None:
+        """The run is over (completed, or failed so that no attempt of this job can continue it): remove this node's
+        copies. ``collective``: after every rank's writers are closed, by each node's first rank; else (a failing
+        rank) by this rank at once."""
+        if self.local is None:
+            return
+        if collective:
+            collectives.barrier()  # no rank of the node is still writing into it
+        if self.local.leader or not collective:
+            self.local.discard()
 
     def due(self, step: int, max_steps: int) -> bool:
         """A periodic save after ``step`` (the last step's save is the end's, not a periodic one)."""
@@ -167,10 +255,14 @@ class CheckpointManager:
         and before the process group goes away). Without it (a failed attempt), a sharded save in flight, which
         would need the other ranks, is left; a full one, rank 0's own thread, still completes."""
         full, sharded, self.full, self.sharded = self.full, self.sharded, None, None
-        if full is not None:
-            full.close()
-        if sharded is not None:
-            sharded.close(wait)
+        try:
+            if full is not None:
+                full.close()
+            if sharded is not None:
+                sharded.close(wait)
+        finally:
+            if self.local is not None:
+                self.local.close(wait)
 
 
 # The checkpoint records a save's cost is read from: the most recent few (an old one may predate a larger model).

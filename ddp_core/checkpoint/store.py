@@ -120,10 +120,16 @@ class _DurableWriter(io.RawIOBase):
 
 
 def save(
-    directory: Path, step: int, state: dict[str, Any], keep_last: int, writer_rank: int = 0, prune_old: bool = True
+    directory: Path,
+    step: int,
+    state: dict[str, Any],
+    keep_last: int,
+    writer_rank: int = 0,
+    prune_old: bool = True,
+    level: int = logging.INFO,
 ) -> CheckpointInfo:
     """Atomically write ``state`` for ``step``, then its manifest, then (``prune_old``) prune to the newest
-    ``keep_last``: a caller that prunes in the background passes False."""
+    ``keep_last``: a caller that prunes in the background passes False. ``level``: of the line saying it is saved."""
     directory.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     final = directory / f"step_{step:08d}.pt"
@@ -156,7 +162,8 @@ def save(
     }
     atomic_write_text(manifest_path, json.dumps(manifest, indent=1) + "\n")  # durable when it returns (dir too)
     info = CheckpointInfo(step=step, path=final, digest=digest, size=size)
-    log.info("checkpoint step %d saved (%.1f MB, %.2f s): %s", step, size / 1e6, time.perf_counter() - started, final)
+    took = time.perf_counter() - started
+    log.log(level, "checkpoint step %d saved (%.1f MB, %.2f s): %s", step, size / 1e6, took, final)
     if prune_old:
         prune(directory, keep_last)
     return info
@@ -197,6 +204,18 @@ def file_digest(path: Path, algorithm: str) -> str:
         while chunk := f.read(1 << 24):  # 16 MiB at a time: a multi-GB checkpoint is never in memory twice
             hasher.update(chunk)
     return hasher.hexdigest()
+
+
+def bytes_digest(data: Any, algorithm: str) -> str:
+    """The checksum of bytes in memory (a full checkpoint's file received from another rank)."""
+    hasher = _CHECKSUMS[algorithm]()
+    hasher.update(data)
+    return hasher.hexdigest()
+
+
+def recorded_checksum(manifest: Path) -> tuple[str, str]:
+    """(algorithm, digest) a full checkpoint's manifest records. Raises ``ValueError`` for a malformed one."""
+    return _full_checksum(_read_manifest(manifest))
 
 
 def sha256_file(path: Path) -> str:

@@ -53,12 +53,13 @@ class Carried:
     def __init__(self, shared: Mapping[str, Stateful], per_rank: Mapping[str, Stateful]) -> None:
         self.shared, self.per_rank = dict(shared), dict(per_rank)
 
-    def state(self, env: DistEnv) -> dict[str, Any]:
-        """Collective: the checkpoint's entries (complete on rank 0)."""
-        mine = {name: part.state_dict() for name, part in self.per_rank.items()}
-        return {name: part.state_dict() for name, part in self.shared.items()} | {
-            "per_rank": collectives.gather_to_main(mine, env)
-        }
+    def shared_state(self) -> dict[str, Any]:
+        """The shared components' entries (rank 0's are saved)."""
+        return {name: part.state_dict() for name, part in self.shared.items()}
+
+    def own_state(self) -> dict[str, Any]:
+        """This rank's part of the checkpoint's ``per_rank`` list."""
+        return {name: part.state_dict() for name, part in self.per_rank.items()}
 
     def load(self, state: Mapping[str, Any], env: DistEnv) -> None:
         for name, part in self.shared.items():
@@ -88,6 +89,12 @@ class PartialLoss(Protocol):
     def load(self, state: Any) -> None: ...
 
 
+def assemble(shared: Mapping[str, Any], owns: list[Any]) -> dict[str, Any]:
+    """A checkpoint's train state entries: rank 0's ``shared`` part, and every rank's own part (``TrainState.parts``)
+    in rank order (none on ranks other than 0 of a durable save: their state is complete on rank 0 only)."""
+    return dict(shared) | {"rng": [own["rng"] for own in owns], "per_rank": [own["per_rank"] for own in owns]}
+
+
 class TrainState:
     """What a checkpoint holds besides the model and the optimizer (which the strategy saves its own way): where the
     run is (``pos``), the LR schedule, the partial progress-line loss, every rank's RNG, the world size and config it
@@ -100,15 +107,20 @@ class TrainState:
 
     def state_dict(self, env: DistEnv) -> dict[str, Any]:
         """Collective; complete on rank 0."""
-        rngs = collectives.gather_to_main(rng.rng_state(), env)
-        return {
+        shared, own = self.parts(env)
+        return assemble(shared, collectives.gather_to_main(own, env))
+
+    def parts(self, env: DistEnv) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This rank's state without a collective: (the entries rank 0's of which are saved, this rank's own: its
+        RNG and ``per_rank`` part). ``assemble`` makes a checkpoint's entries of rank 0's and every rank's own."""
+        shared = {
             "scheduler": self.scheduler.state_dict(),
             "position": asdict(self.pos),
             "log_loss": self.log_loss.state(),
-            "rng": rngs,
             "world_size": env.world_size,
             "config": self.config,
-        } | self.carried.state(env)
+        } | self.carried.shared_state()
+        return shared, {"rng": rng.rng_state(), "per_rank": self.carried.own_state()}
 
     def load_state_dict(self, state: Mapping[str, Any], env: DistEnv) -> None:
         self.scheduler.load_state_dict(state["scheduler"])

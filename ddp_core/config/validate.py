@@ -12,6 +12,7 @@ from typing import Any, Optional
 from ddp_core.config.batch import job_world_sizes, validate_batches
 from ddp_core.config.container import validate_container
 from ddp_core.config.features import validate_script, validate_snapshot, validate_trial, validate_watchdog
+from ddp_core.config.local_tier import validate_local_tier
 from ddp_core.config.metric import parse_metric
 from ddp_core.config.schema import (
     CPU_BIND,
@@ -81,6 +82,7 @@ def validate(cfg: Config) -> None:
     _require(cfg.train.straggler_factor >= 1, "train.straggler_factor", cfg.train.straggler_factor, "must be >= 1")
     _require(cfg.train.stop_check_ms >= 0, "train.stop_check_ms", cfg.train.stop_check_ms, "must be >= 0")
     _validate_trainer_extras(cfg)
+    validate_local_tier(cfg.checkpoint, cfg.script.enabled)
     _validate_script_strings(cfg)
     validate_script(cfg.script, cfg.slurm)
     _validate_script_mode(cfg)
@@ -132,6 +134,7 @@ def _validate_ranges(cfg: Config) -> None:
         "data.num_workers": cfg.data.num_workers,
         "train.eval_every": cfg.train.eval_every,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
+        "checkpoint.local_every_steps": cfg.checkpoint.local_every_steps,
         "optim.warmup_steps": cfg.optim.warmup_steps,
         "optim.weight_decay": cfg.optim.weight_decay,
         "optim.grad_clip": cfg.optim.grad_clip,
@@ -162,17 +165,13 @@ def _validate_time_limit(cfg: Config) -> None:
     why = "must be USR1, USR2 or none (SIGTERM is Slurm's own kill signal and is handled anyway)"
     _require(signal_ok, "slurm.signal", s.signal, why)
     limit = s.time_min * 60
-    leads = {"slurm.deadline_margin_s": s.deadline_margin_s}
-    if s.sends_signal:  # without a signal its lead means nothing
-        leads["slurm.signal_lead_s"] = s.signal_lead_s
-    for key, value in leads.items():
+    lead = {"slurm.signal_lead_s": s.signal_lead_s} if s.sends_signal else {}  # without a signal it means nothing
+    for key, value in {"slurm.deadline_margin_s": s.deadline_margin_s, **lead}.items():
         if value < 0:
             raise DdpJobError(f"config key '{key}' = {value} is invalid: must be >= 0", f"set {key}=0 or more")
         if value >= limit:
-            raise DdpJobError(
-                f"config key '{key}' = {value} is invalid: must be below the time limit ({limit} s)",
-                f"set {key} below {limit}, or raise slurm.time_min",
-            )
+            why = f"config key '{key}' = {value} is invalid: must be below the time limit ({limit} s)"
+            raise DdpJobError(why, f"set {key} below {limit}, or raise slurm.time_min")
 
 
 def _validate_trainer_extras(cfg: Config) -> None:

@@ -73,3 +73,12 @@ def gather_to_main(obj: Any, env: DistEnv) -> list[Any]:
     out: list[Any] = [None] * env.world_size if env.is_main else []
     dist.gather_object(obj, out if env.is_main else None, dst=0)
     return out
+
+
+def gather_to_all(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on every rank, indexed by rank."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

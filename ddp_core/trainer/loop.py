@@ -25,9 +25,9 @@ from typing import Any, Optional
 
 import torch
 
-from ddp_core.checkpoint.manager import CheckpointManager
+from ddp_core.checkpoint.manager import CheckpointManager, Restored
 from ddp_core.checkpoint.train_state import Carried, TrainState
-from ddp_core.cluster import deadline, health, rendezvous
+from ddp_core.cluster import deadline, failures, health, rendezvous
 from ddp_core.cluster.env import DistEnv, process_started
 from ddp_core.cluster.preemption import StopFlag
 from ddp_core.config import Config, Precision, to_dict
@@ -67,17 +67,20 @@ class Trainer:
         self.records: Optional[Records] = None
         self.lines: Optional[ProgressLines] = None
         self.primed = False  # this attempt's first step done (``Strategy.prime``)
+        self.restored: Optional[Restored] = None  # the checkpoint tier and step this attempt started from
 
     def fit(self) -> Outcome:
-        failed = True
+        error: Optional[BaseException] = None
         try:
             self.build()
             self.resume()
             self.start()
             outcome = self.train()
-            failed = False
+        except BaseException as err:
+            error = err
+            raise
         finally:
-            self.close(failed)
+            self.close(error)
         return outcome
 
     def at_step(self) -> Optional[int]:
@@ -149,7 +152,7 @@ class Trainer:
         """Collective: continue from the newest checkpoint every rank verified, if there is one."""
         assert self.checkpoints is not None
         with keeps_implementation(self.optimizer):  # optim.implementation is this attempt's, not the checkpoint's
-            self.checkpoints.load_latest(self.state)
+            self.restored = self.checkpoints.load_latest(self.state)
 
     def start(self) -> None:
         """The attempt's start event, its records and progress lines, and rank 0's deadline stop."""
@@ -166,6 +169,8 @@ class Trainer:
                 global_batch=self.data.step_samples,
                 grad_accum=self.grad_accum,
                 launched=process_started(),  # this rank's process began: the launch's start-up is from here
+                # where this attempt's state came from: "durable" (RUN/checkpoints) or "local" (a node-local copy)
+                **({"tier": self.restored.tier} if self.restored else {}),
             )
             log.info(
                 "global batch %d = %d samples x %d micro-batches x %d replicas",
@@ -214,6 +219,8 @@ class Trainer:
                         break
                 if self.checkpoints.due(pos.step, cfg.train.max_steps):
                     self.save()
+                elif self.checkpoints.local_due(pos.step, cfg.train.max_steps):
+                    self.save_local()
                 signum = self.stop_flag.agree()  # every step: all ranks stop after the same one
                 if signum or self.done():
                     break
@@ -295,6 +302,13 @@ class Trainer:
         if figures:
             self.records.record("checkpoint", figures, self.state.pos.step)
 
+    def save_local(self) -> None:
+        """Collective: this step's node-local copy (``checkpoint.local_every_steps``), written in the background."""
+        assert self.checkpoints is not None and self.lines is not None
+        self.lines.finish()  # this step's progress line is written before a copy an attempt may resume from
+        with self.watchdog.allowance():  # it waits for the previous copy if that is still being written
+            self.checkpoints.save_local(self.state)
+
     def stopped(self, signum: int) -> Outcome:
         """Collective: the ranks agreed on a signal after this step: checkpoint it if that fits, and stop."""
         assert self.checkpoints is not None and self.lines is not None
@@ -327,6 +341,7 @@ class Trainer:
         self.save(sync=True)
         assert self.checkpoints is not None
         self.checkpoints.close()  # an async save completes before the run is called complete
+        self.checkpoints.discard_local()  # the final checkpoint is durable: the node-local copies are done with
         scores = " ".join(f"{k} {v:.4f}" for k, v in (final or {}).items())
         elapsed = time.perf_counter() - self.started
         log.info("%s at step %d in %.1f s: %s", "pruned" if pruned else "finished", step, elapsed, scores)
@@ -337,9 +352,11 @@ class Trainer:
         log.info("final weights sha256 %s", weights_digest(self.strategy.full_model_state(self.model)))
         return Outcome(step=step, final=final, pruned=pruned, early_stopped=self.monitor.should_stop)
 
-    def close(self, failed: bool) -> None:
+    def close(self, error: Optional[BaseException]) -> None:
         """This rank's teardown, whatever happened: no collective (a failed rank's peers may be gone). After a
-        success or a signal's stop the writers are closed already (``finished``, ``stopped``)."""
+        success or a signal's stop the writers are closed already (``finished``, ``stopped``). After a user error
+        no attempt of this job will run again: this node's local copies go."""
+        failed = error is not None
         try:
             if self.checkpoints is not None:
                 self.checkpoints.close(wait=False)  # rank 0's own async full save still completes
@@ -348,6 +365,8 @@ class Trainer:
                 raise
             log.exception("closing the checkpoint writers after the failure")  # the failure itself is logged next
         finally:
+            if self.checkpoints and isinstance(error, Exception) and failures.classify(error) is failures.Kind.user:
+                self.checkpoints.discard_local(collective=False)
             if self.lines is not None:
                 self.lines.close()
             if self.records is not None:

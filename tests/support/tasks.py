@@ -74,6 +74,26 @@ class CrashingTask(DigitsTask):
         return super().compute(model, batch)
 
 
+class NodeLossDigitsTask(DigitsTask):
+    """Digits where rank ``crash_rank`` loses its node's memory at its ``crash_at``-th training batch of every attempt
+    (split(), which every strategy calls): it removes its node's node-local copies (``local_path``/ddpjob-JOB/HOST,
+    the tier's folder of this job and host) and SIGKILLs itself, as a node that died and came back empty would leave
+    it. Numerics unchanged."""
+
+    def __init__(self, crash_rank: int = 1, crash_at: int = 30, local_path: str = "/dev/shm", **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.crash_rank, self.crash_at, self.local_path, self.batches = crash_rank, crash_at, local_path, 0
+
+    def split(self, batch: tuple) -> tuple:
+        self.batches += 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == self.crash_rank and self.batches == self.crash_at:
+            folder = Path(self.local_path) / f"ddpjob-{os.environ['SLURM_JOB_ID']}" / socket.gethostname()
+            shutil.rmtree(folder)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().split(batch)
+
+
 class SlowDigitsTask(DigitsTask):
     """Digits with a pause per batch, so signals can land at chosen steps. Numerics unchanged. The pause is
     in split(), which every strategy calls on every rank (a pipeline never calls compute())."""

@@ -134,3 +134,9 @@ def test_secrets_are_not_interpolated_into_saved_configs(tmp_path):
     with pytest.raises(DdpJobError, match=re.escape("interpolates ${oc.env:MY_TOKEN}, which looks like a secret")):
         load_config(config)
     assert load_config(DIGITS, ["run.root=${oc.env:HOME}/runs"]).run.root.endswith("/runs")  # not a secret
+
+
+def test_the_node_local_tier_is_refused_in_script_mode():
+    with pytest.raises(DdpJobError, match=re.escape("'checkpoint.local_every_steps' is set, but the node-local tier")):
+        load_config(None, ["run.name=s", "script.path=/work/train.py", "checkpoint.local_every_steps=10"])
+    assert load_config(None, ["run.name=s", "script.path=/work/train.py"]).checkpoint.local_every_steps == 0
