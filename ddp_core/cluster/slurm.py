@@ -312,6 +312,12 @@ class SlurmGateway:
         opts = ["-p", partition, "-N1", "-n1", "--time=1", f"--immediate={wait_s}", "--quiet"]
         return self.run("srun", *opts, *argv)
 
+    def run_on_each(self, nodes: Sequence[str], argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        """Inside a job (its batch script): ``argv`` once on each of ``nodes``, beside whatever step runs there."""
+        n = len(nodes)
+        opts = [f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}", "--overlap"]
+        return self.run("srun", *opts, "--quiet", *argv)
+
     def srun_help(self) -> str:
         """``srun --help``: what this srun takes (a SPANK plugin such as pyxis adds its options there)."""
         proc = self.run("srun", "--help")

@@ -83,12 +83,13 @@ def test_a_user_error_fails_fast_and_says_where(slurm_cluster, tmp_path):
 
 def test_infrastructure_failures_requeue_within_max_failures(slurm_cluster, tmp_path):
     # Rank 1 is killed by SIGKILL at its 10th batch of every attempt: one requeue (slurm.max_failures=1), then the
-    # budget is spent and the job ends FAILED, saying so. No restart inside the allocation (slurm.max_restarts=0): the
+    # budget is spent and the job ends FAILED, saying so, and its node-local copies are removed. No restart inside the
+    # allocation (slurm.max_restarts=0): the
     # queue's budget alone (test_restart_in_allocation shows the two together).
     proc = run_cli(
         "submit", DIGITS, "--wait", *QUICK, "train.max_steps=100000", "task.target=tests.support.tasks:CrashingTask",
         "task.data.crash_rank=1", "task.data.crash_at=10", "task.data.error=SIGKILL", "slurm.max_failures=1",
-        "slurm.max_restarts=0",
+        "slurm.max_restarts=0", "checkpoint.local_every_steps=2",
         cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode != 0, proc.stdout + proc.stderr
@@ -105,6 +106,9 @@ def test_infrastructure_failures_requeue_within_max_failures(slurm_cluster, tmp_
     reason = events(run_dir)[-1]["reason"]
     assert reason == "requeue budget exhausted after 2 failures (slurm.max_failures=1)", reason
     assert sacct_state(job_id) == "FAILED"
+    # The job ended for good: its node-local copies (a copy every 2 steps) went with it (the local cluster's nodes
+    # share this machine's /dev/shm).
+    assert not Path(f"/dev/shm/ddpjob-{job_id}").exists()
 
 
 def test_resumes_submit_one_job_which_skips_a_truncated_checkpoint(slurm_cluster, tmp_path):

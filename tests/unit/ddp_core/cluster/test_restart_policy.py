@@ -118,3 +118,21 @@ def test_the_next_step_numbers_its_own_events(tmp_path):
     old = {"event": "rank_failed", "job_id": "57", "restart_count": 0, "launch": 0, "kind": "user"}
     new = {"event": "rank_failed", "job_id": "57", "restart_count": 0, "launch": 1, "kind": "infrastructure"}
     assert attempt_events([old, new], DistEnv(job_id="57", launch=1)) == [new]
+
+
+def test_a_job_that_ends_for_good_removes_its_node_local_copies_on_its_live_nodes(tmp_path, batch):
+    """A spent budget ends the job: the watcher removes LOCAL_PATH/ddpjob-JOB on each node still up (one srun task
+    per node, beside the ended step); with no node-local tier it asks nothing."""
+    run = run_dir(tmp_path, "slurm.max_restarts=0", "slurm.max_failures=0", "checkpoint.local_every_steps=2",
+                  "checkpoint.local_path=/dev/shm/")  # fmt: skip
+    slurm = Allocated()
+    log = tmp_path / "batch.err"
+    log.write_text("ddpjob: attempt 0 of job 57 started on n1\nsrun: error: n1: task 1: Killed\n")
+    env = DistEnv(job_id="57", slurm_job_id="57")
+    assert supervise.decide(run, log, 137, env, SlurmGateway(slurm.answer), in_allocation=True) == 137
+    removal = [c for c in slurm.calls if c[0] == "srun"]
+    assert removal == [("srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--nodelist=n1,n3", "--overlap",
+                        "--quiet", "rm", "-rf", "--", "/dev/shm/ddpjob-57")]  # fmt: skip
+    run2, slurm2 = run_dir(tmp_path / "2", "slurm.max_restarts=0", "slurm.max_failures=0"), Allocated()
+    supervise.decide(run2, log, 137, env, SlurmGateway(slurm2.answer), in_allocation=True)
+    assert not [c for c in slurm2.calls if c[0] == "srun"]
