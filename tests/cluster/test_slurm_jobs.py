@@ -84,8 +84,7 @@ def test_a_user_error_fails_fast_and_says_where(slurm_cluster, tmp_path):
 def test_infrastructure_failures_requeue_within_max_failures(slurm_cluster, tmp_path):
     # Rank 1 is killed by SIGKILL at its 10th batch of every attempt: one requeue (slurm.max_failures=1), then the
     # budget is spent and the job ends FAILED, saying so, and its node-local copies are removed. No restart inside the
-    # allocation (slurm.max_restarts=0): the
-    # queue's budget alone (test_restart_in_allocation shows the two together).
+    # allocation (slurm.max_restarts=0): the queue's budget alone (test_restart_in_allocation shows the two together).
     proc = run_cli(
         "submit", DIGITS, "--wait", *QUICK, "train.max_steps=100000", "task.target=tests.support.tasks:CrashingTask",
         "task.data.crash_rank=1", "task.data.crash_at=10", "task.data.error=SIGKILL", "slurm.max_failures=1",
