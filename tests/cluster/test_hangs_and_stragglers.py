@@ -109,16 +109,17 @@ def test_hangs_in_a_collective_and_before_the_first_step_and_a_spent_budget(refe
 
 
 def test_a_rank_that_never_arrives_ends_the_rendezvous_naming_it(slurm_cluster, tmp_path):
-    """A 2-node job whose rank 1 (on n2) is given a port nothing listens on, as from a node that cannot reach the
-    master's: rank 1 says it cannot reach the rendezvous, rank 0 says rank 1 never arrived and who did, and the job
-    ends FAILED within dist.init_timeout_s (plus start-up) instead of waiting for the default 20 minutes."""
-    from ddp_core.cluster.env import PORT_BASE, derive_master_port
+    """A 2-node job whose rank 1 (on n2) never reaches the rendezvous (its interpreter stalls before it, as on a node
+    stuck in a cold filesystem; a wrong port can no longer keep it away: the ranks read rank 0's from the run directory,
+    ``cluster.rendezvous``): rank 0 says rank 1 never arrived and who did, and the job ends FAILED within
+    dist.init_timeout_s (plus start-up) instead of waiting for the default 20 minutes."""
+    from ddp_core.cluster.env import derive_master_port
 
-    bad = PORT_BASE - 1  # below the range the trainer derives ports from: never a rendezvous
-    site = tmp_path / "site"  # sitecustomize runs first in each task's interpreter: only SLURM_PROCID 1 is misled
+    site = tmp_path / "site"  # sitecustomize runs first in each task's interpreter: only SLURM_PROCID 1 stalls
     site.mkdir()
     (site / "sitecustomize.py").write_text(
-        f"import os\nif os.environ.get('SLURM_PROCID') == '1':\n    os.environ['MASTER_PORT'] = '{bad}'\n"
+        "import os, time\nif os.environ.get('SLURM_PROCID') == '1' and os.environ.get('SLURM_STEP_ID') == '0':\n"
+        "    time.sleep(120)\n"
     )
     proc = run_cli("submit", DIGITS, *QUICK, "slurm.nodes=2", "slurm.tasks_per_node=1", "dist.init_timeout_s=8",
                    f"slurm.setup=['export PYTHONPATH={site}:$PYTHONPATH']", cwd=tmp_path)  # fmt: skip
@@ -130,7 +131,6 @@ def test_a_rank_that_never_arrives_ends_the_rendezvous_naming_it(slurm_cluster, 
     logs, good = rank_logs(run, job), derive_master_port(int(job))
     assert f"rank 1 never arrived at the rendezvous at n1:{good} within dist.init_timeout_s (8 s)" in logs[0], logs[0]
     assert "arrived: 0 on n1" in logs[0]
-    assert f"rank 1 on n2 could not reach the rendezvous at n1:{bad} within dist.init_timeout_s (8 s)" in logs[1]
 
 
 def test_a_rank_slower_by_50_ms_per_step_is_reported_as_the_straggler(slurm_cluster, tmp_path):

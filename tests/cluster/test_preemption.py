@@ -130,7 +130,7 @@ def test_scontrol_requeue_then_kill9_during_a_save_resume_bitwise(reference, tmp
     term = events(run_dir, "interrupted")
     assert [e["kind"] for e in term] == ["terminated"] and events(run_dir, "start")[1]["step"] == term[0]["step"]
     # kill -9 of rank 0, the writer, the moment a checkpoint's temp file exists (the OOM killer, a segfault): the batch
-    # script's watcher requeues the same job, which resumes from the newest complete checkpoint by itself. (A rank
+    # script's watcher restarts the ranks in the allocation, which resume from the newest complete checkpoint. (A rank
     # other than 0 killed mid-training: test_slurm_jobs.py and test_node_exclusion.py.)
     wait_training(run_dir, 2, term[0]["step"] + 40)
     pid = wait_for(lambda: rank_pid(job_id, 0), 30, "rank 0's pid")
@@ -145,12 +145,15 @@ def test_scontrol_requeue_then_kill9_during_a_save_resume_bitwise(reference, tmp
     (failure,) = events(run_dir, "failure")
     assert (failure["kind"], failure["rank"], failure["host"]) == ("infrastructure", 0, host), failure
     assert failure["error"] == "killed by a signal (Killed)" and failure["job_id"] == job_id
-    assert [e["kind"] for e in events(run_dir, "requeued")][-1] == "failure"
+    # Restarted as a new job step of the same attempt's allocation (no requeue), from the newest complete checkpoint.
+    assert [(e["kind"], e["restart_count"], e["launch"]) for e in events(run_dir, "restarted")] == [
+        ("infrastructure", 1, 1)
+    ]
     third = events(run_dir, "start")[2]
-    assert third["restart_count"] == 2 and 0 <= last_logged - third["step"] <= 5 + 5  # at most one interval lost
+    assert (third["restart_count"], third["launch"]) == (1, 1) and 0 <= last_logged - third["step"] <= 5 + 5
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     resumed = [r for r in map(json.loads, lines) if r["split"] == "train" and r["time"] > killed_at]
-    print(f"kill -9 -> first step logged after the requeue: {resumed[0]['time'] - killed_at:.1f} s")
+    print(f"kill -9 -> first step logged after the restart: {resumed[0]['time'] - killed_at:.1f} s")
     assert digests(rank_logs(run_dir, job_id)) == {0: reference, 1: reference}
 
 
