@@ -12,6 +12,7 @@ import pytest
 from ddp_core import python_m
 from ddp_core.config import load_config
 from jobs.submission.render import TASK_ENTRY, TEMPLATE
+from jobs.submission.request import SlurmRequest
 from tests.support.cli_runner import run_cli
 from tests.support.golden import RUN, check_golden
 from tests.support.helpers import ROOT, run_script, template_script, write_shadowing_files
@@ -195,3 +196,13 @@ def test_no_warning_signal_renders_no_signal_option(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "#SBATCH --requeue" in proc.stdout and "--signal" not in proc.stdout
     assert "  signal: none\n" in proc.stdout  # the resolved config says so
+
+
+def test_the_templates_own_setup_block_has_the_watch_lines_a_rendered_one_has():
+    """``sbatch slurm_templates/ddp.sbatch CONFIG`` by hand runs the file's own setup block, not a rendered one: it
+    must define what its srun line calls (``ddpjob_steps``) as the renderer would (a job once failed on
+    ``ddpjob_steps: command not found`` when only the rendered copies had it)."""
+    request = SlurmRequest.resolve(load_config(ROOT / "configs" / "digits.yaml"))
+    words = ('"${RUN_DIR:-}"', '"${RUN_DIR:-}/slurm/${SLURM_JOB_ID}_batch.out"', '"$PYTHON" "${PYTHON_M[@]}"')
+    block = TEMPLATE.read_text().split("# >>> ddpjob setup\n")[1].split("# <<< ddpjob setup\n")[0].splitlines()
+    assert [line for line in request.watch_lines(*words) if line not in block] == []
