@@ -13,7 +13,7 @@ import os
 import pickle
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -35,6 +35,7 @@ from ddp_core.trainer.optim import build_optimizer
 from ddp_core.trainer.steps import weights_digest
 from jobs.runs.export import export
 from tests.support.helpers import ROOT, final_digests, run_trainer
+from tests.support.process_group import spawn
 
 CPU = torch.device("cpu")
 MODEL_ARGS = {"d_model": 32, "n_layers": 2, "n_heads": 2, "dropout": 0.0}
@@ -53,22 +54,6 @@ def build_model(seed: int = 0) -> nn.Module:
 def tokens(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     t = torch.randint(0, 256, (n, 17), generator=torch.Generator().manual_seed(seed))
     return t[:, :-1], t[:, 1:]
-
-
-def _entry(rank: int, fn: Callable[..., None], world: int, store: str, args: tuple[Any, ...]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(fn: Callable[..., None], world: int, tmp: Path, *args: Any) -> None:
-    """``fn(rank, world, *args)`` in ``world`` fresh processes joined in one gloo group."""
-    store = tmp / f"store-{fn.__name__}-{world}"
-    torch.multiprocessing.spawn(_entry, args=(fn, world, str(store), args), nprocs=world)
 
 
 # --- login-node validation and wrap-time errors -------------------------------------------------------------
