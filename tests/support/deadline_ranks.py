@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import sys
 
 import torch.distributed as dist
@@ -47,7 +48,10 @@ def main() -> None:
             break
     flag.settle()
     steps = sorted(set(flag.deadline.steps)) if isinstance(flag.deadline, Recorded) else []
-    print(f"rank {rank} stops at call {stopped[0]} on {stopped[1]} by_deadline {flag.by_deadline} steps {steps}")
+    # One write of the whole line: the two ranks share the stdout pipe, and print's text and newline could
+    # interleave with the other rank's line (seen under load: "steps [2]rank 1 stops ...").
+    line = f"rank {rank} stops at call {stopped[0]} on {stopped[1]} by_deadline {flag.by_deadline} steps {steps}\n"
+    os.write(sys.stdout.fileno(), line.encode())
     dist.barrier()
     dist.destroy_process_group()
 
