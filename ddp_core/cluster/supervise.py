@@ -99,7 +99,7 @@ def decide(
         failure, run_dir, env, gateway, cfg.slurm, job=job, array_job_id=array_job_id, allocation=allocation
     )
     if decision.outcome in (Outcome.FAILED, Outcome.STOPPED):
-        remove_local_copies(cfg.checkpoint, env, gateway)
+        remove_local_copies(cfg.checkpoint, env, gateway, allocation.live if allocation is not None else None)
     if decision.outcome is Outcome.RUN_AGAIN:
         # The next step's srun options, for the batch script's loop (its standard output; the logs go to stderr).
         # --overlap: a step that lost a node never completes there, and Slurm holds its CPUs on the others until
@@ -133,13 +133,17 @@ def allocation_order(slurm: SlurmConfig) -> list[str]:
     return [n for n in nodes if n != here] + [n for n in nodes if n == here] if slurm.spare_nodes else nodes
 
 
-def remove_local_copies(checkpoint: CheckpointConfig, env: DistEnv, gateway: SlurmGateway) -> None:
+def remove_local_copies(
+    checkpoint: CheckpointConfig, env: DistEnv, gateway: SlurmGateway, live: Optional[Sequence[str]] = None
+) -> None:
     """The job ends here for good (a user error, a spent budget): its node-local checkpoint copies
-    (``checkpoint.local_every_steps``) go with it, on each of its nodes still up (a completed run's ranks remove their
-    own). A later ``ddpjob resume`` is another job, which could not use them."""
+    (``checkpoint.local_every_steps``) go with it, on each of its nodes still up (``live``, when the caller asked Slurm
+    already; a completed run's ranks remove their own). A later ``ddpjob resume`` is another job, which could not use
+    them."""
     if not checkpoint.local_every_steps or not env.job_id:
         return
-    live = [n for n in expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", "")) if not down(gateway.show_node(n))]
+    if live is None:
+        live = [n for n in expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", "")) if not down(gateway.show_node(n))]
     folder = f"{checkpoint.local_path.rstrip('/')}/ddpjob-{env.job_id}"
     if live and gateway.run_on_each(live, ["rm", "-rf", "--", folder]).returncode == 0:
         log.info("removed the node-local copies %s on %s", folder, ",".join(live))

@@ -147,7 +147,7 @@ def script_environment(
     master_port = rendezvous.agree(env, run_dir.path, env.rank == 0, init_timeout_s)
     if env.source == "single" and not os.environ.get("MASTER_PORT"):
         # A lone process has no launcher to pick a port for it: a free one, so two runs on one host never collide.
-        master_port = _free_port()
+        master_port = rendezvous.free_port()
     return {
         "RANK": str(env.rank),
         "LOCAL_RANK": str(env.local_rank),
@@ -165,12 +165,6 @@ def script_environment(
         "DDPJOB_RESTART_COUNT": str(env.restart_count),
         "DDPJOB_SIGNAL": warning_signal,
     }
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_script(spec: ScriptSpec) -> None:

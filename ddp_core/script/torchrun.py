@@ -120,14 +120,8 @@ def rendezvous(env: DistEnv, run_dir: Path, timeout_s: float = 600.0) -> Rendezv
             "torchrun's agent starts the ranks itself",
             "start one `python -m ddp_core.script RUN` per node, or set script.launcher=srun",
         )
-    port = int(os.environ.get("MASTER_PORT") or 0) or _free_port()
+    port = int(os.environ.get("MASTER_PORT") or 0) or meeting.free_port()
     return Rendezvous(1, 0, "127.0.0.1", port, env.job_id or f"local-{os.getpid()}")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def torchrun_argv(rdzv: Rendezvous, nproc_per_node: int, run_dir: Path) -> list[str]:
