@@ -20,11 +20,14 @@ from tests.support.helpers import ROOT, events, rank_logs, wait_gone
 
 pytestmark = [pytest.mark.cluster_shared("a"), pytest.mark.slurm_interface]  # 2-CPU jobs: cluster_guard.py
 DIGITS = str(ROOT / "configs" / "digits.yaml")
-# 300 steps of 0.25 s in the first attempt (75 s: a one-minute limit cannot hold them), a few seconds once requeued.
+# 400 steps of 0.3 s in the first attempt (120 s: a two-minute limit less the 30 s margin cannot hold them), a few
+# seconds once requeued. Two minutes, not one: the requeued attempt has the limit less the margin (90 s) for its start,
+# its steps and its save, which a loaded 2-core CI machine needs (at one minute its starts took 25 s and each attempt
+# ran into the deadline again).
 CONFIG = [
-    "task.target=tests.support.tasks:SlowFirstAttemptDigitsTask", "task.data.pause_s=0.25", "train.max_steps=300",
+    "task.target=tests.support.tasks:SlowFirstAttemptDigitsTask", "task.data.pause_s=0.3", "train.max_steps=400",
     "train.log_every=5", "checkpoint.every_steps=20", "data.batch_size=16", "wandb.mode=disabled",
-    "slurm.signal=none", "slurm.time_min=1",  # no warning signal; slurm.deadline_margin_s: its default, 30 s
+    "slurm.signal=none", "slurm.time_min=2",  # no warning signal; slurm.deadline_margin_s: its default, 30 s
 ]  # fmt: skip
 
 
@@ -43,7 +46,7 @@ def test_without_a_signal_the_job_saves_and_requeues_itself_before_its_time_limi
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
     assert "--signal" not in (run_dir / "slurm" / f"{job_id}_submission.sh").read_text()
-    assert wait_gone(job_id, 240) == "COMPLETED"
+    assert wait_gone(job_id, 300) == "COMPLETED"
 
     record = [(e["event"], e.get("kind")) for e in events(run_dir)]
     assert record == [("start", None), ("interrupted", "timeout"), ("requeued", "timeout"), ("start", None),
@@ -51,12 +54,12 @@ def test_without_a_signal_the_job_saves_and_requeues_itself_before_its_time_limi
     starts = events(run_dir, "start")
     assert [(e["job_id"], e["restart_count"]) for e in starts] == [(job_id, 0), (job_id, 1)]
     (stopped,) = [e["step"] for e in events(run_dir, "interrupted")]
-    assert 0 < stopped < 300 and starts[1]["step"] == stopped
+    assert 0 < stopped < 400 and starts[1]["step"] == stopped
 
-    # Saved and requeued before the first attempt's EndTime (its start plus the one-minute limit), never killed.
+    # Saved and requeued before the first attempt's EndTime (its start plus the two-minute limit), never killed.
     first, last = attempts(job_id)
     assert first["state"] == "REQUEUED" and last["state"] == "COMPLETED", (first, last)
-    end = datetime.fromisoformat(first["start"]).timestamp() + 60
+    end = datetime.fromisoformat(first["start"]).timestamp() + 120
     left = end - events(run_dir, "requeued")[0]["t"]
     # About slurm.deadline_margin_s (30 s) before it: the save and the requeue take it from there, and sacct's
     # whole seconds put the end up to 1 s early.
@@ -66,4 +69,4 @@ def test_without_a_signal_the_job_saves_and_requeues_itself_before_its_time_limi
     logs = rank_logs(run_dir, job_id)
     assert "deadline stop: now + " in logs[0] and "stopping at step" in logs[1]
     assert f"resumed from step_{stopped:08d}.pt" in logs[0], logs[0][-3000:]
-    assert "finished at step 300" in logs[0]
+    assert "finished at step 400" in logs[0]
