@@ -8,7 +8,9 @@ resolved copy saved in the run directory. Only ``load``, ``input`` and ``trials`
   ``features``: the sections of script mode, snapshots, the watchdog and adaptive-search trials; ``tree``:
   ``Config``, the root, and ``ranks_per_node``.
 - ``load``: ``load_config`` (YAML + overrides), ``load_saved``, ``check_override``, ``to_yaml``/``to_dict``.
-- ``validate``: ranges and combinations, one error line naming the key and the fix.
+- ``validate``: ranges and combinations, one error line naming the key and the fix (``problems.require``); a
+  section's own checks beside it (``strategy_checks``, ``local_tier``, ``features``); ``nodes``: ``slurm.nodes``'s
+  count or MIN-MAX range.
 - ``metric``: ``Metric`` and ``parse_metric``, how a metric and its direction are named everywhere
   (``checkpoint.monitor``, ``search.metric``, ``ddpjob status/report --metric``).
 - ``batch``: the global batch (``data.global_batch_size``), the accumulation each attempt derives from its

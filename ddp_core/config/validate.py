@@ -9,35 +9,28 @@ import math
 import re
 from typing import Any, Optional
 
-from ddp_core.config.batch import job_world_sizes, validate_batches
+from ddp_core.config.batch import validate_batches
 from ddp_core.config.container import validate_container
 from ddp_core.config.features import validate_script, validate_snapshot, validate_trial, validate_watchdog
 from ddp_core.config.local_tier import validate_local_tier
 from ddp_core.config.metric import parse_metric
+from ddp_core.config.nodes import node_range
+from ddp_core.config.problems import require
 from ddp_core.config.schema import (
     CPU_BIND,
     GPU_BIND,
-    MIXED_PRECISION,
-    MODEL_OPTION_STRATEGIES,
-    PIPELINE_SCHEDULES,
     SINGLE_PROCESS_STRATEGIES,
-    SINGLE_UNIT,
     OptimConfig,
     Precision,
     StrategyConfig,
     StrategyName,
-    node_range,
 )
+from ddp_core.config.strategy_checks import validate_strategy
 from ddp_core.config.tree import Config, plain, to_dict
 from ddp_core.errors import DdpJobError
 
 BUDGETS = ("max_timeouts", "max_preemptions", "max_hangs", "max_failures", "max_health_failures", "max_restarts",
            "spare_nodes")  # the slurm section's budgets and counts, each >= 0 (0: none)  # fmt: skip
-
-
-def _require(ok: bool, key: str, value: Any, why: str) -> None:
-    if not ok:
-        raise DdpJobError(f"config key '{key}' = {value!r} is invalid: {why}", f"fix it in the YAML or with {key}=...")
 
 
 def _floats(node: Any, prefix: str = "") -> Any:
@@ -79,43 +72,43 @@ def validate(cfg: Config) -> None:
     validate_snapshot(cfg.snapshot)
     validate_container(cfg.slurm.container)
     validate_trial(cfg.trial)
-    _require(cfg.train.straggler_factor >= 1, "train.straggler_factor", cfg.train.straggler_factor, "must be >= 1")
-    _require(cfg.train.stop_check_ms >= 0, "train.stop_check_ms", cfg.train.stop_check_ms, "must be >= 0")
+    require(cfg.train.straggler_factor >= 1, "train.straggler_factor", cfg.train.straggler_factor, "must be >= 1")
+    require(cfg.train.stop_check_ms >= 0, "train.stop_check_ms", cfg.train.stop_check_ms, "must be >= 0")
     _validate_trainer_extras(cfg)
     validate_local_tier(cfg.checkpoint, cfg.script.enabled)
     _validate_script_strings(cfg)
     validate_script(cfg.script, cfg.slurm)
     _validate_script_mode(cfg)
-    _validate_strategy(cfg)
+    validate_strategy(cfg)
     module, _, cls = cfg.task.target.partition(":")
-    _require(
+    require(
         cls.isidentifier() and all(part.isidentifier() for part in module.split(".")),
         "task.target",
         cfg.task.target,
         "must look like 'package.module:ClassName'",
     )
-    _require(bool(cfg.run.name.strip()) and "/" not in cfg.run.name, "run.name", cfg.run.name, "must be a plain name")
+    require(bool(cfg.run.name.strip()) and "/" not in cfg.run.name, "run.name", cfg.run.name, "must be a plain name")
 
 
 def _validate_ranges(cfg: Config) -> None:
     """Every number finite and within its range; the Slurm keys' values among those Slurm takes."""
     for key, value in _floats(cfg):
-        _require(math.isfinite(value), key, value, "must be a finite number")
+        require(math.isfinite(value), key, value, "must be a finite number")
     for key, limit in _AT_MOST.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if value is not None:
-            _require(value <= limit, key, value, f"must be at most {limit}")
-    _require(0 <= cfg.train.seed < 2**63, "train.seed", cfg.train.seed, "must be in [0, 2**63)")
-    _require(0 <= cfg.optim.momentum < 1, "optim.momentum", cfg.optim.momentum, "must be in [0, 1)")
-    _require(
+            require(value <= limit, key, value, f"must be at most {limit}")
+    require(0 <= cfg.train.seed < 2**63, "train.seed", cfg.train.seed, "must be in [0, 2**63)")
+    require(0 <= cfg.optim.momentum < 1, "optim.momentum", cfg.optim.momentum, "must be in [0, 1)")
+    require(
         cfg.checkpoint.sigterm_budget_s >= 0,
         "checkpoint.sigterm_budget_s",
         cfg.checkpoint.sigterm_budget_s,
         "must be >= 0 (0: never save on SIGTERM)",
     )
     if cfg.slurm.mem_gb is not None:
-        _require(cfg.slurm.mem_gb > 0, "slurm.mem_gb", cfg.slurm.mem_gb, "must be > 0, or null for the default")
+        require(cfg.slurm.mem_gb > 0, "slurm.mem_gb", cfg.slurm.mem_gb, "must be > 0, or null for the default")
     positive = {
         "data.batch_size": cfg.data.batch_size,
         "data.eval_batch_size": cfg.data.eval_batch_size,
@@ -129,7 +122,7 @@ def _validate_ranges(cfg: Config) -> None:
         "dist.init_timeout_s": cfg.dist.init_timeout_s,
     }
     for key, value in positive.items():
-        _require(value > 0, key, value, "must be > 0")
+        require(value > 0, key, value, "must be > 0")
     non_negative = {
         "data.num_workers": cfg.data.num_workers,
         "train.eval_every": cfg.train.eval_every,
@@ -141,21 +134,21 @@ def _validate_ranges(cfg: Config) -> None:
         "slurm.gpus_per_node": cfg.slurm.gpus_per_node,
     }
     for key, value in non_negative.items():
-        _require(value >= 0, key, value, "must be >= 0")
-    _require(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "must be > 0")
+        require(value >= 0, key, value, "must be >= 0")
+    require(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "must be > 0")
     _validate_time_limit(cfg)
-    _require(cfg.slurm.array_parallelism > 0, "slurm.array_parallelism", cfg.slurm.array_parallelism, "must be > 0")
+    require(cfg.slurm.array_parallelism > 0, "slurm.array_parallelism", cfg.slurm.array_parallelism, "must be > 0")
     for key in BUDGETS:
-        _require(getattr(cfg.slurm, key) >= 0, f"slurm.{key}", getattr(cfg.slurm, key), "must be >= 0")
-    _require(cfg.slurm.tasks_per_node > 0, "slurm.tasks_per_node", cfg.slurm.tasks_per_node, "must be > 0")
-    _require(
+        require(getattr(cfg.slurm, key) >= 0, f"slurm.{key}", getattr(cfg.slurm, key), "must be >= 0")
+    require(cfg.slurm.tasks_per_node > 0, "slurm.tasks_per_node", cfg.slurm.tasks_per_node, "must be > 0")
+    require(
         cfg.optim.warmup_steps < cfg.train.max_steps or cfg.optim.warmup_steps == 0,
         "optim.warmup_steps",
         cfg.optim.warmup_steps,
         f"must be smaller than train.max_steps ({cfg.train.max_steps})",
     )
-    _require(cfg.slurm.gpu_bind in GPU_BIND, "slurm.gpu_bind", cfg.slurm.gpu_bind, f"must be one of {GPU_BIND}")
-    _require(cfg.slurm.cpu_bind in CPU_BIND, "slurm.cpu_bind", cfg.slurm.cpu_bind, f"must be one of {CPU_BIND}")
+    require(cfg.slurm.gpu_bind in GPU_BIND, "slurm.gpu_bind", cfg.slurm.gpu_bind, f"must be one of {GPU_BIND}")
+    require(cfg.slurm.cpu_bind in CPU_BIND, "slurm.cpu_bind", cfg.slurm.cpu_bind, f"must be one of {CPU_BIND}")
 
 
 def _validate_time_limit(cfg: Config) -> None:
@@ -163,7 +156,7 @@ def _validate_time_limit(cfg: Config) -> None:
     s = cfg.slurm
     signal_ok = not s.sends_signal or str(s.signal).upper().removeprefix("SIG") in {"USR1", "USR2"}
     why = "must be USR1, USR2 or none (SIGTERM is Slurm's own kill signal and is handled anyway)"
-    _require(signal_ok, "slurm.signal", s.signal, why)
+    require(signal_ok, "slurm.signal", s.signal, why)
     limit = s.time_min * 60
     lead = {"slurm.signal_lead_s": s.signal_lead_s} if s.sends_signal else {}  # without a signal it means nothing
     for key, value in {"slurm.deadline_margin_s": s.deadline_margin_s, **lead}.items():
@@ -178,12 +171,12 @@ def _validate_trainer_extras(cfg: Config) -> None:
     """The optimizer's, the monitor's and the data pipeline's keys."""
     validate_optim(cfg.optim, cfg.train.max_steps)
     validate_monitor(cfg.checkpoint.monitor, cfg.train.early_stop_patience, cfg.train.eval_every)
-    _require(cfg.train.eval_batches >= 0, "train.eval_batches", cfg.train.eval_batches, "must be >= 0 (0: all)")
+    require(cfg.train.eval_batches >= 0, "train.eval_batches", cfg.train.eval_batches, "must be >= 0 (0: all)")
     validate_batches(cfg)
     if cfg.train.precision is Precision.fp16:
         # A skipped step (inf/NaN gradients) must be skipped on every rank: with gradients sharded (fsdp) or split
         # into stages (pipeline), each rank's scaler would see only its own part and could decide differently.
-        _require(
+        require(
             cfg.strategy.name in (StrategyName.ddp, StrategyName.dp, StrategyName.model_parallel),
             "train.precision",
             "fp16",
@@ -214,25 +207,25 @@ def _validate_script_strings(cfg: Config) -> None:
     }
     for key, value in words.items():
         if value is not None:
-            _require(not _UNSAFE_WORD.search(value), key, value, _WORD_RULE)
+            require(not _UNSAFE_WORD.search(value), key, value, _WORD_RULE)
     for i, line in enumerate(s.setup):
-        _require(not _CONTROL.search(line), f"slurm.setup[{i}]", line, "one line per item: no newlines")
+        require(not _CONTROL.search(line), f"slurm.setup[{i}]", line, "one line per item: no newlines")
     for name, value in s.additional.items():
         option = str(name).replace("_", "-")
-        _require(
+        require(
             bool(_OPTION.fullmatch(option)),
             "slurm.additional",
             name,
             "option names are sbatch's long options without '--', e.g. constraint or mail-type",
         )
-        _require(
+        require(
             isinstance(value, (str, bool, int, float)),
             f"slurm.additional.{name}",
             value,
             "one value per option: a word, a number, or true for a flag",
         )
         if isinstance(value, str):
-            _require(not _UNSAFE_WORD.search(value), f"slurm.additional.{name}", value, _WORD_RULE)
+            require(not _UNSAFE_WORD.search(value), f"slurm.additional.{name}", value, _WORD_RULE)
 
 
 # Sections only the built-in trainer reads: in script mode a value there would be silently ignored.
@@ -274,86 +267,7 @@ def _validate_guard(guard: Optional[str]) -> None:
         or (not sep and dev.strip() in {"gloo", "nccl"})
         for dev, sep, backend in items
     )
-    _require(ok, "dist.guard", guard, "must be 'gpu' or a backend spec such as 'cpu:gloo,cuda:nccl' or 'nccl'")
-
-
-def _validate_strategy(cfg: Config) -> None:
-    name = cfg.strategy.name.value
-    if cfg.strategy.name in SINGLE_PROCESS_STRATEGIES:
-        if cfg.slurm.max_nodes > 1:
-            nodes = cfg.slurm.nodes
-            what = f"the range {nodes!r}, which spans nodes" if cfg.slurm.elastic else repr(nodes)
-            raise DdpJobError(
-                f"config key 'strategy.name' = {name!r} runs one process on one node, but 'slurm.nodes' = {what}",
-                "set slurm.nodes=1, or strategy.name=ddp to train across nodes",
-            )
-    mixed = cfg.strategy.mixed_precision
-    if mixed is not None:
-        _require(mixed in MIXED_PRECISION, "strategy.mixed_precision", mixed, "must be null or 'bf16'")
-        _require(
-            cfg.strategy.name is StrategyName.fsdp,
-            "strategy.mixed_precision",
-            mixed,
-            f"applies to strategy.name=fsdp only (this is {name!r}); use train.precision=bf16 for autocast",
-        )
-    split = cfg.strategy.split
-    if split is not None:
-        _require(bool(split) and all(n > 0 for n in split), "strategy.split", split, "entries must be > 0")
-        gpus = cfg.slurm.gpus_per_node
-        _require(
-            gpus == 0 or len(split) <= gpus or cfg.strategy.name is not StrategyName.model_parallel,
-            "strategy.split",
-            split,
-            f"{len(split)} stages need {len(split)} GPUs; slurm.gpus_per_node = {gpus}",
-        )
-    if cfg.strategy.name is StrategyName.pipeline:
-        _validate_pipeline(cfg)
-    _validate_model_options(cfg)
-
-
-def _validate_model_options(cfg: Config) -> None:
-    """strategy.wrap_classes / single_unit / activation_checkpointing and train.compile: which strategies take them
-    (whether the classes exist in the model is checked on a meta-device model, ``ddp_core.strategies.check``)."""
-    s, name = cfg.strategy, cfg.strategy.name.value
-    _require(s.single_unit in SINGLE_UNIT, "strategy.single_unit", s.single_unit, f"must be one of {SINGLE_UNIT}")
-    if s.wrap_classes is not None:
-        _require(
-            all(c.isidentifier() for c in s.wrap_classes),
-            "strategy.wrap_classes",
-            s.wrap_classes,
-            "must be a list of class names, e.g. [GPT2Block]",
-        )
-        why = f"applies to strategy.name=fsdp or strategy.activation_checkpointing=true (this is {name!r})"
-        _require(
-            s.name is StrategyName.fsdp or s.activation_checkpointing, "strategy.wrap_classes", s.wrap_classes, why
-        )
-    for key, on in (
-        ("strategy.activation_checkpointing", s.activation_checkpointing),
-        ("train.compile", cfg.train.compile),
-    ):
-        _require(
-            not on or s.name in MODEL_OPTION_STRATEGIES,
-            key,
-            on,
-            f"works with strategy.name=ddp or fsdp (this is {name!r})",
-        )
-
-
-def _validate_pipeline(cfg: Config) -> None:
-    s = cfg.strategy
-    _require(s.stages >= 1, "strategy.stages", s.stages, "must be >= 1")
-    for world in job_world_sizes(cfg):  # an elastic job's every size: each attempt cuts its own world into stages
-        _require(
-            world % s.stages == 0,
-            "strategy.stages",
-            s.stages,
-            f"must divide the world size ({world} = slurm.nodes x ranks per node); the quotient is the number of "
-            "data-parallel replicas",
-        )
-    _require(s.schedule in PIPELINE_SCHEDULES, "strategy.schedule", s.schedule, f"must be one of {PIPELINE_SCHEDULES}")
-    _require(s.microbatches >= 1, "strategy.microbatches", s.microbatches, "must be >= 1")
-    if s.split is not None:
-        _require(len(s.split) == s.stages, "strategy.split", s.split, f"needs one entry per stage ({s.stages})")
+    require(ok, "dist.guard", guard, "must be 'gpu' or a backend spec such as 'cpu:gloo,cuda:nccl' or 'nccl'")
 
 
 MONITOR_HINT = "set checkpoint.monitor to an eval metric, e.g. eval/loss (lower is better) or max:eval/accuracy"
@@ -382,15 +296,15 @@ def validate_monitor(spec: Optional[str], patience: int, eval_every: int) -> Non
 
 def validate_optim(cfg: OptimConfig, max_steps: int) -> None:
     """The optimizer's keys beyond their ranges."""
-    _require(
+    require(
         len(cfg.betas) == 2 and all(0 <= b < 1 for b in cfg.betas),
         "optim.betas",
         cfg.betas,
         "must be two numbers in [0, 1), e.g. [0.9, 0.95]",
     )
-    _require(cfg.eps > 0, "optim.eps", cfg.eps, "must be > 0")
-    _require(0 <= cfg.min_lr <= cfg.lr, "optim.min_lr", cfg.min_lr, f"must be in [0, optim.lr] ({cfg.lr})")
-    _require(
+    require(cfg.eps > 0, "optim.eps", cfg.eps, "must be > 0")
+    require(0 <= cfg.min_lr <= cfg.lr, "optim.min_lr", cfg.min_lr, f"must be in [0, optim.lr] ({cfg.lr})")
+    require(
         all(isinstance(p, str) and p for p in cfg.no_decay),
         "optim.no_decay",
         cfg.no_decay,
