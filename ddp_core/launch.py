@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from ddp_core.cluster import exits, failures, signals
+from ddp_core.cluster import batch_node, exits, failures, signals
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.exits import ExitCode, after_submitit, leave, without_result
 from ddp_core.cluster.log import log_failure, setup_logging
@@ -70,6 +70,8 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
 
 
 def _after_stop(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag, outcome: Outcome) -> int:
+    if stop_flag.lost_batch_node is not None:  # rank 0's: the others stopped on its word, and leave it to decide
+        return batch_node.requeue_after(stop_flag.lost_batch_node, cfg.slurm, run_dir, env, outcome.step)
     rerun = f"python -m ddp_core {run_dir.path}"
     at, deadline = stop_flag.received_at, stop_flag.by_deadline
     return exits.after_stop(cfg, run_dir, env, outcome.signum, outcome.step, rerun, at, deadline)

@@ -30,6 +30,7 @@ from typing import Optional
 from ddp_core.cluster import exits
 from ddp_core.cluster.env import DistEnv, expand_nodelist
 from ddp_core.cluster.failures import DECIDED, Failure, Kind, attempt_events
+from ddp_core.cluster.node_state import gone
 from ddp_core.cluster.policy import Outcome, decide_after, nodes_of
 from ddp_core.cluster.slurm import SlurmGateway
 from ddp_core.config import SlurmConfig
@@ -59,9 +60,7 @@ def node_failure(gateway: SlurmGateway, job_id: str, step: Optional[int]) -> Opt
     nodes = expand_nodelist(nodelist)
     until = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.mktime(time.strptime(end, "%Y-%m-%dT%H:%M:%S"))
                                                                      + EVENT_SLACK_S))  # fmt: skip
-    down = gateway.nodes_down_between(nodes, start, until) or [
-        n for n in nodes if any(w in (gateway.show_node(n) or {}).get("State", "") for w in ("DOWN", "NOT_RESPONDING"))
-    ]
+    down = gateway.nodes_down_between(nodes, start, until) or [n for n in nodes if gone(gateway.show_node(n))]
     host = down[0] if down else None
     what = f"{', '.join(down)} stopped responding" if down else f"a node of {nodelist} failed"
     return Failure(Kind.infrastructure, None, host, step, f"node failure: {what} (Slurm ended the attempt: NODE_FAIL)")

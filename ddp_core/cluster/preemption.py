@@ -64,7 +64,8 @@ class StopFlag:
     ``handlers=False``: installs none; its owner calls ``record`` (script mode's deferred warning, which records only
     the warning signal). ``group``: the process group of the exchanges (None: the default group, which must serve CPU
     tensors). ``deadline``: rank 0's deadline stop, checked at each exchange (``ddp_core.cluster.deadline``);
-    ``by_deadline``: this rank recorded the warning for it."""
+    ``by_deadline``: this rank recorded the warning for it; ``lost_batch_node``: rank 0 recorded it because the batch
+    node is gone (``ddp_core.cluster.batch_node``)."""
 
     def __init__(self, warning_signal: str, interval_s: float = 0.0, handlers: bool = True) -> None:
         self.warning = signals.warning_signal(warning_signal)
@@ -74,6 +75,7 @@ class StopFlag:
         self.group: Optional[dist.ProcessGroup] = None
         self.deadline: Optional[Deadline] = None
         self.by_deadline = False
+        self.lost_batch_node: Optional[str] = None  # rank 0 recorded the warning itself: the batch node is gone
         self._pending: Optional[tuple[dist.Work, torch.Tensor, int]] = None  # the exchange in flight, its call
         self._calls = 0  # agree() calls so far: every rank counts the same
         self._due = 1  # the call that exchanges next

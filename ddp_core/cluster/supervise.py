@@ -36,6 +36,7 @@ from typing import Any, Optional, Sequence
 from ddp_core.cluster import exits, node_loss
 from ddp_core.cluster.env import DistEnv, expand_nodelist
 from ddp_core.cluster.failures import DECIDED, Failure, Kind, attempt_events, diagnose, srun_task_ends
+from ddp_core.cluster.node_state import gone
 from ddp_core.cluster.policy import Allocation, Outcome, decide_after
 from ddp_core.cluster.slurm import NODE_GATEWAY, SlurmGateway
 from ddp_core.config import CheckpointConfig, SlurmConfig
@@ -116,7 +117,7 @@ def this_allocation(
     """The job's allocation as it stands: its nodes that still respond (Slurm's node state), how many a job step
     takes, and the restarts this attempt made."""
     nodes = allocation_order(slurm)
-    live = tuple(n for n in nodes if not down(gateway.show_node(n)))
+    live = tuple(n for n in nodes if not gone(gateway.show_node(n)))
     step_nodes = len(nodes) - slurm.spare_nodes
     restarts = sum(
         1 for e in events
@@ -143,17 +144,10 @@ def remove_local_copies(
     if not checkpoint.local_every_steps or not env.job_id:
         return
     if live is None:
-        live = [n for n in expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", "")) if not down(gateway.show_node(n))]
+        live = [n for n in expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", "")) if not gone(gateway.show_node(n))]
     folder = f"{checkpoint.local_path.rstrip('/')}/ddpjob-{env.job_id}"
     if live and gateway.run_on_each(live, ["rm", "-rf", "--", folder]).returncode == 0:
         log.info("removed the node-local copies %s on %s", folder, ",".join(live))
-
-
-def down(node: Optional[dict[str, str]]) -> bool:
-    """Whether Slurm says a node is gone (DOWN, NOT_RESPONDING: the ``*`` of sinfo); a node it cannot answer for is
-    taken as alive, and srun finds out."""
-    state = (node or {}).get("State", "")
-    return any(word in state for word in ("DOWN", "NOT_RESPONDING", "FAIL"))
 
 
 def ran_on(env: DistEnv, events: list[dict[str, Any]], order: list[str], step_nodes: int) -> list[str]:

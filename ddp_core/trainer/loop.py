@@ -27,7 +27,7 @@ import torch
 
 from ddp_core.checkpoint.manager import CheckpointManager, Restored
 from ddp_core.checkpoint.train_state import Carried, TrainState
-from ddp_core.cluster import deadline, failures, health, rendezvous
+from ddp_core.cluster import batch_node, deadline, failures, health, rendezvous
 from ddp_core.cluster.env import DistEnv, process_started
 from ddp_core.cluster.preemption import StopFlag
 from ddp_core.config import Config, Precision, to_dict
@@ -66,6 +66,7 @@ class Trainer:
         self.checkpoints: Optional[CheckpointManager] = None
         self.records: Optional[Records] = None
         self.lines: Optional[ProgressLines] = None
+        self.batch_watch: Optional[batch_node.Watch] = None  # rank 0 of a job with spare nodes (start)
         self.primed = False  # this attempt's first step done (``Strategy.prime``)
         self.restored: Optional[Restored] = None  # the checkpoint tier and step this attempt started from
 
@@ -198,6 +199,7 @@ class Trainer:
         if self.env.is_main:  # rank 0's clock decides the stop before the time limit (ddp_core.cluster.deadline)
             assert self.checkpoints is not None  # build() made it
             self.stop_flag.deadline = deadline.arm(self.cfg.slurm, self.env, self.checkpoints.save_cost_s)
+            self.batch_watch = batch_node.watch(self.cfg.slurm, self.env, self.stop_flag)  # a job with spare nodes
         self.started = time.perf_counter()
 
     def train(self) -> Outcome:
@@ -357,6 +359,8 @@ class Trainer:
         success or a signal's stop the writers are closed already (``finished``, ``stopped``). After a user error
         no attempt of this job will run again: this node's local copies go."""
         failed = error is not None
+        if self.batch_watch is not None:
+            self.batch_watch.stop()
         try:
             if self.checkpoints is not None:
                 self.checkpoints.close(wait=False)  # rank 0's own async full save still completes

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.support.cli_runner import field, run_cli
 from tests.support.digits import DIGITS, TWO
-from tests.support.helpers import digests, events, rank_logs, submit_and_kill_node, wait_for
+from tests.support.helpers import ROOT, digests, events, rank_logs, submit_and_kill_node, wait_for
 
 KILLED_ONCE = ["task.target=tests.support.tasks:CrashingTask", "task.data.crash_at=25", "task.data.error=SIGKILL",
                "task.data.crash_launch=0"]  # fmt: skip
@@ -129,3 +130,39 @@ def test_a_taken_rendezvous_port_is_replaced_by_one_the_ranks_agree_on(slurm_clu
     logs = rank_logs(run_dir, job_id)
     assert published != taken and f"rendezvous port {taken} is in use on n1: listening on {published}" in logs[0]
     assert f"master n1:{taken}" in logs[1]  # its derived port, as logged before it read the published one
+
+
+def test_a_dead_batch_node_sends_the_job_through_the_queue_without_losing_a_step(slurm_cluster, tmp_path, reference):
+    """slurm.spare_nodes=1: the batch script (and its watcher) runs on n1, the spare, and the ranks on n2 and n3. n1
+    dies whole at rank 0's 5th batch (scripts/slurm-local kill-node). Slurm keeps the job running on n2 and n3
+    (--no-kill), with nothing left to requeue it: rank 0 sees Slurm mark n1 gone, every rank stops after the same step
+    and checkpoints, and rank 0 requeues the job as an infrastructure failure of n1. Once n1 is back the next attempt
+    resumes from that very step and ends with the uninterrupted run's weights."""
+    local, mark = str(ROOT / "scripts" / "slurm-local"), tmp_path / "marked"
+    cmd = [sys.executable, "-m", "jobs", "submit", DIGITS, "--wait", *TWO, "slurm.spare_nodes=1",
+           "task.target=tests.support.marked_tasks:MarkedSlowFirstAttemptTask", "task.data.pause_s=1.0",
+           f"task.data.mark_file={mark}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(mark.exists, 120, "rank 0 to reach its 5th batch")
+        killed = subprocess.run([local, "kill-node", "n1"], capture_output=True, text=True, timeout=60)
+        assert killed.returncode == 0, killed.stdout + killed.stderr
+        run_dir = next((tmp_path / "runs").iterdir())
+        wait_for(lambda: events(run_dir, "requeued"), 120, "rank 0 to requeue the job")
+        started = subprocess.run([local, "start-node", "n1"], capture_output=True, text=True, timeout=120)
+        assert started.returncode == 0, started.stdout + started.stderr
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+        subprocess.run([local, "start-node", "n1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, out + err
+    job_id = field(out, "job")
+    seen = [(e["event"], e.get("host")) for e in events(run_dir)]
+    assert seen == [("start", None), ("failure", "n1"), ("requeued", None), ("start", None), ("completed", None)], seen
+    [failure] = events(run_dir, "failure")
+    assert failure["kind"] == "infrastructure" and "batch node n1" in failure["error"], failure
+    stopped = failure["step"]
+    assert 5 <= stopped < 60 and events(run_dir, "start")[1]["step"] == stopped, stopped  # no step lost
+    logs = rank_logs(run_dir, job_id)
+    assert "the batch node n1 is gone" in logs[0] and f"resumed from step_{stopped:08d}.pt" in logs[0], logs[0]
+    assert digests(logs) == reference

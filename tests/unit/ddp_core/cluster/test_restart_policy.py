@@ -2,7 +2,7 @@
 ``cluster.supervise --in-allocation``): which failures restart where, what they spend, and what the watcher hands the
 batch script's loop of job steps.
 
-Slurm's answers come from a fabricated gateway (tests/unit/ddp_core/cluster/test_failure_policy.py's); the jobs that
+Slurm's answers come from a fabricated gateway (tests/support/policy.py); the jobs that
 restart for real, on the local cluster, are in tests/cluster/test_restart_in_allocation.py.
 """
 
@@ -18,7 +18,7 @@ from ddp_core.cluster.exits import ExitCode
 from ddp_core.cluster.failures import Failure, Kind, attempt_events
 from ddp_core.cluster.policy import Allocation, Outcome
 from ddp_core.cluster.slurm import SlurmGateway
-from tests.unit.ddp_core.cluster.test_failure_policy import Slurm, decide, events, failure_event, run_dir
+from tests.support.policy import Slurm, decide, events, failure_event, run_dir
 
 TWO_OF_THREE = Allocation(live=("n1", "n2", "n3"), step_nodes=2, fewest=2, restarts=0)
 

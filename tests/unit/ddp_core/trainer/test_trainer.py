@@ -10,8 +10,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from tests.support.digits import DIGITS, trainer
 from tests.support.helpers import ROOT, events, final_digests, run_trainer
 
@@ -54,59 +52,29 @@ def test_single_process_run(tmp_path):
     assert final_digests(log) == [weights_digest(state)]
 
 
-# One process: 2 ranks are the next test's. dp on a CPU is the plain model (DPStrategy.wrap): its resume is "1"'s.
-@pytest.mark.parametrize(("nproc", "strategy"), [(1, "ddp"), (1, "model_parallel")], ids=["1", "mp"])
-def test_resume_is_bitwise_exact(tmp_path, nproc, strategy):
+# Model parallel: one process driving its stages. The property of continuation
+# (test_continuation_property.py) covers DDP at 1 and 2 ranks, accumulation and background saves.
+def test_resume_is_bitwise_exact_with_model_parallel(tmp_path):
     # Reference: 60 uninterrupted steps, checkpointing every 5. Then the same run directory with every
     # checkpoint after step 25 deleted (as if the job died there, mid-epoch) is resumed to the end.
     common = [*BASE, "data.batch_size=32", "train.grad_accum=2", "checkpoint.every_steps=5", "checkpoint.keep_last=20",
-              f"strategy.name={strategy}",
-              "task.model.dropout=0.2", "train.max_steps=60"]  # fmt: skip
-    ref = final_digests(trainer(tmp_path / "run", *common, nproc=nproc))
-    assert len(ref) == nproc and len(set(ref)) == 1
+              "strategy.name=model_parallel", "task.model.dropout=0.2", "train.max_steps=60"]  # fmt: skip
+    ref = final_digests(trainer(tmp_path / "run", *common))
+    assert len(ref) == 1
     for path in (tmp_path / "run" / "checkpoints").glob("step_*"):
         if int(path.stem.split("_")[1]) > 25:
             path.unlink()
-    log = trainer(tmp_path / "run", *common, nproc=nproc)
+    log = trainer(tmp_path / "run", *common)
     resumed = re.search(r"resumed from step_00000025.pt \(step 25, epoch (\d+)\)", log)
     assert resumed and int(resumed[1]) >= 1, log  # mid-epoch, past the first epoch boundary
     assert final_digests(log) == ref
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in records if r["split"] == "train"]
-    assert steps == sorted(steps) and len([s for s in steps if s == 30]) == 1  # no step logged twice
-
-
-def test_resume_is_bitwise_exact_with_async_full_checkpoints(tmp_path):
-    # As test_resume_is_bitwise_exact at 2 ranks under torchrun (2 micro-batches a step), with every checkpoint but
-    # the last written in the background: the reference run trains on while they are written, and its weights match
-    # a run that saved synchronously. Resumed from step 15 (mid-epoch 1), it ends with them too.
-    common = [*BASE, "data.batch_size=32", "train.grad_accum=2", "checkpoint.every_steps=5", "checkpoint.keep_last=20",
-              "task.model.dropout=0.2", "train.max_steps=40"]  # fmt: skip
-    sync_log = trainer(tmp_path / "sync", *common, nproc=2)
-    assert "torchrun on" in sync_log and "rank 1/2" in sync_log
-    sync = final_digests(sync_log)
-    assert len(sync) == 2 and len(set(sync)) == 1  # DDP kept the replicas equal
-    ref_log = trainer(tmp_path / "run", *common, "checkpoint.async_save=true", nproc=2)
-    assert "writing in the background" in ref_log and final_digests(ref_log) == sync
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    saves = [r for r in records if r["split"] == "checkpoint"]
-    assert [r["step"] for r in saves] == list(range(5, 45, 5)) and all(r["write_s"] > 0 for r in saves[1:]), saves
-    for path in (tmp_path / "run" / "checkpoints").glob("step_*"):
-        if int(path.stem.split("_")[1]) > 15:
-            path.unlink()
-    log = trainer(tmp_path / "run", *common, "checkpoint.async_save=true", nproc=2)
-    assert re.search(r"resumed from step_00000015.pt \(step 15, epoch [1-9]", log), log  # past an epoch boundary
-    assert final_digests(log) == sync
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in records if r["split"] == "train"]
-    assert steps == sorted(steps) and len([s for s in steps if s == 20]) == 1  # no step logged twice
 
 
 def test_interrupted_runs_are_exact_at_three_ranks(tmp_path):
     """Three ranks: a run stopped right after an epoch boundary, then again in the first step of the next attempt,
     ends with the uninterrupted run's weights. With 3+ ranks an all-reduce's summation order depends on DDP's bucket
-    layout (see DDPStrategy.prime). (1 rank: test_resume_is_bitwise_exact; 2: its async variant; fsdp: test_fsdp.py;
-    pipeline: test_pipeline.py; 4 ranks on 2 nodes: test_slurm_preemption.py.)"""
+    layout (see DDPStrategy.prime). (1 and 2 ranks: test_continuation_property.py; fsdp: test_fsdp.py; pipeline:
+    test_pipeline.py; 4 ranks on 2 nodes: test_slurm_preemption.py.)"""
     nproc, strategy, data_world = 3, "ddp", 3
     # train.stop_check_ms=0: the ranks exchange their flags after every step, so a signal lands at a known step.
     common = [*BASE, "task.target=tests.support.tasks:SignalledDigitsTask", "data.batch_size=32",

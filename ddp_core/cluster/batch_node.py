@@ -1,0 +1,104 @@
+"""The batch node's death in a job that outlives its nodes (``--no-kill``: spare nodes): the ranks notice it and send
+the job back through the queue, where a fresh batch script watches again.
+
+The batch script and its watcher (``cluster.supervise``) run on the batch node, which a job with spare nodes keeps
+as its last spare, running no rank. When that node dies (power, a kernel panic), nothing is left to restart ranks
+or requeue the job, and Slurm 22.05 keeps such a job RUNNING on the nodes left until its time limit: the ranks train
+on, unwatched, and a rank that fails afterwards leaves the allocation idle. So rank 0 asks Slurm about the batch node
+every ``INTERVAL_S`` (``watch``; one ``scontrol show node``, from a daemon thread). Once Slurm says it is gone
+(``node_state.gone``: DOWN, NOT_RESPONDING or FAIL, the watcher's test of a node too), rank 0 records the warning
+signal as if it had come (``preemption.StopFlag``): every rank stops after the same step and checkpoints, and rank 0
+records an infrastructure ``failure`` of that host and requeues the job within ``slurm.max_failures``
+(``cluster.policy``), excluding the host at its second failure as for any node. Nothing is lost but the queue wait.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+from typing import Optional, Protocol
+
+from ddp_core.cluster.env import DistEnv
+from ddp_core.cluster.failures import Failure, Kind
+from ddp_core.cluster.node_state import gone
+from ddp_core.cluster.policy import decide_after
+from ddp_core.cluster.slurm import NODE_GATEWAY, SlurmGateway
+from ddp_core.config import SlurmConfig
+from ddp_core.run.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+INTERVAL_S = 5.0  # between two questions to the controller: Slurm itself marks a node gone after SlurmdTimeout
+
+
+class Stoppable(Protocol):
+    """What the watch stops: the trainer's ``StopFlag`` (its warning signal recorded, and why)."""
+
+    warning: signal.Signals
+    lost_batch_node: Optional[str]
+
+    def record(self, signum: int) -> None: ...
+
+
+class Watch:
+    """Rank 0's daemon thread: asks Slurm about ``host`` every ``interval_s`` until it is gone (then stops ``flag``)
+    or ``stop`` is called."""
+
+    def __init__(
+        self, host: str, flag: Stoppable, gateway: SlurmGateway = NODE_GATEWAY, interval_s: float = INTERVAL_S
+    ) -> None:
+        self.host, self.flag, self.gateway, self.interval_s = host, flag, gateway, interval_s
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="batch-node-watch", daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while not self.done.wait(self.interval_s):
+            if gone(self.gateway.show_node(self.host)):
+                log.warning(
+                    "the batch node %s is gone (Slurm marks it down): its batch script and watcher died with it, so "
+                    "every rank checkpoints now and the job is requeued to get a new one",
+                    self.host,
+                )
+                self.flag.lost_batch_node = self.host
+                self.flag.record(self.flag.warning)
+                return
+
+    def stop(self) -> None:
+        self.done.set()
+
+
+def watch(slurm: SlurmConfig, env: DistEnv, flag: Stoppable, gateway: SlurmGateway = NODE_GATEWAY) -> Optional[Watch]:
+    """Rank 0 of a Slurm job with spare nodes (``--no-kill``, the batch node kept as a spare): the ``Watch`` of its
+    batch node; None otherwise (without ``--no-kill`` Slurm ends and requeues the job itself, ``cluster.node_loss``),
+    or when scontrol does not name the batch node."""
+    if not env.is_main or not env.slurm_job_id or slurm.spare_nodes <= 0:
+        return None
+    job = gateway.show_job(env.slurm_job_id)
+    host = job.raw.get("BatchHost", "") if job is not None else ""
+    if (
+        not host or host == socket.gethostname()
+    ):  # a rank on the batch node would die with it: the others' failure says so
+        return None
+    return Watch(host, flag, gateway)
+
+
+def requeue_after(
+    host: str,
+    slurm: SlurmConfig,
+    run_dir: RunDir,
+    env: DistEnv,
+    step: Optional[int],
+    gateway: SlurmGateway = NODE_GATEWAY,
+) -> int:
+    """Rank 0, once every rank stopped and checkpointed at ``step`` because the batch node ``host`` is gone: an
+    infrastructure ``failure`` of that host, then what the after-failure policy makes of it (a requeue within
+    ``slurm.max_failures``, the host excluded at its second failure, or the job's end). Returns the exit code."""
+    what = f"node failure: the batch node {host} stopped responding (the batch script and its watcher died with it)"
+    failure = Failure(Kind.infrastructure, None, host, step, what)
+    job = gateway.show_job(env.slurm_job_id) if env.slurm_job_id else None
+    return decide_after(failure, run_dir, env, gateway, slurm, job=job).code

@@ -1,0 +1,81 @@
+"""Rank 0's watch of the batch node in a job with spare nodes (``ddp_core.cluster.batch_node``): when Slurm says the
+node is gone, the ranks stop as for the warning signal and rank 0 sends the job through the queue within
+``slurm.max_failures``. Slurm's answers come from a fabricated gateway (tests/support/policy.py); the batch node that
+dies for real is in tests/cluster/test_restart_in_allocation.py."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+
+from ddp_core.cluster import batch_node
+from ddp_core.cluster.env import DistEnv
+from ddp_core.cluster.exits import ExitCode
+from ddp_core.cluster.preemption import StopFlag
+from ddp_core.cluster.slurm import SlurmGateway
+from tests.support.policy import ENV, Slurm, events, run_dir
+
+
+class Node:
+    """A gateway whose batch node ``n1`` answers ``states`` in turn (the last one from then on)."""
+
+    def __init__(self, *states: str, batch_host: str = "n1") -> None:
+        self.states, self.batch_host, self.asked = list(states), batch_host, 0
+        self.gateway = SlurmGateway(self.answer)
+
+    def answer(self, cmd: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+        out = ""
+        if cmd[:3] == ("scontrol", "show", "job"):
+            out = f"JobId={cmd[-1]} JobState=RUNNING Partition=local Restarts=0 BatchHost={self.batch_host}\n"
+        elif cmd[:3] == ("scontrol", "show", "node"):
+            self.asked += 1
+            out = f"NodeName={cmd[-1]} State={self.states.pop(0) if len(self.states) > 1 else self.states[0]}\n"
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+
+
+def test_the_watch_stops_the_ranks_once_slurm_says_the_batch_node_is_gone():
+    node = Node("MIXED", "MIXED", "MIXED+NOT_RESPONDING")
+    flag = StopFlag("USR2", handlers=False)
+    watch = batch_node.Watch("n1", flag, node.gateway, interval_s=0.01)
+    watch.thread.join(timeout=10)
+    assert not watch.thread.is_alive() and node.asked == 3  # it asks no more once it has stopped the ranks
+    assert (flag.received, flag.lost_batch_node) == (signal.SIGUSR2, "n1")
+
+
+def test_a_stopped_watch_stops_nothing():
+    node = Node("IDLE")
+    flag = StopFlag("USR2", handlers=False)
+    watch = batch_node.Watch("n1", flag, node.gateway, interval_s=0.01)
+    watch.stop()
+    watch.thread.join(timeout=10)
+    assert (flag.received, flag.lost_batch_node) == (0, None)
+
+
+def test_only_rank_0_of_a_job_with_spare_nodes_watches_a_batch_node_it_does_not_run_on(tmp_path):
+    spare = run_dir(tmp_path / "spare", "slurm.spare_nodes=1").load_config().slurm
+    plain = run_dir(tmp_path / "plain").load_config().slurm
+    flag = StopFlag("USR2", handlers=False)
+    here = Node("IDLE", batch_host=socket.gethostname()).gateway
+    watch = batch_node.watch(spare, ENV, flag, Node("IDLE").gateway)
+    assert watch is not None and watch.host == "n1"
+    watch.stop()
+    assert batch_node.watch(plain, ENV, flag, Node("IDLE").gateway) is None  # no --no-kill: Slurm requeues the job
+    assert batch_node.watch(spare, DistEnv(rank=1, world_size=2, slurm_job_id="57"), flag, Node("IDLE").gateway) is None
+    assert batch_node.watch(spare, ENV, flag, here) is None  # rank 0 on the batch node dies with it
+    assert batch_node.watch(spare, DistEnv(), flag, Node("IDLE").gateway) is None  # outside Slurm
+
+
+def test_the_lost_batch_node_is_an_infrastructure_failure_that_requeues_the_job(tmp_path):
+    run, slurm = run_dir(tmp_path, "slurm.spare_nodes=1"), Slurm()
+    code = batch_node.requeue_after("n1", run.load_config().slurm, run, ENV, 40, slurm.gateway)
+    assert code == ExitCode.REQUEUED and slurm.asked() == [("scontrol", "requeue", "57")]
+    assert events(run) == [("failure", "n1"), ("requeued", "failure")]
+    failure = run.events()[0]
+    assert (failure["kind"], failure["step"]) == ("infrastructure", 40) and "batch node n1" in failure["error"]
+    # Its budget spent, the job ends there with the reason, never requeued.
+    run2, slurm2 = run_dir(tmp_path / "2", "slurm.spare_nodes=1", "slurm.max_failures=0"), Slurm()
+    assert (
+        batch_node.requeue_after("n1", run2.load_config().slurm, run2, ENV, 40, slurm2.gateway) == ExitCode.BUDGET_SPENT
+    )
+    assert slurm2.asked() == []
