@@ -134,9 +134,11 @@ def test_a_taken_rendezvous_port_is_replaced_by_one_the_ranks_agree_on(slurm_clu
 
 def test_a_dead_batch_node_sends_the_job_through_the_queue_without_losing_a_step(slurm_cluster, tmp_path, reference):
     """slurm.spare_nodes=1: the batch script (and its watcher) runs on n1, the spare, and the ranks on n2 and n3. n1
-    dies whole at rank 0's 5th batch (scripts/slurm-local kill-node). Slurm keeps the job running on n2 and n3
-    (--no-kill), with nothing left to requeue it: rank 0 sees Slurm mark n1 gone, every rank stops after the same step
-    and checkpoints, and rank 0 requeues the job as an infrastructure failure of n1. Once n1 is back the next attempt
+    dies at rank 0's 5th batch: frozen whole (scripts/slurm-local freeze-node), so its connections go silent as a dead
+    host's do; a SIGKILL here would close them at once, and the other nodes' stepds sometimes cancel the step for it
+    within a second, which a real power cut never shows them. Slurm keeps the job running on n2 and n3 (--no-kill),
+    with nothing left to requeue it: rank 0 sees Slurm mark n1 gone, every rank stops after the same step and
+    checkpoints, and rank 0 requeues the job as an infrastructure failure of n1. Once n1 is back the next attempt
     resumes from that very step and ends with the uninterrupted run's weights."""
     local, mark = str(ROOT / "scripts" / "slurm-local"), tmp_path / "marked"
     cmd = [sys.executable, "-m", "jobs", "submit", DIGITS, "--wait", *TWO, "slurm.spare_nodes=1",
@@ -145,16 +147,20 @@ def test_a_dead_batch_node_sends_the_job_through_the_queue_without_losing_a_step
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(mark.exists, 120, "rank 0 to reach its 5th batch")
-        killed = subprocess.run([local, "kill-node", "n1"], capture_output=True, text=True, timeout=60)
-        assert killed.returncode == 0, killed.stdout + killed.stderr
+        frozen = subprocess.run([local, "freeze-node", "n1"], capture_output=True, text=True, timeout=60)
+        assert frozen.returncode == 0, frozen.stdout + frozen.stderr
         run_dir = next((tmp_path / "runs").iterdir())
         wait_for(lambda: events(run_dir, "requeued"), 120, "rank 0 to requeue the job")
-        started = subprocess.run([local, "start-node", "n1"], capture_output=True, text=True, timeout=120)
-        assert started.returncode == 0, started.stdout + started.stderr
+        for act in ("kill-node", "start-node"):  # the frozen processes end, and n1 comes back for the next attempt
+            done = subprocess.run([local, act, "n1"], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stdout + done.stderr
         out, err = proc.communicate(timeout=240)
     finally:
         proc.kill()
-        subprocess.run([local, "start-node", "n1"], capture_output=True, text=True, timeout=120)
+        for script in tmp_path.glob("runs/*/slurm/*_submission.sh"):  # a job left running by a failed assertion
+            subprocess.run(["scancel", script.name.split("_")[0]], capture_output=True, timeout=30)
+        for act in ("kill-node", "start-node"):  # whatever happened (kill-node finds nothing left after the above)
+            subprocess.run([local, act, "n1"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, out + err
     job_id = field(out, "job")
     seen = [(e["event"], e.get("host")) for e in events(run_dir)]

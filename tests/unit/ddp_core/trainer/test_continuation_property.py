@@ -48,14 +48,16 @@ def schedules(draw: st.DrawFn) -> tuple[Setup, list[Attempt]]:
     return setup, attempts
 
 
-@fuzz(examples=4)
+@fuzz(examples=3)
 @given(schedules())
 # Kept from earlier tests, now cases of the property: a killed run resumed from a checkpoint mid-epoch at 1 rank with
 # accumulation (test_resume_is_bitwise_exact), background saves at 2 ranks (its async variant), and the extended run
-# of issue 48 (a run finished short and extended, its final evaluation off the longer run's cadence).
+# of issue 48 (a run finished short and extended, its final evaluation off the longer run's cadence) at the shortest
+# run the config allows: a hunt drew one of 1 step, shorter than its warmup, which the config refuses (the generator's
+# bug, fixed there).
 @example((Setup(1, 2, False, False), [Attempt("kill", 12, 0, 1, 0, 7)]))
 @example((Setup(2, 2, True, False), [Attempt("kill", 8, 1, 2, 3, 1), Attempt("signal", 14, 0, 2, 0, 7)]))
-@example((Setup(2, 1, False, False), [Attempt("finish", 10, 0, 2, 0, 7)]))
+@example((Setup(1, 1, False, True), [Attempt("finish", 3, 0, 1, 5, 1)]))
 @example((Setup(2, 1, False, True), [Attempt("signal", 5, 1, 2, 5, 1), Attempt("kill", 12, 0, 1, 3, 7)]))
 def test_every_schedule_of_interruptions_ends_on_the_uninterrupted_bits(tmp_path_factory, case):
     setup, schedule = case
