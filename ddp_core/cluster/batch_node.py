@@ -20,7 +20,7 @@ import logging
 import signal
 import socket
 import threading
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.failures import Failure, Kind
@@ -36,7 +36,7 @@ INTERVAL_S = 5.0  # between two questions to the controller: Slurm itself marks 
 
 
 class Stoppable(Protocol):
-    """What the watch stops: the trainer's ``StopFlag`` (its warning signal recorded, and why)."""
+    """What the trainer's watch stops: its ``StopFlag`` (the warning signal recorded, and why)."""
 
     warning: signal.Signals
     lost_batch_node: Optional[str]
@@ -44,14 +44,29 @@ class Stoppable(Protocol):
     def record(self, signum: int) -> None: ...
 
 
+def stopping(flag: Stoppable) -> Callable[[str], None]:
+    """The trainer's answer to a lost batch node: ``flag`` records the warning signal as if it had come, and why."""
+
+    def stop(host: str) -> None:
+        flag.lost_batch_node = host
+        flag.record(flag.warning)
+
+    return stop
+
+
 class Watch:
-    """Rank 0's daemon thread: asks Slurm about ``host`` every ``interval_s`` until it is gone (then stops ``flag``)
-    or ``stop`` is called."""
+    """Rank 0's daemon thread: asks Slurm about ``host`` every ``interval_s`` until it is gone (then calls
+    ``on_gone(host)`` once) or ``stop`` is called. Started where the warning signal and SIGTERM are held, as
+    ``deadline.at``'s timer, if ``on_gone`` sends one: the kernel then never delivers them to this thread."""
 
     def __init__(
-        self, host: str, flag: Stoppable, gateway: SlurmGateway = NODE_GATEWAY, interval_s: float = INTERVAL_S
+        self,
+        host: str,
+        on_gone: Callable[[str], None],
+        gateway: SlurmGateway = NODE_GATEWAY,
+        interval_s: float = INTERVAL_S,
     ) -> None:
-        self.host, self.flag, self.gateway, self.interval_s = host, flag, gateway, interval_s
+        self.host, self.on_gone, self.gateway, self.interval_s = host, on_gone, gateway, interval_s
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.run, name="batch-node-watch", daemon=True)
         self.thread.start()
@@ -61,30 +76,29 @@ class Watch:
             if gone(self.gateway.show_node(self.host)):
                 log.warning(
                     "the batch node %s is gone (Slurm marks it down): its batch script and watcher died with it, so "
-                    "every rank checkpoints now and the job is requeued to get a new one",
+                    "the ranks checkpoint now and the job is requeued to get a new one",
                     self.host,
                 )
-                self.flag.lost_batch_node = self.host
-                self.flag.record(self.flag.warning)
+                self.on_gone(self.host)
                 return
 
     def stop(self) -> None:
         self.done.set()
 
 
-def watch(slurm: SlurmConfig, env: DistEnv, flag: Stoppable, gateway: SlurmGateway = NODE_GATEWAY) -> Optional[Watch]:
-    """Rank 0 of a Slurm job with spare nodes (``--no-kill``, the batch node kept as a spare): the ``Watch`` of its
-    batch node; None otherwise (without ``--no-kill`` Slurm ends and requeues the job itself, ``cluster.node_loss``),
-    or when scontrol does not name the batch node."""
+def watch(
+    slurm: SlurmConfig, env: DistEnv, on_gone: Callable[[str], None], gateway: SlurmGateway = NODE_GATEWAY
+) -> Optional[Watch]:
+    """Rank 0 of a Slurm job with spare nodes (``--no-kill``, the batch node kept as a spare; script mode: rank 0's
+    launcher, or node 0's torchrun agent): the ``Watch`` of its batch node. None otherwise (without ``--no-kill``
+    Slurm ends and requeues the job itself, ``cluster.node_loss``), or when scontrol does not name the batch node."""
     if not env.is_main or not env.slurm_job_id or slurm.spare_nodes <= 0:
         return None
     job = gateway.show_job(env.slurm_job_id)
     host = job.raw.get("BatchHost", "") if job is not None else ""
-    if (
-        not host or host == socket.gethostname()
-    ):  # a rank on the batch node would die with it: the others' failure says so
+    if not host or host == socket.gethostname():  # rank 0 on the batch node would die with it
         return None
-    return Watch(host, flag, gateway)
+    return Watch(host, on_gone, gateway)
 
 
 def requeue_after(

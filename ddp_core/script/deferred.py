@@ -39,8 +39,10 @@ on the signal with the others: a rank stuck in C++ since before both is not, and
 ``watchdog.stall_s: 0`` turns this off.
 
 **No warning by its time.** Where Slurm's warning never comes (a site or container setup it does not reach),
-``warn_before_end`` sends it to rank 0 itself at ``end - slurm.signal_lead_s`` (``ddp_core.cluster.deadline``),
-unless it came: the exchange above then carries it to every rank, and the script's handler runs as for Slurm's.
+``arm_own_warnings`` sends it to rank 0 itself at ``end - slurm.signal_lead_s`` (``ddp_core.cluster.deadline``),
+unless it came: the exchange above then carries it to every rank, and the script's handler runs as for Slurm's. It
+sends it too when the batch node of a job with spare nodes dies (``ddp_core.cluster.batch_node``), so that the
+script checkpoints and requeues the job, which would otherwise run on with no batch script to watch it.
 
 Every rank must call ``optimizer.step`` equally often (DDP, FSDP and Lightning do): the exchange is a collective.
 Torch is imported when the script installs its first handler (it has imported torch by then).
@@ -56,7 +58,7 @@ import threading
 from types import FrameType
 from typing import Any, Callable, Optional
 
-from ddp_core.cluster import deadline, signals
+from ddp_core.cluster import batch_node, deadline, signals
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.preemption import StopFlag
 from ddp_core.config import Config, WatchdogConfig
@@ -186,18 +188,27 @@ class DeferredWarning:
         if self.steps:
             self.watchdog.beat(self.steps)
 
-    def warn_before_end(self) -> None:
+    def arm_own_warnings(self) -> None:
         """Rank 0 (srun launcher): send the warning to this process at ``end - slurm.signal_lead_s`` if it has not come
-        by then, recorded or held (module docstring). Call it while this thread holds the warning and SIGTERM."""
+        by then, recorded or held, and when the batch node is gone (module docstring). Call it while this thread
+        holds the warning and SIGTERM: the threads it starts inherit the mask."""
         due = deadline.warning_due(self.cfg.slurm, self.env)
         if due is not None:
-            deadline.at(due, self._warn_unless_signalled, "deadline-warning")
+            why = f"by {self.cfg.slurm.signal_lead_s} s before the time limit (slurm.signal_lead_s)"
+            deadline.at(due, lambda: self._warn_unless_signalled(why), "deadline-warning")
+        batch_node.watch(self.cfg.slurm, self.env, self._warn_for_lost_batch_node)
 
-    def _warn_unless_signalled(self) -> None:
+    def _warn_for_lost_batch_node(self, host: str) -> None:
+        if not self.cfg.slurm.sends_signal:
+            log.warning("slurm.signal is none: nothing tells the script that batch node %s is gone, and it runs on "
+                        "unwatched (ddpjob cancel, then ddpjob resume, to requeue it)", host)  # fmt: skip
+            return
+        self._warn_unless_signalled(f"since batch node {host} is gone")
+
+    def _warn_unless_signalled(self, why: str) -> None:
         if self.flag.received_at or self.warning in signal.sigpending():
             return  # Slurm's came (a second one would run the script's handler twice)
-        log.warning("no %s by %d s before the time limit (slurm.signal_lead_s): ddpjob sends it itself",
-                    self.warning.name, self.cfg.slurm.signal_lead_s)  # fmt: skip
+        log.warning("no %s %s: ddpjob sends it itself", self.warning.name, why)
         os.kill(os.getpid(), self.warning)
 
     def close(self) -> None:

@@ -286,7 +286,7 @@ def _run(run_dir_arg: str) -> int:
     deferred = DeferredWarning(cfg, run_dir, env, functools.partial(_after_hang, cfg, run_dir, env))
     deferred.intercept()  # the script's own handler for it runs where every rank agrees (ddp_core.script.deferred)
     if env.is_main and "TORCHELASTIC_RUN_ID" not in os.environ:  # a torchrun worker's agent warns for it
-        deferred.warn_before_end()  # Slurm's warning never came by its time: ddpjob's own (cluster.deadline)
+        deferred.arm_own_warnings()  # none by its time (cluster.deadline), or the batch node gone: ddpjob's own
     if env.is_main and env.slurm_job_id and cfg.script.resume_args:
         signals.when_held(warning, lambda: _requeue_held_warning(cfg, run_dir, env, warning))
 

@@ -68,7 +68,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Callable, Optional
 
 from ddp_core import python_m
-from ddp_core.cluster import deadline, signals
+from ddp_core.cluster import batch_node, deadline, signals
 from ddp_core.cluster import rendezvous as meeting
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.exits import leave
@@ -218,11 +218,10 @@ class Forwarder:
         for pid in workers:
             _kill(pid, signum)
 
-    def warn_if_none(self) -> None:
-        """Slurm's warning is due and has not come: take it as come now (``run_agent``)."""
+    def warn_if_none(self, why: str = "by slurm.signal_lead_s before the time limit") -> None:
+        """Slurm's warning is due (``why``) and has not come: take it as come now (``run_agent``)."""
         if self.warning_at is None:
-            log.warning("no %s by slurm.signal_lead_s before the time limit: the agent sends it itself",
-                        self.warning.name)  # fmt: skip
+            log.warning("no %s %s: the agent sends it itself", self.warning.name, why)
             self._handle(self.warning, None)
 
     def deliver_warning(self) -> None:
@@ -334,11 +333,16 @@ def run_agent(
     # them held, and so do the workers it starts, from their first instruction. This thread handles them from now.
     signals.release(forwarder.warning, signal.SIGTERM)
     due = deadline.warning_due(cfg.slurm, env) if env.is_main else None  # node 0's agent: rank 0's
+    lost = threading.Event()  # the batch node of a job with spare nodes is gone (cluster.batch_node): warn now
+    watch = batch_node.watch(cfg.slurm, env, lambda host: lost.set()) if cfg.slurm.sends_signal else None
     while thread.is_alive():
         thread.join(POLL_S)  # signal handlers run here, between waits
         if due is not None and time.time() >= due:
             due = None
             forwarder.warn_if_none()
+        if lost.is_set():
+            lost.clear()
+            forwarder.warn_if_none("since the batch node is gone")
         forwarder.deliver_warning()
         if on_unhandled_warning is not None and forwarder.unhandled(HELD_WARNING_GRACE_S):
             on_unhandled_warning()
@@ -351,4 +355,6 @@ def run_agent(
         error = f"killed by a signal ({name})"
         RunDir(run_dir).log_event("rank_failed", **fields, kind="infrastructure", error=error, signal=name)
 
+    if watch is not None:
+        watch.stop()
     return exit_code(outcome[0] if outcome else None, host, rdzv.nnodes * nproc, killed)

@@ -199,7 +199,7 @@ class Trainer:
         if self.env.is_main:  # rank 0's clock decides the stop before the time limit (ddp_core.cluster.deadline)
             assert self.checkpoints is not None  # build() made it
             self.stop_flag.deadline = deadline.arm(self.cfg.slurm, self.env, self.checkpoints.save_cost_s)
-            self.batch_watch = batch_node.watch(self.cfg.slurm, self.env, self.stop_flag)  # a job with spare nodes
+            self.batch_watch = batch_node.watch(self.cfg.slurm, self.env, batch_node.stopping(self.stop_flag))
         self.started = time.perf_counter()
 
     def train(self) -> Outcome:

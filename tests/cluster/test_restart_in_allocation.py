@@ -5,6 +5,7 @@ one; past slurm.max_restarts, and when the batch node itself dies, the queue is 
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -172,3 +173,40 @@ def test_a_dead_batch_node_sends_the_job_through_the_queue_without_losing_a_step
     logs = rank_logs(run_dir, job_id)
     assert "the batch node n1 is gone" in logs[0] and f"resumed from step_{stopped:08d}.pt" in logs[0], logs[0]
     assert digests(logs) == reference
+
+
+def test_a_dead_batch_node_requeues_a_script_through_its_warning_signal(slurm_cluster, tmp_path):
+    """Script mode, as above: a plain script with script.resume_args and spare nodes (tests/support/resume_script.py,
+    a step every 2 s in its first attempt), its batch node n1 frozen after step 2. Rank 0's launcher sees Slurm mark n1
+    gone and sends the warning signal itself; the script has no handler for it, so ddpjob requeues the job, and the
+    next attempt resumes from the script's own checkpoint and finishes."""
+    local, mark = str(ROOT / "scripts" / "slurm-local"), tmp_path / "marked"
+    script = str(ROOT / "tests" / "support" / "resume_script.py")
+    cmd = [sys.executable, "-m", "jobs", "submit", "--script", script, "--wait", "slurm.nodes=2",
+           "slurm.tasks_per_node=1", "slurm.partition=wide", "slurm.spare_nodes=1", "script.resume_args=[--resume]",
+           "wandb.mode=disabled", "--", "--pause", "2", "--mark", str(mark)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(mark.exists, 120, "rank 0 to finish its step 2")
+        frozen = subprocess.run([local, "freeze-node", "n1"], capture_output=True, text=True, timeout=60)
+        assert frozen.returncode == 0, frozen.stdout + frozen.stderr
+        run_dir = next((tmp_path / "runs").iterdir())
+        wait_for(lambda: events(run_dir, "requeued"), 120, "the job to be requeued")
+        for act in ("kill-node", "start-node"):
+            done = subprocess.run([local, act, "n1"], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stdout + done.stderr
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+        for script_file in tmp_path.glob("runs/*/slurm/*_submission.sh"):
+            subprocess.run(["scancel", script_file.name.split("_")[0]], capture_output=True, timeout=30)
+        for act in ("kill-node", "start-node"):
+            subprocess.run([local, act, "n1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, out + err
+    job_id = field(out, "job")
+    assert [e["event"] for e in events(run_dir)] == ["start", "interrupted", "requeued", "start", "completed"]
+    logs = rank_logs(run_dir, job_id)
+    assert "since batch node n1 is gone: ddpjob sends it itself" in logs[0], logs[0]
+    printed = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
+    resumed = re.findall(r"rank 0: resumed from step (\d+) of its own checkpoint", printed)
+    assert len(resumed) == 1 and 2 <= int(resumed[0]) < 20 and "rank 0: finished at step 20" in printed, printed

@@ -6,6 +6,9 @@ the job Slurm's warning signal at step 5 (``scancel --signal=USR2``, as the time
 script has no handler for, so ddpjob requeues the job (SIGTERM ends both ranks); on the second, rank 1 is killed by
 SIGKILL at step 12 (the OOM killer), after which the batch script restarts the ranks in the same allocation, and
 that job step finishes.
+
+With ``--pause S --mark FILE`` (the first attempt only), every step takes S seconds more and rank 0 writes FILE after
+step 2, so that the test can take a node down from outside at that step while the run still has its steps to go.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--interrupt", action="store_true", help="the test's interruptions (module docstring)")
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds per step, first attempt (docstring)")
+    parser.add_argument("--mark", type=Path, help="written by rank 0 after step 2 of the first attempt (docstring)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -56,6 +61,10 @@ def main() -> None:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": done}, ckpt.with_suffix(".tmp"))
             os.replace(ckpt.with_suffix(".tmp"), ckpt)
         dist.barrier()
+        if restart == 0 and args.pause:
+            time.sleep(args.pause)
+        if restart == 0 and args.mark and done == 2 and rank == 0:
+            args.mark.write_text(f"{time.time():.3f}\n")
         if args.interrupt and restart == 0 and done == 5 and rank == 0:
             subprocess.run(["scancel", "--signal=USR2", os.environ["SLURM_JOB_ID"]], check=True)
             time.sleep(120)  # the requeue's SIGTERM ends this attempt

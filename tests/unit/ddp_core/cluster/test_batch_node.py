@@ -37,7 +37,7 @@ class Node:
 def test_the_watch_stops_the_ranks_once_slurm_says_the_batch_node_is_gone():
     node = Node("MIXED", "MIXED", "MIXED+NOT_RESPONDING")
     flag = StopFlag("USR2", handlers=False)
-    watch = batch_node.Watch("n1", flag, node.gateway, interval_s=0.01)
+    watch = batch_node.Watch("n1", batch_node.stopping(flag), node.gateway, interval_s=0.01)
     watch.thread.join(timeout=10)
     assert not watch.thread.is_alive() and node.asked == 3  # it asks no more once it has stopped the ranks
     assert (flag.received, flag.lost_batch_node) == (signal.SIGUSR2, "n1")
@@ -46,7 +46,7 @@ def test_the_watch_stops_the_ranks_once_slurm_says_the_batch_node_is_gone():
 def test_a_stopped_watch_stops_nothing():
     node = Node("IDLE")
     flag = StopFlag("USR2", handlers=False)
-    watch = batch_node.Watch("n1", flag, node.gateway, interval_s=0.01)
+    watch = batch_node.Watch("n1", batch_node.stopping(flag), node.gateway, interval_s=0.01)
     watch.stop()
     watch.thread.join(timeout=10)
     assert (flag.received, flag.lost_batch_node) == (0, None)
@@ -55,15 +55,16 @@ def test_a_stopped_watch_stops_nothing():
 def test_only_rank_0_of_a_job_with_spare_nodes_watches_a_batch_node_it_does_not_run_on(tmp_path):
     spare = run_dir(tmp_path / "spare", "slurm.spare_nodes=1").load_config().slurm
     plain = run_dir(tmp_path / "plain").load_config().slurm
-    flag = StopFlag("USR2", handlers=False)
-    here = Node("IDLE", batch_host=socket.gethostname()).gateway
-    watch = batch_node.watch(spare, ENV, flag, Node("IDLE").gateway)
+    stop = batch_node.stopping(StopFlag("USR2", handlers=False))
+    watch = batch_node.watch(spare, ENV, stop, Node("IDLE").gateway)
     assert watch is not None and watch.host == "n1"
     watch.stop()
-    assert batch_node.watch(plain, ENV, flag, Node("IDLE").gateway) is None  # no --no-kill: Slurm requeues the job
-    assert batch_node.watch(spare, DistEnv(rank=1, world_size=2, slurm_job_id="57"), flag, Node("IDLE").gateway) is None
-    assert batch_node.watch(spare, ENV, flag, here) is None  # rank 0 on the batch node dies with it
-    assert batch_node.watch(spare, DistEnv(), flag, Node("IDLE").gateway) is None  # outside Slurm
+    assert batch_node.watch(plain, ENV, stop, Node("IDLE").gateway) is None  # no --no-kill: Slurm requeues the job
+    rank_1 = DistEnv(rank=1, world_size=2, slurm_job_id="57")
+    assert batch_node.watch(spare, rank_1, stop, Node("IDLE").gateway) is None
+    here = Node("IDLE", batch_host=socket.gethostname()).gateway
+    assert batch_node.watch(spare, ENV, stop, here) is None  # rank 0 on the batch node would die with it
+    assert batch_node.watch(spare, DistEnv(), stop, Node("IDLE").gateway) is None  # outside Slurm
 
 
 def test_the_lost_batch_node_is_an_infrastructure_failure_that_requeues_the_job(tmp_path):
