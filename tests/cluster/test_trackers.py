@@ -29,19 +29,20 @@ CONFIG = [
 TRAIN, EVAL = list(range(5, 61, 5)), [20, 40, 60]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as url:
-        yield url
-
-
-def test_every_tracker_holds_each_step_once_across_a_kill_and_a_requeue(tmp_path, server):
+def test_every_tracker_holds_each_step_once_across_a_kill_and_a_requeue(tmp_path):
     proc = run_cli("submit", DIGITS, *CONFIG, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
-    assert wait_gone(job_id, 240) == "COMPLETED"
+    (tmp_path / "server").mkdir()
+    with mlflow_server(tmp_path / "server") as server:  # starts while the job runs
+        assert wait_gone(job_id, 240) == "COMPLETED"
+        check(run_dir, server, tmp_path)
+
+
+def check(run_dir: Path, server: str, cwd: Path) -> None:
     starts = [(e["restart_count"], e["launch"], e["step"]) for e in events(run_dir, "start")]
     assert [s[:2] for s in starts] == [(0, 0), (0, 1), (1, 0)] and starts[1][2] == 20, starts
+    assert events(run_dir, "restarted")[0]["step"] > 25  # step 25 was logged before the kill, and trained again
     assert [e["kind"] for e in events(run_dir, "interrupted")] == ["preemption"]
     tb = run_dir / "tensorboard"
     assert tensorboard_steps(tb, "train/loss") == TRAIN and tensorboard_steps(tb, "eval/loss") == EVAL
@@ -51,7 +52,7 @@ def test_every_tracker_holds_each_step_once_across_a_kill_and_a_requeue(tmp_path
     store = local_store(RunDir(run_dir))
     [offline] = mlflow_runs(store)
     assert offline.info.status == "FINISHED" and mlflow_steps(store, offline.info.run_id, "train/loss") == TRAIN
-    synced = run_cli("sync", str(run_dir), "--mlflow-uri", server, cwd=tmp_path)
+    synced = run_cli("sync", str(run_dir), "--mlflow-uri", server, cwd=cwd)
     assert synced.returncode == 0, synced.stdout + synced.stderr
     [run] = mlflow_runs(server)
     assert run.info.run_name == RunDir(run_dir).read_meta()["run_id"] and run.info.status == "FINISHED"
