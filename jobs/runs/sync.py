@@ -23,7 +23,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
     store = offline_store(run_dir)
     if not offline and store is None:
         raise DdpJobError(
-            f"no offline records in {run_dir.path}: no W&B records in {run_dir.wandb}, no MLflow store",
+            f"no offline W&B records in {run_dir.wandb}, and no MLflow store in {run_dir.path / 'mlflow'}",
             "was the run started with wandb.mode=disabled, and without mlflow in log.trackers?",
         )
     target = args.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")

@@ -22,9 +22,9 @@ CONFIG = [
     "train.eval_every=20", "checkpoint.every_steps=20", "optim.warmup_steps=5", "wandb.mode=disabled",
     "log.trackers=[tensorboard,mlflow,csv]",
     # rank 1 dies in step 27 (after step 25 was logged; the checkpoint is step 20's), then the restarted ranks stop
-    # on a warning signal at their 15th batch and the job is requeued
+    # on a warning signal at their 10th batch and the job is requeued
     "task.data.crash_rank=1", "task.data.crash_at=28", "task.data.error=SIGKILL", "task.data.crash_launch=0",
-    "task.data.signal_at=15",
+    "task.data.signal_at=10", "train.stop_check_ms=0",  # the ranks agree on the signal after its step
 ]  # fmt: skip
 TRAIN, EVAL = list(range(5, 61, 5)), [20, 40, 60]
 
