@@ -12,7 +12,7 @@ import pytest
 from ddp_core.run.rundir import RunDir
 from ddp_core.trackers.mlflow_run import local_store
 from tests.support.cli_runner import field, run_cli
-from tests.support.helpers import ROOT, events, wait_gone
+from tests.support.helpers import ROOT, events, rank_logs, wait_gone
 from tests.support.trackers import csv_steps, mlflow_runs, mlflow_server, mlflow_steps, tensorboard_steps
 
 pytestmark = [pytest.mark.cluster_shared("b")]  # one 2-CPU job: see tests/support/cluster_guard.py
@@ -37,6 +37,8 @@ def test_every_tracker_holds_each_step_once_across_a_kill_and_a_requeue(tmp_path
     with mlflow_server(tmp_path / "server") as server:  # starts while the job runs
         assert wait_gone(job_id, 240) == "COMPLETED"
         check(run_dir, server, tmp_path)
+    log = rank_logs(run_dir, job_id)[0]
+    assert "WARNING ddp_core.trackers" not in log, log  # no tracker failed or was left out
 
 
 def check(run_dir: Path, server: str, cwd: Path) -> None:

@@ -19,6 +19,7 @@ from ddp_core.run.rundir import RunDir
 from ddp_core.trackers import open_trackers
 from ddp_core.trackers.mlflow_push import push
 from ddp_core.trackers.mlflow_run import local_store
+from tests.support.cli_runner import run_cli
 from tests.support.script_ranks import clean_env, make_run
 from tests.support.trackers import (
     csv_steps,
@@ -94,6 +95,9 @@ def test_an_offline_mlflow_store_is_pushed_by_sync_once(tmp_path, server):
         trackers.finish(outcome)
         pushed = push(rd, server)
         assert pushed.startswith(f"MLflow: {len(steps)} new values of 1 metrics sent to {server}"), pushed
+    refused = run_cli("sync", str(rd.path), cwd=tmp_path, env={"MLFLOW_TRACKING_URI": ""})  # no server named
+    assert refused.returncode == 2 and "has an offline MLflow store" in refused.stderr, refused.stderr
+    assert "--mlflow-uri" in refused.stderr
     [copy] = mlflow_runs(server, "x")
     assert copy.info.status == "FINISHED" and copy.info.run_name == rd.read_meta()["run_id"]
     assert mlflow_steps(server, copy.info.run_id, "train/loss") == [1, 2, 3, 4, 5]
