@@ -20,7 +20,7 @@ from ddp_core.trackers import open_trackers
 from ddp_core.trackers.mlflow_push import push
 from ddp_core.trackers.mlflow_run import local_store
 from tests.support.cli_runner import run_cli
-from tests.support.script_ranks import clean_env, make_run
+from tests.support.script_ranks import Ranks, clean_env, make_run
 from tests.support.trackers import (
     csv_steps,
     mlflow_runs,
@@ -80,6 +80,19 @@ def test_runtime_log_reaches_every_tracker_once_per_step_across_a_kill_and_a_sto
     assert mlflow_run.data.tags["ddpjob.run_id"] == run_id and mlflow_run.data.params["log.trackers"]
     assert mlflow_steps(server, mlflow_run.info.run_id, "train/loss") == train
     assert mlflow_steps(server, mlflow_run.info.run_id, "eval/accuracy") == evals
+
+
+def test_a_failed_script_leaves_its_mlflow_run_failed(tmp_path, server):
+    """Script mode: a script that raises after logging; the launcher closes the trackers with the failure (its exit
+    skips atexit)."""
+    script = tmp_path / "train.py"
+    script.write_text("from ddp_core import runtime\nruntime.log({'loss': 1.0}, step=1)\nraise RuntimeError('boom')\n")
+    overrides = ["log.trackers=[mlflow]", f"log.mlflow.tracking_uri={server}", "log.mlflow.experiment=failing"]
+    run = make_run(tmp_path, script, overrides=overrides)
+    ranks = Ranks(run, 1, tmp_path / "logs")
+    assert ranks.wait() == [1], ranks.all_text()
+    [failed] = mlflow_runs(server, "failing")
+    assert failed.info.status == "FAILED" and failed.data.metrics == {"train/loss": 1.0}, ranks.all_text()
 
 
 def test_an_offline_mlflow_store_is_pushed_by_sync_once(tmp_path, server):
