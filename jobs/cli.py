@@ -90,9 +90,10 @@ def _parser() -> argparse.ArgumentParser:
     export.add_parser(sub)
     doctor.add_parser(sub)
 
-    p = sub.add_parser("sync", help="upload a run's offline W&B records (wraps `wandb sync`)")
+    p = sub.add_parser("sync", help="upload a run's offline W&B records (wraps `wandb sync`) and MLflow store")
     p.add_argument("run_dir", metavar="RUN", help=RUN_HELP)
-    p.add_argument("--dry-run", action="store_true", help="print the wandb command only")
+    p.add_argument("--mlflow-uri", help="the MLflow tracking server to push an offline store to (MLFLOW_TRACKING_URI)")
+    p.add_argument("--dry-run", action="store_true", help="print the wandb command and the MLflow push only")
     return parser
 
 

@@ -15,6 +15,7 @@ from ddp_core.config.tree import Config, flatten, to_dict
 KEEP = (
     "run.",
     "wandb.",
+    "log.",
     "watchdog.",
     "snapshot.",
     "trial.",

@@ -21,6 +21,7 @@ from ddp_core.config.schema import (
     TrainConfig,
     WandbConfig,
 )
+from ddp_core.config.tracking import LogConfig
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    log: LogConfig = field(default_factory=LogConfig)  # the experiment trackers: W&B, TensorBoard, MLflow, CSV
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)

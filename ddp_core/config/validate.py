@@ -26,6 +26,7 @@ from ddp_core.config.schema import (
     StrategyName,
 )
 from ddp_core.config.strategy_checks import validate_strategy
+from ddp_core.config.tracking import validate_log
 from ddp_core.config.tree import Config, plain, to_dict
 from ddp_core.errors import DdpJobError
 
@@ -72,6 +73,7 @@ def validate(cfg: Config) -> None:
     validate_snapshot(cfg.snapshot)
     validate_container(cfg.slurm.container)
     validate_trial(cfg.trial)
+    validate_log(cfg.log)
     require(cfg.train.straggler_factor >= 1, "train.straggler_factor", cfg.train.straggler_factor, "must be >= 1")
     require(cfg.train.stop_check_ms >= 0, "train.stop_check_ms", cfg.train.stop_check_ms, "must be >= 0")
     _validate_trainer_extras(cfg)

@@ -10,6 +10,7 @@ Layout::
     <run>/metrics.jsonl   one JSON object per logged step (rank 0)
     <run>/slurm/          submitit's and sbatch's job files and per-task logs
     <run>/wandb/          W&B run files (offline runs are synced from here)
+    <run>/tensorboard/, <run>/mlflow/, <run>/metrics.csv   the other trackers' records (log.trackers; ddp_core.trackers)
     <run>/hangs/<job>_<attempt>/  a hung attempt: rank<R>.txt (every thread's stack), rank<R>.json, summary.txt
     <run>/code/           the user's code as submitted (a sweep's trials share <sweep>/code/ instead)
     <run>/code.json       the snapshot's record: source, path, files, bytes, git commit; code.diff: uncommitted changes

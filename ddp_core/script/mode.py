@@ -180,12 +180,16 @@ def run_script(spec: ScriptSpec) -> None:
         runpy.run_module(spec.module, run_name="__main__", alter_sys=True)
 
 
-def _completed(run_dir: RunDir, env: DistEnv) -> None:
-    runtime = sys.modules.get("ddp_core.script.runtime")  # loaded only if the script used the helper
-    step = None
+def _close_runtime(outcome: str) -> Optional[int]:
+    """Close the helper's records with the attempt's outcome (if the script used it); the last step it logged."""
+    runtime = sys.modules.get("ddp_core.script.runtime")
     if runtime is not None:
-        runtime.finish()
-        step = runtime.last_step()
+        runtime.finish(outcome)
+    return runtime.last_step() if runtime is not None else None
+
+
+def _completed(run_dir: RunDir, env: DistEnv) -> None:
+    step = _close_runtime("finished")
     if not env.is_main:
         return
     if _requeued_meanwhile(env):
@@ -220,6 +224,7 @@ def _failed(run_dir: RunDir, env: DistEnv, err: BaseException) -> None:
     log_failure(log, env, err, hint)
     if isinstance(err, Exception):  # the batch script's watcher reads it (cluster.failures: user or infrastructure)
         failures.record(run_dir, env, err, None)
+    _close_runtime("failed")  # leave() runs no atexit
 
 
 @after_submitit
@@ -326,6 +331,7 @@ def _run(run_dir_arg: str) -> int:
             _completed(run_dir, env)
         else:
             log.warning("the script exited with code %d", code)
+            _close_runtime("failed")
     except BaseException as err:
         _failed(run_dir, env, err)
         leave(ExitCode.FAILED)

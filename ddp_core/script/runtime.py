@@ -8,7 +8,7 @@ preemption and time limits imports this module and does three things itself::
     start = resume_from(runtime.checkpoint_dir())          # your code: the newest checkpoint, if any
     for step in range(start, max_steps):
         ...                                                # one optimizer step
-        runtime.log({"loss": loss}, step=step + 1)         # metrics.jsonl + W&B, rank 0
+        runtime.log({"loss": loss}, step=step + 1)         # metrics.jsonl + the trackers, rank 0
         if runtime.stop_requested():                       # the same answer on every rank, after the same step
             save(runtime.checkpoint_dir(), step + 1)       # your code, collective as you need it
             runtime.requeue(step=step + 1)                 # never returns
@@ -31,10 +31,11 @@ API (importing this module never loads torch, nor do its calls except ``requeue`
   (``DDPJOB_RUN_DIR``), ``restart_count() -> int`` (``DDPJOB_RESTART_COUNT``, else ``SLURM_RESTART_COUNT``, else 0),
   ``in_ddpjob() -> bool``.
 - ``log(metrics, step, split="train")``: rank 0 appends ``{"step", "time", "split", **metrics}`` to
-  ``RUN/metrics.jsonl`` (the trainer's ``MetricsLog`` records) and logs ``split/key`` to W&B under the run's fixed id
-  (``run.json``), as the trainer does: the first call of an attempt rewinds ``metrics.jsonl`` to before its step,
-  and steps an earlier attempt already sent to W&B are not sent again. Other ranks: nothing.
-- ``finish()``: flush metrics and close the W&B run (the launcher calls it after the script; also at exit).
+  ``RUN/metrics.jsonl`` (the trainer's ``MetricsLog`` records) and logs ``split/key`` to the configured trackers
+  (``log.trackers``: W&B, TensorBoard, MLflow, CSV) under the run's fixed id (``run.json``), as the trainer does: the
+  first call of an attempt rewinds ``metrics.jsonl`` to before its step, and steps an earlier attempt already sent
+  to the trackers are not sent again. Other ranks: nothing.
+- ``finish()``: flush metrics and close the trackers' runs (the launcher calls it after the script; also at exit).
 
 Outside ddpjob (no ``DDPJOB_RUN_DIR``: the script started by torchrun or python directly) ``stop_requested`` and
 ``restart_count`` work as above; ``log`` degrades to a log line on rank 0 (metrics are a side effect: a debugging run
@@ -66,7 +67,7 @@ from ddp_core.run.rundir import RunDir
 if TYPE_CHECKING:
     from ddp_core.config import Config
     from ddp_core.run.reporting import MetricsLog
-    from ddp_core.trainer.wandb_run import WandbRun
+    from ddp_core.trackers import Outcome, Trackers
 
 __all__ = [
     "checkpoint_dir",
@@ -102,7 +103,7 @@ class _State:
     env: Optional[DistEnv] = None
     config: Optional[Config] = None
     metrics: Optional[MetricsLog] = None
-    wandb: Optional[WandbRun] = None
+    trackers: Optional[Trackers] = None
     warned_outside: bool = False
 
 
@@ -188,8 +189,8 @@ def _all_ranks_max(value: int) -> int:
 
 
 def log(metrics: dict[str, float], step: int, split: str = "train") -> None:
-    """Rank 0: one ``metrics.jsonl`` record and one W&B log at ``step``; other ranks: nothing. Outside ddpjob, rank 0
-    logs a line instead."""
+    """Rank 0: one ``metrics.jsonl`` record and one log to each tracker at ``step``; other ranks: nothing. Outside
+    ddpjob, rank 0 logs a line instead."""
     _state.last_step = step
     env = _env()
     if not env.is_main:
@@ -203,26 +204,22 @@ def log(metrics: dict[str, float], step: int, split: str = "train") -> None:
         return
     if _state.metrics is None:
         _open_logs(step)
-    assert _state.metrics is not None and _state.wandb is not None
+    assert _state.metrics is not None and _state.trackers is not None
     _state.metrics.write(step, split, values)
-    _state.wandb.log({f"{split}/{k}": v for k, v in values.items()}, step=step)
+    _state.trackers.metrics({f"{split}/{k}": v for k, v in values.items()}, step)
 
 
 def _open_logs(first_step: int) -> None:
     """The first ``log`` of this attempt: lines past ``first_step - 1`` came from an attempt that died after its last
-    checkpoint and are dropped (the file never repeats a step); W&B skips steps an earlier attempt already sent."""
-    from ddp_core.config import to_dict
+    checkpoint and are dropped (the file never repeats a step); the trackers skip steps an earlier attempt already
+    sent."""
     from ddp_core.run.reporting import MetricsLog
-    from ddp_core.trainer.wandb_run import WandbRun
+    from ddp_core.trackers import open_trackers
 
     rd = RunDir(run_dir())
-    cfg = _config()
     _state.metrics = MetricsLog(rd.metrics_file, first_step - 1)
-    run_id = rd.read_meta().get("run_id", rd.name)
-    _state.wandb = WandbRun(
-        cfg.wandb, rd, run_id, to_dict(cfg), enabled=True, skip_through=_state.metrics.previous_last_step
-    )
-    atexit.register(finish)  # a script started without the launcher still closes its W&B run
+    _state.trackers = open_trackers(_config(), rd, _state.metrics.previous_last_step)
+    atexit.register(finish)  # a script started without the launcher still closes its trackers' runs
 
 
 def _config() -> Config:
@@ -236,12 +233,13 @@ def last_step() -> Optional[int]:
     return _state.last_step
 
 
-def finish() -> None:
-    """Make the metrics written so far durable and close the W&B run (idempotent)."""
+def finish(outcome: Outcome = "finished") -> None:
+    """Make the metrics written so far durable and close the trackers' runs (idempotent). ``outcome``: how this
+    attempt ended, for the trackers (``requeue`` passes "stopped")."""
     if _state.metrics is not None:
         _state.metrics.sync()
-    if _state.wandb is not None:
-        _state.wandb.finish()
+    if _state.trackers is not None:
+        _state.trackers.finish(outcome)
 
 
 def requeue(step: Optional[int] = None) -> NoReturn:
@@ -253,8 +251,9 @@ def requeue(step: Optional[int] = None) -> NoReturn:
     # Without an agreed signal the script chose to stop itself: treat it as a warning (a requeue, not a kill).
     signum = _state.agreed or int(flag.received) or int(flag.warning)
     try:
-        # W&B first, as the trainer does: once rank 0 has requeued, Slurm ends the step (SIGKILL after KillWait).
-        finish()
+        # The trackers first, as the trainer does: once rank 0 has requeued, Slurm ends the step (SIGKILL after
+        # KillWait).
+        finish("stopped")
         if in_ddpjob():
             rd = RunDir(run_dir())
             rerun = f"python -m ddp_core.script {rd.path}"

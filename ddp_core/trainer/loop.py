@@ -11,8 +11,8 @@ norm), the progress lines and records (``progress``), the monitored metric (``mo
 stopping), the checkpoints (``checkpoint.manager.CheckpointManager``, saving the ``TrainState``), the pruner of an
 adaptive sweep's trial.
 
-``fit`` returns through one path. Its teardown (writers, progress, W&B) runs on success, on a signal's stop and on
-an exception alike, and holds no collective: a failed rank's peers may be gone.
+``fit`` returns through one path. Its teardown (writers, progress, the trackers) runs on success, on a signal's stop
+and on an exception alike, and holds no collective: a failed rank's peers may be gone.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ class Trainer:
         self.batch_watch: Optional[batch_node.Watch] = None  # rank 0 of a job with spare nodes (start)
         self.primed = False  # this attempt's first step done (``Strategy.prime``)
         self.restored: Optional[Restored] = None  # the checkpoint tier and step this attempt started from
+        self.interrupted = False  # stopped on a signal, to be continued (what the trackers record at the end)
 
     def fit(self) -> Outcome:
         error: Optional[BaseException] = None
@@ -316,6 +317,7 @@ class Trainer:
         assert self.checkpoints is not None and self.lines is not None
         if self.checkpoints.fits_before(signum):
             self.save(sync=True)
+        self.interrupted = True
         why = " (the deadline stop)" if self.stop_flag.by_deadline else ""
         log.info("stopping at step %d on %s%s", self.state.pos.step, signal.Signals(signum).name, why)
         self.lines.finish()
@@ -374,4 +376,4 @@ class Trainer:
             if self.lines is not None:
                 self.lines.close()
             if self.records is not None:
-                self.records.finish(failed)
+                self.records.finish("failed" if failed else "stopped" if self.interrupted else "finished")

@@ -1,5 +1,6 @@
-"""Where a run's numbers go: ``Records`` (the metrics log and W&B, from rank 0) and ``ProgressLines`` (the progress
-line every ``train.log_every`` steps: loss, step time, throughput, GPU memory, the task's train sums, stragglers).
+"""Where a run's numbers go: ``Records`` (the metrics log and the experiment trackers, from rank 0) and
+``ProgressLines`` (the progress line every ``train.log_every`` steps: loss, step time, throughput, GPU memory, the
+task's train sums, stragglers).
 
 A line is gathered in the background: every rank's (loss sum, steps, peak GPU memory, work per step, train sums) go
 out in one all-gather that gloo's thread runs while the ranks go on with the next step, and ``finish`` writes the
@@ -17,40 +18,39 @@ from typing import Any, Callable, Optional
 import torch
 
 from ddp_core.cluster.env import DistEnv
-from ddp_core.config import Config, to_dict
+from ddp_core.config import Config
 from ddp_core.distributed import collectives, groups, straggler
 from ddp_core.errors import DdpJobError
 from ddp_core.run.reporting import MetricsLog, Progress
 from ddp_core.run.rundir import RunDir
+from ddp_core.trackers import Outcome, Trackers, open_trackers
 from ddp_core.trainer.metrics import RunningLoss, TrainSums
-from ddp_core.trainer.wandb_run import WandbRun
 
 log = logging.getLogger(__name__)
 
 
 class Records:
-    """Rank 0's metrics log and W&B run; a no-op on the other ranks."""
+    """Rank 0's metrics log and experiment trackers (``log.trackers``); a no-op on the other ranks."""
 
     def __init__(self, cfg: Config, run_dir: RunDir, env: DistEnv, step: int) -> None:
         self.metrics_log = MetricsLog(run_dir.metrics_file, step) if env.is_main else None
-        # Steps an earlier attempt already sent to W&B (it died after its last checkpoint) are not sent again:
-        # W&B steps stay strictly increasing across attempts; the local metrics log was rewound instead.
+        # Steps an earlier attempt already sent to the trackers (it died after its last checkpoint) are not sent
+        # again: their steps stay strictly increasing across attempts; the local metrics log was rewound instead.
         skip = self.metrics_log.previous_last_step if self.metrics_log else -1
-        run_id = run_dir.read_meta().get("run_id", run_dir.name)
-        self.wandb = WandbRun(cfg.wandb, run_dir, run_id, to_dict(cfg), enabled=env.is_main, skip_through=skip)
+        self.trackers = open_trackers(cfg, run_dir, skip) if env.is_main else Trackers([])
 
     def record(self, split: str, metrics: dict[str, float], step: int) -> None:
         if self.metrics_log is not None:
             self.metrics_log.write(step, split, metrics)
-        self.wandb.log({f"{split}/{k}": v for k, v in metrics.items()}, step=step)
+        self.trackers.metrics({f"{split}/{k}": v for k, v in metrics.items()}, step)
 
     def sync(self) -> None:
         """The metrics log on disk up to now: before a checkpoint, which a resumed attempt rewinds it to."""
         if self.metrics_log is not None:
             self.metrics_log.sync()
 
-    def finish(self, failed: bool = False) -> None:
-        self.wandb.finish(exit_code=1 if failed else 0)
+    def finish(self, outcome: Outcome) -> None:
+        self.trackers.finish(outcome)
 
 
 class ProgressLines:

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ddp_core.config import Config
+from ddp_core.config import Config, WandbMode
+from ddp_core.config.tracking import check_installed
 from ddp_core.errors import DdpJobError
 from jobs.submission import partitions
 from jobs.submission.request import SlurmRequest
@@ -25,7 +26,9 @@ def check_code(cfg: Config) -> None:
     """The code one run will import, checked here, whichever way it is submitted (``submit``, ``resume``, each
     distinct trial of a sweep, a search's base config): the script (it must be there and readable now; its absolute
     path and sha256 are recorded), or the task (its module imported, with torch) and the strategy's cut of its model
-    (a meta-device model: fsdp wrap classes, pipeline stages, ties across stages)."""
+    (a meta-device model: fsdp wrap classes, pipeline stages, ties across stages). And each configured tracker's
+    package (log.trackers)."""
+    check_installed(cfg.log, wandb_enabled=cfg.wandb.mode is not WandbMode.disabled)
     if cfg.script.enabled:
         from ddp_core.script.prepare import resolve_for_submit
 

@@ -74,6 +74,24 @@ class CrashingTask(DigitsTask):
         return super().compute(model, batch)
 
 
+class KilledThenSignalledTask(CrashingTask):
+    """``CrashingTask`` (rank ``crash_rank`` SIGKILLed at its ``crash_at``-th batch of the first job step, with
+    ``crash_launch=0``) whose next job step of that attempt, the restart in the allocation, sends rank 0 the warning
+    signal at its ``signal_at``-th batch: two interruptions, the first resumed from a checkpoint older than the last
+    logged step, the second requeued. Numerics unchanged."""
+
+    def __init__(self, signal_at: int = 0, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        launch = (os.environ.get("SLURM_RESTART_COUNT", "0") or "0", os.environ.get("DDPJOB_LAUNCH", "0"))
+        self.signal_at, self.splits = (signal_at if launch == ("0", "1") else 0), 0
+
+    def split(self, batch: tuple) -> tuple:
+        self.splits += 1
+        if self.signal_at and self.splits == self.signal_at and dist.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGUSR2)
+        return super().split(batch)
+
+
 class NodeLossDigitsTask(DigitsTask):
     """Digits where rank ``crash_rank`` loses its node's memory at its ``crash_at``-th training batch of every attempt
     (split(), which every strategy calls): it removes its node's node-local copies (``local_path``/ddpjob-JOB/HOST,

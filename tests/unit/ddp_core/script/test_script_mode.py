@@ -3,7 +3,6 @@ srun task has, running a plain torchrun script and one that stops and resumes th
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -221,43 +220,6 @@ def test_runtime_imports_without_torch_and_agrees_locally(tmp_path):
     assert "DdpJobError this script is not running under ddpjob (DDPJOB_RUN_DIR is not set)" in proc.stdout
     assert proc.stdout.endswith("ok\n")
     assert not list(tmp_path.iterdir())
-
-
-def test_runtime_log_records_and_continuity_across_attempts(tmp_path):
-    """metrics.jsonl gets the trainer's records; a second attempt rewinds it to before its first step and sends W&B
-    only the steps the first attempt had not sent."""
-    run = make_run(tmp_path, TUTORIAL)
-    code = textwrap.dedent("""\
-        import sys
-        import ddp_core.trainer.wandb_run
-        sent = []
-        class FakeWandb:
-            def __init__(self, cfg, run_dir, run_id, config, enabled, skip_through=-1):
-                self.skip_through = skip_through
-                print("wandb", run_id, skip_through)
-            def log(self, metrics, step):
-                if step > self.skip_through:
-                    print("sent", step, sorted(metrics))
-            def finish(self):
-                pass
-        ddp_core.trainer.wandb_run.WandbRun = FakeWandb
-        from ddp_core import runtime
-        for step in map(int, sys.argv[1:]):
-            runtime.log({"loss": 1.0 / step, "lr": 0.1}, step=step)
-    """)
-    env = clean_env(DDPJOB_RUN_DIR=str(run), RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-    out = []
-    for steps in (["10", "20", "30"], ["20", "30", "40"]):  # the second attempt resumed from step 10's checkpoint
-        proc = subprocess.run([sys.executable, "-c", code, *steps], env=env, capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        out.append(proc.stdout)
-    run_id = RunDir(run).read_meta()["run_id"]
-    assert out[0].splitlines()[0] == f"wandb {run_id} -1"
-    assert out[1].splitlines() == [f"wandb {run_id} 30", "sent 40 ['train/loss', 'train/lr']"]
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [10, 20, 30, 40]
-    assert all(set(r) == {"step", "time", "split", "loss", "lr"} and r["split"] == "train" for r in records)
-    assert records[3]["loss"] == pytest.approx(1 / 40)
 
 
 @pytest.mark.parametrize(

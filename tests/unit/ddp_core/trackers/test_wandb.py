@@ -48,7 +48,7 @@ def test_an_unreachable_server_falls_back_to_an_offline_record_of_the_same_run(t
         env = no_account(tmp_path) | {"WANDB_BASE_URL": url, "WANDB_API_KEY": "0" * 40, "WANDB_INIT_TIMEOUT": "5"}
         log = run_trainer(DIGITS, tmp_path / "run", [*QUICK, "wandb.mode=online"], env=env)
     assert "finished at step 20" in log
-    warnings = [line for line in log.splitlines() if "WARNING ddp_core.trainer.wandb_run" in line]
+    warnings = [line for line in log.splitlines() if "WARNING ddp_core.trackers.wandb_run" in line]
     assert len(warnings) == 1, log  # one line: not "is in use", not "disabled"
     assert "W&B online init failed (CommError: " in warnings[0] and url in warnings[0]
     assert f"logging offline instead: upload later with `ddpjob sync {tmp_path / 'run'}`" in warnings[0]

@@ -1,4 +1,5 @@
-"""Weights & Biases from rank 0: fixed run id, files inside the run directory, never fatal to training."""
+"""The W&B tracker (log.trackers: wandb, the default): fixed run id, files inside the run directory, never fatal to
+training; a failed online init falls back to an offline record that ``ddpjob sync`` uploads."""
 
 from __future__ import annotations
 
@@ -6,26 +7,28 @@ import logging
 import os
 from typing import Any, Optional
 
-from ddp_core.config import WandbConfig, WandbMode
+from ddp_core.config import Config, WandbConfig, WandbMode, to_dict
 from ddp_core.run.rundir import RunDir
+from ddp_core.trackers.base import Outcome
 
 log = logging.getLogger(__name__)
 
 
+def open_tracker(cfg: Config, run_dir: RunDir, run_id: str) -> Optional[WandbRun]:
+    """The run's W&B run, or None: ``wandb.mode=disabled`` (nothing imported), or W&B could not start at all."""
+    if cfg.wandb.mode is WandbMode.disabled:
+        return None
+    run = WandbRun(cfg.wandb, run_dir, run_id, to_dict(cfg))
+    return run if run.run is not None else None
+
+
 class WandbRun:
-    def __init__(
-        self,
-        cfg: WandbConfig,
-        run_dir: RunDir,
-        run_id: str,
-        config: dict[str, Any],
-        enabled: bool,
-        skip_through: int = -1,
-    ) -> None:
+    """One attempt's W&B run, under the ddpjob run's id (``resume="allow"``, explicit ``step=``)."""
+
+    name = "W&B"
+
+    def __init__(self, cfg: WandbConfig, run_dir: RunDir, run_id: str, config: dict[str, Any]) -> None:
         self.run: Optional[Any] = None
-        self.skip_through = skip_through
-        if not enabled or cfg.mode is WandbMode.disabled:
-            return
         # W&B reads these only from the environment; set in this rank-0 process before init so its cache
         # and staging files stay inside the run directory rather than a shared ~/.cache.
         for var, sub in (("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data"), ("WANDB_CONFIG_DIR", "config")):
@@ -90,14 +93,17 @@ class WandbRun:
             settings=wandb.Settings(silent=True, console="off"),
         )
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        if self.run is not None and step > self.skip_through:
-            self._guard("log", lambda: self.run.log(metrics, step=step))
+    def params(self, values: dict[str, Any]) -> None:
+        """Nothing: W&B took the config at init (``config=``), nested as the config's sections."""
 
-    def finish(self, exit_code: int = 0) -> None:
+    def metrics(self, values: dict[str, float], step: int) -> None:
+        if self.run is not None:
+            self._guard("log", lambda: self.run.log(values, step=step))
+
+    def finish(self, outcome: Outcome) -> None:
         if self.run is not None:
             # Slurm signals every process of a step: on SIGTERM, W&B's service process may already be gone.
-            self._guard("finish", lambda: self.run.finish(exit_code=exit_code))
+            self._guard("finish", lambda: self.run.finish(exit_code=1 if outcome == "failed" else 0))
             self.run = None
 
     def _guard(self, what: str, call: Any) -> None:
