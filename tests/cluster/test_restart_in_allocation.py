@@ -210,3 +210,32 @@ def test_a_dead_batch_node_requeues_a_script_through_its_warning_signal(slurm_cl
     printed = (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()
     resumed = re.findall(r"rank 0: resumed from step (\d+) of its own checkpoint", printed)
     assert len(resumed) == 1 and 2 <= int(resumed[0]) < 20 and "rank 0: finished at step 20" in printed, printed
+
+
+def test_an_elastic_job_goes_on_with_fewer_nodes_when_one_dies_and_keeps_the_bits(slurm_cluster, tmp_path):
+    """slurm.nodes=1-2, no spare: the job runs on n1 and n2 (2 ranks each; the batch script on n1). n2 dies whole at
+    its ranks' 25th batch (scripts/slurm-local kill-node): with no spare left, the next job step runs on n1 alone, 2
+    ranks at the same global batch, from the checkpoint at step 20; under train.invariant its final weights are
+    bitwise those of an uninterrupted run on one node."""
+    train = [DIGITS, "--wait", "slurm.partition=local", "slurm.tasks_per_node=2", "train.invariant=true",
+             "data.global_batch_size=64", "data.batch_size=16", "train.max_steps=60", "checkpoint.every_steps=20",
+             "train.eval_every=0", "train.log_every=20", "wandb.mode=disabled", "task.model.dropout=0.1"]  # fmt: skip
+    (tmp_path / "ref").mkdir()
+    ref = run_cli("submit", *train, "slurm.nodes=1", cwd=tmp_path / "ref")
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    uninterrupted = set(digests(rank_logs(Path(field(ref.stdout, "run dir")), field(ref.stdout, "job"))).values())
+    halted = tmp_path / "halted"
+    halt = ["task.target=tests.support.tasks:CrashingTask", "task.data.crash_host=n2", "task.data.crash_at=25",
+            "task.data.error=HALT", f"task.data.halt_file={halted}", "task.data.crash_launch=0"]  # fmt: skip
+    code, out, err = submit_and_kill_node([*train, "slurm.nodes=1-2", *halt], tmp_path, "n2", halted)
+    assert code == 0, out + err
+    run_dir, job_id = Path(field(out, "run dir")), field(out, "job")
+    starts = [(e["launch"], e["world_size"], e["nodes"], e["grad_accum"]) for e in events(run_dir, "start")]
+    assert starts == [(0, 4, 2, 1), (1, 2, 1, 2)], starts  # the same global batch: 4 x 16, then 2 x 2 x 16
+    [restarted] = events(run_dir, "restarted")
+    assert restarted["nodes"] == ["n1"] and restarted["restart_count"] == 0, restarted
+    assert [(e["event"], e.get("host")) for e in events(run_dir) if e["event"] == "failure"] == [("failure", "n2")]
+    logs = rank_logs(run_dir, job_id)
+    assert "resumed from step_00000020.pt" in logs[0], logs[0]
+    final = digests({rank: text for rank, text in logs.items() if rank < 2})  # ranks 2 and 3 died with n2
+    assert len(uninterrupted) == 1 and set(final.values()) == uninterrupted, (final, uninterrupted)
