@@ -25,6 +25,7 @@ import logging
 import os
 import pickle
 import socket
+import tempfile
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,10 +37,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from ddp_core.checkpoint.store import SHARDED, CheckpointInfo, files_digest, fsync_dir, prune, remove_data, sha256_file
+from ddp_core.checkpoint import storage as storages
+from ddp_core.checkpoint.storage import Location
+from ddp_core.checkpoint.store import SHARDED, CheckpointInfo, files_digest, prune, remove_data, sha256_file, split
 from ddp_core.distributed import collectives
 from ddp_core.errors import DdpJobError
-from ddp_core.run.rundir import atomic_write_text
+from ddp_core.run.rundir import atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +169,13 @@ def _save_extra(path: Path, extra: dict[str, Any]) -> None:
 class ShardedWriter:
     """Writes one run's sharded checkpoints. Every rank holds one and calls ``save`` at the same step."""
 
-    def __init__(self, directory: Path, keep_last: int, async_save: bool, rank: int, world_size: int) -> None:
+    def __init__(self, directory: Location, keep_last: int, async_save: bool, rank: int, world_size: int) -> None:
+        if not isinstance(directory, Path):
+            raise DdpJobError(
+                f"config key 'checkpoint.dir' = {directory!r}: sharded checkpoints in object storage are not supported "
+                "yet (full checkpoints are)",
+                "use a strategy with full checkpoints (ddp), or leave checkpoint.dir null for this run",
+            )
         self.directory, self.keep_last, self.async_save = directory, keep_last, async_save
         self.rank, self.world_size = rank, world_size
         self._pending: Optional[Future[Any]] = None
@@ -289,11 +298,17 @@ def _describe(path: Path) -> dict[str, Any]:
 def load(info: CheckpointInfo, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Collective when a process group exists. Reads a sharded checkpoint into ``state`` (model/optimizer as
     ``Strategy.sharded_state`` gives them, at any world size) in place. Returns (that state completed with the
-    checkpoint's non-tensor parts, the rest of the checkpoint: position, RNG, scheduler, ...)."""
-    metadata = read_metadata(info.path)  # refuses a checkpoint whose loading could run code, before reading it
-    extra = torch.load(info.path / EXTRA, map_location="cpu", weights_only=True)
+    checkpoint's non-tensor parts, the rest of the checkpoint: position, RNG, scheduler, ...). One in object storage
+    is read from a copy in the node's temporary folder."""
+    with storages.local_copy(*split(info.path), Path(tempfile.gettempdir())) as folder:
+        return _load(folder, state)
+
+
+def _load(folder: Path, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    metadata = read_metadata(folder)  # refuses a checkpoint whose loading could run code, before reading it
+    extra = torch.load(folder / EXTRA, map_location="cpu", weights_only=True)
     tensors, own = split_tensors(state)
-    dcp.load(tensors, storage_reader=_CheckedReader(info.path, metadata))
+    dcp.load(tensors, storage_reader=_CheckedReader(folder, metadata))
     plain = extra.pop("plain")
     saved_groups = plain.get("optimizer", {}).get("param_groups")
     own_groups = own.get("optimizer", {}).get("param_groups")
@@ -306,8 +321,13 @@ def load(info: CheckpointInfo, state: dict[str, Any]) -> tuple[dict[str, Any], d
     return merge(tensors, plain), extra
 
 
-def read_model_state(folder: Path) -> dict[str, torch.Tensor]:
+def read_model_state(location: Location) -> dict[str, torch.Tensor]:
     """The whole model's weights under plain keys, in this process alone (no process group needed)."""
+    with storages.local_copy(*split(location), Path(tempfile.gettempdir())) as folder:
+        return _read_model_state(folder)
+
+
+def _read_model_state(folder: Path) -> dict[str, torch.Tensor]:
     metadata = read_metadata(folder)
     extra = torch.load(folder / EXTRA, map_location="cpu", weights_only=True)
     specs = metadata.state_dict_metadata

@@ -39,22 +39,23 @@ def add_parser(sub: Any) -> None:
 def find_checkpoint(run_dir: RunDir, step: Optional[int], best: bool = False) -> CheckpointInfo:
     from ddp_core.checkpoint import store as checkpoint
 
+    where = run_dir.recorded_checkpoints()  # RUN/checkpoints, or the run's folder under checkpoint.dir (a URL)
     if best:
         if step is not None:
             raise DdpJobError("export takes --step or --best, not both", "drop one of them")
-        step = checkpoint.best_step(run_dir.checkpoints)
+        step = checkpoint.best_step(where)
         if step is None:
             raise DdpJobError(
-                f"run {run_dir.name} has no best checkpoint marked in {run_dir.checkpoints}",
+                f"run {run_dir.name} has no best checkpoint marked in {where}",
                 "set checkpoint.monitor (e.g. min:eval/loss) for the run to keep one; export --step S names another",
             )
-    info = checkpoint.find_latest(run_dir.checkpoints) if step is None else checkpoint.find(run_dir.checkpoints, step)
+    info = checkpoint.find_latest(where) if step is None else checkpoint.find(where, step)
     if info is not None:
         return info
-    steps = sorted(int(p.stem.split("_")[1]) for p in run_dir.checkpoints.glob("step_*.json"))
+    steps = checkpoint.steps(where)
     if step is None:
         raise DdpJobError(
-            f"run {run_dir.name} has no complete checkpoint in {run_dir.checkpoints}",
+            f"run {run_dir.name} has no complete checkpoint in {where}",
             "checkpoints appear every checkpoint.every_steps steps and at the end of training",
         )
     if step in steps:
