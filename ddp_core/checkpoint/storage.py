@@ -337,12 +337,10 @@ def probe(url: str) -> None:
     bucket = storage.root.split("/", 1)[0]
     test = f".ddpjob-probe-{secrets.token_hex(4)}"
     try:
-        if not storage.fs.exists(bucket):
-            raise DdpJobError(f"{key}: the bucket {bucket!r} does not exist (or is not visible)", _PROBE_HINT)
         storage.write_text(test, "ddpjob: a test object, deleted at once\n")
         storage.remove(test)
-    except DdpJobError:
-        raise
+    except FileNotFoundError:
+        raise DdpJobError(f"{key}: the bucket {bucket!r} does not exist (or is not visible)", _PROBE_HINT) from None
     except Exception as err:  # botocore's errors (credentials, access, endpoint) are not OSErrors: any failure is one
         cause = " ".join(str(err).split())[:300]
         raise DdpJobError(
