@@ -20,9 +20,10 @@ from typing import Iterator
 
 import pytest
 
-# Distinctive, so a test can look for them in everything a run writes: they must appear nowhere.
-ACCESS_KEY = "AKIADDPJOBTESTKEY01"
-SECRET_KEY = "ddpjob-test-secret-" + "f3c9a1" * 4
+# Random per session (so not in any source file either, the run's code snapshot included): a test looks for them
+# in everything a run writes, where they must appear nowhere.
+ACCESS_KEY = "AKIA" + secrets.token_hex(8).upper()
+SECRET_KEY = secrets.token_urlsafe(30)
 
 
 @dataclass
