@@ -1,5 +1,5 @@
 """The login node's checks of ``checkpoint.dir`` that need no network: the value's form (an absolute path or a
-storage URL with no credentials in it) and what it cannot hold yet. That the bucket exists and takes a test object
+storage URL with no credentials in it), and that the built-in trainer is the one writing checkpoints. That the bucket exists and takes a test object
 is checked before submitting (``ddp_core.checkpoint.storage.probe``, from ``jobs.submission.checks``)."""
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from ddp_core.config.problems import require
 
 _KEY = "checkpoint.dir"
 _SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*$")
-_SHARDED = ("fsdp", "pipeline")  # the strategies whose checkpoints are sharded (their checkpoint_kind)
 
 
-def validate_checkpoint_dir(value: Optional[str], strategy: str, script_enabled: bool) -> None:
+def validate_checkpoint_dir(value: Optional[str], script_enabled: bool) -> None:
     """Raise ``DdpJobError`` naming ``checkpoint.dir`` for a value the login node can tell is wrong."""
     if value is None:
         return
@@ -43,10 +42,3 @@ def validate_checkpoint_dir(value: Optional[str], strategy: str, script_enabled:
         "(AWS_PROFILE, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, an instance role)",
     )
     require(bool(parts.netloc), _KEY, value, "the URL names no bucket, e.g. s3://BUCKET/PREFIX")
-    require(
-        strategy not in _SHARDED,
-        _KEY,
-        value,
-        f"strategy {strategy}'s checkpoints are sharded, and sharded checkpoints in object storage are not "
-        "supported yet (full ones are: ddp, model_parallel)",
-    )

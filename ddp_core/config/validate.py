@@ -77,7 +77,7 @@ def validate(cfg: Config) -> None:
     require(cfg.train.stop_check_ms >= 0, "train.stop_check_ms", cfg.train.stop_check_ms, "must be >= 0")
     _validate_trainer_extras(cfg)
     validate_local_tier(cfg.checkpoint, cfg.script.enabled)
-    validate_checkpoint_dir(cfg.checkpoint.dir, cfg.strategy.name.value, cfg.script.enabled)
+    validate_checkpoint_dir(cfg.checkpoint.dir, cfg.script.enabled)
     _validate_script_strings(cfg)
     validate_script(cfg.script, cfg.slurm)
     _validate_script_mode(cfg)

@@ -26,10 +26,9 @@ def test_bad_values_are_one_line_naming_the_key(value, why):
     assert "s3cr3t" not in str(err.value)
 
 
-def test_sharded_checkpoints_in_object_storage_are_refused_until_supported():
-    with pytest.raises(DdpJobError, match="sharded checkpoints in object storage are not supported yet"):
-        load_config(None, ["run.name=t", "checkpoint.dir=s3://bucket/p", "strategy.name=fsdp"])
-    load_config(None, ["run.name=t", "checkpoint.dir=/scratch/ckpt", "strategy.name=fsdp"])  # a path is a folder: fine
+def test_script_mode_keeps_its_own_checkpoints():
+    with pytest.raises(DdpJobError, match="script mode's script writes its own checkpoints"):
+        load_config(None, ["run.name=t", "checkpoint.dir=s3://bucket/p", "script.path=/bin/true"])
 
 
 def test_each_run_and_trial_has_its_own_folder_under_checkpoint_dir(tmp_path):
