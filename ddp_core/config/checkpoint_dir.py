@@ -1,6 +1,7 @@
-"""The login node's checks of ``checkpoint.dir`` that need no network: the value's form (an absolute path or a
-storage URL with no credentials in it), and that the built-in trainer is the one writing checkpoints. That the bucket exists and takes a test object
-is checked before submitting (``ddp_core.checkpoint.storage.probe``, from ``jobs.submission.checks``)."""
+"""The login node's checks of ``checkpoint.dir`` that need no network: the value's form (an absolute path, or a
+storage URL with no credentials in it), and that the built-in trainer is the one writing checkpoints. That the
+bucket exists and takes a test object is checked before submitting (``ddp_core.checkpoint.storage.probe``, from
+``jobs.submission.checks``)."""
 
 from __future__ import annotations
 

@@ -144,8 +144,12 @@ class RunDir:
 
     def recorded_checkpoints(self) -> Path | str:
         """Where the run's checkpoints are, as ``initialize`` recorded it (run.json), for the login node's readers
-        (``status``, ``export``): no config to parse."""
-        where = self.read_meta().get("checkpoints")
+        (``status``, ``export``): no config to parse. An unreadable run.json is reported by whoever reads it for
+        more: here it means RUN/checkpoints."""
+        try:
+            where = self.read_meta().get("checkpoints")
+        except DdpJobError:
+            where = None
         return (Path(where) if where.startswith("/") else where) if isinstance(where, str) else self.checkpoints
 
     @property
