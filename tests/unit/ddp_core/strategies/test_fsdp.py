@@ -333,7 +333,7 @@ def test_sharded_checkpoints_in_object_storage_resume_bitwise(tmp_path, s3):
     import s3fs
 
     common = [
-        "train.max_steps=12",
+        "train.max_steps=8",
         "checkpoint.every_steps=4",
         "checkpoint.async_save=true",
         f"checkpoint.dir={s3.url()}",
