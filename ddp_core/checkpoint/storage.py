@@ -130,7 +130,9 @@ class Storage:
     def open_read(self, name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
         raise NotImplementedError
 
-    def write_data(self, name: str, produce: Callable[[IO[bytes]], None], hasher: Any, replaces: str) -> int:
+    def write_data(
+        self, name: str, produce: Callable[[IO[bytes]], None], hasher: Any, replaces: Optional[str] = None
+    ) -> int:
         """Stream ``produce``'s bytes, hashed by ``hasher``, to the entry ``name``; ``replaces`` (a manifest) is
         removed before the new data can become visible. Complete (durable) when it returns its size; a failure
         leaves no partial entry under ``name``."""
@@ -175,7 +177,9 @@ class LocalStorage(Storage):
     def open_read(self, name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
         return open(self.root / name, "rb")
 
-    def write_data(self, name: str, produce: Callable[[IO[bytes]], None], hasher: Any, replaces: str) -> int:
+    def write_data(
+        self, name: str, produce: Callable[[IO[bytes]], None], hasher: Any, replaces: Optional[str] = None
+    ) -> int:
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / name
         tmp = self.root / f".{name}.tmp{os.getpid()}"
@@ -189,7 +193,8 @@ class LocalStorage(Storage):
             raise
         # This step's data from an earlier attempt (one resumed at its last step saves it again) is replaced
         # manifest first: a kill in between loses this step, never pairs a manifest with other data.
-        (self.root / replaces).unlink(missing_ok=True)
+        if replaces is not None:
+            (self.root / replaces).unlink(missing_ok=True)
         os.replace(tmp, final)
         fsync_dir(self.root)
         return writer.size
@@ -258,9 +263,11 @@ class ObjectStorage(Storage):
         handle: IO[bytes] = self.fs.open(self._path(name), "rb", block_size=64 << 20)
         return handle
 
-    def write_data(self, name: str, produce: Callable[[IO[bytes]], None], hasher: Any, replaces: str) -> int:
-        # The manifest goes first: the upload below replaces the data object it vouches for as it completes.
-        self.remove(replaces)
+    def write_data(
+        self, name: str, produce: Callable[[IO[bytes]], None], hasher: Any, replaces: Optional[str] = None
+    ) -> int:
+        if replaces is not None:  # first: the upload below replaces the data object it vouches for as it completes
+            self.remove(replaces)
         f = self.fs.open(self._path(name), "wb", block_size=64 << 20)
         writer = HashingWriter(f, hasher)
         try:

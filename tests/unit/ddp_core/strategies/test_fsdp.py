@@ -8,6 +8,7 @@ for the trainer end to end.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import pickle
@@ -350,9 +351,10 @@ def test_sharded_checkpoints_in_object_storage_resume_bitwise(tmp_path, s3):
     log = trainer(tmp_path / "run", *common)
     assert "resumed from step_00000004.dcp (step 4" in log, log
     assert final_digests(log) == ref
-    info, _ = export(RunDir(tmp_path / "run"), tmp_path / "model.pt")  # read from the bucket
+    info, _ = export(RunDir(tmp_path / "run"), f"{s3.url('exports')}/model.pt")  # read from the bucket, and back
     assert info.step == 8 and info.path == f"s3://{folder}/step_00000008.dcp"
-    assert weights_digest(torch.load(tmp_path / "model.pt", weights_only=True)) == ref[0]
+    exported = fs.cat_file(f"{s3.bucket}/exports/model.pt")
+    assert weights_digest(torch.load(io.BytesIO(exported), weights_only=True)) == ref[0]
 
 
 def test_world_size_changes_and_export(tmp_path):
