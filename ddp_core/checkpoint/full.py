@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -35,6 +34,7 @@ from torch import nn
 
 from ddp_core.checkpoint import store as checkpoint
 from ddp_core.checkpoint.staging import Copying, Staging, StorageKey, storage_key
+from ddp_core.checkpoint.storage import Location
 from ddp_core.errors import DdpJobError
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class FullWriter:
 
     def __init__(
         self,
-        directory: Path,
+        directory: Location,
         keep_last: int,
         async_save: bool,
         writer_rank: int = 0,

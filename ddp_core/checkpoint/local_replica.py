@@ -178,6 +178,7 @@ class Ring:
         payload = b""
         manifest = b""
         if info is not None and self.following is not None:
+            assert isinstance(info.path, Path), "the node-local tier is a local folder"
             manifest = info.path.with_suffix(".json").read_bytes()
             payload = manifest + info.path.read_bytes()
         header = torch.tensor([step, len(manifest), len(payload)], dtype=torch.int64)

@@ -96,17 +96,16 @@ class CheckpointManager:
     ) -> None:
         self.cfg, self.run_dir, self.env = cfg, run_dir, env
         self.layout, self.model, self.optimizer = layout, model, optimizer
+        # RUN/checkpoints, or this run's folder under checkpoint.dir: a local path or an object storage URL.
+        self.location = run_dir.checkpoint_location(cfg.dir)
         self.sharded: Optional[ShardedWriter] = None
         self.full: Optional[full_checkpoint.FullWriter] = None
         if layout.checkpoint_kind == store.SHARDED:
             from ddp_core.checkpoint.sharded import ShardedWriter
 
-            folder = run_dir.checkpoints
-            self.sharded = ShardedWriter(folder, cfg.keep_last, cfg.async_save, env.rank, env.world_size)
+            self.sharded = ShardedWriter(self.location, cfg.keep_last, cfg.async_save, env.rank, env.world_size)
         elif env.is_main:
-            self.full = full_checkpoint.FullWriter(
-                run_dir.checkpoints, cfg.keep_last, cfg.async_save, optimizer=optimizer
-            )
+            self.full = full_checkpoint.FullWriter(self.location, cfg.keep_last, cfg.async_save, optimizer=optimizer)
         self.last_save_s = 0.0  # what training blocked for in the last save
         self.saved_step = -1
         self.longest_save_s = 0.0  # the longest any save of this attempt blocked training
@@ -120,7 +119,7 @@ class CheckpointManager:
     def load_latest(self, state: TrainState) -> Optional[Restored]:
         """Collective: load the newest checkpoint every rank verified, or a newer node-local copy every rank can get,
         into the model, the optimizer and ``state``; None (and nothing loaded) when there is neither."""
-        latest = store.find_latest_agreed(self.run_dir.checkpoints)
+        latest = store.find_latest_agreed(self.location)
         durable = -1 if latest is None else latest.step
         found = local_restore.restore(self.local, durable) if self.local is not None else None
         if found is not None:
@@ -139,7 +138,7 @@ class CheckpointManager:
         if latest is None:
             return None
         state.load_state_dict(load_checkpoint(latest, self.layout, self.model, self.optimizer), self.env)
-        log.info("resumed from %s (step %d, epoch %d): tier durable", latest.path.name, state.pos.step, state.pos.epoch)
+        log.info("resumed from %s (step %d, epoch %d): tier durable", latest.name, state.pos.step, state.pos.epoch)
         return Restored("durable", latest.step)
 
     def load_local(self, copy: dict[str, Any]) -> dict[str, Any]:
@@ -248,7 +247,7 @@ class CheckpointManager:
     def mark_best(self, step: int, value: float) -> None:
         """Rank 0: the checkpoint of ``step`` is the best by ``checkpoint.monitor``."""
         if self.env.is_main:
-            store.mark_best(self.run_dir.checkpoints, step, str(self.cfg.monitor), value)
+            store.mark_best(self.location, step, str(self.cfg.monitor), value)
 
     def close(self, wait: bool = True) -> None:
         """Stop the writers (again: a no-op). ``wait``: complete an async save in flight first (before the requeue,

@@ -24,7 +24,9 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import socket
+import tempfile
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,10 +38,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from ddp_core.checkpoint.store import SHARDED, CheckpointInfo, files_digest, fsync_dir, prune, remove_data, sha256_file
+from ddp_core.checkpoint import storage as storages
+from ddp_core.checkpoint.storage import Location
+from ddp_core.checkpoint.store import SHARDED, CheckpointInfo, files_digest, prune, remove_data, sha256_file, split
 from ddp_core.distributed import collectives
 from ddp_core.errors import DdpJobError
-from ddp_core.run.rundir import atomic_write_text
+from ddp_core.run.rundir import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +170,9 @@ def _save_extra(path: Path, extra: dict[str, Any]) -> None:
 class ShardedWriter:
     """Writes one run's sharded checkpoints. Every rank holds one and calls ``save`` at the same step."""
 
-    def __init__(self, directory: Path, keep_last: int, async_save: bool, rank: int, world_size: int) -> None:
+    def __init__(self, directory: Location, keep_last: int, async_save: bool, rank: int, world_size: int) -> None:
         self.directory, self.keep_last, self.async_save = directory, keep_last, async_save
+        self.storage = storages.at(directory)
         self.rank, self.world_size = rank, world_size
         self._pending: Optional[Future[Any]] = None
         self._group: Optional[dist.ProcessGroup] = None  # async saves' own gloo group (made at the first one)
@@ -182,11 +187,16 @@ class ShardedWriter:
         one, copying the state)."""
         started = time.perf_counter()
         self.wait()  # at most one save in flight: bounded memory, and manifests appear in step order
-        tmp = self.directory / f".step_{step:08d}.dcp.tmp"
+        tmp = self._staging(step)
         tensors, plain = split_tensors(state)
-        if self.rank == 0:
+        if self.rank == 0 or self.storage.in_place:
             remove_data(tmp)  # left by a killed attempt: stale shards must not mix with this save's
             tmp.mkdir(parents=True)
+        if self.rank == 0:
+            if self.storage.in_place:
+                # This step's checkpoint from an earlier attempt, manifest first: uploads replace its files one by one.
+                self.storage.remove(f"step_{step:08d}.json")
+                self.storage.remove(f"step_{step:08d}.dcp")
             assert extra is not None
             _save_extra(tmp / EXTRA, {"plain": plain, "model_keys": list(state["model"])} | extra)
         collectives.barrier()  # the folder exists, empty of stale files, before any rank writes into it
@@ -203,6 +213,15 @@ class ShardedWriter:
         blocked = time.perf_counter() - started
         self._pending = self._background.submit(self._complete_after, upload, step, tmp, started, blocked)
         return blocked
+
+    def _staging(self, step: int) -> Path:
+        """Where DCP writes this step's files: the folder's temporary name beside the checkpoints (renamed into place
+        by rank 0), or, for object storage, a folder of this rank's own in the node's temporary folder (each rank
+        uploads what it wrote: its shards; rank 0 also ``.metadata`` and ``extra.pt``)."""
+        name = f".step_{step:08d}.dcp.tmp"
+        if not self.storage.in_place:
+            return Path(self.directory) / name
+        return Path(tempfile.gettempdir()) / f"ddpjob-shards-{os.getpid()}-{self.rank}" / name
 
     def wait(self) -> float:
         """Block until the save in flight, if any, is complete (on rank 0: manifest written). Returns seconds."""
@@ -229,7 +248,13 @@ class ShardedWriter:
         """Collective (on the async group in the background): every rank checksums its share of the folder's
         files, so a large checkpoint is hashed in parallel, not by rank 0 alone; rank 0 finishes it."""
         names = sorted(p.name for p in tmp.iterdir())
-        mine = {name: _describe(tmp / name) for name in names[self.rank :: self.world_size]}
+        if self.storage.in_place:  # this rank's own folder: its files, uploaded (in the background if async)
+            mine = {name: _describe(tmp / name) for name in names}
+            self.storage.upload_folder(tmp, f"step_{step:08d}.dcp")
+            shutil.rmtree(tmp.parent, ignore_errors=True)
+            names = []
+        else:
+            mine = {name: _describe(tmp / name) for name in names[self.rank :: self.world_size]}
         shares = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:
             shares = [{} for _ in range(self.world_size)] if self.rank == 0 else []
@@ -244,21 +269,24 @@ class ShardedWriter:
     def _finish(
         self, step: int, tmp: Path, files: dict[str, dict[str, Any]], started: float, blocked: Optional[float]
     ) -> None:
-        """Rank 0: move the folder into place, write the manifest last, prune."""
-        fsync_dir(tmp)
-        final = self.directory / f"step_{step:08d}.dcp"
-        manifest = final.with_suffix(".json")
-        # This step's checkpoint from an earlier attempt (one resumed at its last step saves it again) is
-        # replaced, manifest first: a kill in between loses this step, never pairs a manifest with other data.
-        manifest.unlink(missing_ok=True)
-        remove_data(final)
-        remove_data(final.with_suffix(".pt"))
-        os.replace(tmp, final)
-        fsync_dir(self.directory)
+        """Rank 0: move the folder into place (every rank uploaded its files to object storage), write the manifest
+        last, prune."""
+        name = f"step_{step:08d}.dcp"
+        if not self.storage.in_place:
+            fsync_dir(tmp)
+            final = Path(self.directory) / name
+            manifest = final.with_suffix(".json")
+            # This step's checkpoint from an earlier attempt (one resumed at its last step saves it again) is
+            # replaced, manifest first: a kill in between loses this step, never pairs a manifest with other data.
+            manifest.unlink(missing_ok=True)
+            remove_data(final)
+            remove_data(final.with_suffix(".pt"))
+            os.replace(tmp, final)
+            fsync_dir(Path(self.directory))
         meta = {
             "step": step,
             "kind": SHARDED,
-            "file": final.name,
+            "file": name,
             "world_size": self.world_size,
             "files": files,
             "size": sum(f["size"] for f in files.values()),
@@ -267,8 +295,7 @@ class ShardedWriter:
             "time": time.time(),
             "writer": {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid()},
         }
-        atomic_write_text(manifest, json.dumps(meta, indent=1) + "\n")
-        fsync_dir(self.directory)
+        self.storage.write_text(f"step_{step:08d}.json", json.dumps(meta, indent=1) + "\n")  # durable (dir too)
         took = self.last_write_s = time.perf_counter() - started
         log.info(
             "checkpoint step %d saved (%d files, %.1f MB, %.2f s, training blocked %.2f s): %s",
@@ -277,7 +304,7 @@ class ShardedWriter:
             meta["size"] / 1e6,
             took,
             took if blocked is None else blocked,
-            final,
+            self.storage.child(name),
         )
         prune(self.directory, self.keep_last)
 
@@ -289,11 +316,17 @@ def _describe(path: Path) -> dict[str, Any]:
 def load(info: CheckpointInfo, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Collective when a process group exists. Reads a sharded checkpoint into ``state`` (model/optimizer as
     ``Strategy.sharded_state`` gives them, at any world size) in place. Returns (that state completed with the
-    checkpoint's non-tensor parts, the rest of the checkpoint: position, RNG, scheduler, ...)."""
-    metadata = read_metadata(info.path)  # refuses a checkpoint whose loading could run code, before reading it
-    extra = torch.load(info.path / EXTRA, map_location="cpu", weights_only=True)
+    checkpoint's non-tensor parts, the rest of the checkpoint: position, RNG, scheduler, ...). One in object storage
+    is read from a copy in the node's temporary folder."""
+    with storages.local_copy(*split(info.path), Path(tempfile.gettempdir())) as folder:
+        return _load(folder, state)
+
+
+def _load(folder: Path, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    metadata = read_metadata(folder)  # refuses a checkpoint whose loading could run code, before reading it
+    extra = torch.load(folder / EXTRA, map_location="cpu", weights_only=True)
     tensors, own = split_tensors(state)
-    dcp.load(tensors, storage_reader=_CheckedReader(info.path, metadata))
+    dcp.load(tensors, storage_reader=_CheckedReader(folder, metadata))
     plain = extra.pop("plain")
     saved_groups = plain.get("optimizer", {}).get("param_groups")
     own_groups = own.get("optimizer", {}).get("param_groups")
@@ -306,8 +339,13 @@ def load(info: CheckpointInfo, state: dict[str, Any]) -> tuple[dict[str, Any], d
     return merge(tensors, plain), extra
 
 
-def read_model_state(folder: Path) -> dict[str, torch.Tensor]:
+def read_model_state(location: Location) -> dict[str, torch.Tensor]:
     """The whole model's weights under plain keys, in this process alone (no process group needed)."""
+    with storages.local_copy(*split(location), Path(tempfile.gettempdir())) as folder:
+        return _read_model_state(folder)
+
+
+def _read_model_state(folder: Path) -> dict[str, torch.Tensor]:
     metadata = read_metadata(folder)
     extra = torch.load(folder / EXTRA, map_location="cpu", weights_only=True)
     specs = metadata.state_dict_metadata

@@ -9,7 +9,9 @@ newest verified one, prune):
   the manifest lists each file's size and sha256.
 
 The manifest is written only after the data is durable, so a kill at any moment leaves either a complete
-checkpoint or something ``find_latest`` skips.
+checkpoint or something ``find_latest`` skips. Where the files go is a ``storage.Storage``: a local folder (a
+temporary file renamed into place) or object storage (``checkpoint.dir`` = ``s3://...``: objects that appear whole
+once uploaded, no rename); the rule is the same for both, and prune removes a manifest before its data.
 
 A full checkpoint's checksum is xxh3-128 (``checksum`` and ``digest`` in its manifest), computed on the bytes as
 ``torch.save`` streams them: at ~8 GB/s it adds little to a save, where sha256 (1.2 GB/s here) added most of a
@@ -28,19 +30,17 @@ import json
 import logging
 import os
 import re
-import shutil
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Callable, Optional, cast
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from ddp_core.checkpoint.storage import MANIFEST, Location, Storage, at
 from ddp_core.errors import DdpJobError
-from ddp_core.run.rundir import atomic_write_text, fsync_dir
 
 try:
     import xxhash
@@ -49,7 +49,7 @@ except ImportError:  # a bare GPU box with torch alone (bench/gpu_check.py): sha
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^step_(\d{8})\.json$")
+_NAME = MANIFEST
 # Names the step of the best checkpoint (checkpoint.monitor); prune keeps that one whatever keep_last says.
 BEST = "best.json"
 
@@ -61,66 +61,32 @@ _CHECKSUMS: dict[str, Callable[[], Any]] = {"sha256": hashlib.sha256}
 if xxhash is not None:
     _CHECKSUMS["xxh3_128"] = xxhash.xxh3_128
 CHECKSUM = "xxh3_128" if "xxh3_128" in _CHECKSUMS else "sha256"  # what new full checkpoints record
-# Writeback of a file being saved starts every this many bytes, so the fsync at its end has little left to do.
-_FLUSH_EVERY = 128 << 20
 
 
 @dataclass(frozen=True)
 class CheckpointInfo:
     step: int
-    path: Path  # the .pt file (full) or the .dcp folder (sharded)
+    path: Location  # the .pt file (full) or the .dcp folder (sharded): a local path, or a URL in object storage
     digest: str  # the file's checksum (full); sha256 of the manifest's per-file sha256s (sharded)
     size: int  # bytes, all files together
     kind: str = FULL
 
+    @property
+    def name(self) -> str:
+        """The file's (full) or folder's (sharded) own name: ``step_00000010.pt``."""
+        return split(self.path)[1]
 
-class _DurableWriter(io.RawIOBase):
-    """The write-only file object ``torch.save`` streams into: checksums the bytes on their way to the file (no
-    second pass over it), and starts the disk's writeback every ``_FLUSH_EVERY`` bytes in a thread of its own, so
-    the fsync in ``finish`` overlaps serialisation instead of following it."""
 
-    def __init__(self, f: BinaryIO, algorithm: str) -> None:
-        self.f, self.hash, self.size = f, _CHECKSUMS[algorithm](), 0
-        self._unflushed = 0
-        self._flusher: Optional[threading.Thread] = None
-        self._flush_error: Optional[OSError] = None
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data)
-        self.hash.update(view)
-        self.f.write(view)  # a BufferedWriter: writes all of it, or raises
-        self.size += view.nbytes
-        self._unflushed += view.nbytes
-        if self._unflushed >= _FLUSH_EVERY and (self._flusher is None or not self._flusher.is_alive()):
-            self._unflushed = 0
-            self.f.flush()
-            self._flusher = threading.Thread(target=self._flush, name="ckpt-flush", daemon=True)
-            self._flusher.start()
-        return view.nbytes
-
-    def _flush(self) -> None:
-        try:
-            os.fdatasync(self.f.fileno())
-        except OSError as err:
-            # Reported here, and maybe not again to the final fsync (Linux reports a writeback error once per fd).
-            self._flush_error = err
-
-    def finish(self) -> str:
-        """Make everything written durable; returns the checksum."""
-        self.f.flush()
-        if self._flusher is not None:
-            self._flusher.join()
-        if self._flush_error is not None:
-            raise self._flush_error
-        os.fsync(self.f.fileno())
-        return self.hash.hexdigest()
+def split(location: Location) -> tuple[Storage, str]:
+    """(the storage of a checkpoint file's folder, its name in it)."""
+    if isinstance(location, Path):
+        return at(location.parent), location.name
+    folder, _, name = str(location).rstrip("/").rpartition("/")
+    return at(folder), name
 
 
 def save(
-    directory: Path,
+    directory: Location,
     step: int,
     state: dict[str, Any],
     keep_last: int,
@@ -129,78 +95,74 @@ def save(
     level: int = logging.INFO,
 ) -> CheckpointInfo:
     """Atomically write ``state`` for ``step``, then its manifest, then (``prune_old``) prune to the newest
-    ``keep_last``: a caller that prunes in the background passes False. ``level``: of the line saying it is saved."""
-    directory.mkdir(parents=True, exist_ok=True)
+    ``keep_last``: a caller that prunes in the background passes False. ``level``: of the line saying it is saved.
+    ``directory``: a local folder or an object storage URL (``storage``)."""
+    storage = at(directory)
     started = time.perf_counter()
-    final = directory / f"step_{step:08d}.pt"
-    manifest_path = final.with_suffix(".json")
-    tmp = directory / f".step_{step:08d}.pt.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            writer = _DurableWriter(f, CHECKSUM)
-            # Streamed: no second in-memory copy of a multi-GB state. torch.save needs only write() of a file object.
-            torch.save(state, cast(IO[bytes], writer))
-            digest = writer.finish()
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk leaves no half file (a kill leaves one for prune)
-        raise
-    size = writer.size
-    # This step's checkpoint from an earlier attempt (one resumed at its last step saves it again) is replaced
-    # manifest first: a kill in between loses this step, never pairs a manifest with other data.
-    manifest_path.unlink(missing_ok=True)
-    os.replace(tmp, final)
-    fsync_dir(directory)
+    name, manifest_name = f"step_{step:08d}.pt", f"step_{step:08d}.json"
+    hasher = _CHECKSUMS[CHECKSUM]()
+    # Streamed: no second in-memory copy of a multi-GB state. torch.save needs only write() of a file object.
+    size = storage.write_data(name, lambda f: torch.save(state, f), hasher, replaces=manifest_name)
+    digest = hasher.hexdigest()
     manifest = {
         "step": step,
         "kind": FULL,
-        "file": final.name,
+        "file": name,
         "checksum": CHECKSUM,
         "digest": digest,
         "size": size,
         "time": time.time(),
         "writer": {"rank": writer_rank, "host": socket.gethostname(), "pid": os.getpid()},
     }
-    atomic_write_text(manifest_path, json.dumps(manifest, indent=1) + "\n")  # durable when it returns (dir too)
-    info = CheckpointInfo(step=step, path=final, digest=digest, size=size)
+    storage.write_text(manifest_name, json.dumps(manifest, indent=1) + "\n")  # last: it vouches for the data
+    info = CheckpointInfo(step=step, path=storage.child(name), digest=digest, size=size)
     took = time.perf_counter() - started
-    log.log(level, "checkpoint step %d saved (%.1f MB, %.2f s): %s", step, size / 1e6, took, final)
+    log.log(level, "checkpoint step %d saved (%.1f MB, %.2f s): %s", step, size / 1e6, took, info.path)
     if prune_old:
         prune(directory, keep_last)
     return info
 
 
-def _manifests(directory: Path) -> list[tuple[int, Path]]:
-    if not directory.is_dir():
-        return []
-    found = [(int(m[1]), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+def _manifests(storage: Storage) -> list[tuple[int, str]]:
+    found = [(int(m[1]), name) for name in storage.names() if (m := _NAME.match(name))]
     return sorted(found, reverse=True)
 
 
 def remove_data(path: Path) -> None:
     """Delete a checkpoint's data: a file, or a sharded checkpoint's folder."""
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+    at(path.parent).remove(path.name)
 
 
-def prune(directory: Path, keep_last: int) -> None:
+def prune(directory: Location, keep_last: int) -> None:
+    storage = at(directory)
     best = best_step(directory)
-    for step, manifest in _manifests(directory)[keep_last:]:
+    manifests = _manifests(storage)
+    for step, manifest in manifests[keep_last:]:
         if step == best:
             continue
-        # Manifest first: a kill between the unlinks leaves orphan data, never a manifest pointing at nothing.
-        manifest.unlink(missing_ok=True)
-        remove_data(manifest.with_suffix(".pt"))
-        remove_data(manifest.with_suffix(".dcp"))
-    for stale in directory.glob(".step_*.tmp*"):
-        remove_data(stale)
+        # Manifest first: a kill between the deletions leaves orphan data, never a manifest pointing at nothing.
+        storage.remove(manifest)
+        storage.remove(f"step_{step:08d}.pt")
+        storage.remove(f"step_{step:08d}.dcp")
+    newest = manifests[0][0] if manifests else -1
+    kept = {f"step_{step:08d}{suffix}" for step, _ in manifests for suffix in (".pt", ".dcp")}
+    for name in storage.names():
+        # What a killed save left: a temporary file, or (object storage, where data is written in place) the data
+        # of an older step whose manifest never came. A newer step's data may be a save in flight: left alone.
+        if name.startswith(".step_") and ".tmp" in name:
+            storage.remove(name)
+        elif storage.in_place and (m := _DATA.match(name)) and name not in kept and int(m[1]) < newest:
+            storage.remove(name)
 
 
-def file_digest(path: Path, algorithm: str) -> str:
+_DATA = re.compile(r"^step_(\d{8})\.(pt|dcp)$")
+
+
+def file_digest(path: Location, algorithm: str) -> str:
     """A file's checksum (``algorithm``: one of ``_CHECKSUMS``), read in chunks."""
+    storage, name = split(path)
     hasher = _CHECKSUMS[algorithm]()
-    with open(path, "rb") as f:
+    with storage.open_read(name) as f:
         while chunk := f.read(1 << 24):  # 16 MiB at a time: a multi-GB checkpoint is never in memory twice
             hasher.update(chunk)
     return hasher.hexdigest()
@@ -213,12 +175,12 @@ def bytes_digest(data: Any, algorithm: str) -> str:
     return hasher.hexdigest()
 
 
-def recorded_checksum(manifest: Path) -> tuple[str, str]:
+def recorded_checksum(manifest: Location) -> tuple[str, str]:
     """(algorithm, digest) a full checkpoint's manifest records. Raises ``ValueError`` for a malformed one."""
-    return _full_checksum(_read_manifest(manifest))
+    return _full_checksum(_read_manifest(*split(manifest)))
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Location) -> str:
     return file_digest(path, "sha256")
 
 
@@ -227,43 +189,39 @@ def files_digest(files: dict[str, dict[str, Any]]) -> str:
     return hashlib.sha256("".join(f"{name}:{files[name]['sha256']}\n" for name in sorted(files)).encode()).hexdigest()
 
 
-def _verify_sharded(manifest: Path, meta: dict[str, Any]) -> Optional[CheckpointInfo]:
-    folder = manifest.with_name(meta["file"])
+def _verify_sharded(storage: Storage, manifest: str, meta: dict[str, Any]) -> Optional[CheckpointInfo]:
+    folder = meta["file"]
     files: dict[str, dict[str, Any]] = meta["files"]
     for name, expected in sorted(files.items()):
-        path = folder / name
         try:
-            size = path.stat().st_size
+            size = storage.size(f"{folder}/{name}")
         except OSError:
-            log.warning("skipping checkpoint %s: shard file %s is missing", folder.name, name)
+            log.warning("skipping checkpoint %s: shard file %s is missing", folder, name)
             return None
         if size != expected["size"]:
             log.warning(
-                "skipping checkpoint %s: %s has %d bytes, not %d (truncated?)",
-                folder.name,
-                name,
-                size,
-                expected["size"],
+                "skipping checkpoint %s: %s has %d bytes, not %d (truncated?)", folder, name, size, expected["size"]
             )
             return None
-        if sha256_file(path) != expected["sha256"]:
-            log.warning("skipping checkpoint %s: sha256 mismatch in %s (corrupt)", folder.name, name)
+        if sha256_file(storage.child(f"{folder}/{name}")) != expected["sha256"]:
+            log.warning("skipping checkpoint %s: sha256 mismatch in %s (corrupt)", folder, name)
             return None
     size = sum(f["size"] for f in files.values())
-    return CheckpointInfo(step=_step_of(manifest), path=folder, digest=files_digest(files), size=size, kind=SHARDED)
+    step = _step_of(manifest)
+    return CheckpointInfo(step=step, path=storage.child(folder), digest=files_digest(files), size=size, kind=SHARDED)
 
 
-def _step_of(manifest: Path) -> int:
-    return int(_NAME.match(manifest.name)[1])  # type: ignore[index]  # _manifests lists only matching names
+def _step_of(manifest: str) -> int:
+    return int(_NAME.match(manifest)[1])  # type: ignore[index]  # _manifests lists only matching names
 
 
-def _read_manifest(manifest: Path) -> dict[str, Any]:
+def _read_manifest(storage: Storage, manifest: str) -> dict[str, Any]:
     """A manifest's fields, checked: it names its own step's data file and nothing else (no '..', no path)."""
-    meta = json.loads(manifest.read_text())
+    meta = json.loads(storage.read_bytes(manifest))
     if not isinstance(meta, dict):
         raise ValueError(f"holds a {type(meta).__name__}, not an object")
     kind = meta.get("kind", FULL)
-    expected = manifest.with_suffix(".dcp" if kind == SHARDED else ".pt").name
+    expected = manifest.removesuffix(".json") + (".dcp" if kind == SHARDED else ".pt")
     if meta.get("file") != expected:
         raise ValueError(f"names the file {meta.get('file')!r}, not {expected!r}")
     if kind == SHARDED:
@@ -300,66 +258,73 @@ def _full_checksum(meta: dict[str, Any]) -> tuple[str, str]:
     return algorithm, digest
 
 
-def verify(manifest: Path) -> Optional[CheckpointInfo]:
+def verify(manifest: Location) -> Optional[CheckpointInfo]:
     """The checkpoint named by ``manifest`` if its data is complete and its checksums match; None (with a
     warning) for anything else, a malformed or hostile manifest included."""
+    storage, manifest_name = split(manifest)
     try:
-        meta = _read_manifest(manifest)
+        meta = _read_manifest(storage, manifest_name)
         if meta.get("kind", FULL) == SHARDED:
-            return _verify_sharded(manifest, meta)
-        path = manifest.with_name(meta["file"])
-        size = path.stat().st_size
+            return _verify_sharded(storage, manifest_name, meta)
+        name = meta["file"]
+        size = storage.size(name)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        log.warning("skipping checkpoint %s: unreadable manifest or missing data (%s)", manifest.name, err)
+        log.warning("skipping checkpoint %s: unreadable manifest or missing data (%s)", manifest_name, err)
         return None
     if size != meta["size"]:
-        log.warning("skipping checkpoint %s: size %d != %d in its manifest (truncated?)", path.name, size, meta["size"])
+        log.warning("skipping checkpoint %s: size %d != %d in its manifest (truncated?)", name, size, meta["size"])
         return None
     algorithm, expected = _full_checksum(meta)
+    path = storage.child(name)
     digest = file_digest(path, algorithm)
     if digest != expected:
-        log.warning("skipping checkpoint %s: %s mismatch (corrupt)", path.name, algorithm)
+        log.warning("skipping checkpoint %s: %s mismatch (corrupt)", name, algorithm)
         return None
-    return CheckpointInfo(step=_step_of(manifest), path=path, digest=digest, size=size)
+    return CheckpointInfo(step=_step_of(manifest_name), path=path, digest=digest, size=size)
 
 
-def find_latest(directory: Path) -> Optional[CheckpointInfo]:
+def find_latest(directory: Location) -> Optional[CheckpointInfo]:
     """Newest complete, verified checkpoint; incomplete or corrupt newer ones are skipped with a warning."""
-    for _, manifest in _manifests(directory):
-        info = verify(manifest)
+    storage = at(directory)
+    for _, manifest in _manifests(storage):
+        info = verify(storage.child(manifest))
         if info is not None:
             return info
     return None
 
 
-def find(directory: Path, step: int) -> Optional[CheckpointInfo]:
+def find(directory: Location, step: int) -> Optional[CheckpointInfo]:
     """The checkpoint of ``step`` if it exists and verifies."""
-    manifest = directory / f"step_{step:08d}.json"
-    return verify(manifest) if manifest.is_file() else None
+    storage, manifest = at(directory), f"step_{step:08d}.json"
+    return verify(storage.child(manifest)) if manifest in storage.names() else None
 
 
-def mark_best(directory: Path, step: int, metric: str, value: float) -> None:
+def steps(directory: Location) -> list[int]:
+    """The steps of the checkpoints whose manifests are there (verified or not), oldest first."""
+    return sorted(step for step, _ in _manifests(at(directory)))
+
+
+def mark_best(directory: Location, step: int, metric: str, value: float) -> None:
     """Rank 0: the checkpoint of ``step`` is the best so far (written after it, or as it is written in the
     background: prune spares the step either way). The previous best is pruned by the next save, if old enough."""
-    directory.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(directory / BEST, json.dumps({"step": step, "metric": metric, "value": value}) + "\n")
+    at(directory).write_text(BEST, json.dumps({"step": step, "metric": metric, "value": value}) + "\n")
 
 
-def best_step(directory: Path) -> Optional[int]:
+def best_step(directory: Location) -> Optional[int]:
     try:
-        step = json.loads((directory / BEST).read_text())["step"]
+        step = json.loads(at(directory).read_bytes(BEST))["step"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return step if isinstance(step, int) else None
 
 
-def find_best(directory: Path) -> Optional[CheckpointInfo]:
+def find_best(directory: Location) -> Optional[CheckpointInfo]:
     """The best checkpoint (``mark_best``) if one is marked and it verifies."""
     step = best_step(directory)
     return find(directory, step) if step is not None else None
 
 
-def find_latest_agreed(directory: Path) -> Optional[CheckpointInfo]:
+def find_latest_agreed(directory: Location) -> Optional[CheckpointInfo]:
     """``find_latest`` on rank 0, told to every rank: each file is hashed once, not once per rank, and all
     ranks resume from the same checkpoint even if a newer one appeared meanwhile."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -371,4 +336,7 @@ def find_latest_agreed(directory: Path) -> Optional[CheckpointInfo]:
 
 def load(info: CheckpointInfo) -> dict[str, Any]:
     # weights_only=True: a checkpoint file can never run code on load.
-    return torch.load(info.path, map_location="cpu", weights_only=True)
+    if isinstance(info.path, Path):
+        return torch.load(info.path, map_location="cpu", weights_only=True)
+    storage, name = split(info.path)
+    return torch.load(io.BytesIO(storage.read_bytes(name)), map_location="cpu", weights_only=True)

@@ -201,6 +201,11 @@ class CheckpointConfig:
     # The node-local folder of checkpoint.local_every_steps, absolute on every node (/dev/shm counts against the job's
     # memory on many sites): copies in LOCAL_PATH/ddpjob-JOBID/HOST/, removed when the run completes.
     local_path: str = "/dev/shm"
+    # Where the durable checkpoints go: null = RUN/checkpoints. An absolute path or an fsspec URL, e.g.
+    # s3://BUCKET/PREFIX (pip install 'ddpjob[s3]'): each run's in DIR/<run dir's name>/, a trial's in
+    # DIR/<sweep>/<trial>/; the run directory stays where it is. Credentials and a non-AWS endpoint come from the
+    # AWS environment (AWS_PROFILE, AWS_ACCESS_KEY_ID, an instance role, AWS_ENDPOINT_URL), never from here.
+    dir: Optional[str] = None
 
 
 @dataclass

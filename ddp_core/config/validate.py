@@ -10,6 +10,7 @@ import re
 from typing import Any, Optional
 
 from ddp_core.config.batch import validate_batches
+from ddp_core.config.checkpoint_dir import validate_checkpoint_dir
 from ddp_core.config.container import validate_container
 from ddp_core.config.features import validate_script, validate_snapshot, validate_trial, validate_watchdog
 from ddp_core.config.local_tier import validate_local_tier
@@ -78,6 +79,7 @@ def validate(cfg: Config) -> None:
     require(cfg.train.stop_check_ms >= 0, "train.stop_check_ms", cfg.train.stop_check_ms, "must be >= 0")
     _validate_trainer_extras(cfg)
     validate_local_tier(cfg.checkpoint, cfg.script.enabled)
+    validate_checkpoint_dir(cfg.checkpoint.dir, cfg.script.enabled)
     _validate_script_strings(cfg)
     validate_script(cfg.script, cfg.slurm)
     _validate_script_mode(cfg)

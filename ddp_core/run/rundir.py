@@ -132,6 +132,27 @@ class RunDir:
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
+    def checkpoint_location(self, base: str | None) -> Path | str:
+        """Where this run's durable checkpoints go: ``RUN/checkpoints`` without ``checkpoint.dir`` (``base``), else
+        the run's own folder under it, a path or a URL: the run directory's name (unique: a timestamp and random
+        digits), a sweep's trial's under its sweep's, so runs and trials sharing one ``checkpoint.dir`` never mix."""
+        if base is None:
+            return self.checkpoints
+        name = self.name if _DIR_SUFFIX.search(self.name) else f"{self.path.parent.name}/{self.name}"
+        if "://" in base and not base.startswith("file://"):
+            return f"{base.rstrip('/')}/{name}"
+        return Path(base.removeprefix("file://")) / name
+
+    def recorded_checkpoints(self) -> Path | str:
+        """Where the run's checkpoints are, as ``initialize`` recorded it (run.json), for the login node's readers
+        (``status``, ``export``): no config to parse. An unreadable run.json is reported by whoever reads it for
+        more: here it means RUN/checkpoints."""
+        try:
+            where = self.read_meta().get("checkpoints")
+        except DdpJobError:
+            where = None
+        return (Path(where) if where.startswith("/") else where) if isinstance(where, str) else self.checkpoints
+
     @property
     def metrics_file(self) -> Path:
         return self.path / METRICS_FILE
@@ -291,6 +312,9 @@ class RunDir:
 
         atomic_write_text(self.config_file, to_yaml(cfg))
         meta = self.read_meta()
+        where = self.checkpoint_location(cfg.checkpoint.dir)
+        if meta.get("checkpoints", str(self.checkpoints)) != str(where):
+            meta = self.update_meta(checkpoints=str(where))
         if "run_id" not in meta:
             # The W&B id is fixed here, before step 0, so every attempt of this run logs into one W&B run.
             self.update_meta(

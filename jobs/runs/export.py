@@ -12,9 +12,8 @@ command runs: ``ddpjob --help`` stays instant on a login node.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
@@ -30,7 +29,9 @@ def add_parser(sub: Any) -> None:
     """Register ``export`` on ``ddpjob``'s subparsers."""
     p = sub.add_parser("export", help="write a run's checkpoint as one plain model state-dict file (for inference)")
     p.add_argument("run_dir", metavar="RUN", help=RUN_HELP)
-    p.add_argument("out", metavar="OUT.pt", help="the file to write (replaced if it exists)")
+    p.add_argument(
+        "out", metavar="OUT.pt", help="the file to write (replaced if it exists): a path, or a URL (s3://BUCKET/KEY)"
+    )
     p.add_argument("--step", type=int, help="export this step's checkpoint (default: the newest that verifies)")
     p.add_argument("--best", action="store_true", help="export the best checkpoint (checkpoint.monitor)")
     p.add_argument("--root", default="runs", help="where to look for a run named by a job id or a name (default: runs)")
@@ -39,22 +40,23 @@ def add_parser(sub: Any) -> None:
 def find_checkpoint(run_dir: RunDir, step: Optional[int], best: bool = False) -> CheckpointInfo:
     from ddp_core.checkpoint import store as checkpoint
 
+    where = run_dir.recorded_checkpoints()  # RUN/checkpoints, or the run's folder under checkpoint.dir (a URL)
     if best:
         if step is not None:
             raise DdpJobError("export takes --step or --best, not both", "drop one of them")
-        step = checkpoint.best_step(run_dir.checkpoints)
+        step = checkpoint.best_step(where)
         if step is None:
             raise DdpJobError(
-                f"run {run_dir.name} has no best checkpoint marked in {run_dir.checkpoints}",
+                f"run {run_dir.name} has no best checkpoint marked in {where}",
                 "set checkpoint.monitor (e.g. min:eval/loss) for the run to keep one; export --step S names another",
             )
-    info = checkpoint.find_latest(run_dir.checkpoints) if step is None else checkpoint.find(run_dir.checkpoints, step)
+    info = checkpoint.find_latest(where) if step is None else checkpoint.find(where, step)
     if info is not None:
         return info
-    steps = sorted(int(p.stem.split("_")[1]) for p in run_dir.checkpoints.glob("step_*.json"))
+    steps = checkpoint.steps(where)
     if step is None:
         raise DdpJobError(
-            f"run {run_dir.name} has no complete checkpoint in {run_dir.checkpoints}",
+            f"run {run_dir.name} has no complete checkpoint in {where}",
             "checkpoints appear every checkpoint.every_steps steps and at the end of training",
         )
     if step in steps:
@@ -77,30 +79,44 @@ def model_state(info: CheckpointInfo) -> dict[str, torch.Tensor]:
 
 
 def export(
-    run_dir: RunDir, out: Path, step: Optional[int] = None, best: bool = False
+    run_dir: RunDir, out: Union[Path, str], step: Optional[int] = None, best: bool = False
 ) -> tuple[CheckpointInfo, dict[str, torch.Tensor]]:
-    """Write the checkpoint's model state to ``out`` (atomically); return which checkpoint and the state."""
+    """Write the checkpoint's model state to ``out`` (a path, or an object storage URL, as ``checkpoint.dir``
+    takes them), whole or not at all: a reader of OUT never sees half a file. Returns which checkpoint and the
+    state."""
+    import hashlib
+
     import torch
+
+    from ddp_core.checkpoint import store as checkpoint
 
     info = find_checkpoint(run_dir, step, best)
     state = model_state(info)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)  # a reader of OUT never sees half a file
+    storage, name = checkpoint.split(out)
+    try:
+        storage.write_data(name, lambda f: torch.save(state, f), hashlib.sha256())
+    except Exception as err:  # a store's errors (credentials, endpoint, a missing bucket) are not all OSErrors
+        if isinstance(out, Path):
+            raise
+        cause = " ".join(str(err).split())[:300]
+        raise DdpJobError(
+            f"cannot write {out} ({type(err).__name__}: {cause})",
+            "check the bucket, and the credentials and endpoint the AWS tools read (docs/object-storage.md)",
+        ) from None
     return info, state
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from ddp_core.checkpoint import storage, store
+
     run_dir = RunDir(resolve(args.run_dir, Path(args.root)))
-    out = Path(args.out)
+    out = args.out if storage.is_url(args.out) else Path(args.out)
     info, state = export(run_dir, out, args.step, args.best)
     params = sum(t.numel() for t in state.values())
+    where, name = store.split(out)
+    size = where.size(name)
     print(f"checkpoint: {info.path} (step {info.step}, {info.kind})")
-    print(f"exported:   {out} ({len(state)} tensors, {params / 1e6:.2f}M values, {out.stat().st_size / 1e6:.1f} MB)")
+    print(f"exported:   {out} ({len(state)} tensors, {params / 1e6:.2f}M values, {size / 1e6:.1f} MB)")
     return 0
 
 

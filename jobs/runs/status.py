@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from ddp_core.checkpoint import storage
 from ddp_core.cluster.slurm import Runner
 from ddp_core.errors import DdpJobError
 from jobs.runs import goodput, notes
@@ -75,6 +76,7 @@ class Row:
     loss: Optional[float] = None
     metric: Optional[float] = None
     checkpoint_mtime: Optional[float] = None
+    checkpoint_url: Optional[str] = None  # checkpoint.dir's folder of the run, in object storage
     straggler: Optional[dict[str, Any]] = None  # the last progress line, when it names a persistent straggler
     script: Optional[list[str]] = None  # script mode: what each rank runs (ddp_core.script), else None
     trial_state: Optional[str] = None  # a trial of an adaptive sweep: its state in the study (COMPLETE, PRUNED, ...)
@@ -159,8 +161,9 @@ def _read_row(run: RunDir, metric_key: str) -> Row:
     # none (step null): its steps are the ones it gave ddp_core.runtime, if any.
     steps = [r["step"] for r in records] + [e["step"] for e in row.events if isinstance(e.get("step"), int)]
     row.last_step = max(steps, default=None)
-    manifests = [p.stat().st_mtime for p in run.checkpoints.glob("step_*.json")] if run.checkpoints.is_dir() else []
-    row.checkpoint_mtime = max(manifests, default=None)
+    where = run.recorded_checkpoints()
+    row.checkpoint_mtime = storage.newest_manifest_time(where)
+    row.checkpoint_url = where if isinstance(where, str) else None
     return row
 
 
@@ -269,7 +272,7 @@ def render(rows: Sequence[Row], metric_key: str, best: Optional[Row], now: float
             "-" if r.last_step is None else str(r.last_step),
             fmt(r.loss),
             fmt(r.metric),
-            age(r.checkpoint_mtime, now),
+            age(r.checkpoint_mtime, now) + (f" {r.checkpoint_url}" if r.checkpoint_url else ""),
             *([script_label(r.script)] * scripts),
             shown_path(r.run.path),
         ]

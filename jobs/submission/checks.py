@@ -2,8 +2,9 @@
 template, a sweep's arrays, an adaptive search's workers, ``--dry-run``):
 
 1. ``check``: what one run will import (``check_code``: the script, or the task and the strategy's cut of its
-   model), what ``--local`` allows, the container image's path, and, unless told not to, the cluster (``sinfo``: the
-   partition, and the image's file). Every refusal is one line naming the key, before anything is created.
+   model), the object storage ``checkpoint.dir`` names (``check_storage``: a test object), what ``--local``
+   allows, the container image's path, and, unless told not to, the cluster (``sinfo``: the partition, and the
+   image's file). Every refusal is one line naming the key, before anything is created.
 2. ``resolve``: the job's one ``SlurmRequest``, from the checked config and the partition; checked against the
    partition (``SlurmRequest.check_fits``) and recorded in the config (``slurm.cpus_per_task``, which config.yaml
    keeps). The renderers and the submission take the request itself: nothing derives it again.
@@ -65,9 +66,20 @@ def check_place(cfg: Config, local: bool = False, cluster: bool = True) -> Optio
     return part
 
 
+def check_storage(cfg: Config) -> None:
+    """``checkpoint.dir`` in object storage: the bucket exists and takes a test object, with the credentials and
+    endpoint the AWS tools find here (the job inherits this environment). A local folder is the nodes' to make."""
+    from ddp_core.checkpoint import storage
+
+    if storage.is_url(cfg.checkpoint.dir):
+        storage.probe(str(cfg.checkpoint.dir))
+
+
 def check(cfg: Config, local: bool = False, cluster: bool = True) -> Optional[partitions.Partition]:
-    """Step 1 for one run: ``check_code`` and ``check_place``; the partition when the cluster was asked."""
+    """Step 1 for one run: ``check_code``, ``check_storage`` and ``check_place``; the partition when the cluster was
+    asked."""
     check_code(cfg)
+    check_storage(cfg)
     return check_place(cfg, local, cluster)
 
 

@@ -100,7 +100,7 @@ def follow(sub: Submitted) -> int:
 
     if result:
         print("final eval: " + " ".join(f"{k} {v:.4f}" for k, v in sorted(result.items())))
-    latest = checkpoint.find_latest(sub.run_dir.checkpoints)
+    latest = checkpoint.find_latest(sub.run_dir.recorded_checkpoints())
     print(f"checkpoint: {latest.path if latest else 'none'}")
     offline = sorted(sub.run_dir.wandb.glob("offline-run-*"))
     if offline:
