@@ -89,3 +89,7 @@ def test_a_job_checkpointing_to_s3_is_preempted_and_resumes_from_there_exactly(s
     export = run_cli("export", str(run_dir), str(out), cwd=tmp_path)
     assert export.returncode == 0 and f"{url}/step_00000024.pt" in export.stdout, export.stdout + export.stderr
     assert torch.load(out, weights_only=True)  # a state dict of the model's weights
+    # The report reads the run directory (metrics, events), never the checkpoints: it works the same.
+    report = run_cli("report", str(run_dir), cwd=tmp_path)
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert Path(field(report.stdout, "html")).stat().st_size > 0 and Path(field(report.stdout, "png")).exists()

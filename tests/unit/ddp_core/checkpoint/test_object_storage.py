@@ -148,3 +148,21 @@ def test_probe_checks_the_bucket_and_says_which_key(s3, monkeypatch):
         storage.probe(s3.url("other"))
     assert "checkpoint.dir" in err.value.message and "\n" not in err.value.message, err.value.message
     assert SECRET_KEY not in str(err.value)
+
+
+def test_a_run_resumes_from_s3_at_another_world_size_bitwise(s3, tmp_path):
+    """train.invariant, checkpoints in S3: 2 ranks under torchrun stop on the warning signal during step 5 (saved in S3
+    after step 6), and 1 rank resumes from there, ending on the digest of an uninterrupted run (one rank, on disk)."""
+    from tests.support.continuation import Setup
+    from tests.support.digits import DIGITS
+    from tests.support.helpers import events, final_digests, run_trainer
+
+    common = [*Setup(1, 1, False, True).overrides(), "train.max_steps=12", "train.eval_every=0"]
+    ref = final_digests(run_trainer(DIGITS, tmp_path / "ref", common, 1, torchrun=True))
+    run, in_s3 = tmp_path / "run", [*common, f"checkpoint.dir={s3.url()}"]
+    run_trainer(DIGITS, run, in_s3, 2, {"DDPJOB_TEST_INTERRUPT": "signal:1:9"}, stopped=True)  # 2 forwards a step
+    assert events(run, "interrupted")[-1]["step"] == 6 and not list((run / "checkpoints").iterdir())
+    saved = [p.rsplit("/", 1)[-1] for p in s3fs.S3FileSystem().find(s3.url().removeprefix("s3://"))]
+    assert "step_00000006.json" in saved, saved
+    log = run_trainer(DIGITS, run, in_s3, 1, torchrun=True)
+    assert "resumed from step_00000006.pt" in log and final_digests(log) == ref, log[-3000:]
