@@ -3,7 +3,7 @@ login node's checks of it and of ``train.peak_tflops`` and ``train.gpu_telemetry
 
 from __future__ import annotations
 
-import importlib.util
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -12,6 +12,7 @@ from ddp_core.config.problems import require
 if TYPE_CHECKING:
     from ddp_core.config.schema import TrainConfig
 
+log = logging.getLogger(__name__)
 MAX_PROFILE_STEPS = 1000  # a trace of more steps is gigabytes per rank that neither Perfetto nor TensorBoard opens
 PROFILE_REQUEST = "profile-now"  # RUN/profile-now: a running job profiles while the file is there (docs/performance.md)
 
@@ -49,7 +50,24 @@ def validate_perf(train: TrainConfig) -> None:
         )
 
 
-def nvml_missing(train: TrainConfig) -> bool:
-    """``train.gpu_telemetry`` asked for on a machine without NVML's Python binding (``nvidia-ml-py``): a warning at
-    submit, not an error (the ranks warn again and train on without it)."""
-    return train.gpu_telemetry is True and importlib.util.find_spec("pynvml") is None
+def warn_without_nvml(train: TrainConfig) -> bool:
+    """``train.gpu_telemetry=true`` on a machine without NVML's Python binding (``nvidia-ml-py``): one warning line
+    at submit (once per process: a sweep checks each trial), not an error; the ranks warn again where they lack it
+    too, and train on without it. Returns whether it warned."""
+    if train.gpu_telemetry is not True or _warned:
+        return False
+    try:
+        import pynvml  # noqa: F401  # ctypes bindings: the library itself loads only at nvmlInit
+    except ImportError:
+        pass
+    else:
+        return False
+    globals()["_warned"] = True
+    log.warning(
+        "train.gpu_telemetry=true, but nvidia-ml-py is not installed here: ranks without it train on without GPU "
+        "telemetry (pip install 'ddpjob[gpu]' where they run)"
+    )
+    return True
+
+
+_warned = False

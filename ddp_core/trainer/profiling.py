@@ -50,9 +50,10 @@ class Profiler:
 
     def after_step(self, step: int) -> None:
         if self.running is not None:
-            self.running.step()
             if step >= self.last or (self.on_request and step % self.every == 0 and not self.request.exists()):
                 self.end(step)
+            else:
+                self.running.step()  # ends this step's ProfilerStep#N, begins the next one's
             return
         if self.window is not None and step == self.window[0]:
             self.begin(step, self.window[1], False)
@@ -75,10 +76,13 @@ class Profiler:
         self.begin(step, step + min(steps, MAX_PROFILE_STEPS), True)
 
     def begin(self, step: int, last: int, on_request: bool) -> None:
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self.running = profile(activities=activities)
+        # A schedule that always records: torch then marks each step (ProfilerStep#N, which TensorBoard's plugin
+        # splits the trace by), numbered as the run's steps; the window's length is ours to end.
+        self.running = profile(activities=activities, schedule=lambda _: ProfilerAction.RECORD)
+        self.running.step_num = step + 1
         self.running.start()
         self.first, self.last, self.on_request = step, last, on_request
         if self.rank == 0:
