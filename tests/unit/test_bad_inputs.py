@@ -85,7 +85,7 @@ ROWS: list[Row] = [
     refused("eval_every_negative", "train.eval_every=-1", "'train.eval_every' = -1 is invalid: must be >= 0"),
     refused("log_every_zero", "train.log_every=0", "'train.log_every' = 0 is invalid: must be > 0"),
     refused("seed_negative", "train.seed=-1", "'train.seed' = -1 is invalid"),
-    # --- performance: MFU's peak, the profile window (train.max_steps 500 in digits.yaml) ---
+    # --- performance: MFU's peak, the profile window (train.max_steps 300 in digits.yaml) ---
     refused("peak_tflops_zero", "train.peak_tflops=0", "'train.peak_tflops' = 0.0 is invalid: must be > 0"),
     refused("peak_tflops_negative", "train.peak_tflops=-1", "'train.peak_tflops' = -1.0 is invalid: must be > 0"),
     refused("profile_beyond_max_steps", ("train.profile.start_step=498", "train.profile.steps=5"),
