@@ -38,7 +38,7 @@ class Profiler:
         self.request, self.every = run_path / PROFILE_REQUEST, cfg.train.log_every
         self.request_steps = profile.steps or REQUEST_STEPS
         self.out, self.rank, self.cuda = run_path / PROFILES, rank, device.type == "cuda"
-        self.served: Optional[int] = None  # the request file (its mtime) whose window ran: not served again
+        self.served: Optional[tuple[int, int, int]] = None  # the request file whose window ran: not served again
         self.running: Optional[Any] = None  # the torch profiler of the window in progress
         self.first = self.last = 0  # the window in progress: the steps after ``first``, up to ``last``
         self.on_request = False
@@ -62,9 +62,10 @@ class Profiler:
 
     def check_request(self, step: int) -> None:
         try:
-            stamp = self.request.stat().st_mtime_ns
+            found = self.request.stat()
         except OSError:
             return
+        stamp = (found.st_ino, found.st_mtime_ns, found.st_size)  # a rewrite within the clock's tick still differs
         if stamp == self.served:
             return
         self.served = stamp

@@ -74,7 +74,7 @@ class ProgressLines:
     ) -> None:
         self.cfg, self.env, self.device, self.telemetry = cfg, env, device, telemetry
         self.samples_per_step = samples_per_step
-        self.own = 4 + (FIELDS if telemetry.on else 0)  # each rank's gathered values before its train sums
+        self.own = 4 + FIELDS  # each rank's gathered values before its train sums (NaN for telemetry that is off)
         self.log_loss, self.train_sums, self.work, self.lr, self.records = log_loss, train_sums, work, lr, records
         self.progress = Progress(step, cfg.train.max_steps, samples_per_step, enabled=env.is_main)
         self.hosts: list[str] = []  # which host each rank is on (at the first line): the straggler report's

@@ -51,15 +51,13 @@ class Telemetry:
         self.on = cfg.train.telemetry
         self.step_s: list[float] = []  # this window's step times
         self.ticked = time.perf_counter()
-        if not self.on:
-            return
         self.flops = task.flops_per_sample(model)  # the plain model, before a strategy wraps or cuts it
         self.tokens = task.tokens_per_sample()
         self.peak, source = peak_tflops(cfg, device)
         single_process = cfg.strategy.name in SINGLE_PROCESS_STRATEGIES and device.type == "cuda"
         self.devices = env.world_size * (max(1, torch.cuda.device_count()) if single_process else 1)
-        self.gpu = GpuMeter(cfg.train.gpu_telemetry, device)
-        if env.is_main:
+        self.gpu = GpuMeter(cfg.train.gpu_telemetry if self.on else False, device)
+        if env.is_main and self.on:
             if self.flops is None:
                 log.info("no MFU: the task declares no FLOPs per sample (Task.flops_per_sample)")
             elif self.peak is None:
@@ -75,9 +73,10 @@ class Telemetry:
         self.ticked = now
 
     def local(self, steps: int, work: Any) -> list[float]:
-        """This rank's fields for the line's all-gather (``FIELDS`` of them; none when off)."""
+        """This rank's fields for the line's all-gather: ``FIELDS`` of them, NaN when off (the same layout either
+        way, so ``on`` may change between lines: bench/telemetry_overhead.py turns it on and off within one run)."""
         if not self.on:
-            return []
+            return [math.nan] * FIELDS
         rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kilobytes on Linux
         return [work.take_data_ms() / max(1, steps), rss_gb, *self.gpu.sample()]
 

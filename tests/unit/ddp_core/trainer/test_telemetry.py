@@ -134,3 +134,30 @@ def test_submit_warns_once_without_nvml(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("train.gpu_telemetry=true, but nvidia-ml-py is not installed here") == 1, proc.stderr
+
+
+def test_a_request_file_turns_profiling_on_and_off_at_log_steps(tmp_path):
+    """RUN/profile-now: the window starts at the next multiple of train.log_every, runs for the steps the file says
+    or until the file goes (checked at those steps), and the same file is not served twice."""
+    from ddp_core.config import load_config
+    from ddp_core.trainer.profiling import Profiler
+
+    cfg = load_config(None, ["run.name=p", "train.log_every=5", "train.profile.steps=0"])
+    profiler = Profiler(cfg, tmp_path, 0, torch.device("cpu"))
+    request = tmp_path / "profile-now"
+
+    def run(steps: range) -> None:
+        for step in steps:
+            torch.ones(4).sum()  # something to record
+            profiler.after_step(step)
+
+    request.write_text("3\n")
+    run(range(1, 16))  # seen at step 5: steps 6-8
+    run(range(16, 31))  # the same file: not served again
+    request.write_text("")  # rewritten: asked again, with no count: until removed (10 steps at most here)
+    run(range(31, 38))  # seen at step 35
+    request.unlink()
+    run(range(38, 46))  # gone at step 40: steps 36-40
+    windows = sorted(p.name for p in (tmp_path / "profiles").iterdir())
+    assert windows == ["steps_36-40", "steps_6-8"]
+    assert all((tmp_path / "profiles" / w / "rank0.pt.trace.json").is_file() for w in windows)
