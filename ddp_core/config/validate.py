@@ -15,7 +15,7 @@ from ddp_core.config.features import validate_script, validate_snapshot, validat
 from ddp_core.config.local_tier import validate_local_tier
 from ddp_core.config.metric import parse_metric
 from ddp_core.config.nodes import node_range
-from ddp_core.config.perf import validate_perf
+from ddp_core.config.perf_checks import validate_perf
 from ddp_core.config.problems import require
 from ddp_core.config.schema import (
     CPU_BIND,

@@ -302,8 +302,8 @@ def _max_steps(run: RunDir) -> Optional[int]:
     import yaml  # plain YAML: the config tree (OmegaConf) is not needed for one number
 
     try:
-        return throughput.max_steps_of(yaml.safe_load(run.config_file.read_text()) or {})
-    except (OSError, yaml.YAMLError):
+        return throughput.max_steps_of(yaml.safe_load(run.config_file.read_bytes()))
+    except (OSError, ValueError, RecursionError, yaml.YAMLError):  # ValueError: not UTF-8; a damaged file has no ETA
         return None
 
 

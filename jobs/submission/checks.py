@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from ddp_core.config import Config
-from ddp_core.config.perf import warn_without_nvml
+from ddp_core.config.perf_checks import warn_without_nvml
 from ddp_core.errors import DdpJobError
 from jobs.submission import partitions
 from jobs.submission.request import SlurmRequest
