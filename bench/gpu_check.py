@@ -46,6 +46,10 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parent.parent
 CHARLM = ROOT / "configs" / "charlm.yaml"
 BASELINE = ROOT / "bench" / "ddp_baseline.py"
+# The hand-written loops, by the strategy each is the reference of: ddp's (every strategy's ratio is against it) and
+# fsdp's (FSDP2 as its tutorial writes it: ddpjob's fsdp against it, target FSDP_TARGET).
+BASELINES = {"ddp": ("hand-written DDP", BASELINE), "fsdp": ("hand-written FSDP2", ROOT / "bench" / "fsdp_baseline.py")}
+FSDP_TARGET = 1.10
 WHEELS = ROOT / ".whl"
 CPU_ENV = "DDPJOB_GPU_CHECK_CPU"
 STRATEGIES = ("ddp", "dp", "model_parallel", "fsdp", "pipeline")
@@ -405,14 +409,15 @@ def fail(row: Row, reason: str, log: Path) -> None:
     print(f"FAILED ({reason}); last lines of {log}:\n{tail(log)}", flush=True)
 
 
-def run_baseline(sizes: Sizes, gpus: int, launcher: Launcher, work: Path) -> Row:
-    out_dir = work / "ddp_baseline"
+def run_baseline(sizes: Sizes, gpus: int, launcher: Launcher, work: Path, kind: str = "ddp") -> Row:
+    name, script = BASELINES[kind]
+    out_dir = work / script.stem
     out_dir.mkdir(parents=True)
     where = "CPU" if launcher.rehearsal else plural(gpus, "GPU")
     label = f"{plural(gpus, 'rank')} / {where}"
-    row = Row("hand-written DDP", gpus, label, sizes.batch_size * gpus, run_dir=str(out_dir))
-    print(f"--- hand-written DDP (bench/ddp_baseline.py): {label}, {sizes.steps} steps ... ", end="", flush=True)
-    argv = [str(BASELINE), f"--d-model={sizes.d_model}", f"--layers={sizes.layers}", f"--heads={sizes.heads}",
+    row = Row(name, gpus, label, sizes.batch_size * gpus, run_dir=str(out_dir))
+    print(f"--- {name} (bench/{script.name}): {label}, {sizes.steps} steps ... ", end="", flush=True)
+    argv = [str(script), f"--d-model={sizes.d_model}", f"--layers={sizes.layers}", f"--heads={sizes.heads}",
             f"--seq-len={sizes.seq_len}", f"--max-chars={sizes.max_chars}", f"--eval-fraction={sizes.eval_fraction}",
             f"--batch-size={sizes.batch_size}", f"--steps={sizes.steps}", f"--window-start={sizes.window_start}",
             f"--lr={LR}", f"--weight-decay={WEIGHT_DECAY}", f"--out={out_dir / 'timing.json'}"]  # fmt: skip
@@ -432,6 +437,18 @@ def run_baseline(sizes: Sizes, gpus: int, launcher: Launcher, work: Path) -> Row
     row.ratio = 1.0
     print(f"{row.wall_s:.0f} s", flush=True)
     return row
+
+
+def fsdp_against_its_loop(rows: list[Row]) -> str:
+    """ddpjob's fsdp against the hand-written FSDP2 loop of the same invocation, one line; empty without both."""
+    ours = next((r for r in rows if r.strategy.startswith("fsdp") and r.ms_per_step), None)
+    theirs = next((r for r in rows if r.strategy == BASELINES["fsdp"][0] and r.ms_per_step), None)
+    if ours is None or theirs is None or ours.ms_per_step is None or theirs.ms_per_step is None:
+        return ""
+    ratio = ours.ms_per_step / theirs.ms_per_step
+    met = "met" if ratio <= FSDP_TARGET else "NOT met"
+    return (f"fsdp vs hand-written FSDP2 (bench/fsdp_baseline.py): {ours.ms_per_step:.1f} vs {theirs.ms_per_step:.1f} "
+            f"ms/step = {ratio:.3f}x (target <= {FSDP_TARGET:.2f}x: {met})")  # fmt: skip
 
 
 def run_resume(sizes: Sizes, gpus: int, launcher: Launcher, work: Path, keep: bool) -> tuple[bool, str]:
@@ -595,12 +612,16 @@ def check(args: argparse.Namespace, sizes: Sizes, gpus: int, rehearsal: bool, la
           f"interval; work dir {work}", flush=True)  # fmt: skip
 
     rows = [run_strategy(n, sizes, gpus, launcher, work, args.keep_checkpoints) for n in args.strategies.split(",")]
+    fsdp_line = ""
     if not args.no_baseline:
-        baseline = run_baseline(sizes, gpus, launcher, work)
-        rows.insert(0, baseline)
+        baselines = [run_baseline(sizes, gpus, launcher, work, kind) for kind in BASELINES
+                     if kind == "ddp" or kind in args.strategies.split(",")]  # fmt: skip
+        rows[:0] = baselines
+        baseline = baselines[0]
         if baseline.ms_per_step:
             for r in rows[1:]:
                 r.ratio = r.ms_per_step / baseline.ms_per_step if r.ms_per_step else None
+        fsdp_line = fsdp_against_its_loop(rows)
     resume_ok, resume_line = True, "exact resume: skipped (--no-resume)"
     if not args.no_resume:
         resume_ok, resume_line = run_resume(sizes, gpus, launcher, work, args.keep_checkpoints)
@@ -609,6 +630,9 @@ def check(args: argparse.Namespace, sizes: Sizes, gpus: int, rehearsal: bool, la
     text = table(rows, rehearsal)
     where = plural(gpus, "rank") if rehearsal else plural(gpus, "GPU")
     print(f"\n{title}: {where}, global batch {sizes.batch_size * gpus} per step everywhere\n{text}")
+    if fsdp_line:
+        print(fsdp_line)
+        text += f"\n\n{fsdp_line}"
     print(resume_line)
     failures = [r.strategy for r in rows if r.status != "ok"] + ([] if resume_ok else ["exact resume"])
     print(f"total wall time {wall:.0f} s; {'FAILED: ' + ', '.join(failures) if failures else 'all passed'}")

@@ -38,6 +38,7 @@ BENCHES = [
     ("strategies", "strategies"),
     ("invariant", "world-size-invariant training"),
     ("local_checkpoint", "node-local checkpoints"),
+    ("telemetry_overhead", "framework tax and telemetry"),
 ]
 
 

@@ -51,6 +51,9 @@ WINDOW_START = 50  # steps before the timed window: warm-up (allocator, DDP's bu
 class Options:
     bind: bool = True  # each rank on a CPU of its own (bind)
     overrides: tuple[str, ...] = ()  # extra config overrides for ddpjob's runs: A/B a setting against the raw loop
+    # "module:function" of bench/ that a ddpjob worker calls before training; it returns a callback run after each
+    # step's stamp (bench/telemetry_overhead.py switches the telemetry on and off within one run with it).
+    setup: str = ""
 
 
 def free_port() -> int:
@@ -98,7 +101,7 @@ def start(
     if kind == "ddpjob":  # what `ddpjob submit` does on the login node, before the job (and this timer) starts
         prepare(out / "run", width, steps, opts.overrides)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--out", str(out), "--width", str(width),
-           "--steps", str(steps), "--window-start", str(window_start)]  # fmt: skip
+           "--steps", str(steps), "--window-start", str(window_start), "--setup", opts.setup]  # fmt: skip
     port = free_port()
     started = time.time()
     procs = [subprocess.Popen(cmd, env=worker_env(r, ranks, port), cwd=out, stdout=subprocess.PIPE,
@@ -243,12 +246,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--window-start", type=int, default=WINDOW_START, help=argparse.SUPPRESS)
+    parser.add_argument("--setup", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker == "raw":
         raw_worker(args.out, args.width, args.steps, args.window_start)
         return
     if args.worker == "ddpjob":
-        ddpjob_worker(args.out, args.steps, args.window_start)
+        ddpjob_worker(args.out, args.steps, args.window_start, args.setup)
         return
     opts = Options(bind=not args.no_bind, overrides=tuple(args.override))
     results = measure(args.widths, args.ranks, args.repeats, args.steps, opts)
@@ -365,19 +369,26 @@ def prepare(run_dir: Path, width: int, steps: int, extra: Sequence[str] = ()) ->
     RunDir(run_dir).initialize(load_config(DIGITS, overrides))
 
 
-def ddpjob_worker(out: Path, steps: int, window_start: int) -> None:
+def ddpjob_worker(out: Path, steps: int, window_start: int, setup: str = "") -> None:
     """``python -m ddp_core RUN_DIR`` in this process (what each rank of a Slurm job runs), its watchdog stamping
-    each step: ``beat`` is the trainer's one per-step call out of its loop, after the optimizer update."""
+    each step: ``beat`` is the trainer's one per-step call out of its loop, after the optimizer update. ``setup``:
+    see ``Options.setup``."""
+    import importlib
+
     from ddp_core import launch
     from ddp_core.trainer.watchdog import Watchdog
 
     stamps = _Stamps(out, steps, window_start)
     rank = int(os.environ["RANK"])
+    module, _, function = setup.partition(":")
+    after_stamp = getattr(importlib.import_module(module), function)() if setup else None
 
     class StampingWatchdog(Watchdog):
         def beat(self, step: int) -> None:
             super().beat(step)
             stamps.step(step)
+            if after_stamp is not None:
+                after_stamp(step)
 
         def stop(self) -> None:  # after the last step, before the process exits
             super().stop()

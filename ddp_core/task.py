@@ -7,5 +7,15 @@ is internal (it may move). Nothing inside ddp_core imports it (the import contra
 """
 
 from ddp_core.tasks.base import Output, Task, TaskConfig, check_task, load_task
+from ddp_core.tasks.flops import dense_flops_per_sample, dense_params, transformer_flops_per_sample
 
-__all__ = ["Output", "Task", "TaskConfig", "check_task", "load_task"]
+__all__ = [
+    "Output",
+    "Task",
+    "TaskConfig",
+    "check_task",
+    "dense_flops_per_sample",
+    "dense_params",
+    "load_task",
+    "transformer_flops_per_sample",
+]

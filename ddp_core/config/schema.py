@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Union
 from ddp_core.config.container import ContainerConfig
 from ddp_core.config.input import MISSING
 from ddp_core.config.nodes import node_range
+from ddp_core.config.perf import ProfileConfig
 
 
 class StrategyName(str, Enum):
@@ -174,6 +175,16 @@ class TrainConfig:
     # two), across resumes at other world sizes too. ddp (or one process) only; each shard is seeded from
     # (train.seed, step, shard) and the gradients are summed in one fixed binary tree instead of DDP's all-reduce.
     invariant: bool = False
+    # Throughput and efficiency in every progress line (samples/s, tokens/s, MFU, data wait, step-time p50/p95,
+    # peak memory; docs/performance.md). false: loss, lr and step time only.
+    telemetry: bool = True
+    # The peak TFLOP/s of one GPU (or CPU rank) for MFU; null: from the built-in table of common GPUs by dtype.
+    peak_tflops: Optional[float] = None
+    # GPU utilisation, power and energy per rank through NVML (the nvidia-ml-py extra). null: where NVML is;
+    # true: asked for (a warning where NVML is missing, never a failed job); false: off.
+    gpu_telemetry: Optional[bool] = None
+    # A torch.profiler trace per rank of steps start_step+1 .. start_step+steps, under RUN/profiles/.
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from ddp_core.config.features import validate_script, validate_snapshot, validat
 from ddp_core.config.local_tier import validate_local_tier
 from ddp_core.config.metric import parse_metric
 from ddp_core.config.nodes import node_range
+from ddp_core.config.perf_checks import validate_perf
 from ddp_core.config.problems import require
 from ddp_core.config.schema import (
     CPU_BIND,
@@ -78,6 +79,7 @@ def validate(cfg: Config) -> None:
     require(cfg.train.straggler_factor >= 1, "train.straggler_factor", cfg.train.straggler_factor, "must be >= 1")
     require(cfg.train.stop_check_ms >= 0, "train.stop_check_ms", cfg.train.stop_check_ms, "must be >= 0")
     _validate_trainer_extras(cfg)
+    validate_perf(cfg.train)
     validate_local_tier(cfg.checkpoint, cfg.script.enabled)
     validate_checkpoint_dir(cfg.checkpoint.dir, cfg.script.enabled)
     _validate_script_strings(cfg)

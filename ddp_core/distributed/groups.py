@@ -45,8 +45,8 @@ from ddp_core.cluster import rendezvous
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.health import HealthCheckFailed
 from ddp_core.config import DistConfig
+from ddp_core.distributed import flight_recorder, suspend
 from ddp_core.distributed import guard as collective_guard
-from ddp_core.distributed import suspend
 from ddp_core.distributed.guard import CPU_BACKEND, GPU_BACKEND
 from ddp_core.errors import DdpJobError
 
@@ -102,6 +102,7 @@ def setup(env: DistEnv, cfg: Optional[DistConfig] = None, meeting: Optional[Path
         backend = collective_guard.install(cfg.guard, cuda, env)
     if env.source != "single":
         store = _rendezvous_store(env, cfg, meeting)
+        flight_recorder.enable(cuda)  # a hang's dump then holds the NCCL collectives in flight
         dist.init_process_group(
             backend,
             store=store,

@@ -29,6 +29,7 @@ class WorkTimer:
     def __init__(self, device: torch.device) -> None:  # torch-free at import: ``ddpjob status`` reads this module
         self.cuda = device.type == "cuda"
         self.host_s = 0.0
+        self.data_s = 0.0  # the data wait alone, since the last ``take_data_ms`` (the progress line's data_wait)
         self.events: list[tuple[Any, Any]] = []
         self._started = 0.0  # the forward in progress: its start (host time, or a CUDA event)
         self._start: Any = None
@@ -42,7 +43,9 @@ class WorkTimer:
                 item = next(iterator)
             except StopIteration:
                 return
-            self.host_s += time.perf_counter() - started
+            waited = time.perf_counter() - started
+            self.host_s += waited
+            self.data_s += waited
             yield item
 
     def forward(self) -> WorkTimer:
@@ -74,6 +77,11 @@ class WorkTimer:
         total = self.host_s * 1000 + sum(start.elapsed_time(end) for start, end in self.events)
         self.host_s, self.events = 0.0, []
         return total
+
+    def take_data_ms(self) -> float:
+        """Milliseconds spent waiting for data since the last call."""
+        waited, self.data_s = self.data_s, 0.0
+        return waited * 1000
 
 
 def spread(work_ms: Sequence[float], hosts: Sequence[str]) -> dict[str, Any]:

@@ -50,6 +50,17 @@ def _step_of(line: str) -> int:
         return sys.maxsize  # a torn last line from a killed writer: drop it
 
 
+PERCENT = ("mfu", "data_wait")  # fractions the line shows as percentages (the records keep the fractions)
+
+
+def _shown(key: str, value: float) -> str:
+    if key in PERCENT:
+        return f"{key} {100 * value:.3g}%"
+    if key == "tokens_per_s":
+        return f"tokens/s {value:.0f}"
+    return f"{key} {value:.4g}"
+
+
 class Progress:
     """A tqdm bar on a terminal; plain log lines (step, loss, samples/s, ETA) in SLURM log files."""
 
@@ -78,7 +89,8 @@ class Progress:
             self.bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}", refresh=True)
             return
         eta = timedelta(seconds=int((self.max_steps - step) / steps_per_s)) if steps_per_s > 0 else "?"
-        extras = " ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+        samples_per_s = metrics.get("samples_per_s", samples_per_s)  # the window's, where the line has it
+        extras = " ".join(_shown(k, v) for k, v in metrics.items() if k != "samples_per_s")
         log.info("step %d/%d %s samples/s %.0f eta %s", step, self.max_steps, extras, samples_per_s, eta)
 
     def close(self) -> None:

@@ -97,6 +97,17 @@ class Task(ABC):
         ``nn.Sequential``'s children."""
         return None
 
+    def flops_per_sample(self, model: nn.Module) -> Optional[float]:
+        """Training FLOPs (forward and backward) of one sample through ``model`` (the unwrapped model, on the CPU,
+        called once before training), for the MFU in each progress line; None (the default): no MFU is shown.
+        ``ddp_core.tasks.flops`` has the usual estimates (``transformer_flops_per_sample``: 6N + attention)."""
+        return None
+
+    def tokens_per_sample(self) -> Optional[int]:
+        """Tokens in one sample (a sequence's length), for tokens/s in each progress line; None (the default): a
+        task without tokens."""
+        return None
+
     def split(self, batch: Any) -> tuple[Any, Any]:
         """(model inputs, targets) of a batch. The pipeline strategy feeds inputs to its first stage and
         targets to its last, so this is the only place a batch's layout is known."""

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 
 from ddp_core.errors import DdpJobError
 from ddp_core.tasks.base import Output, Task
+from ddp_core.tasks.flops import dense_params, transformer_flops_per_sample
 
 VOCAB = 256  # bytes: no tokenizer to build or ship
 
@@ -142,6 +143,14 @@ class CharLMTask(Task):
             )
         blocks = [Block(d_model, n_heads, dropout) for _ in range(n_layers)]
         return nn.Sequential(Embed(d_model, self.seq_len, dropout), *blocks, Head(d_model))
+
+    def flops_per_sample(self, model: nn.Module) -> float:
+        blocks = [m for m in model.modules() if isinstance(m, Block)]
+        width = blocks[0].qkv.in_features if blocks else 0
+        return transformer_flops_per_sample(dense_params(model), len(blocks), width, self.seq_len)
+
+    def tokens_per_sample(self) -> int:
+        return self.seq_len
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         data = torch.frombuffer(bytearray(stdlib_text(self.max_chars)), dtype=torch.uint8)

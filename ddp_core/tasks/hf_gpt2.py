@@ -20,6 +20,7 @@ from torch.utils.data import Dataset
 from ddp_core.errors import DdpJobError
 from ddp_core.tasks.base import Output, Task
 from ddp_core.tasks.charlm import VOCAB, Windows, stdlib_text
+from ddp_core.tasks.flops import dense_params, transformer_flops_per_sample
 
 
 class Embeddings(nn.Module):
@@ -107,6 +108,17 @@ class HFGPT2Task(Task):
             attn_implementation="sdpa",  # type: ignore[call-arg]  # PretrainedConfig's **kwargs take it
         )
         return GPT2LMHeadModel(config)
+
+    def flops_per_sample(self, model: nn.Module) -> float:
+        config: Any = model.config  # build_model's GPT2LMHeadModel
+        # A tied head is the token embedding's table (left out by dense_params), yet it multiplies every token's
+        # hidden state: count it. An untied one is an nn.Linear, counted already.
+        tied = config.vocab_size * config.n_embd if config.tie_word_embeddings else 0
+        n = dense_params(model) + tied
+        return transformer_flops_per_sample(n, config.n_layer, config.n_embd, self.seq_len)
+
+    def tokens_per_sample(self) -> int:
+        return self.seq_len
 
     def pipeline_blocks(self, model: nn.Module) -> Optional[list[nn.Module]]:
         gpt2: Any = model  # build_model's GPT2LMHeadModel: its submodules by name

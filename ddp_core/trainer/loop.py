@@ -41,6 +41,7 @@ from ddp_core.trainer.data import TrainData, eval_loader
 from ddp_core.trainer.metrics import RunningLoss, TrainSums
 from ddp_core.trainer.monitor import Monitor
 from ddp_core.trainer.optim import OptimizerStep, build_optimizer, build_scheduler, keeps_implementation
+from ddp_core.trainer.profiling import Profiler
 from ddp_core.trainer.progress import ProgressLines, Records
 from ddp_core.trainer.steps import (
     Outcome,
@@ -51,6 +52,7 @@ from ddp_core.trainer.steps import (
     to_device,
     weights_digest,
 )
+from ddp_core.trainer.telemetry import Telemetry
 from ddp_core.trainer.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class Trainer:
         self.records: Optional[Records] = None
         self.lines: Optional[ProgressLines] = None
         self.batch_watch: Optional[batch_node.Watch] = None  # rank 0 of a job with spare nodes (start)
+        self.profiler: Optional[Profiler] = None
         self.primed = False  # this attempt's first step done (``Strategy.prime``)
         self.restored: Optional[Restored] = None  # the checkpoint tier and step this attempt started from
         self.interrupted = False  # stopped on a signal, to be continued (what the trackers record at the end)
@@ -105,6 +108,7 @@ class Trainer:
         invariant_seed = cfg.train.seed if cfg.train.invariant else None  # world-size-invariant shards, seeded
         self.strategy = strategy = build_strategy(cfg.strategy, env, device, task, invariant_seed)
         model = task.build_model(**cfg.task.model)
+        self.telemetry = Telemetry(cfg, env, device, task, model)  # the task's FLOPs of the plain model, on the CPU
         if cfg.train.compile:  # in place, before wrapping: parameter names (checkpoint keys) stay the plain model's
             model.compile()
         self.model = model = strategy.wrap(model)
@@ -196,7 +200,10 @@ class Trainer:
             self.strategy.work,
             lambda: scheduler.get_last_lr()[0],
             self.records,
+            self.telemetry,
         )
+        self.profiler = Profiler(self.cfg, self.run_dir.path, self.env.rank, self.device)
+        self.profiler.at_start(step)
         if self.env.is_main:  # rank 0's clock decides the stop before the time limit (ddp_core.cluster.deadline)
             assert self.checkpoints is not None  # build() made it
             self.stop_flag.deadline = deadline.arm(self.cfg.slurm, self.env, self.checkpoints.save_cost_s)
@@ -207,7 +214,7 @@ class Trainer:
         """The loop. Every rank runs the same steps and leaves after the same one: at max_steps, an early stop, a
         pruned trial, or a signal all ranks agreed on (``StopFlag.agree``)."""
         cfg, pos = self.cfg, self.state.pos
-        assert self.checkpoints is not None and self.lines is not None
+        assert self.checkpoints is not None and self.lines is not None and self.profiler is not None
         self.model.train()
         signum, pruned = 0, False
         last_eval: Optional[dict[str, float]] = None  # an early stop's final metrics: the evaluation that decided it
@@ -215,6 +222,7 @@ class Trainer:
             for group in self.strategy.work.timed(micro_batches(self.data.epoch(pos), self.grad_accum)):
                 self.step(group)
                 self.lines.after_step(pos.step)
+                self.profiler.after_step(pos.step)
                 if cfg.train.eval_every and pos.step % cfg.train.eval_every == 0 and pos.step < cfg.train.max_steps:
                     last_eval = self.evaluate()
                     pruned = cfg.trial.bound and pruning.decide(self.trial, pos.step, last_eval)
@@ -373,6 +381,8 @@ class Trainer:
         finally:
             if self.checkpoints and isinstance(error, Exception) and failures.classify(error) is failures.Kind.user:
                 self.checkpoints.discard_local(collective=False)
+            if self.profiler is not None:
+                self.profiler.close(self.at_step())
             if self.lines is not None:
                 self.lines.close()
             if self.records is not None:

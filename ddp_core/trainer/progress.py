@@ -25,6 +25,7 @@ from ddp_core.run.reporting import MetricsLog, Progress
 from ddp_core.run.rundir import RunDir
 from ddp_core.trackers import Outcome, Trackers, open_trackers
 from ddp_core.trainer.metrics import RunningLoss, TrainSums
+from ddp_core.trainer.telemetry import FIELDS, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,11 @@ class ProgressLines:
         work: Any,
         lr: Callable[[], float],
         records: Records,
+        telemetry: Telemetry,
     ) -> None:
-        self.cfg, self.env, self.device = cfg, env, device
+        self.cfg, self.env, self.device, self.telemetry = cfg, env, device, telemetry
+        self.samples_per_step = samples_per_step
+        self.own = 4 + FIELDS  # each rank's gathered values before its train sums (NaN for telemetry that is off)
         self.log_loss, self.train_sums, self.work, self.lr, self.records = log_loss, train_sums, work, lr, records
         self.progress = Progress(step, cfg.train.max_steps, samples_per_step, enabled=env.is_main)
         self.hosts: list[str] = []  # which host each rank is on (at the first line): the straggler report's
@@ -79,6 +83,8 @@ class ProgressLines:
         self.line: Optional[tuple[int, dict[str, float], Callable[[], list[list[float]]]]] = None
 
     def after_step(self, step: int) -> None:
+        if self.telemetry.on:
+            self.telemetry.tick()
         self.finish()  # the last step's, if it had one
         if step % self.cfg.train.log_every == 0 or step == self.cfg.train.max_steps:
             self.start(step)
@@ -92,6 +98,7 @@ class ProgressLines:
             *state,
             groups.peak_memory_gb(self.device) or 0,
             self.work.take_ms() / steps,
+            *self.telemetry.local(steps, self.work),
             *self.train_sums.take(),
         ]
         self.log_loss.reset()
@@ -109,12 +116,16 @@ class ProgressLines:
         ranks = gather()
         metrics = {"loss": sum(r[0] for r in ranks) / max(1.0, sum(r[1] for r in ranks)), **known}
         # The task's train-step sums and the grad norm, averaged over ranks; train/loss stays the step losses' mean.
-        metrics |= {k: v for k, v in self.train_sums.combine([r[4:] for r in ranks]).items() if k not in metrics}
+        sums = self.train_sums.combine([r[self.own :] for r in ranks])
+        metrics |= {k: v for k, v in sums.items() if k not in metrics}
         if self.device.type == "cuda":  # the largest and smallest peak over ranks: imbalance shows as a gap
             metrics |= {"peak_mem_gb": max(r[2] for r in ranks), "peak_mem_gb_min": min(r[2] for r in ranks)}
+        # Throughput over the line's window (train.telemetry); without it, samples/s since the attempt started.
+        metrics |= {"samples_per_s": self.progress.rate(step)[1]}
+        metrics |= self.telemetry.combine([r[4 : self.own] for r in ranks], metrics["step_ms"], self.samples_per_step)
         self.progress.update(step, metrics)
         spread = self._spread(ranks, metrics["step_ms"])
-        self.records.record("train", metrics | {"samples_per_s": self.progress.rate(step)[1]} | spread, step)
+        self.records.record("train", metrics | spread, step)
         if self.cfg.train.stop_on_nan and not math.isfinite(metrics["loss"]):
             # Every rank read the same gathered loss: all of them stop here, none is left in a collective, and
             # none has saved a checkpoint since (a checkpoint finishes the line first).

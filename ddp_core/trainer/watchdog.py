@@ -45,6 +45,7 @@ from typing import IO, Any, Callable, Optional
 
 from ddp_core.cluster.exits import ExitCode, leave
 from ddp_core.config import WatchdogConfig
+from ddp_core.distributed import flight_recorder
 from ddp_core.run.rundir import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,9 @@ class Watchdog:
                 f"rank {self.rank}/{self.world_size} on {self.host} pid {os.getpid()}: no progress for "
                 f"{stalled:.0f} s after step {self.step}\n\n{_all_stacks()}"
             )
+        recorder = flight_recorder.dump(self.folder, self.rank)  # on GPUs: the NCCL collectives in flight
+        if recorder is not None:
+            log.error("NCCL flight recorder: %s", recorder)
         log.error(
             "no progress for %.0f s after step %s (in %s): stacks in %s",
             stalled,

@@ -19,10 +19,17 @@ from jobs.report.trials import Sweep, Trial
 TABLE_FORMATS = ("csv", "json")
 
 
+# A single run's throughput, MFU and memory (ddp_core.trainer.telemetry), drawn beside its loss where its lines have
+# them; a sweep's trials compare by their metric, and these would only crowd its charts.
+PERFORMANCE = ("train/samples_per_s", "train/tokens_per_s", "train/mfu", "train/peak_mem_gb", "train/peak_rss_gb")
+
+
 def metric_keys(sweep: Sweep) -> list[str]:
-    """train/loss and eval/* (what the trainer's runs have), plus everything a script run logged."""
+    """train/loss and eval/* (what the trainer's runs have), a single run's performance beside its loss, plus
+    everything a script run logged."""
     keys = {key for t in sweep.trials for key in t.curves}
-    first = [k for k in ("train/loss",) if k in keys] + sorted(k for k in keys if k.startswith("eval/"))
+    performance = [k for k in PERFORMANCE if k in keys] if sweep.kind == "run" else []
+    first = [k for k in ("train/loss",) if k in keys] + performance + sorted(k for k in keys if k.startswith("eval/"))
     chosen = {key for t in sweep.trials if t.is_script for key in t.curves}
     return first + sorted(chosen - set(first))
 

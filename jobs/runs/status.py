@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from ddp_core.checkpoint import storage
 from ddp_core.cluster.slurm import Runner
 from ddp_core.errors import DdpJobError
-from jobs.runs import goodput, notes
+from jobs.runs import goodput, notes, throughput
 from jobs.runs.attempts import Attempt, in_array_range, job_attempts
 from jobs.runs.listing import DEFAULT_ROOT, Job, query_ids, run_jobs, runs_to_show, shown_path
 from jobs.runs.ranking import ranking_metric
@@ -301,6 +301,15 @@ def _code_line(run: RunDir) -> str:
         return str(err)
 
 
+def _max_steps(run: RunDir) -> Optional[int]:
+    import yaml  # plain YAML: the config tree (OmegaConf) is not needed for one number
+
+    try:
+        return throughput.max_steps_of(yaml.safe_load(run.config_file.read_bytes()))
+    except (OSError, ValueError, RecursionError, yaml.YAMLError):  # ValueError: not UTF-8; a damaged file has no ETA
+        return None
+
+
 def status_text(
     path: Optional[str], metric: Optional[str], limit: int = 20, runner: Optional[Runner] = None
 ) -> tuple[str, bool]:
@@ -327,6 +336,8 @@ def status_text(
         text += f"\n{rows[0].no_accounting}"
     if len(rows) == 1 and not is_sweep:
         text += f"\ncode: {_code_line(rows[0].run)}"
+        if (speed := throughput.describe(rows[0].run.metrics(), _max_steps(rows[0].run))) is not None:
+            text += f"\n{speed}"
         if (measured := goodput.measure(rows[0].events, rows[0].run.metrics())) is not None:
             text += f"\n{measured.line()}"
     if best is not None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from ddp_core.config import Config, WandbMode
+from ddp_core.config.perf_checks import warn_without_nvml
 from ddp_core.config.tracking import check_installed
 from ddp_core.errors import DdpJobError
 from jobs.submission import partitions
@@ -40,6 +41,7 @@ def check_code(cfg: Config) -> None:
 
     check_task(cfg.task)
     check_model(cfg)
+    warn_without_nvml(cfg.train)  # a warning, not a refusal: the job trains on without GPU telemetry
 
 
 def check_place(cfg: Config, local: bool = False, cluster: bool = True) -> Optional[partitions.Partition]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddp_core.run.rundir import RunDir
-from jobs.runs import logs, status
+from jobs.runs import logs, status, throughput
 from tests.support.cli_runner import field, run_cli
 from tests.support.helpers import ROOT, events, in_queue, wait_for, wait_gone
 
@@ -40,6 +41,14 @@ def test_status_logs_and_cancel_on_real_jobs(slurm_cluster, tmp_path):
     slow_dir, slow_job = Path(field(slow.stdout, "run dir")), field(slow.stdout, "job")
     wait_for(lambda: events(slow_dir, "start"), 120, "the slow job to start training")
     assert status.collect([slow_dir], "eval/accuracy")[0].active(time.time())
+    # Its throughput and ETA once it has a progress line; then profiling turned on while it runs (RUN/profile-now).
+    wait_for(lambda: throughput.last_line(RunDir(slow_dir).metrics()), 60, "the slow job's first progress line")
+    text, _ = status.status_text(str(slow_dir), "eval/accuracy")
+    assert re.search(r"throughput at step \d+: [\d,]+ samples/s, .*; ETA [\d:]+ to step 100000 \(train.max_steps\)",
+                     text), text  # fmt: skip
+    (slow_dir / "profile-now").write_text("2\n")
+    traces = lambda: sorted(p.name for p in (slow_dir / "profiles").glob("steps_*/rank*.pt.trace.json"))  # noqa: E731
+    wait_for(lambda: traces() == ["rank0.pt.trace.json", "rank1.pt.trace.json"], 60, "the requested profile")
     assert list(logs.cancel([str(tmp_path / "runs")])) == [slow_job]  # the completed run has nothing to cancel
     assert wait_gone(slow_job).startswith("CANCELLED")
     assert status.collect([slow_dir], "eval/accuracy")[0].history(time.time()) == "CANCELLED"

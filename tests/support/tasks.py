@@ -268,6 +268,20 @@ class TrainMetricsDigitsTask(DigitsTask):
         return Output(loss=loss, count=len(y), sums=sums)
 
 
+class KnownFlopsDigitsTask(DigitsTask):
+    """Digits that declares round FLOPs and tokens per sample: the MFU and tokens/s a run records can be checked by
+    hand against its samples/s."""
+
+    FLOPS = 1e6
+    TOKENS = 8
+
+    def flops_per_sample(self, model: nn.Module) -> float:
+        return self.FLOPS
+
+    def tokens_per_sample(self) -> int:
+        return self.TOKENS
+
+
 class FlatMetricDigitsTask(DigitsTask):
     """Digits whose evaluation also reports ``flat``, the same value at every evaluation: a monitored metric that
     never improves after its first value (early stopping)."""
