@@ -79,6 +79,20 @@ def main() -> None:
     )
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
+    seconds, loss = train_window(ddp_model, optimizer, loader, sampler, device, args)
+    report(args, device, seconds, loss, "")
+
+
+def train_window(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: DataLoader,
+    sampler: DistributedSampler,
+    device: torch.device,
+    args: argparse.Namespace,
+) -> tuple[float, torch.Tensor]:
+    """The hand-written loop (also bench/fsdp_baseline.py's): bf16 autocast, backward, step; the seconds of steps
+    window_start+1 .. steps, synchronised at the edges only, and the last loss."""
     step, epoch = 0, 0
     window_started = 0.0
     if args.window_start == 0:
@@ -90,7 +104,7 @@ def main() -> None:
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
-                logits = ddp_model(inputs)
+                logits = model(inputs)
                 loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -103,27 +117,33 @@ def main() -> None:
                 break
         epoch += 1
     synchronize()
-    seconds = time.perf_counter() - window_started
+    return time.perf_counter() - window_started, loss
 
+
+def report(args: argparse.Namespace, device: torch.device, seconds: float, loss: torch.Tensor, label: str) -> None:
+    """Rank 0 writes the timing (and the largest peak GPU memory over ranks, as the trainer reports it) to --out;
+    every rank prints its ms/step (``label``: which loop); then the group ends."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     peak = None
-    if device.type == "cuda":  # the largest peak over ranks, as the trainer reports it
+    if device.type == "cuda":
         peak_t = torch.tensor([torch.cuda.max_memory_allocated(device) / 1e9], device=device)
         dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
         peak = peak_t.item()
+    ms = 1000 * seconds / (args.steps - args.window_start)
     if rank == 0 and args.out is not None:
         timing = {
             "world_size": world_size,
             "batch_size": args.batch_size,
             "window": [args.window_start, args.steps],
             "seconds": seconds,
-            "ms_per_step": 1000 * seconds / (args.steps - args.window_start),
+            "ms_per_step": ms,
             "peak_mem_gb": peak,
             "final_loss": loss.item(),
             "device": str(device),
         }
         args.out.write_text(json.dumps(timing, indent=2) + "\n")
-    print(f"rank {rank}/{world_size}: {1000 * seconds / (args.steps - args.window_start):.1f} ms/step", flush=True)
-    dist.barrier(device_ids=[local_rank] if device.type == "cuda" else None)  # then destroy: gloo can abort at exit
+    print(f"rank {rank}/{world_size}: {ms:.1f} ms/step{label}", flush=True)
+    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)  # then destroy: gloo can abort at exit
     dist.destroy_process_group()
 
 

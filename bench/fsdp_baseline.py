@@ -15,21 +15,18 @@ Rank 0 writes the timing (and the peak GPU memory) as JSON to --out. On a CPU it
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ddp_baseline beside it, also when run from elsewhere
-from ddp_baseline import parse_args, synchronize
+from ddp_baseline import parse_args, report, train_window
 
 from ddp_core.tasks.charlm import Block, CharLMTask
 
@@ -57,47 +54,8 @@ def main() -> None:
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True, pin_memory=cuda)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-
-    step, epoch = 0, 0
-    window_started = 0.0
-    if args.window_start == 0:
-        synchronize()
-        window_started = time.perf_counter()
-    while step < args.steps:
-        sampler.set_epoch(epoch)
-        for inputs, targets in loader:
-            inputs = inputs.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
-                logits = model(inputs)
-                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            step += 1
-            if step == args.window_start:
-                synchronize()
-                window_started = time.perf_counter()
-            if step == args.steps:
-                break
-        epoch += 1
-    synchronize()
-    seconds = time.perf_counter() - window_started
-
-    peak = None
-    if cuda:  # the largest peak over ranks, as the trainer reports it
-        peak_t = torch.tensor([torch.cuda.max_memory_allocated(device) / 1e9], device=device)
-        dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
-        peak = peak_t.item()
-    ms = 1000 * seconds / (args.steps - args.window_start)
-    if rank == 0 and args.out is not None:
-        timing = {"world_size": world_size, "batch_size": args.batch_size, "window": [args.window_start, args.steps],
-                  "seconds": seconds, "ms_per_step": ms, "peak_mem_gb": peak, "final_loss": loss.item(),
-                  "device": str(device)}  # fmt: skip
-        args.out.write_text(json.dumps(timing, indent=2) + "\n")
-    print(f"rank {rank}/{world_size}: {ms:.1f} ms/step (hand-written FSDP2)", flush=True)
-    dist.barrier(device_ids=[local_rank] if cuda else None)
-    dist.destroy_process_group()
+    seconds, loss = train_window(model, optimizer, loader, sampler, device, args)
+    report(args, device, seconds, loss, " (hand-written FSDP2)")
 
 
 if __name__ == "__main__":
