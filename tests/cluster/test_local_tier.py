@@ -21,6 +21,7 @@ from tests.support.helpers import (
     final_digests,
     rank_logs,
     run_trainer,
+    two_rank_reference,
 )
 
 pytestmark = [pytest.mark.cluster_shared("b")]  # 2-CPU jobs: see tests/support/cluster_guard.py
@@ -37,13 +38,7 @@ KILLED = ["task.target=tests.support.tasks:CrashingTask", "task.data.crash_rank=
 @pytest.fixture(scope="module")
 def reference(pytestconfig, tmp_path_factory) -> str:
     """The uninterrupted run, without the local tier: 2 ranks under torchrun outside Slurm (bitwise a 2-rank job's)."""
-
-    def run() -> str:
-        d = final_digests(run_trainer(DIGITS, tmp_path_factory.mktemp("ref") / "run", CONFIG, nproc=2))
-        assert len(d) == 2 and len(set(d)) == 1
-        return d[0]
-
-    return cached_reference(pytestconfig, "local-tier", [DIGITS, *CONFIG, "nproc=2"], run)
+    return two_rank_reference(pytestconfig, tmp_path_factory, "local-tier", DIGITS, CONFIG)
 
 
 def test_a_killed_rank_costs_only_the_steps_since_the_newest_local_copy(reference, tmp_path):

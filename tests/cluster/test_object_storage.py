@@ -17,12 +17,10 @@ from tests.support import s3 as s3_support
 from tests.support.cli_runner import field, run_cli
 from tests.support.helpers import (
     ROOT,
-    cached_reference,
     digests,
     events,
-    final_digests,
     rank_logs,
-    run_trainer,
+    two_rank_reference,
     wait_gone,
 )
 
@@ -41,13 +39,7 @@ STOP_AT = 10  # rank 0 signals itself at its 10th batch of the first attempt
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, pytestconfig) -> str:
     """The uninterrupted run, 2 ranks under torchrun, checkpoints in its run directory."""
-
-    def run() -> str:
-        d = final_digests(run_trainer(DIGITS, tmp_path_factory.mktemp("ref") / "run", CONFIG, nproc=2))
-        assert len(d) == 2 and len(set(d)) == 1
-        return d[0]
-
-    return cached_reference(pytestconfig, "object-storage", [DIGITS, *CONFIG, "nproc=2"], run)
+    return two_rank_reference(pytestconfig, tmp_path_factory, "object-storage", DIGITS, CONFIG)
 
 
 def test_a_job_checkpointing_to_s3_is_preempted_and_resumes_from_there_exactly(slurm_cluster, s3, reference, tmp_path):

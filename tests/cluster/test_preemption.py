@@ -29,6 +29,7 @@ from tests.support.helpers import (
     rank_pid,
     run_trainer,
     sacct_state,
+    two_rank_reference,
     wait_for,
     wait_gone,
     wandb_records,
@@ -51,13 +52,7 @@ SLOW = "task.data.pause_s=0.03"  # ~10 s of training: room for signals at random
 def reference(pytestconfig, tmp_path_factory) -> str:
     """The uninterrupted run of the same config: 2 ranks under torchrun outside Slurm, bitwise a 2-rank job's; reused
     from pytest's cache by the passes after the first (the release passes rerun this module's template test)."""
-
-    def run() -> str:
-        d = final_digests(run_trainer(DIGITS, tmp_path_factory.mktemp("ref") / "run", CONFIG, nproc=2))
-        assert len(d) == 2 and len(set(d)) == 1
-        return d[0]
-
-    return cached_reference(pytestconfig, "preemption", [DIGITS, *CONFIG, "nproc=2"], run)
+    return two_rank_reference(pytestconfig, tmp_path_factory, "preemption", DIGITS, CONFIG)
 
 
 def submit(cwd: Path, *extra: str) -> tuple[str, Path]:

@@ -8,14 +8,21 @@ from __future__ import annotations
 import re
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.support.cli_runner import field, run_cli
 from tests.support.digits import DIGITS, TWO
-from tests.support.helpers import ROOT, digests, events, rank_logs, submit_and_kill_node, wait_for
+from tests.support.helpers import (
+    ROOT,
+    digests,
+    events,
+    rank_logs,
+    submit_and_kill_node,
+    submit_and_lose_batch_node,
+    wait_for,
+)
 
 KILLED_ONCE = ["task.target=tests.support.tasks:CrashingTask", "task.data.crash_at=25", "task.data.error=SIGKILL",
                "task.data.crash_launch=0"]  # fmt: skip
@@ -141,28 +148,12 @@ def test_a_dead_batch_node_sends_the_job_through_the_queue_without_losing_a_step
     with nothing left to requeue it: rank 0 sees Slurm mark n1 gone, every rank stops after the same step and
     checkpoints, and rank 0 requeues the job as an infrastructure failure of n1. Once n1 is back the next attempt
     resumes from that very step and ends with the uninterrupted run's weights."""
-    local, mark = str(ROOT / "scripts" / "slurm-local"), tmp_path / "marked"
-    cmd = [sys.executable, "-m", "jobs", "submit", DIGITS, "--wait", *TWO, "slurm.spare_nodes=1",
-           "task.target=tests.support.marked_tasks:MarkedSlowFirstAttemptTask", "task.data.pause_s=1.0",
-           f"task.data.mark_file={mark}"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for(mark.exists, 120, "rank 0 to reach its 5th batch")
-        frozen = subprocess.run([local, "freeze-node", "n1"], capture_output=True, text=True, timeout=60)
-        assert frozen.returncode == 0, frozen.stdout + frozen.stderr
-        run_dir = next((tmp_path / "runs").iterdir())
-        wait_for(lambda: events(run_dir, "requeued"), 120, "rank 0 to requeue the job")
-        for act in ("kill-node", "start-node"):  # the frozen processes end, and n1 comes back for the next attempt
-            done = subprocess.run([local, act, "n1"], capture_output=True, text=True, timeout=120)
-            assert done.returncode == 0, done.stdout + done.stderr
-        out, err = proc.communicate(timeout=240)
-    finally:
-        proc.kill()
-        for script in tmp_path.glob("runs/*/slurm/*_submission.sh"):  # a job left running by a failed assertion
-            subprocess.run(["scancel", script.name.split("_")[0]], capture_output=True, timeout=30)
-        for act in ("kill-node", "start-node"):  # whatever happened (kill-node finds nothing left after the above)
-            subprocess.run([local, act, "n1"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, out + err
+    mark = tmp_path / "marked"
+    args = [DIGITS, *TWO, "slurm.spare_nodes=1", "task.target=tests.support.marked_tasks:MarkedSlowFirstAttemptTask",
+            "task.data.pause_s=1.0", f"task.data.mark_file={mark}"]  # fmt: skip
+    code, out, err = submit_and_lose_batch_node(args, tmp_path, mark)
+    assert code == 0, out + err
+    run_dir = Path(field(out, "run dir"))
     job_id = field(out, "job")
     seen = [(e["event"], e.get("host")) for e in events(run_dir)]
     assert seen == [("start", None), ("failure", "n1"), ("requeued", None), ("start", None), ("completed", None)], seen
@@ -180,29 +171,13 @@ def test_a_dead_batch_node_requeues_a_script_through_its_warning_signal(slurm_cl
     a step every 2 s in its first attempt), its batch node n1 frozen after step 2. Rank 0's launcher sees Slurm mark n1
     gone and sends the warning signal itself; the script has no handler for it, so ddpjob requeues the job, and the
     next attempt resumes from the script's own checkpoint and finishes."""
-    local, mark = str(ROOT / "scripts" / "slurm-local"), tmp_path / "marked"
-    script = str(ROOT / "tests" / "support" / "resume_script.py")
-    cmd = [sys.executable, "-m", "jobs", "submit", "--script", script, "--wait", "slurm.nodes=2",
-           "slurm.tasks_per_node=1", "slurm.partition=wide", "slurm.spare_nodes=1", "script.resume_args=[--resume]",
-           "wandb.mode=disabled", "--", "--pause", "2", "--mark", str(mark)]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for(mark.exists, 120, "rank 0 to finish its step 2")
-        frozen = subprocess.run([local, "freeze-node", "n1"], capture_output=True, text=True, timeout=60)
-        assert frozen.returncode == 0, frozen.stdout + frozen.stderr
-        run_dir = next((tmp_path / "runs").iterdir())
-        wait_for(lambda: events(run_dir, "requeued"), 120, "the job to be requeued")
-        for act in ("kill-node", "start-node"):
-            done = subprocess.run([local, act, "n1"], capture_output=True, text=True, timeout=120)
-            assert done.returncode == 0, done.stdout + done.stderr
-        out, err = proc.communicate(timeout=240)
-    finally:
-        proc.kill()
-        for script_file in tmp_path.glob("runs/*/slurm/*_submission.sh"):
-            subprocess.run(["scancel", script_file.name.split("_")[0]], capture_output=True, timeout=30)
-        for act in ("kill-node", "start-node"):
-            subprocess.run([local, act, "n1"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, out + err
+    mark, script = tmp_path / "marked", str(ROOT / "tests" / "support" / "resume_script.py")
+    args = ["--script", script, "slurm.nodes=2", "slurm.tasks_per_node=1", "slurm.partition=wide",
+            "slurm.spare_nodes=1", "script.resume_args=[--resume]", "wandb.mode=disabled", "--", "--pause", "2",
+            "--mark", str(mark)]  # fmt: skip
+    code, out, err = submit_and_lose_batch_node(args, tmp_path, mark)
+    assert code == 0, out + err
+    run_dir = Path(field(out, "run dir"))
     job_id = field(out, "job")
     assert [e["event"] for e in events(run_dir)] == ["start", "interrupted", "requeued", "start", "completed"]
     logs = rank_logs(run_dir, job_id)

@@ -45,6 +45,20 @@ def cached_reference(pytestconfig: Any, name: str, parts: Sequence[str], compute
         return digest
 
 
+def two_rank_reference(
+    pytestconfig: Any, tmp_path_factory: Any, name: str, config: str, overrides: Sequence[str]
+) -> str:
+    """The final weights' digest of an uninterrupted run of ``config`` with ``overrides``, 2 ranks under torchrun
+    outside Slurm (bitwise a 2-rank job's), reused from pytest's cache (``cached_reference``, slot ``name``)."""
+
+    def run() -> str:
+        d = final_digests(run_trainer(config, tmp_path_factory.mktemp("ref") / "run", overrides, nproc=2))
+        assert len(d) == 2 and len(set(d)) == 1
+        return d[0]
+
+    return cached_reference(pytestconfig, name, [config, *overrides, "nproc=2"], run)
+
+
 def run_trainer(
     config: str,
     run_dir: Path,
@@ -265,4 +279,32 @@ def submit_and_kill_node(overrides: Sequence[str], cwd: Path, node: str, halted:
         proc.kill()
         started = subprocess.run([local, "start-node", node], capture_output=True, text=True, timeout=120)
     assert started.returncode == 0, started.stdout + started.stderr
+    return proc.returncode, out, err
+
+
+def submit_and_lose_batch_node(args: Sequence[str], cwd: Path, marked: Path, node: str = "n1") -> tuple[int, str, str]:
+    """``ddpjob submit --wait ARGS`` of a job whose batch node is ``node``: once its rank 0 has written ``marked`` (at a
+    chosen step), ``node`` dies as the other nodes see a dead host (``scripts/slurm-local freeze-node``: its processes
+    stopped, their connections open and silent); once the run recorded its requeue, the frozen processes are killed
+    and the node comes back for the next attempt. Whatever happens, a job left running is cancelled and the node is
+    back at the end. Returns the command's exit code, stdout and stderr."""
+    local = str(ROOT / "scripts" / "slurm-local")
+    cmd = [sys.executable, "-m", "jobs", "submit", "--wait", *args]
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(marked.exists, 120, "rank 0 to reach its chosen step")
+        frozen = subprocess.run([local, "freeze-node", node], capture_output=True, text=True, timeout=60)
+        assert frozen.returncode == 0, frozen.stdout + frozen.stderr
+        run_dir = next((cwd / "runs").iterdir())
+        wait_for(lambda: events(run_dir, "requeued"), 120, "the job to be requeued")
+        for act in ("kill-node", "start-node"):
+            done = subprocess.run([local, act, node], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stdout + done.stderr
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+        for script in cwd.glob("runs/*/slurm/*_submission.sh"):  # a job left running by a failed assertion
+            subprocess.run(["scancel", script.name.split("_")[0]], capture_output=True, timeout=30)
+        for act in ("kill-node", "start-node"):  # kill-node finds nothing left once the above ran
+            subprocess.run([local, act, node], capture_output=True, text=True, timeout=120)
     return proc.returncode, out, err
