@@ -19,6 +19,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch import nn
 
+from ddp_core.checkpoint import store
 from ddp_core.task import Output
 from ddp_core.tasks.digits import DigitsTask
 from tests.support.digits import DIGITS
@@ -135,5 +136,4 @@ def play(setup: Setup, schedule: list[Attempt], run_dir: Path) -> str:
 
 def newest_checkpoint(run_dir: Path) -> int:
     """The step of the newest checkpoint whose manifest was written (0: none), where the next attempt resumes."""
-    steps = [int(p.stem.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*.json")]
-    return max(steps, default=0)
+    return max(store.steps(run_dir / "checkpoints"), default=0)

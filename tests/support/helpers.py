@@ -59,6 +59,16 @@ def two_rank_reference(
     return cached_reference(pytestconfig, name, [config, *overrides, "nproc=2"], run)
 
 
+def stop_server(proc: subprocess.Popen[Any], timeout_s: float = 10) -> None:
+    """End a server a test started (an S3 or MLflow server on loopback): SIGTERM, then SIGKILL after ``timeout_s``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def run_trainer(
     config: str,
     run_dir: Path,

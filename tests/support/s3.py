@@ -20,6 +20,9 @@ from typing import Iterator
 
 import pytest
 
+from ddp_core.cluster.rendezvous import free_port
+from tests.support.helpers import stop_server
+
 # Random per session (so not in any source file either, the run's code snapshot included): a test looks for them
 # in everything a run writes, where they must appear nowhere.
 ACCESS_KEY = "AKIA" + secrets.token_hex(8).upper()
@@ -43,16 +46,10 @@ class S3:
         }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_server(log: Path) -> tuple[subprocess.Popen[bytes], str]:
     """``python -m moto.server`` on a free loopback port; returns it once it answers HTTP."""
     for _ in range(5):  # the port may be taken between choosing it and the server's bind: another one then
-        port = _free_port()
+        port = free_port()
         out = open(log, "ab")
         proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
@@ -79,12 +76,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         yield endpoint
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 @pytest.fixture

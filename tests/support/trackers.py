@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import os
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -13,7 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from tests.support.helpers import wait_for
+from ddp_core.cluster.rendezvous import free_port
+from tests.support.helpers import stop_server, wait_for
 
 
 def _up(url: str) -> bool:
@@ -27,9 +27,7 @@ def _up(url: str) -> bool:
 @contextmanager
 def mlflow_server(folder: Path) -> Iterator[str]:
     """``mlflow server`` on a free loopback port with a SQLite store in ``folder``; its URL. Stopped on exit."""
-    with socket.socket() as s:  # a free port (the server binds it a moment later)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # the server binds it a moment later
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{folder / 'server.db'}",
            "--artifacts-destination", str(folder / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
            "--workers", "1"]  # fmt: skip
@@ -43,12 +41,7 @@ def mlflow_server(folder: Path) -> Iterator[str]:
         assert proc.poll() is None, (folder / "server.log").read_text()[-3000:]
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc, timeout_s=20)
 
 
 def tensorboard_steps(folder: Path, tag: str) -> list[int]:
