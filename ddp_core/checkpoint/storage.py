@@ -27,6 +27,7 @@ from functools import cache
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Callable, Iterator, Optional, Union
 
+from ddp_core.config.checkpoint_dir import is_url  # what checkpoint.dir names: one test, the config's
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import atomic_write_text, fsync_dir
 
@@ -40,11 +41,6 @@ Location = Union[Path, str]
 
 # Writeback of a file being saved starts every this many bytes, so the fsync at its end has little left to do.
 _FLUSH_EVERY = 128 << 20
-
-
-def is_url(location: object) -> bool:
-    """Whether ``location`` names object storage (a URL with a scheme other than file://)."""
-    return isinstance(location, str) and "://" in location and not location.startswith("file://")
 
 
 class HashingWriter(io.RawIOBase):

@@ -15,6 +15,12 @@ _KEY = "checkpoint.dir"
 _SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*$")
 
 
+def is_url(location: object) -> bool:
+    """Whether ``location`` (``checkpoint.dir``, or a path or URL derived from it) names object storage: a URL with a
+    scheme other than file://."""
+    return isinstance(location, str) and "://" in location and not location.startswith("file://")
+
+
 def validate_checkpoint_dir(value: Optional[str], script_enabled: bool) -> None:
     """Raise ``DdpJobError`` naming ``checkpoint.dir`` for a value the login node can tell is wrong."""
     if value is None:
@@ -27,7 +33,7 @@ def validate_checkpoint_dir(value: Optional[str], script_enabled: bool) -> None:
         value,
         "script mode's script writes its own checkpoints (runtime.checkpoint_dir(), in the run directory)",
     )
-    if "://" not in value or value.startswith("file://"):
+    if not is_url(value):
         path = value.removeprefix("file://")
         require(path.startswith("/"), _KEY, value, "a local path must be absolute (the nodes start elsewhere)")
         require(".." not in path.split("/"), _KEY, value, "no '..' in it: name the folder itself")

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
+from ddp_core.config.checkpoint_dir import is_url
 from ddp_core.errors import DdpJobError
 
 if TYPE_CHECKING:
@@ -139,7 +140,7 @@ class RunDir:
         if base is None:
             return self.checkpoints
         name = self.name if _DIR_SUFFIX.search(self.name) else f"{self.path.parent.name}/{self.name}"
-        if "://" in base and not base.startswith("file://"):
+        if is_url(base):
             return f"{base.rstrip('/')}/{name}"
         return Path(base.removeprefix("file://")) / name
 
