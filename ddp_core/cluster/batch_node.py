@@ -54,6 +54,16 @@ def stopping(flag: Stoppable) -> Callable[[str], None]:
     return stop
 
 
+def script_told(slurm: SlurmConfig, host: str) -> bool:
+    """Script mode's answer to a lost batch node: whether the script can be sent the configured warning signal (its
+    own handler, or ddpjob's with ``script.resume_args``, then checkpoints and requeues); with ``slurm.signal: none``
+    nothing can tell it, which is logged."""
+    if not slurm.sends_signal:
+        log.warning("slurm.signal is none: nothing tells the script that batch node %s is gone, and it runs on "
+                    "unwatched (ddpjob cancel, then ddpjob resume, to requeue it)", host)  # fmt: skip
+    return slurm.sends_signal
+
+
 class Watch:
     """Rank 0's daemon thread: asks Slurm about ``host`` every ``interval_s`` until it is gone (then calls
     ``on_gone(host)`` once) or ``stop`` is called. Started where the warning signal and SIGTERM are held, as

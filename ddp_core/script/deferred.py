@@ -199,11 +199,8 @@ class DeferredWarning:
         batch_node.watch(self.cfg.slurm, self.env, self._warn_for_lost_batch_node)
 
     def _warn_for_lost_batch_node(self, host: str) -> None:
-        if not self.cfg.slurm.sends_signal:
-            log.warning("slurm.signal is none: nothing tells the script that batch node %s is gone, and it runs on "
-                        "unwatched (ddpjob cancel, then ddpjob resume, to requeue it)", host)  # fmt: skip
-            return
-        self._warn_unless_signalled(f"since batch node {host} is gone")
+        if batch_node.script_told(self.cfg.slurm, host):
+            self._warn_unless_signalled(f"since batch node {host} is gone")
 
     def _warn_unless_signalled(self, why: str) -> None:
         if self.flag.received_at or self.warning in signal.sigpending():

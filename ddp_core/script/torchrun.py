@@ -334,7 +334,12 @@ def run_agent(
     signals.release(forwarder.warning, signal.SIGTERM)
     due = deadline.warning_due(cfg.slurm, env) if env.is_main else None  # node 0's agent: rank 0's
     lost = threading.Event()  # the batch node of a job with spare nodes is gone (cluster.batch_node): warn now
-    watch = batch_node.watch(cfg.slurm, env, lambda host: lost.set()) if cfg.slurm.sends_signal else None
+
+    def lost_batch_node(host: str) -> None:
+        if batch_node.script_told(cfg.slurm, host):
+            lost.set()
+
+    watch = batch_node.watch(cfg.slurm, env, lost_batch_node)
     while thread.is_alive():
         thread.join(POLL_S)  # signal handlers run here, between waits
         if due is not None and time.time() >= due:

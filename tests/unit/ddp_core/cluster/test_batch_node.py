@@ -80,3 +80,11 @@ def test_the_lost_batch_node_is_an_infrastructure_failure_that_requeues_the_job(
         batch_node.requeue_after("n1", run2.load_config().slurm, run2, ENV, 40, slurm2.gateway) == ExitCode.BUDGET_SPENT
     )
     assert slurm2.asked() == []
+
+
+def test_a_script_is_told_through_its_warning_signal_or_the_log_says_nothing_can(tmp_path, caplog):
+    signalled = run_dir(tmp_path / "usr2", "slurm.spare_nodes=1").load_config().slurm
+    silent = run_dir(tmp_path / "none", "slurm.spare_nodes=1", "slurm.signal=none").load_config().slurm
+    assert batch_node.script_told(signalled, "n1") and not caplog.records
+    assert not batch_node.script_told(silent, "n1")
+    assert "slurm.signal is none: nothing tells the script that batch node n1 is gone" in caplog.text
