@@ -7,5 +7,6 @@
 - ``checkpoint``, ``strategies`` and ``search``, then ``tasks`` (the Task API and built-in tasks);
 - ``distributed`` (torch.distributed: process groups, collectives, RNG state), then ``cluster`` (rank/world,
   Slurm, signals, the exit policy), then ``run`` (the run directory), then ``config`` (the schema, torch-free),
-  then ``errors`` and ``python_m`` (the ``python -m`` form of every command line ddpjob writes).
+  then ``errors``, ``locations`` (whether a location names object storage) and ``python_m`` (the ``python -m``
+  form of every command line ddpjob writes).
 """

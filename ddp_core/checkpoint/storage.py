@@ -27,8 +27,8 @@ from functools import cache
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Callable, Iterator, Optional, Union
 
-from ddp_core.config.checkpoint_dir import is_url  # what checkpoint.dir names: one test, the config's
 from ddp_core.errors import DdpJobError
+from ddp_core.locations import is_url  # what checkpoint.dir names: one test, shared with the config check
 from ddp_core.run.rundir import atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)

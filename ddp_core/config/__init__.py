@@ -1,4 +1,4 @@
-"""config: the one config tree of a run. Torch-free; imports nothing of ddp_core but ``errors``.
+"""config: the one config tree of a run. Torch-free; imports nothing of ddp_core but ``errors`` and ``locations``.
 
 Both sides use it: the login node (``jobs``) validates a config before submitting, the compute node reloads the
 resolved copy saved in the run directory. Only ``load``, ``input`` and ``trials`` touch OmegaConf; everything past

@@ -10,15 +10,10 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from ddp_core.config.problems import require
+from ddp_core.locations import is_url
 
 _KEY = "checkpoint.dir"
 _SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*$")
-
-
-def is_url(location: object) -> bool:
-    """Whether ``location`` (``checkpoint.dir``, or a path or URL derived from it) names object storage: a URL with a
-    scheme other than file://."""
-    return isinstance(location, str) and "://" in location and not location.startswith("file://")
 
 
 def validate_checkpoint_dir(value: Optional[str], script_enabled: bool) -> None:

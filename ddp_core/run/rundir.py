@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
-from ddp_core.config.checkpoint_dir import is_url
 from ddp_core.errors import DdpJobError
+from ddp_core.locations import is_url
 
 if TYPE_CHECKING:
     from ddp_core.config import Config
