@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
@@ -176,6 +177,17 @@ class FullWriter:
             ) from err
         return time.perf_counter() - started
 
+    def settle(self, within_s: float) -> bool:
+        """Wait at most ``within_s`` for the save in flight; whether none is left (raising its failure, as ``wait``).
+        One still in flight is left to ``close(wait=False)``: its manifest is never written, so the newest complete
+        checkpoint is the one before it."""
+        if self._pending is not None:
+            futures.wait([self._pending], timeout=max(0.0, within_s))
+            if not self._pending.done():
+                return False
+        self.wait()
+        return True
+
     def _wait_pruned(self) -> None:
         """Wait for the prune after the last synchronous save. A failed one only leaves an old checkpoint behind
         (the next prune retries it): logged, not raised."""
@@ -187,14 +199,16 @@ class FullWriter:
         except Exception as err:
             log.warning("pruning old checkpoints in %s failed: %s: %s", self.directory, type(err).__name__, err)
 
-    def close(self) -> None:
-        """Wait for the save in flight (raising its failure) and stop the background thread."""
+    def close(self, wait: bool = True) -> None:
+        """Wait for the save in flight (raising its failure) and stop the background thread. ``wait=False``: leave a
+        save that did not settle (a stalled upload at a stop): the process ends without it."""
         try:
-            self.wait()
+            if wait:
+                self.wait()
         finally:
             if self._hook is not None:
                 self._hook.remove()
             self._staging.close()
-            self._pruner.shutdown()
+            self._pruner.shutdown(wait=wait)
             if self._background is not None:
-                self._background.shutdown()
+                self._background.shutdown(wait=wait, cancel_futures=not wait)

@@ -109,6 +109,7 @@ class CheckpointManager:
         self.last_save_s = 0.0  # what training blocked for in the last save
         self.saved_step = -1
         self.longest_save_s = 0.0  # the longest any save of this attempt blocked training
+        self.stalled = False  # the save in flight did not complete in the time a stop had for it (settle)
         self.recorded_s: Optional[float] = None  # what earlier attempts' saves cost (metrics.jsonl), read once
         self.local: Optional[LocalTier] = None
         if cfg.local_every_steps and env.job_id is None:
@@ -244,6 +245,27 @@ class CheckpointManager:
             log.warning("SIGTERM: the last save took %.1f s, over checkpoint.sigterm_budget_s", cost)
         return cost <= self.cfg.sigterm_budget_s
 
+    def settle(self, lead_s: float, signalled_at: float) -> bool:
+        """Collective, at a stop: wait for the background save in flight while the stop's ``lead_s`` (seconds from
+        the first rank's signal, ``signalled_at``, to Slurm's kill) lasts, less ``STOP_MARGIN_S`` for the exit;
+        whether it completed on every rank (one answer everywhere). An upload that stalled (object storage that
+        stopped answering) must not hold the stop past the kill: it is left (``close``), unfinished, and the run
+        resumes from the checkpoint before it, which is complete."""
+        if not self.cfg.async_save:  # the same on every rank: no collective without a save in flight
+            return True
+        first = min((at[0] for at in collectives.all_gather_floats([signalled_at]) if at[0] > 0), default=time.time())
+        within = lead_s - (time.time() - first) - STOP_MARGIN_S
+        writer = self.full or self.sharded
+        done = writer is None or writer.settle(within)
+        self.stalled = min(ranks[0] for ranks in collectives.all_gather_floats([float(done)])) < 1.0
+        if self.stalled and self.env.is_main:
+            log.warning(
+                "the checkpoint in flight did not complete within %.0f s of the signal (storage stalled?): it is "
+                "left unfinished, and the run resumes from the checkpoint before it",
+                lead_s - STOP_MARGIN_S,
+            )
+        return not self.stalled
+
     def mark_best(self, step: int, value: float) -> None:
         """Rank 0: the checkpoint of ``step`` is the best by ``checkpoint.monitor``."""
         if self.env.is_main:
@@ -252,17 +274,20 @@ class CheckpointManager:
     def close(self, wait: bool = True) -> None:
         """Stop the writers (again: a no-op). ``wait``: complete an async save in flight first (before the requeue,
         and before the process group goes away). Without it (a failed attempt), a sharded save in flight, which
-        would need the other ranks, is left; a full one, rank 0's own thread, still completes."""
+        would need the other ranks, is left; a full one, rank 0's own thread, still completes, unless it stalled."""
         full, sharded, self.full, self.sharded = self.full, self.sharded, None, None
         try:
             if full is not None:
-                full.close()
+                full.close(wait=not self.stalled)
             if sharded is not None:
-                sharded.close(wait)
+                sharded.close(wait and not self.stalled)
         finally:
             if self.local is not None:
                 self.local.close(wait)
 
+
+# What a stop keeps of its lead time for what follows the save in flight: the requeue and the exit.
+STOP_MARGIN_S = 5.0
 
 # The checkpoint records a save's cost is read from: the most recent few (an old one may predate a larger model).
 RECENT_SAVES = 3

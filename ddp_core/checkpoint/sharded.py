@@ -29,6 +29,7 @@ import socket
 import tempfile
 import time
 import warnings
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, cast
@@ -231,6 +232,16 @@ class ShardedWriter:
         pending, self._pending = self._pending, None
         pending.result()  # re-raises a failed background save here, in the training thread
         return time.perf_counter() - started
+
+    def settle(self, within_s: float) -> bool:
+        """Wait at most ``within_s`` for this rank's part of the save in flight; whether none is left (raising its
+        failure, as ``wait``). The ranks agree on the answer (``CheckpointManager.settle``)."""
+        if self._pending is not None:
+            futures.wait([self._pending], timeout=max(0.0, within_s))
+            if not self._pending.done():
+                return False
+        self.wait()
+        return True
 
     def close(self, wait: bool = True) -> None:
         """Wait for the save in flight; call before the process group goes away. ``wait=False`` (a failed attempt):

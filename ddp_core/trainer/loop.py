@@ -323,7 +323,8 @@ class Trainer:
     def stopped(self, signum: int) -> Outcome:
         """Collective: the ranks agreed on a signal after this step: checkpoint it if that fits, and stop."""
         assert self.checkpoints is not None and self.lines is not None
-        if self.checkpoints.fits_before(signum):
+        lead = self.cfg.checkpoint.sigterm_budget_s if signum == signal.SIGTERM else self.cfg.slurm.signal_lead_s
+        if self.checkpoints.settle(lead, self.stop_flag.received_at) and self.checkpoints.fits_before(signum):
             self.save(sync=True)
         self.interrupted = True
         why = " (the deadline stop)" if self.stop_flag.by_deadline else ""

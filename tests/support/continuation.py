@@ -35,12 +35,14 @@ class InterruptedDigitsTask(DigitsTask):
     """Digits whose attempt is interrupted from inside a rank (``DDPJOB_TEST_INTERRUPT=KIND:RANK:BATCH``) at its
     BATCH-th training forward (evaluation's are not counted; DDP's priming forward is, ``DDPStrategy.prime``):
     ``signal`` sends the warning signal (the trainer checkpoints and stops at a step boundary), ``kill`` SIGKILLs the
-    rank, as the OOM killer would: no handler, no save."""
+    rank, as the OOM killer would: no handler, no save. ``DDPJOB_TEST_STALL=PID:BATCH`` stops process PID (SIGSTOP: a
+    storage server that stops answering) at rank 0's BATCH-th training forward."""
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         kind, rank, batch = os.environ.get("DDPJOB_TEST_INTERRUPT", "none:-1:0").split(":")
         self.kind, self.rank, self.batch, self.forwards = kind, int(rank), int(batch), 0
+        self.stall_pid, self.stall_batch = map(int, os.environ.get("DDPJOB_TEST_STALL", "0:0").split(":"))
 
     def compute(self, model: nn.Module, batch: tuple) -> Output:
         if model.training:
@@ -48,6 +50,8 @@ class InterruptedDigitsTask(DigitsTask):
             rank = dist.get_rank() if dist.is_initialized() else 0
             if rank == self.rank and self.forwards == self.batch:
                 os.kill(os.getpid(), signal.SIGKILL if self.kind == "kill" else signal.SIGUSR2)
+            if rank == 0 and self.stall_pid and self.forwards == self.stall_batch:
+                os.kill(self.stall_pid, signal.SIGSTOP)
         return super().compute(model, batch)
 
 

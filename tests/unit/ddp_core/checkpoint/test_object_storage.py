@@ -16,6 +16,7 @@ from ddp_core.checkpoint import storage
 from ddp_core.checkpoint import store as checkpoint
 from ddp_core.checkpoint.full import FullWriter
 from ddp_core.errors import DdpJobError
+from ddp_core.run.rundir import RunDir
 from tests.support import s3 as s3_support
 from tests.support.helpers import ROOT
 from tests.support.s3 import SECRET_KEY
@@ -166,3 +167,39 @@ def test_a_run_resumes_from_s3_at_another_world_size_bitwise(s3, tmp_path):
     assert "step_00000006.json" in saved, saved
     log = run_trainer(DIGITS, run, in_s3, 1, torchrun=True)
     assert "resumed from step_00000006.pt" in log and final_digests(log) == ref, log[-3000:]
+
+
+def test_a_stalled_upload_at_the_warning_signal_is_left_and_the_run_resumes_before_it(tmp_path, monkeypatch):
+    """Background saves to S3 whose server stops answering (SIGSTOP from inside the rank, at a chosen step): the
+    warning signal's stop waits for the upload in flight only while slurm.signal_lead_s lasts, then ends the attempt
+    without it; the checkpoint before it is complete, and the run resumes from it, bitwise."""
+    from tests.support.continuation import Setup
+    from tests.support.digits import DIGITS
+    from tests.support.helpers import events, final_digests, run_trainer, stop_server
+
+    proc, endpoint = s3_support.start_server(tmp_path / "moto.log")  # this test's own: it is stopped mid-test
+    try:
+        server = s3_support.S3(endpoint, "stalled")
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()
+        s3fs.S3FileSystem().mkdir(server.bucket)
+        common = [*Setup(1, 1, True, False).overrides(), "train.max_steps=12", "train.eval_every=0"]
+        ref = final_digests(run_trainer(DIGITS, tmp_path / "ref", common, 1))
+        run, in_s3 = tmp_path / "run", [*common, f"checkpoint.dir={server.url()}", "slurm.signal_lead_s=8"]
+        run_trainer(DIGITS, run, in_s3, 1, {"DDPJOB_TEST_INTERRUPT": "signal:0:4"}, stopped=True)
+        assert events(run, "interrupted")[-1]["step"] == 4
+        # Resumed at step 4: the server stops at step 5 (nothing in flight); step 8's upload stalls; the signal
+        # during step 10 stops the attempt after it.
+        stall = {"DDPJOB_TEST_STALL": f"{proc.pid}:1", "DDPJOB_TEST_INTERRUPT": "signal:0:6"}
+        started = time.monotonic()
+        log = run_trainer(DIGITS, run, in_s3, 1, stall, stopped=True)
+        assert time.monotonic() - started < 60 and "did not complete within 3 s of the signal" in log, log[-3000:]
+        assert events(run, "interrupted")[-1]["step"] == 10
+        proc.send_signal(signal.SIGCONT)
+        assert checkpoint.steps(RunDir(run).recorded_checkpoints()) == [4]  # step 8: parts at most, no manifest
+        log = run_trainer(DIGITS, run, in_s3, 1)
+        assert "resumed from step_00000004.pt" in log and final_digests(log) == ref, log[-3000:]
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        stop_server(proc)
