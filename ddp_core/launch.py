@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from ddp_core.cluster import batch_node, exits, failures, signals
+from ddp_core.cluster import batch_node, exits, failures, run_lock, signals
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.exits import ExitCode, after_submitit, leave, without_result
 from ddp_core.cluster.log import log_failure, setup_logging
@@ -44,9 +44,7 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
         snapshot.activate(run_dir)  # before the task's module is imported: the code that was submitted
         lock = None
         if env.is_main:
-            # The previous attempt of this Slurm job may still be exiting when its requeued successor starts.
-            holder = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.job_id or "-"}
-            lock = run_dir.hold_trainer_lock(holder, wait_s=60.0 if env.restart_count or env.launch else 0.0)
+            lock = run_lock.hold(run_dir, env)  # the previous attempt may still be exiting, or dead
         # From before the rendezvous to the last step: a rank stuck anywhere in between is a hang.
         folder = attempt_folder(run_dir.hangs, env.job_id, env.restart_count)
         on_hang = functools.partial(exits.after_hang, cfg, run_dir, env)

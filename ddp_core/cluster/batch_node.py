@@ -1,21 +1,25 @@
-"""The batch node's death in a job that outlives its nodes (``--no-kill``: spare nodes): the ranks notice it and send
-the job back through the queue, where a fresh batch script watches again.
+"""The batch node's death in a job that outlives its nodes (``--no-kill``: spare nodes, or an elastic node range):
+the job goes back through the queue, where a fresh batch script watches again.
 
-The batch script and its watcher (``cluster.supervise``) run on the batch node, which a job with spare nodes keeps
-as its last spare, running no rank. When that node dies (power, a kernel panic), nothing is left to restart ranks
-or requeue the job, and Slurm 22.05 keeps such a job RUNNING on the nodes left until its time limit: the ranks train
-on, unwatched, and a rank that fails afterwards leaves the allocation idle. So rank 0 asks Slurm about the batch node
-every ``INTERVAL_S`` (``watch``; one ``scontrol show node``, from a daemon thread). Once Slurm says it is gone
-(``node_state.gone``: DOWN, NOT_RESPONDING or FAIL, the watcher's test of a node too), rank 0 records the warning
-signal as if it had come (``preemption.StopFlag``): every rank stops after the same step and checkpoints, and rank 0
-records an infrastructure ``failure`` of that host and requeues the job within ``slurm.max_failures``
-(``cluster.policy``), excluding the host at its second failure as for any node. Nothing is lost but the queue wait.
+The batch script and its watcher (``cluster.supervise``) run on the batch node. When that node dies (power, a kernel
+panic), nothing is left to restart ranks or requeue the job, and Slurm 22.05 keeps such a job RUNNING on the nodes
+left until its time limit: the allocation idles, or the ranks train on unwatched. So one process on another node asks
+Slurm about the batch node every ``INTERVAL_S`` (``watch``; one ``scontrol show node``, from a daemon thread). Once
+Slurm says it is gone (``node_state.gone``: DOWN, NOT_RESPONDING or FAIL, the watcher's test of a node too):
+
+- with spare nodes (the batch node is the last spare, running no rank), rank 0 records the warning signal as if it
+  had come (``preemption.StopFlag``): every rank stops after the same step and checkpoints, and rank 0 records an
+  infrastructure ``failure`` of that host and requeues the job within ``slurm.max_failures`` (``cluster.policy``),
+  excluding the host at its second failure as for any node. Nothing is lost but the queue wait;
+- in an elastic job without spares, rank 0 ran on the batch node and died with it: the first process of the second
+  node records the failure and requeues the job at once (``orphaned``), from the last checkpoint.
 
 Torch-free.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import socket
@@ -86,7 +90,7 @@ class Watch:
             if gone(self.gateway.show_node(self.host)):
                 log.warning(
                     "the batch node %s is gone (Slurm marks it down): its batch script and watcher died with it, so "
-                    "the ranks checkpoint now and the job is requeued to get a new one",
+                    "the job goes back through the queue to get a new one",
                     self.host,
                 )
                 self.on_gone(self.host)
@@ -97,18 +101,41 @@ class Watch:
 
 
 def watch(
-    slurm: SlurmConfig, env: DistEnv, on_gone: Callable[[str], None], gateway: SlurmGateway = NODE_GATEWAY
+    slurm: SlurmConfig,
+    env: DistEnv,
+    run_dir: RunDir,
+    on_gone: Callable[[str], None],
+    gateway: SlurmGateway = NODE_GATEWAY,
+    interval_s: float = INTERVAL_S,
 ) -> Optional[Watch]:
-    """Rank 0 of a Slurm job with spare nodes (``--no-kill``, the batch node kept as a spare; script mode: rank 0's
-    launcher, or node 0's torchrun agent): the ``Watch`` of its batch node. None otherwise (without ``--no-kill``
-    Slurm ends and requeues the job itself, ``cluster.node_loss``), or when scontrol does not name the batch node."""
-    if not env.is_main or not env.slurm_job_id or slurm.spare_nodes <= 0:
+    """The ``Watch`` of the batch node, from the one process of a ``--no-kill`` job that outlives it; None elsewhere
+    (without ``--no-kill`` Slurm ends and requeues the job itself, ``cluster.node_loss``), or when scontrol does not
+    name the batch node.
+
+    - With spare nodes the batch node is the last spare and runs no rank: rank 0 (script mode: its launcher, or node
+      0's torchrun agent) watches, and ``on_gone`` stops every rank at a step boundary with a checkpoint.
+    - An elastic job without spares (``slurm.nodes`` MIN-MAX) runs rank 0 on the batch node, which dies with it, and
+      the ranks left cannot checkpoint without it: the first process of the job's second node watches, and requeues
+      the job itself (``requeue_after``; the work since the last checkpoint is lost, as with any dead rank).
+    """
+    spares = slurm.spare_nodes > 0
+    watcher = env.is_main if spares else slurm.elastic and env.node_rank == 1 and env.local_rank == 0
+    if not watcher or not env.slurm_job_id:
         return None
     job = gateway.show_job(env.slurm_job_id)
     host = job.raw.get("BatchHost", "") if job is not None else ""
-    if not host or host == socket.gethostname():  # rank 0 on the batch node would die with it
+    if not host or host == socket.gethostname():  # a watcher on the batch node would die with it
         return None
-    return Watch(host, on_gone, gateway)
+    if not spares:
+        on_gone = functools.partial(orphaned, slurm=slurm, run_dir=run_dir, env=env, gateway=gateway)
+    return Watch(host, on_gone, gateway, interval_s)
+
+
+def orphaned(host: str, *, slurm: SlurmConfig, run_dir: RunDir, env: DistEnv, gateway: SlurmGateway) -> None:
+    """An elastic job's answer to its lost batch node, from its second node: rank 0 died with it, so no rank can
+    checkpoint; an infrastructure failure of ``host``, and the job requeued (or ended) by the after-failure policy
+    now, which ends the ranks left waiting on rank 0."""
+    requeue_after(host, slurm, run_dir, env, None, gateway)
 
 
 def requeue_after(

@@ -36,7 +36,7 @@ from ddp_core.cluster import preemption, signals
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.preemption import Interruption
 from ddp_core.cluster.slurm import NODE_GATEWAY, SlurmGateway
-from ddp_core.config import Config
+from ddp_core.config import Config, SlurmConfig
 from ddp_core.run.rundir import RunDir
 
 log = logging.getLogger("ddp_core")
@@ -116,7 +116,7 @@ def after_stop(
         if e["event"] == "interrupted" and e.get("kind") == kind.value and e.get("job_id") == env.job_id
     )
     after = f"its checkpoint at step {step}"
-    return requeue_within(run_dir, env, kind.value, spent, limit, step, after, defer=True)
+    return requeue_within(run_dir, env, kind.value, spent, limit, step, after, defer=True, slurm=cfg.slurm)
 
 
 def requeue_within(
@@ -130,6 +130,7 @@ def requeue_within(
     read: str = "",
     defer: bool = False,
     gateway: SlurmGateway = NODE_GATEWAY,
+    slurm: Optional[SlurmConfig] = None,
 ) -> int:
     """Rank 0 (or a hang's coordinator) requeues the job unless this submission spent its ``slurm.max_<kind>s``
     budget; records what happened and returns the exit code. ``defer``: a rank inside the job's step, whose batch
@@ -144,7 +145,7 @@ def requeue_within(
     # Recorded before asking: once Slurm accepts, it may end this step before a line written after scontrol returns
     # (seen in CI under load: a requeued attempt without its event). A refusal is recorded after this one.
     run_dir.log_event("requeued", kind=kind, job_id=env.job_id, step=step, count=spent)
-    if (refused := preemption.requeue(env, gateway)) is not None:
+    if (refused := preemption.requeue(env, gateway, slurm=slurm)) is not None:
         if defer and refused.missing:
             run_dir.log_event("requeue_deferred", kind=kind, job_id=env.job_id, step=step, error=refused.why)
             log.info("no scontrol here (%s): the batch script requeues the job once the ranks have left", refused.why)
@@ -161,7 +162,12 @@ def requeue_refused(run_dir: RunDir, env: DistEnv, kind: Any, step: Any, why: st
 
 
 def requeue_deferred(
-    run_dir: RunDir, env: DistEnv, events: list[dict[str, Any]], status: int, gateway: SlurmGateway
+    run_dir: RunDir,
+    env: DistEnv,
+    events: list[dict[str, Any]],
+    status: int,
+    gateway: SlurmGateway,
+    slurm: Optional[SlurmConfig] = None,
 ) -> Optional[int]:
     """Outside the container (the batch script's watcher, or a search's worker for its trial's step): when the step
     ended ``REQUEUE_DEFERRED`` and ``events`` (the step's) hold rank 0's ``requeue_deferred`` (no scontrol inside the
@@ -171,7 +177,7 @@ def requeue_deferred(
     if not deferred or status != ExitCode.REQUEUE_DEFERRED:
         return None
     kind, step = deferred[-1].get("kind"), deferred[-1].get("step")
-    refused = preemption.requeue(env, gateway)
+    refused = preemption.requeue(env, gateway, slurm=slurm)
     if refused is None:
         run_dir.log_event("requeued_by_batch", kind=kind, job_id=env.job_id, step=step)
         return ExitCode.OK
@@ -189,7 +195,9 @@ def after_hang(cfg: Config, run_dir: RunDir, env: DistEnv, folder: Path, summary
         return ExitCode.HUNG
     spent = sum(1 for e in run_dir.events() if e["event"] == "hang" and e.get("job_id") == env.job_id)
     read = f"read {folder / 'summary.txt'}, then "
-    return requeue_within(run_dir, env, "hang", spent, cfg.slurm.max_hangs, step, "a hang", read, defer=True)
+    return requeue_within(
+        run_dir, env, "hang", spent, cfg.slurm.max_hangs, step, "a hang", read, defer=True, slurm=cfg.slurm
+    )
 
 
 def leave(code: int, *, exit_handlers: bool = False, teardown: bool = False) -> NoReturn:

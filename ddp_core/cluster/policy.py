@@ -128,7 +128,7 @@ def decide_after(
     record_exclusions(run_dir, env, new)
     if used <= limit and (placed_on := sorted(set(here) & set(excluded))):
         log.warning("%sthis allocation holds %s, which the run excludes: requeued off it", label, ", ".join(placed_on))
-    code = exits.requeue_within(run_dir, env, name, used, limit, failure.step, after, gateway=gateway)
+    code = exits.requeue_within(run_dir, env, name, used, limit, failure.step, after, gateway=gateway, slurm=slurm)
     if code != exits.ExitCode.REQUEUED:
         return Decision(Outcome.STOPPED, failure, code)
     if excluded and env.slurm_job_id:
@@ -194,7 +194,7 @@ def keep_off(gateway: SlurmGateway, job_id: str, hosts: list[str], tries: int = 
     """The requeued job's ``ExcNodeList``: Slurm takes it once the job is back in the queue, which the requeue's
     reply may precede by a moment."""
     for attempt in range(tries):
-        proc = gateway.exclude_nodes(job_id, hosts)
+        proc = gateway.update_job(job_id, ExcNodeList=",".join(hosts))
         if proc.returncode == 0:
             log.info("job %s excludes %s", job_id, ",".join(hosts))
             return
@@ -206,7 +206,7 @@ def keep_off(gateway: SlurmGateway, job_id: str, hosts: list[str], tries: int = 
 def keep_array_off(gateway: SlurmGateway, array_job_id: str, hosts: list[str]) -> None:
     """The array's pending tasks (a sweep's later trials, a search's later workers) stay off ``hosts``; its running
     ones refuse (scontrol exits 1), each their own to decide."""
-    gateway.exclude_nodes(array_job_id, hosts)
+    gateway.update_job(array_job_id, ExcNodeList=",".join(hosts))
     log.info("the pending tasks of array %s exclude %s", array_job_id, ",".join(hosts))
 
 

@@ -36,6 +36,7 @@ from ddp_core.cluster import signals
 from ddp_core.cluster.deadline import Deadline, job_end
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.slurm import MISSING, NODE_GATEWAY, TIMED_OUT, JobInfo, SlurmGateway
+from ddp_core.config import SlurmConfig
 
 if TYPE_CHECKING:
     import torch
@@ -249,6 +250,40 @@ class Refusal:
     missing: bool = False
 
 
+def tasks_per_node(job_id: str, slurm: Optional[SlurmConfig], gateway: SlurmGateway) -> int:
+    """An elastic job's tasks per node, as Slurm holds the running job (``NumTasks`` over ``NumNodes``), read before a
+    requeue (right after one, scontrol has answered nothing for the job here); 0 for any other job or no answer."""
+    if slurm is None or not slurm.elastic:
+        return 0
+    job = gateway.show_job(job_id)
+    raw = job.raw if job is not None else {}
+    try:
+        return int(raw["NumTasks"]) // max(1, int(raw["NumNodes"].split("-")[0]))
+    except (KeyError, ValueError):
+        return 0
+
+
+def elastic_again(job_id: str, slurm: Optional[SlurmConfig], gateway: SlurmGateway, per_node: int) -> None:
+    """A requeued elastic job would wait for as many nodes (and tasks) as it last got: Slurm keeps the allocated
+    count as the job's. Give it back ``slurm.nodes``'s range (with the spares), ``per_node`` tasks on each, so it
+    starts on as few as MIN again, say without a dead node. Asked right after the requeue, while Slurm's SIGTERM lets
+    this process finish; if that fails, the job waits for its last count, as before."""
+    if slurm is None or not slurm.elastic:
+        return
+    low, high = slurm.min_nodes + slurm.spare_nodes, slurm.max_nodes + slurm.spare_nodes
+    # Slurm's SIGTERM to the requeued step reaches every process of the step, scontrol too: blocked around the call
+    # (a blocked signal stays blocked in the child), then this thread's mask as it was.
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        proc = gateway.update_job(job_id, NumNodes=f"{low}-{high}", NumTasks=low * per_node) if per_node else None
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    if proc is None or proc.returncode != 0:
+        why = (proc.stderr.strip() or f"exit {proc.returncode}") if proc else "scontrol show job gave no task count"
+        log.warning("job %s will wait for the node count it had: giving it back %d-%d nodes failed: %s", job_id,
+                    low, high, why)  # fmt: skip
+
+
 # Refusals no retry changes (``_job_requeue_op``): requeue disabled for the job or cluster, not the job's owner, not a
 # batch job. A missing scontrol, or one that did not answer within NODE_TIMEOUT_S, is final too: a retry would spend
 # the grace time. Anything else (a connection refused or a reply lost under load) is tried again, briefly.
@@ -256,26 +291,33 @@ _PERMANENT = ("presently disabled", "access", "permission", "only batch", "inval
 
 
 def requeue(
-    env: DistEnv, gateway: SlurmGateway = NODE_GATEWAY, tries: int = 3, pause_s: float = 1.0
+    env: DistEnv,
+    gateway: SlurmGateway = NODE_GATEWAY,
+    tries: int = 3,
+    pause_s: float = 1.0,
+    slurm: Optional[SlurmConfig] = None,
 ) -> Optional[Refusal]:
     """Put this job back in the queue (same job id). Rank 0, or the batch script's watcher. None once Slurm accepted,
     else why not (scontrol's own words; ``missing``: no scontrol here). A failed call is retried ``tries`` times in
     all, ``pause_s`` apart, unless Slurm refused for good;
-    before each retry the job's state is read back: a requeue whose reply was lost has already made it PENDING."""
+    before each retry the job's state is read back: a requeue whose reply was lost has already made it PENDING.
+    ``slurm``: the run's request; an elastic one (``slurm.nodes`` MIN-MAX) gets its range back (``elastic_again``)."""
     if not env.slurm_job_id:
         log.warning("not running in a Slurm job: nothing to requeue; continue later with `ddpjob resume`")
         return Refusal("not running in a Slurm job")
-    why, missing = "", False
+    why, missing, per_node = "", False, tasks_per_node(env.slurm_job_id, slurm, gateway)
     for attempt in range(1, tries + 1):
         if attempt > 1:
             time.sleep(pause_s)
             job = gateway.show_job(env.slurm_job_id)
             if job is not None and back_in_queue(job, env.restart_count):
                 log.info("job %s was requeued although scontrol said: %s", env.slurm_job_id, why)
+                elastic_again(env.slurm_job_id, slurm, gateway, per_node)
                 return None
         proc = gateway.requeue(env.slurm_job_id)
         if proc.returncode == 0:
             log.info("requeued job %s", env.slurm_job_id)
+            elastic_again(env.slurm_job_id, slurm, gateway, per_node)
             return None
         why = proc.stderr.strip() or f"scontrol requeue exited {proc.returncode}"
         missing = proc.returncode == MISSING

@@ -224,10 +224,10 @@ class SlurmGateway:
     def requeue(self, job_id: str) -> subprocess.CompletedProcess[str]:
         return self.run("scontrol", "requeue", job_id)
 
-    def exclude_nodes(self, job_id: str, hosts: Sequence[str]) -> subprocess.CompletedProcess[str]:
-        """Keep the job off ``hosts`` (its whole exclusion list). Slurm takes it once the job is back in the queue
-        (a requeued job, even while it completes), not while it runs."""
-        return self.run("scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(hosts)}")
+    def update_job(self, job_id: str, **fields: object) -> subprocess.CompletedProcess[str]:
+        """``scontrol update`` of a job back in the queue (a requeued job, even while it completes; not while it
+        runs): ``ExcNodeList`` (its whole exclusion list), an elastic job's ``NumNodes`` range and ``NumTasks``."""
+        return self.run("scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items()))
 
     # Login side (``jobs``). A missing client answers 127 like the shell: each caller says what that means to it.
 

@@ -81,7 +81,7 @@ def decide(
     cfg = run_dir.load_config()
     events = run_dir.events()
     attempt = attempt_events(events, env)
-    if (code := exits.requeue_deferred(run_dir, env, attempt, status, gateway)) is not None:  # a container image
+    if (code := exits.requeue_deferred(run_dir, env, attempt, status, gateway, cfg.slurm)) is not None:  # an image
         return code
     if any(e["event"] in DECIDED for e in attempt):
         return status

@@ -183,7 +183,7 @@ def _rendezvous_store(env: DistEnv, cfg: DistConfig, meeting: Optional[Path]) ->
     except dist.DistNetworkError as err:
         if not (hosting and "in use" in str(err)):
             raise unreachable(str(err).splitlines()[0]) from None
-        if meeting is None:
+        if meeting is None and env.world_size > 1:  # alone, nobody else needs to know where it listens
             raise DdpJobError(
                 f"rank 0 on {socket.gethostname()} cannot listen on the rendezvous port {port}: in use",
                 "another process on this node holds it (a job sharing the node, a stray torchrun): export a free "

@@ -228,21 +228,33 @@ class RunDir:
         command waits, then sees the first one's job."""
         return _locked(self.path / SUBMIT_LOCK)
 
-    def hold_trainer_lock(self, holder: dict[str, Any], wait_s: float = 0.0) -> IO[str]:
+    def hold_trainer_lock(
+        self, holder: dict[str, Any], wait_s: float = 0.0, dead: Callable[[dict[str, str]], bool] | None = None
+    ) -> IO[str]:
         """Rank 0, for a whole attempt: refuse to train where another trainer is training. Keep the returned file
         open (closing it releases the lock). ``wait_s``: how long to wait for a holder that is ending (the previous
-        attempt of the same job, still exiting when its requeued successor starts)."""
+        attempt of the same job, still exiting when its requeued successor starts). ``dead``: whether the recorded
+        holder (``host``, ``pid``, ``job``) is dead though its lock is not released (a lock on a shared filesystem
+        outlives a dead node until the server's lease ends): the lock file is then replaced by a fresh one."""
         self.path.mkdir(parents=True, exist_ok=True)
         f = open(self.path / TRAINER_LOCK, "a+")
-        deadline = time.monotonic() + wait_s
+        deadline, asked = time.monotonic() + wait_s, False
         while True:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    f.seek(0)
-                    who = f.read().strip() or "another process"
+                f.seek(0)
+                who = f.read().strip() or "another process"
+                ending = time.monotonic() >= deadline
+                if dead is not None and (not asked or ending):  # asked once, and again before giving up
+                    asked, words = True, who.split()
+                    if dead(dict(zip(words[::2], words[1::2], strict=False))):
+                        f.close()
+                        log.warning("breaking the trainer lock of %s: its holder is dead (%s)", self.path, who)
+                        os.unlink(self.path / TRAINER_LOCK)  # the dead holder keeps its lock, on a file no one opens
+                        return self.hold_trainer_lock(holder)
+                if ending:
                     f.close()
                     raise DdpJobError(
                         f"run directory {self.path} is in use by a trainer ({who})",

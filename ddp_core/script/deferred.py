@@ -189,14 +189,15 @@ class DeferredWarning:
             self.watchdog.beat(self.steps)
 
     def arm_own_warnings(self) -> None:
-        """Rank 0 (srun launcher): send the warning to this process at ``end - slurm.signal_lead_s`` if it has not come
-        by then, recorded or held, and when the batch node is gone (module docstring). Call it while this thread
-        holds the warning and SIGTERM: the threads it starts inherit the mask."""
-        due = deadline.warning_due(self.cfg.slurm, self.env)
+        """Every srun launcher: rank 0's sends the warning to this process at ``end - slurm.signal_lead_s`` if it has
+        not come by then, recorded or held, and when the batch node is gone (module docstring); an elastic job's
+        second node's first launcher watches the batch node that rank 0 dies with (``batch_node.watch``). Call it
+        while this thread holds the warning and SIGTERM: the threads it starts inherit the mask."""
+        due = deadline.warning_due(self.cfg.slurm, self.env) if self.env.is_main else None
         if due is not None:
             why = f"by {self.cfg.slurm.signal_lead_s} s before the time limit (slurm.signal_lead_s)"
             deadline.at(due, lambda: self._warn_unless_signalled(why), "deadline-warning")
-        batch_node.watch(self.cfg.slurm, self.env, self._warn_for_lost_batch_node)
+        batch_node.watch(self.cfg.slurm, self.env, self.run_dir, self._warn_for_lost_batch_node)
 
     def _warn_for_lost_batch_node(self, host: str) -> None:
         if batch_node.script_told(self.cfg.slurm, host):

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Optional, Sequence
 
-from ddp_core.cluster import exits, failures, health, rendezvous, signals
+from ddp_core.cluster import exits, failures, health, rendezvous, run_lock, signals
 from ddp_core.cluster.env import DistEnv, process_started
 from ddp_core.cluster.exits import ExitCode, after_submitit, leave, without_result
 from ddp_core.cluster.log import log_failure, setup_logging
@@ -290,7 +290,7 @@ def _run(run_dir_arg: str) -> int:
     warning = signals.warning_signal(cfg.slurm.warning)
     deferred = DeferredWarning(cfg, run_dir, env, functools.partial(_after_hang, cfg, run_dir, env))
     deferred.intercept()  # the script's own handler for it runs where every rank agrees (ddp_core.script.deferred)
-    if env.is_main and "TORCHELASTIC_RUN_ID" not in os.environ:  # a torchrun worker's agent warns for it
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # a torchrun worker's agent warns for it
         deferred.arm_own_warnings()  # none by its time (cluster.deadline), or the batch node gone: ddpjob's own
     if env.is_main and env.slurm_job_id and cfg.script.resume_args:
         signals.when_held(warning, lambda: _requeue_held_warning(cfg, run_dir, env, warning))
@@ -299,9 +299,7 @@ def _run(run_dir_arg: str) -> int:
     try:
         health.check_node(run_dir, env, cfg.slurm.health_check)  # a bad node: this rank fails, srun ends the others
         if env.is_main:
-            # The previous attempt of this Slurm job may still be exiting when its requeued successor starts.
-            holder = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.job_id or "-"}
-            lock = run_dir.hold_trainer_lock(holder, wait_s=60.0 if env.restart_count or env.launch else 0.0)
+            lock = run_lock.hold(run_dir, env)  # the previous attempt may still be exiting, or dead
             run_dir.log_event(
                 "start",
                 job_id=env.job_id,

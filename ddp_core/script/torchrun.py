@@ -339,7 +339,7 @@ def run_agent(
         if batch_node.script_told(cfg.slurm, host):
             lost.set()
 
-    watch = batch_node.watch(cfg.slurm, env, lost_batch_node)
+    watch = batch_node.watch(cfg.slurm, env, RunDir(run_dir), lost_batch_node)
     while thread.is_alive():
         thread.join(POLL_S)  # signal handlers run here, between waits
         if due is not None and time.time() >= due:

@@ -68,7 +68,7 @@ class Trainer:
         self.checkpoints: Optional[CheckpointManager] = None
         self.records: Optional[Records] = None
         self.lines: Optional[ProgressLines] = None
-        self.batch_watch: Optional[batch_node.Watch] = None  # rank 0 of a job with spare nodes (start)
+        self.batch_watch: Optional[batch_node.Watch] = None  # rank 0 with spare nodes; elastic: node 1's (start)
         self.profiler: Optional[Profiler] = None
         self.primed = False  # this attempt's first step done (``Strategy.prime``)
         self.restored: Optional[Restored] = None  # the checkpoint tier and step this attempt started from
@@ -207,7 +207,8 @@ class Trainer:
         if self.env.is_main:  # rank 0's clock decides the stop before the time limit (ddp_core.cluster.deadline)
             assert self.checkpoints is not None  # build() made it
             self.stop_flag.deadline = deadline.arm(self.cfg.slurm, self.env, self.checkpoints.save_cost_s)
-            self.batch_watch = batch_node.watch(self.cfg.slurm, self.env, batch_node.stopping(self.stop_flag))
+        on_gone = batch_node.stopping(self.stop_flag)  # the process that watches is rank 0, or, elastic, node 1's
+        self.batch_watch = batch_node.watch(self.cfg.slurm, self.env, self.run_dir, on_gone)
         self.started = time.perf_counter()
 
     def train(self) -> Outcome:

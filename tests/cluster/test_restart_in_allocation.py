@@ -187,22 +187,58 @@ def test_a_dead_batch_node_requeues_a_script_through_its_warning_signal(slurm_cl
     assert len(resumed) == 1 and 2 <= int(resumed[0]) < 20 and "rank 0: finished at step 20" in printed, printed
 
 
-def test_an_elastic_job_goes_on_with_fewer_nodes_when_one_dies_and_keeps_the_bits(slurm_cluster, tmp_path):
+# An elastic job of two ranks a node on partition "local" (n1, the batch node, and n2: tasks_per_node=2 makes Slurm
+# give it both), under train.invariant: its weights do not depend on how many nodes each attempt had.
+ELASTIC = [DIGITS, "--wait", "slurm.partition=local", "slurm.tasks_per_node=2", "train.invariant=true",
+           "data.global_batch_size=64", "data.batch_size=16", "train.max_steps=60", "checkpoint.every_steps=20",
+           "train.eval_every=0", "train.log_every=20", "wandb.mode=disabled", "task.model.dropout=0.1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def elastic_reference(slurm_cluster, tmp_path_factory) -> set[str]:
+    """The weight digests of an uninterrupted ELASTIC run on one node."""
+    proc = run_cli("submit", *ELASTIC, "slurm.nodes=1", cwd=tmp_path_factory.mktemp("elastic-reference"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = set(digests(rank_logs(Path(field(proc.stdout, "run dir")), field(proc.stdout, "job"))).values())
+    assert len(found) == 1, found
+    return found
+
+
+def test_an_elastic_jobs_dead_batch_node_is_requeued_from_its_second_node(slurm_cluster, tmp_path, elastic_reference):
+    """slurm.nodes=1-2, no spare: ranks 0 and 1 run on the batch node n1, ranks 2 and 3 on n2. n1 dies at rank 0's 5th
+    batch (frozen, as above) and stays dead: ranks 0 and 1 and the batch script's watcher die with it, the job stays
+    RUNNING (--no-kill) and the ranks on n2 wait on rank 0 in a collective. Rank 2's launcher sees Slurm mark n1 gone
+    and requeues the job as an infrastructure failure of n1. The next attempt runs on n2 alone; its rank 0 finds the
+    run directory's lock still held by the dead rank 0 (a frozen process keeps it, as a shared filesystem does a dead
+    client's until its lease ends) and breaks it, resumes from the last checkpoint, and ends bitwise on the
+    uninterrupted run."""
+    mark = tmp_path / "marked"
+    args = [*ELASTIC, "slurm.nodes=1-2", "task.target=tests.support.marked_tasks:MarkedSlowFirstAttemptTask",
+            "task.data.pause_s=1.0", f"task.data.mark_file={mark}"]  # fmt: skip
+    code, out, err = submit_and_lose_batch_node(args, tmp_path, mark, thaw=False)
+    assert code == 0, out + err
+    run_dir, job_id = Path(field(out, "run dir")), field(out, "job")
+    seen = [(e["event"], e.get("host")) for e in events(run_dir)]
+    assert seen == [("start", None), ("failure", "n1"), ("requeued", None), ("start", None), ("completed", None)], seen
+    assert [(e["world_size"], e["nodes"]) for e in events(run_dir, "start")] == [(4, 2), (2, 1)]
+    logs = rank_logs(run_dir, job_id)
+    assert "the batch node n1 is gone" in logs[2], logs[2]
+    assert "breaking the trainer lock" in logs[0] and "(host n1 pid" in logs[0], logs[0]
+    final = digests({rank: text for rank, text in logs.items() if rank < 2})  # the last attempt's two ranks
+    assert set(final.values()) == elastic_reference, (final, elastic_reference)
+
+
+def test_an_elastic_job_goes_on_with_fewer_nodes_when_one_dies_and_keeps_the_bits(
+    slurm_cluster, tmp_path, elastic_reference
+):
     """slurm.nodes=1-2, no spare: the job runs on n1 and n2 (2 ranks each; the batch script on n1). n2 dies whole at
     its ranks' 25th batch (scripts/slurm-local kill-node): with no spare left, the next job step runs on n1 alone, 2
     ranks at the same global batch, from the checkpoint at step 20; under train.invariant its final weights are
     bitwise those of an uninterrupted run on one node."""
-    train = [DIGITS, "--wait", "slurm.partition=local", "slurm.tasks_per_node=2", "train.invariant=true",
-             "data.global_batch_size=64", "data.batch_size=16", "train.max_steps=60", "checkpoint.every_steps=20",
-             "train.eval_every=0", "train.log_every=20", "wandb.mode=disabled", "task.model.dropout=0.1"]  # fmt: skip
-    (tmp_path / "ref").mkdir()
-    ref = run_cli("submit", *train, "slurm.nodes=1", cwd=tmp_path / "ref")
-    assert ref.returncode == 0, ref.stdout + ref.stderr
-    uninterrupted = set(digests(rank_logs(Path(field(ref.stdout, "run dir")), field(ref.stdout, "job"))).values())
     halted = tmp_path / "halted"
     halt = ["task.target=tests.support.tasks:CrashingTask", "task.data.crash_host=n2", "task.data.crash_at=25",
             "task.data.error=HALT", f"task.data.halt_file={halted}", "task.data.crash_launch=0"]  # fmt: skip
-    code, out, err = submit_and_kill_node([*train, "slurm.nodes=1-2", *halt], tmp_path, "n2", halted)
+    code, out, err = submit_and_kill_node([*ELASTIC, "slurm.nodes=1-2", *halt], tmp_path, "n2", halted)
     assert code == 0, out + err
     run_dir, job_id = Path(field(out, "run dir")), field(out, "job")
     starts = [(e["launch"], e["world_size"], e["nodes"], e["grad_accum"]) for e in events(run_dir, "start")]
@@ -213,4 +249,4 @@ def test_an_elastic_job_goes_on_with_fewer_nodes_when_one_dies_and_keeps_the_bit
     logs = rank_logs(run_dir, job_id)
     assert "resumed from step_00000020.pt" in logs[0], logs[0]
     final = digests({rank: text for rank, text in logs.items() if rank < 2})  # ranks 2 and 3 died with n2
-    assert len(uninterrupted) == 1 and set(final.values()) == uninterrupted, (final, uninterrupted)
+    assert set(final.values()) == elastic_reference, (final, elastic_reference)

@@ -292,12 +292,15 @@ def submit_and_kill_node(overrides: Sequence[str], cwd: Path, node: str, halted:
     return proc.returncode, out, err
 
 
-def submit_and_lose_batch_node(args: Sequence[str], cwd: Path, marked: Path, node: str = "n1") -> tuple[int, str, str]:
+def submit_and_lose_batch_node(
+    args: Sequence[str], cwd: Path, marked: Path, node: str = "n1", thaw: bool = True
+) -> tuple[int, str, str]:
     """``ddpjob submit --wait ARGS`` of a job whose batch node is ``node``: once its rank 0 has written ``marked`` (at a
     chosen step), ``node`` dies as the other nodes see a dead host (``scripts/slurm-local freeze-node``: its processes
     stopped, their connections open and silent); once the run recorded its requeue, the frozen processes are killed
-    and the node comes back for the next attempt. Whatever happens, a job left running is cancelled and the node is
-    back at the end. Returns the command's exit code, stdout and stderr."""
+    and the node comes back for the next attempt (``thaw=False``: it stays frozen, its processes' locks held, until
+    the command ends). Whatever happens, a job left running is cancelled and the node is back at the end. Returns the
+    command's exit code, stdout and stderr."""
     local = str(ROOT / "scripts" / "slurm-local")
     cmd = [sys.executable, "-m", "jobs", "submit", "--wait", *args]
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -307,7 +310,7 @@ def submit_and_lose_batch_node(args: Sequence[str], cwd: Path, marked: Path, nod
         assert frozen.returncode == 0, frozen.stdout + frozen.stderr
         run_dir = next((cwd / "runs").iterdir())
         wait_for(lambda: events(run_dir, "requeued"), 120, "the job to be requeued")
-        for act in ("kill-node", "start-node"):
+        for act in ("kill-node", "start-node") if thaw else ():
             done = subprocess.run([local, act, node], capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, done.stdout + done.stderr
         out, err = proc.communicate(timeout=240)

@@ -23,11 +23,14 @@ class Node:
     def __init__(self, *states: str, batch_host: str = "n1") -> None:
         self.states, self.batch_host, self.asked = list(states), batch_host, 0
         self.gateway = SlurmGateway(self.answer)
+        self.commands: list[tuple[str, ...]] = []
 
     def answer(self, cmd: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+        self.commands.append(cmd)
         out = ""
         if cmd[:3] == ("scontrol", "show", "job"):
-            out = f"JobId={cmd[-1]} JobState=RUNNING Partition=local Restarts=0 BatchHost={self.batch_host}\n"
+            out = f"JobId={cmd[-1]} JobState=RUNNING Partition=local Restarts=0 BatchHost={self.batch_host} "
+            out += "NumNodes=2 NumCPUs=4 NumTasks=4\n"  # what an elastic job of 2 tasks a node got
         elif cmd[:3] == ("scontrol", "show", "node"):
             self.asked += 1
             out = f"NodeName={cmd[-1]} State={self.states.pop(0) if len(self.states) > 1 else self.states[0]}\n"
@@ -53,18 +56,38 @@ def test_a_stopped_watch_stops_nothing():
 
 
 def test_only_rank_0_of_a_job_with_spare_nodes_watches_a_batch_node_it_does_not_run_on(tmp_path):
-    spare = run_dir(tmp_path / "spare", "slurm.spare_nodes=1").load_config().slurm
+    spare_run = run_dir(tmp_path / "spare", "slurm.spare_nodes=1")
+    spare = spare_run.load_config().slurm
     plain = run_dir(tmp_path / "plain").load_config().slurm
     stop = batch_node.stopping(StopFlag("USR2", handlers=False))
-    watch = batch_node.watch(spare, ENV, stop, Node("IDLE").gateway)
+    watch = batch_node.watch(spare, ENV, spare_run, stop, Node("IDLE").gateway)
     assert watch is not None and watch.host == "n1"
     watch.stop()
-    assert batch_node.watch(plain, ENV, stop, Node("IDLE").gateway) is None  # no --no-kill: Slurm requeues the job
-    rank_1 = DistEnv(rank=1, world_size=2, slurm_job_id="57")
-    assert batch_node.watch(spare, rank_1, stop, Node("IDLE").gateway) is None
+    # No --no-kill: Slurm requeues the job.
+    assert batch_node.watch(plain, ENV, spare_run, stop, Node("IDLE").gateway) is None
+    rank_1 = DistEnv(rank=1, world_size=2, slurm_job_id="57", node_rank=1)
+    assert batch_node.watch(spare, rank_1, spare_run, stop, Node("IDLE").gateway) is None
     here = Node("IDLE", batch_host=socket.gethostname()).gateway
-    assert batch_node.watch(spare, ENV, stop, here) is None  # rank 0 on the batch node would die with it
-    assert batch_node.watch(spare, DistEnv(), stop, Node("IDLE").gateway) is None  # outside Slurm
+    assert batch_node.watch(spare, ENV, spare_run, stop, here) is None  # rank 0 on the batch node would die with it
+    assert batch_node.watch(spare, DistEnv(), spare_run, stop, Node("IDLE").gateway) is None  # outside Slurm
+
+
+def test_an_elastic_job_without_spares_is_requeued_from_its_second_node_when_the_batch_node_dies(tmp_path):
+    """slurm.nodes=1-2: rank 0 runs on the batch node and dies with it, so the first rank of node 1 watches and
+    requeues the job itself (no rank can checkpoint without rank 0); no other rank watches."""
+    run = run_dir(tmp_path, "slurm.nodes=1-2", "slurm.tasks_per_node=2")
+    slurm, flag = run.load_config().slurm, StopFlag("USR2", handlers=False)
+    node_1 = DistEnv(rank=2, world_size=4, local_rank=0, node_rank=1, slurm_job_id="57", job_id="57")
+    for other in (ENV, DistEnv(rank=3, world_size=4, local_rank=1, node_rank=1, slurm_job_id="57")):
+        assert batch_node.watch(slurm, other, run, batch_node.stopping(flag), Node("IDLE").gateway) is None
+    node = Node("MIXED", "DOWN+NOT_RESPONDING")
+    watch = batch_node.watch(slurm, node_1, run, batch_node.stopping(flag), node.gateway, interval_s=0.01)
+    assert watch is not None and watch.host == "n1"
+    watch.thread.join(timeout=30)
+    assert not watch.thread.is_alive() and ("scontrol", "requeue", "57") in node.commands
+    # Back in the queue it would wait for the 2 nodes it had (n1 is dead): it gets its range back.
+    assert node.commands[-1] == ("scontrol", "update", "JobId=57", "NumNodes=1-2", "NumTasks=2"), node.commands
+    assert events(run) == [("failure", "n1"), ("requeued", "failure")] and flag.received == 0
 
 
 def test_the_lost_batch_node_is_an_infrastructure_failure_that_requeues_the_job(tmp_path):

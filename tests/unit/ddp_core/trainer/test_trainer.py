@@ -150,6 +150,8 @@ def test_a_non_finite_loss_stops_the_run(tmp_path):
 
 
 def test_a_taken_rendezvous_port_is_a_clear_error(tmp_path):
+    """Rank 0 of two, told MASTER_PORT by its launcher, which its peer connects to: a taken port is an error. (Alone,
+    or under a Slurm step's meeting file, it listens on another port instead.)"""
     import socket
 
     with socket.socket() as holder:
@@ -157,7 +159,7 @@ def test_a_taken_rendezvous_port_is_a_clear_error(tmp_path):
         holder.listen()
         port = holder.getsockname()[1]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
-        env |= {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env |= {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         cmd = [sys.executable, "-m", "ddp_core", DIGITS, "--run-dir", str(tmp_path / "run"), *BASE]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env | {"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 1
