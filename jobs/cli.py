@@ -16,6 +16,7 @@ from typing import NoReturn, Optional, Sequence
 
 from ddp_core.errors import DdpJobError
 from jobs.doctor import checks as doctor
+from jobs.remote import forward, ssh
 from jobs.report import command as report
 from jobs.runs import export, logs, resume, status, sync
 from jobs.runs.lookup import RUN_HELP
@@ -47,6 +48,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ddpjob", description="PyTorch distributed training as Slurm batch jobs (see README.md).")
+    parser.add_argument("--version", action="version", version=f"ddpjob {ssh.version()}")
+    parser.add_argument("--host", metavar="NAME", help="run the command on this cluster over SSH (docs/remote.md)")
+    parser.add_argument("--remote-dir", metavar="DIR", help="with --host: the remote working directory")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("submit", help="validate a config, create its run directory and submit the job")
@@ -129,6 +133,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     try:
+        ssh.check_expected_version()
+        if args.host:
+            return forward.forward(args, forward.command_argv(argv, script_args))
         return _COMMANDS[args.command](args)
     except DdpJobError as err:
         print(f"ddpjob: error: {err}", file=sys.stderr)
