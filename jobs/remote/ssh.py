@@ -13,8 +13,11 @@ one line naming the host and the fix (``explain``).
 
 from __future__ import annotations
 
+import hashlib
 import os
+import posixpath
 import pwd
+import re
 import shlex
 import subprocess
 import sys
@@ -112,8 +115,17 @@ class Gateway:
     def ssh(self, remote_command: str) -> list[str]:
         return ["ssh", *self.options(), self.host.destination, remote_command]
 
-    def master_running(self) -> bool:
-        return self.runner(["ssh", *self.options(), "-O", "check", self.host.destination]).returncode == 0
+    def master(self) -> Optional[str]:
+        """The running master connection's pid, or None when none runs (the next call logs in)."""
+        proc = self.runner(["ssh", *self.options(), "-O", "check", self.host.destination])
+        found = re.search(r"pid=(\d+)", proc.stderr + proc.stdout)
+        return found[1] if proc.returncode == 0 and found else None
+
+    def checked_stamp(self) -> Path:
+        """Where the pid of the master connection over which this host entry's ddpjob was checked is kept."""
+        h = self.host
+        key = hashlib.sha256(f"{h.destination}\0{h.remote_dir}\0{h.ddpjob}\0{h.setup}".encode()).hexdigest()[:16]
+        return self.state_dir() / f"ddpjob-checked-{key}"
 
     def run(self, remote_command: str) -> subprocess.CompletedProcess[str]:
         """A captured call; an SSH failure raises one line."""
@@ -147,9 +159,10 @@ class Gateway:
         ddpjob = host.ddpjob if " " in host.ddpjob else quote(host.ddpjob)  # a command ("python -m jobs") as it is
         first = host.ddpjob.split()[0]
         missing = (
-            f"ddpjob: error: no ddpjob at {where}/{first} (hint: install it there: python -m venv .venv "
-            f"&& .venv/bin/pip install -e . in {host.remote_dir}, or set ddpjob: in the host file)"
-        )  # fmt: skip
+            f"ddpjob: error: no ddpjob at {host.name}:{posixpath.join(host.remote_dir, first)} "
+            f"(hint: install it there: python -m venv .venv && .venv/bin/pip install -e . in {host.remote_dir}, "
+            "or set ddpjob: in the host file)"
+        )
         envs = " ".join(f"{k}={quote(v)}" for k, v in {EXPECT_ENV: version(), NAME_ENV: host.name, **env}.items())
         if pythonpath:  # sent code first on the path, before what the setup line put there
             envs += f' PYTHONPATH={quote(pythonpath)}"${{PYTHONPATH:+:$PYTHONPATH}}"'
@@ -162,9 +175,12 @@ class Gateway:
         return "\n".join(lines)
 
     def connect(self) -> None:
-        """Log in unless a master connection runs already, and check the remote ddpjob's version then."""
-        if self.master_running():
-            return  # checked when it logged in; each command's remote ddpjob checks DDPJOB_EXPECT_VERSION too
+        """Log in unless a master connection runs, and check the remote directory and ddpjob's version once per
+        master connection (and host entry); later commands reuse both."""
+        stamp = self.checked_stamp()
+        pid = self.master()
+        if pid is not None and stamp.is_file() and stamp.read_text() == pid:
+            return  # checked over this connection; each remote ddpjob checks DDPJOB_EXPECT_VERSION too
         proc = self.run(self.command(["--version"]))
         ours = version()
         if proc.returncode != 0 and (err := remote_error(proc.stderr)) is not None and "--version" not in str(err):
@@ -172,6 +188,8 @@ class Gateway:
         theirs = proc.stdout.strip().removeprefix("ddpjob ") if proc.returncode == 0 else "unknown (no --version)"
         if theirs != ours:
             raise mismatch(self.host.name, f"{self.host.remote_dir}, {self.host.ddpjob}", theirs, ours)
+        if (pid := self.master()) is not None:
+            stamp.write_text(pid)
 
 
 def mismatch(name: str, where: str, theirs: str, ours: str) -> DdpJobError:

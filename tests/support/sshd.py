@@ -29,8 +29,16 @@ SSHD = "/usr/sbin/sshd"
 LAPTOP_TOOLS = ("ssh", "rsync", "sh", "bash", "env", "git", "cat", "ls", "mkdir", "rm", "hostname", "uname")
 
 
-def available() -> bool:
-    return Path(SSHD).exists() and shutil.which("ssh-keygen") is not None and shutil.which("rsync") is not None
+def require() -> None:
+    """Skip the test without OpenSSH's server (``scripts/slurm-local up`` installs it); fail instead where the suite
+    requires everything (``DDPJOB_REQUIRE_SLURM=1``, as ``scripts/test`` sets)."""
+    import pytest
+
+    if Path(SSHD).exists() and shutil.which("ssh-keygen") and shutil.which("rsync"):
+        return
+    if os.environ.get("DDPJOB_REQUIRE_SLURM") == "1":
+        pytest.fail("sshd, ssh-keygen or rsync is missing (scripts/slurm-local up installs openssh-server)")
+    pytest.skip("no sshd (openssh-server): scripts/slurm-local up installs it")
 
 
 def keygen(path: Path) -> Path:
@@ -134,10 +142,17 @@ class Laptop:
     def host_file(self, text: str) -> None:
         Path(self.env["DDPJOB_HOSTS"]).write_text(text)
 
-    def cluster_entry(self, name: str = "cluster", **keys: str) -> str:
+    def cluster_entry(self, name: str = "cluster", **keys: object) -> str:
         """A hosts.yaml entry whose remote ddpjob is this checkout's, as the tests' login node runs it."""
-        setup = f"export PYTHONPATH={ROOT}" + (f" SLURM_CONF={os.environ['SLURM_CONF']}" if "SLURM_CONF" in os.environ else "")
-        entry = {"host": "cluster", "remote_dir": str(ROOT), "ddpjob": f"{sys.executable} -m jobs", "setup": setup}
+        setup = f"export PYTHONPATH={ROOT}" + (
+            f" SLURM_CONF={os.environ['SLURM_CONF']}" if "SLURM_CONF" in os.environ else ""
+        )
+        entry: dict[str, object] = {
+            "host": "cluster",
+            "remote_dir": str(ROOT),
+            "ddpjob": f"{sys.executable} -m jobs",
+            "setup": setup,
+        }
         entry.update(keys)
         return f"{name}:\n" + "".join(f"  {k}: {v!r}\n" for k, v in entry.items())
 
@@ -146,7 +161,8 @@ class Laptop:
     ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "jobs", *args],
-            cwd=cwd or self.home, env=self.env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+            cwd=cwd or self.home, env=self.env, capture_output=True, text=True, timeout=timeout,
+            stdin=subprocess.DEVNULL,
         )  # fmt: skip
 
     def close(self) -> None:
