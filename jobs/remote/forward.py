@@ -25,14 +25,16 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
-from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from jobs.remote import hosts
 from jobs.remote.ssh import SSH_FAILED, Gateway
 from jobs.remote.staging import Stage
-from jobs.submission import snapshot
+
+if TYPE_CHECKING:  # the submission's modules load the config's: imported where a submission is forwarded
+    from ddp_core.config import Config
+    from jobs.submission.snapshot import Plan
 
 log = logging.getLogger(__name__)
 RECONNECTS = 5  # a `logs -f` whose connection drops tries this often, a few seconds apart, before it gives up
@@ -43,27 +45,43 @@ def forward(args: argparse.Namespace, argv: Sequence[str], gateway: Optional[Gat
     """Run the parsed command ``args`` (``argv``: its arguments from the command name on) on ``args.host``."""
     gw = gateway or Gateway(hosts.lookup(args.host, args.remote_dir))
     gw.connect()
-    return HANDLERS.get(args.command, run_remote)(gw, args, list(argv))
+    if args.command not in HANDLERS:
+        return run_remote(gw, argv)
+    return HANDLERS[args.command](gw, args, list(argv))
 
 
-def command_argv(argv: Sequence[str], script_args: Optional[Sequence[str]]) -> list[str]:
-    """The command's own arguments (``--host``/``--remote-dir`` and their values left out), with the script's
-    arguments after ``--`` as given."""
-    out, skip = [], False
+def split_globals(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """``--host``/``--remote-dir`` (before the command) and the command's own arguments, from the command name on
+    (with the script's arguments after ``--`` as given)."""
+    found: dict[str, str] = {}
     for i, arg in enumerate(argv):
-        if skip:
-            skip = False
-        elif arg in ("--host", "--remote-dir"):
-            skip = True
-        elif not arg.startswith(("--host=", "--remote-dir=")):
-            out = list(argv[i:])
-            break
-    return out + (["--", *script_args] if script_args is not None else [])
+        name, eq, value = arg.partition("=")
+        if name in ("--host", "--remote-dir"):
+            if not eq and i + 1 < len(argv):
+                value = argv[i + 1]
+            found[name] = value
+        elif i == 0 or argv[i - 1] not in ("--host", "--remote-dir"):
+            return found, list(argv[i:])
+    return found, []
 
 
-def run_remote(
-    gw: Gateway, args: argparse.Namespace, argv: Sequence[str], env: Mapping[str, str] = {}, pythonpath: str = ""
-) -> int:
+def command_argv(argv: Sequence[str]) -> list[str]:
+    return split_globals(argv)[1]
+
+
+def as_is(argv: Sequence[str]) -> Optional[int]:
+    """``--host NAME COMMAND ...`` for a command that sends and fetches nothing (``status``, ``cancel``, ``resume``,
+    ``doctor``, ...): sent as typed, the remote's parser and command answer, and this process imports nothing of
+    ddpjob's commands (what keeps a remote ``status`` close to a local one). None for everything else."""
+    found, rest = split_globals(argv)
+    if "--host" not in found or not rest or rest[0].startswith("-") or rest[0] in HANDLERS:
+        return None
+    gw = Gateway(hosts.lookup(found["--host"], found.get("--remote-dir")))
+    gw.connect()
+    return run_remote(gw, rest)
+
+
+def run_remote(gw: Gateway, argv: Sequence[str], env: Mapping[str, str] = {}, pythonpath: str = "") -> int:
     """``ddpjob ARGV`` on the remote, its output straight to this terminal; its exit status."""
     proc = gw.stream(gw.command(argv, env, pythonpath))
     return lost_if_failed(gw, argv, proc.wait())
@@ -124,7 +142,7 @@ def check_here(cfg: Config) -> None:
         check_model(cfg)
 
 
-def send_code(gw: Gateway, stage: Stage, argv: list[str], cfg: Config, code: Optional[snapshot.Plan]) -> str:
+def send_code(gw: Gateway, stage: Stage, argv: list[str], cfg: Config, code: Optional[Plan]) -> str:
     """Add the code snapshot to ``stage``; a script's path in ``argv`` points at its copy (``--script``). Returns
     the remote folder a task's package is imported from ("" for none)."""
     if code is None:
@@ -143,6 +161,7 @@ def send_code(gw: Gateway, stage: Stage, argv: list[str], cfg: Config, code: Opt
 
 
 def submit(gw: Gateway, args: argparse.Namespace, argv: list[str]) -> int:
+    from jobs.submission import snapshot
     from jobs.submission.commands import load_from_args
 
     cfg = load_from_args(args)
@@ -151,6 +170,7 @@ def submit(gw: Gateway, args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def sweep(gw: Gateway, args: argparse.Namespace, argv: list[str]) -> int:
+    from jobs.submission import snapshot
     from jobs.sweeps.command import is_search, load_from_args
 
     files: list[Optional[str]] = [args.config]
@@ -169,7 +189,7 @@ def send_and_run(
     args: argparse.Namespace,
     argv: list[str],
     cfg: Optional[Config],
-    code: Optional[snapshot.Plan],
+    code: Optional[Plan],
     files: Sequence[Optional[str]],
 ) -> int:
     """Send the config files and the code, then run the command on what was sent."""
@@ -181,14 +201,14 @@ def send_and_run(
         stage.discard()
         raise
     stage.push()  # raises, with nothing submitted, unless everything arrived
-    return run_remote(gw, args, argv, stage.env(), pythonpath)
+    return run_remote(gw, argv, stage.env(), pythonpath)
 
 
 def follow_logs(gw: Gateway, args: argparse.Namespace, argv: list[str]) -> int:
     """``logs -f``: the remote's lines as they come; a lost connection is opened again and the remote asked to skip
     the lines already shown (``logs --skip-lines``), so none is shown twice."""
     if not args.follow:
-        return run_remote(gw, args, argv)
+        return run_remote(gw, argv)
     shown, tries = 0, 0
     while True:
         remote = [*argv, "--skip-lines", str(shown)] if shown else argv

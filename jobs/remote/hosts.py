@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ddp_core.config.input import read_yaml_mapping
 from ddp_core.errors import DdpJobError
 
 HOSTS_ENV = "DDPJOB_HOSTS"
@@ -56,7 +55,7 @@ class Host:
 def lookup(name: str, remote_dir: Optional[str] = None) -> Host:
     """``name``'s entry in the host file, or the SSH config's host of that name with the defaults."""
     path = host_file()
-    entries = read_yaml_mapping(path) if path.is_file() else {}
+    entries = read(path) if path.is_file() else {}
     entry = entries.get(name) or {}
     if not isinstance(entry, dict):
         raise DdpJobError(f"{path}: entry {name!r} is not a mapping", "give it keys: " + ", ".join(KEYS))
@@ -71,6 +70,24 @@ def lookup(name: str, remote_dir: Optional[str] = None) -> Host:
         setup=str(entry.get("setup") or ""),
         connect_timeout=_seconds(path, name, entry.get("connect_timeout", 10)),
     )
+
+
+def read(path: Path) -> dict[str, Any]:
+    """The host file's mapping (PyYAML, not the config's reader: ``--host NAME status`` loads nothing of the config)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        why = str(err).replace("\n", " ")
+        raise DdpJobError(
+            f"host file {path} cannot be read: {why}", "a YAML mapping of names (docs/remote.md)"
+        ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise DdpJobError(f"host file {path} is not a mapping of names", "e.g. mycluster: {host: login.example.edu}")
+    return data
 
 
 def _seconds(path: Path, name: str, value: Any) -> float:

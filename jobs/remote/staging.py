@@ -19,11 +19,13 @@ import socket
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ddp_core.errors import DdpJobError
 from jobs.remote.ssh import Gateway
-from jobs.submission.snapshot import SENT_ENV, Plan
+
+if TYPE_CHECKING:
+    from jobs.submission.snapshot import Plan
 
 INCOMING = ".ddpjob/incoming"
 
@@ -70,6 +72,8 @@ class Stage:
 
     def env(self) -> dict[str, str]:
         """The remote ddpjob's environment for this submission: where its snapshot finds the record of what was sent."""
+        from jobs.submission.snapshot import SENT_ENV
+
         return {SENT_ENV: f"{self.remote}/sent.json"}
 
     def push(self) -> None:

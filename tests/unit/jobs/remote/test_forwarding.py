@@ -20,10 +20,14 @@ from jobs.submission import snapshot
 
 def test_command_arguments():
     argv = ["--host", "c", "--remote-dir=/x", "submit", "a.yaml", "--host", "k=v"]
-    assert forward.command_argv(argv, None) == ["submit", "a.yaml", "--host", "k=v"]
-    assert forward.command_argv(["--host=c", "sweep", "s.yaml"], ["--lr", "a.yaml"]) == [
-        "sweep", "s.yaml", "--", "--lr", "a.yaml"
-    ]  # fmt: skip
+    assert forward.split_globals(argv) == (
+        {"--host": "c", "--remote-dir": "/x"}, ["submit", "a.yaml", "--host", "k=v"]
+    )  # fmt: skip
+    assert forward.command_argv(["--host=c", "sweep", "s.yaml", "--", "--lr"]) == ["sweep", "s.yaml", "--", "--lr"]
+    assert forward.command_argv(["status"]) == ["status"] and forward.split_globals(["--host", "c"]) == (
+        {"--host": "c"},
+        [],
+    )
     swap = {"a.yaml": "/r/tree/a.yaml"}
     assert forward.rewrite(["submit", "a.yaml", "--cfg=a.yaml", "x=a.yaml", "--", "a.yaml"], swap) == [
         "submit", "/r/tree/a.yaml", "--cfg=/r/tree/a.yaml", "x=a.yaml", "--", "a.yaml"
