@@ -17,6 +17,7 @@ they are sent keeping their relative paths, and the arguments that name them rew
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import logging
 import shlex
@@ -179,8 +180,7 @@ def sweep(gw: Gateway, args: argparse.Namespace, argv: list[str]) -> int:
         return send_and_run(gw, args, argv, None, None, files)
     spec = load_from_args(args)
     files.append(str(spec.base_config) if spec.base_config else None)
-    for cfg in spec.configs[:1]:
-        check_here(cfg)
+    check_here(copy.deepcopy(spec.configs[0]))  # a copy: the check makes its script's path absolute
     return send_and_run(gw, args, argv, spec.configs[0], snapshot.plan_sweep(spec.configs), files)
 
 
@@ -209,6 +209,13 @@ def follow_logs(gw: Gateway, args: argparse.Namespace, argv: list[str]) -> int:
     the lines already shown (``logs --skip-lines``), so none is shown twice."""
     if not args.follow:
         return run_remote(gw, argv)
+    try:
+        return follow_again(gw, argv)
+    except KeyboardInterrupt:  # the normal way out of -f, as on the login node
+        return 0
+
+
+def follow_again(gw: Gateway, argv: list[str]) -> int:
     shown, tries = 0, 0
     while True:
         remote = [*argv, "--skip-lines", str(shown)] if shown else argv

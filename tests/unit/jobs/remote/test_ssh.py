@@ -125,3 +125,29 @@ def test_a_submission_sends_its_config_and_code_and_a_failed_transfer_submits_no
     line = one_line_error(laptop.run([*args[:-2]], cwd=project))
     assert "sending the config and code to cluster:" in line and "failed (nothing submitted)" in line
     assert sorted(p.name for p in broken.iterdir()) == [".ddpjob"]
+
+
+def test_a_sweep_sends_its_sweep_file_base_config_and_script(laptop, tmp_path):
+    project = laptop.home / "project"
+    (project / "proj").mkdir(parents=True)
+    (project / "proj" / "train.py").write_text("print('train')\n")
+    (project / "sweeps").mkdir()
+    (project / "base.yaml").write_text("run: {name: s}\nwandb: {mode: disabled}\nscript: {launcher: srun}\n")
+    (project / "sweeps" / "s.yaml").write_text("base: ../base.yaml\ngrid:\n  script.args.lr: [0.1, 0.2]\n")
+    args = [
+        "--host",
+        "cluster",
+        "sweep",
+        "sweeps/s.yaml",
+        "--script",
+        "proj/train.py",
+        "--dry-run",
+        "--no-cluster-check",
+    ]
+    proc = laptop.run(args, cwd=project)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (incoming,) = (tmp_path / "remote" / ".ddpjob" / "incoming").iterdir()
+    assert f"runs: {incoming}/tree/proj/train.py --lr=0.1" in proc.stdout  # each trial runs the script sent
+    assert f"runs: {incoming}/tree/proj/train.py --lr=0.2" in proc.stdout
+    sent = sorted(str(p.relative_to(incoming)) for p in incoming.rglob("*") if p.is_file())
+    assert sent == ["sent.json", "tree/base.yaml", "tree/proj/train.py", "tree/sweeps/s.yaml"]
