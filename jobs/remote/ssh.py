@@ -202,9 +202,9 @@ def mismatch(name: str, where: str, theirs: str, ours: str) -> DdpJobError:
 def check_expected_version() -> None:
     """On the remote: a ddpjob called by ``ddpjob --host`` of another version refuses in one line (the laptop's
     version and the host's name come in the environment)."""
-    expected = os.environ.get(EXPECT_ENV)
+    expected = os.environ.pop(EXPECT_ENV, None)  # popped: the jobs this process submits do not inherit it
+    name = os.environ.pop(NAME_ENV, "the remote")
     if expected and expected != version():
-        name = os.environ.get(NAME_ENV, "the remote")
         raise mismatch(name, f"{os.getcwd()}, {sys.argv[0]}", version(), expected)
 
 
