@@ -20,6 +20,7 @@ import argparse
 import copy
 import importlib.util
 import logging
+import os
 import shlex
 import subprocess
 import sys
@@ -177,11 +178,21 @@ def sweep(gw: Gateway, args: argparse.Namespace, argv: list[str]) -> int:
     files: list[Optional[str]] = [args.config]
     if is_search(args):  # an adaptive search's config is checked by the remote; its code is the remote's for now
         log.warning("an adaptive search over --host runs the remote's code: only its config files are sent")
-        return send_and_run(gw, args, argv, None, None, files)
+        return send_and_run(gw, args, argv, None, None, [*files, base_of(args.config)])
     spec = load_from_args(args)
     files.append(str(spec.base_config) if spec.base_config else None)
     check_here(copy.deepcopy(spec.configs[0]))  # a copy: the check makes its script's path absolute
     return send_and_run(gw, args, argv, spec.configs[0], snapshot.plan_sweep(spec.configs), files)
+
+
+def base_of(sweep_file: Optional[str]) -> Optional[str]:
+    """The base config a sweep file names (``base:``, relative to the file), if any: it is sent with the file."""
+    if sweep_file is None or not Path(sweep_file).is_file():
+        return None
+    from ddp_core.config.input import read_yaml_mapping
+
+    base = read_yaml_mapping(Path(sweep_file)).get("base")
+    return os.path.normpath(Path(sweep_file).parent / str(base)) if base else None
 
 
 def send_and_run(
