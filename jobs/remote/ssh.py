@@ -33,6 +33,7 @@ SSH_FAILED = 255  # ssh's own exit status for a connection that failed or was lo
 PERSIST = "10m"  # how long an idle master connection stays up
 STATE_ENV = "DDPJOB_STATE_DIR"
 EXPECT_ENV, NAME_ENV = "DDPJOB_EXPECT_VERSION", "DDPJOB_HOST_NAME"  # for the remote's check_expected_version
+WRAPPER_ERRORS = ("is not a directory", "no ddpjob at ")  # the remote wrapper's own lines (``Gateway.command``)
 
 
 def run_captured(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
@@ -98,7 +99,7 @@ class Gateway:
         """The options of every ssh call: the persistent connection, no prompts outside a terminal, bounded time."""
         opts = []
         user_config = Path.home() / ".ssh" / "config"
-        if user_config.is_file() and Path.home() != Path(pwd.getpwuid(os.getuid()).pw_dir):
+        if user_config.is_file() and Path.home() != account_home():
             opts += ["-F", str(user_config)]  # ssh reads the passwd home's config; $HOME names another (a sandbox)
         opts += [
             "-o", "ControlMaster=auto",
@@ -183,8 +184,9 @@ class Gateway:
             return  # checked over this connection; each remote ddpjob checks DDPJOB_EXPECT_VERSION too
         proc = self.run(self.command(["--version"]))
         ours = version()
-        if proc.returncode != 0 and (err := remote_error(proc.stderr)) is not None and "--version" not in str(err):
-            raise err  # no directory, no ddpjob: the wrapper's own line
+        err = remote_error(proc.stderr) if proc.returncode != 0 else None
+        if err is not None and (err.message.endswith(WRAPPER_ERRORS[0]) or err.message.startswith(WRAPPER_ERRORS[1])):
+            raise err  # no directory, no ddpjob: the wrapper's own line (a ddpjob without --version: a mismatch)
         theirs = proc.stdout.strip().removeprefix("ddpjob ") if proc.returncode == 0 else "unknown (no --version)"
         if theirs != ours:
             raise mismatch(self.host.name, f"{self.host.remote_dir}, {self.host.ddpjob}", theirs, ours)
@@ -192,10 +194,19 @@ class Gateway:
             stamp.write_text(pid)
 
 
+def account_home() -> Optional[Path]:
+    """The account's home as ssh finds it (the password database), whatever $HOME says."""
+    try:
+        return Path(pwd.getpwuid(os.getuid()).pw_dir)
+    except KeyError:  # no entry (some containers): ssh then has no config of its own to read
+        return None
+
+
 def mismatch(name: str, where: str, theirs: str, ours: str) -> DdpJobError:
     return DdpJobError(
         f"{name} runs ddpjob {theirs} ({where}), this laptop ddpjob {ours}",
-        f"install the same version on both: pip install ddpjob=={ours} there, or ddpjob=={theirs} here",
+        f"install the same ddpjob on both: {ours} on {name} (pip install ddpjob=={ours}, or the same checkout), "
+        f"or {theirs} here",
     )
 
 

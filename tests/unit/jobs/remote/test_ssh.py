@@ -95,7 +95,14 @@ def test_a_remote_without_ddpjob_or_with_another_version(laptop, tmp_path):
     laptop.host_file(laptop.cluster_entry(ddpjob=str(old), remote_dir=str(remote)))
     line = one_line_error(laptop.run(["--host", "cluster", "status"]))
     assert f"cluster runs ddpjob 0.0.1 ({tmp_path / 'remote'}, {old}), this laptop ddpjob {version()}" in line
-    assert f"pip install ddpjob=={version()} there" in line
+    assert f"hint: install the same ddpjob on both: {version()} on cluster (pip install ddpjob=={version()}" in line
+    # A ddpjob from before --version: its usage error is no answer, and the line says so.
+    older = tmp_path / "older-ddpjob"
+    older.write_text("#!/bin/sh\necho 'ddpjob: error: the following arguments are required: command' >&2; exit 2\n")
+    older.chmod(0o755)
+    laptop.host_file(laptop.cluster_entry(ddpjob=str(older), remote_dir=str(remote)))
+    line = one_line_error(laptop.run(["--host", "cluster", "status"]))
+    assert f"cluster runs ddpjob unknown (no --version) ({remote}, {older}), this laptop ddpjob {version()}" in line
     # Over a connection already open the remote ddpjob itself refuses a caller of another version.
     proc = subprocess.run([sys.executable, "-m", "jobs", "status"], capture_output=True, text=True, cwd=tmp_path,
                           env={**os.environ, "DDPJOB_EXPECT_VERSION": "0.0.1", "DDPJOB_HOST_NAME": "big"})  # fmt: skip
