@@ -12,15 +12,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import NoReturn, Optional, Sequence
+from typing import Callable, NoReturn, Optional, Sequence
 
 from ddp_core.errors import DdpJobError
-from jobs.doctor import checks as doctor
-from jobs.report import command as report
-from jobs.runs import export, logs, resume, status, sync
-from jobs.runs.lookup import RUN_HELP
-from jobs.submission import commands as submission
-from jobs.sweeps import command as sweep
+from jobs.remote import forward, ssh
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +41,16 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
+    # Imported here, not above: `ddpjob --host NAME status` goes to the remote without any of them (forward.as_is).
+    from jobs.doctor import checks as doctor
+    from jobs.runs import export, logs, status
+    from jobs.runs.lookup import RUN_HELP
+    from jobs.sweeps import command as sweep
+
     parser = _Parser(prog="ddpjob", description="PyTorch distributed training as Slurm batch jobs (see README.md).")
+    parser.add_argument("--version", action="version", version=f"ddpjob {ssh.version()}")
+    parser.add_argument("--host", metavar="NAME", help="run the command on this cluster over SSH (docs/remote.md)")
+    parser.add_argument("--remote-dir", metavar="DIR", help="with --host: the remote working directory")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("submit", help="validate a config, create its run directory and submit the job")
@@ -97,24 +101,29 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-_COMMANDS = {
-    "submit": submission.cmd_submit,
-    "prepare": submission.cmd_prepare,
-    "resume": resume.cmd_resume,
-    "sync": sync.cmd_sync,
-    "report": report.cmd_report,
-    **sweep.COMMANDS,
-    **status.COMMANDS,
-    **logs.COMMANDS,
-    **export.COMMANDS,
-    **doctor.COMMANDS,
-}
+def _commands() -> dict[str, Callable[[argparse.Namespace], int]]:
+    from jobs.doctor import checks as doctor
+    from jobs.report import command as report
+    from jobs.runs import export, logs, resume, status, sync
+    from jobs.submission import commands as submission
+    from jobs.sweeps import command as sweep
+
+    return {
+        "submit": submission.cmd_submit,
+        "prepare": submission.cmd_prepare,
+        "resume": resume.cmd_resume,
+        "sync": sync.cmd_sync,
+        "report": report.cmd_report,
+        **sweep.COMMANDS,
+        **status.COMMANDS,
+        **logs.COMMANDS,
+        **export.COMMANDS,
+        **doctor.COMMANDS,
+    }
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="ddpjob: %(levelname)s: %(message)s")
+def _parse(argv: list[str]) -> argparse.Namespace:
     parser = _parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
     script_args = None
     if "--" in argv:  # everything after the first `--` is the script's own, passed as it is
         script_args, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
@@ -128,8 +137,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="ddpjob: %(levelname)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _COMMANDS[args.command](args)
+        ssh.check_expected_version()
+        direct = forward.as_is(argv)  # `--host NAME status ...`: the remote's own parser answers
+        if direct is not None:
+            return direct
+        args = _parse(argv)
+        if args.host:
+            return forward.forward(args, forward.command_argv(argv))
+        return _commands()[args.command](args)
     except DdpJobError as err:
         print(f"ddpjob: error: {err}", file=sys.stderr)
         return 2

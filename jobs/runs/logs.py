@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import io
 import itertools
 import os
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, TextIO
+from typing import Any, Callable, Optional, Sequence, TextIO, cast
 
 from ddp_core.cluster.slurm import Runner, gateway_for
 from ddp_core.errors import DdpJobError
@@ -153,16 +154,37 @@ def show(run: RunDir, rank: int, stream: str, attempt: str, out: TextIO, wait: b
     return {path: len(content) for path, content in data.items()}
 
 
+class SkipLines(io.TextIOBase):
+    """A stream that drops the first ``lines`` lines written to it (``logs --skip-lines``: ``ddpjob --host``
+    following again after a lost connection, without the lines it has shown)."""
+
+    def __init__(self, out: TextIO, lines: int) -> None:
+        self.out, self.left = out, lines
+
+    def write(self, text: str) -> int:
+        size = len(text)
+        while self.left and text:
+            end = text.find("\n")
+            if end < 0:
+                return size  # the rest of a skipped line: its end comes with the next write
+            text, self.left = text[end + 1 :], self.left - 1
+        if text:
+            self.out.write(text)
+        return size
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     run = RunDir(resolve(args.run_dir))
     if args.attempt not in ("all", "last") and not args.attempt.isdigit():
         raise DdpJobError(f"--attempt {args.attempt}: not a number", "use N (1 = first), last or all")
+    out = cast(TextIO, SkipLines(sys.stdout, args.skip_lines)) if args.skip_lines else sys.stdout
     try:
-        offsets = show(
-            run, args.rank, args.stream, args.attempt, sys.stdout, wait=args.follow and bool(active_jobs([run]))
-        )
+        offsets = show(run, args.rank, args.stream, args.attempt, out, wait=args.follow and bool(active_jobs([run])))
         if args.follow:
-            follow(run, args.rank, args.stream, sys.stdout, lambda: bool(active_jobs([run])), offsets)
+            follow(run, args.rank, args.stream, out, lambda: bool(active_jobs([run])), offsets)
     except KeyboardInterrupt:  # the normal way out of -f
         pass
     except BrokenPipeError:  # `ddpjob logs RUN | head`: Python's recipe, so exiting does not raise again
@@ -209,6 +231,7 @@ def add_parsers(sub: Any) -> None:
         default="err",
         help="err: the trainer's log; out: stdout; batch: the sbatch script's own log",
     )
+    p.add_argument("--skip-lines", type=int, default=0, metavar="N", help="leave out the first N lines of the output")
 
     p = sub.add_parser("cancel", help="scancel every queued or running job of runs or sweeps")
     p.add_argument("paths", nargs="+", metavar="RUN|SWEEP", help=f"runs ({RUN_HELP}) or sweep folders or names")

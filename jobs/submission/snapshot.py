@@ -31,6 +31,9 @@ from ddp_core.run.rundir import CODE_DIFF, CODE_DIR, CODE_RECORD, RunDir, atomic
 from ddp_core.run.snapshot import LIBRARY_PACKAGES
 
 SKIP_DIRS = frozenset({"__pycache__"})
+# Set by ``ddpjob --host`` (jobs.remote.staging) for the remote ddpjob: the record of the files a laptop sent. Code
+# inside that folder is recorded as sent (the laptop's source, git commit and uncommitted changes), not as found here.
+SENT_ENV = "DDPJOB_SENT"
 
 
 @dataclass
@@ -44,6 +47,7 @@ class Plan:
     packages: list[str] = field(default_factory=list)  # top-level names the snapshot provides (activate checks)
     git: Optional[dict[str, Any]] = None
     diff: str = ""
+    sent: Optional[dict[str, Any]] = None  # what a laptop sent (``sent_from``): recorded with the snapshot
 
     @property
     def base(self) -> Path:
@@ -70,6 +74,7 @@ class Plan:
             "files": len(self.files),
             "bytes": self.bytes,
             "git": self.git,
+            **({"sent": self.sent} if self.sent else {}),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
 
@@ -158,7 +163,8 @@ def plan(cfg: Config) -> Optional[Plan]:
         return None
     source, kind = found
     folder = source.parent if kind == "module" else source
-    git = _git(folder)
+    sent = sent_from(source)
+    git = _git(folder) if sent is None else None  # sent code: the remote's own repository is not its origin
     if kind == "module":
         files = [Path(source.name)]
     elif git is not None:
@@ -169,9 +175,24 @@ def plan(cfg: Config) -> Optional[Plan]:
     sizes = {rel: (base / rel).stat().st_size for rel in files if (base / rel).is_file()}  # a deleted tracked file: no
     p = Plan(source, kind, sorted(sizes), sum(sizes.values()), [source.stem] if kind != "directory" else [], git)
     _check_limits(cfg, p, sizes)
+    if sent is not None:
+        p.git, p.diff = sent.pop("git", None), sent.pop("diff", "")
+        p.sent = sent
     if git is not None:
         p.diff = _run_git(folder, "diff", "HEAD", "--binary", "--", source.name if kind == "module" else ".") or ""
     return p
+
+
+def sent_from(source: Path) -> Optional[dict[str, Any]]:
+    """Where code a laptop sent (``SENT_ENV``) came from: its host, folder, git state; None for any other code."""
+    record = os.environ.get(SENT_ENV)
+    if not record or not source.resolve().is_relative_to(Path(record).parent.resolve()):
+        return None
+    try:
+        data = json.loads(Path(record).read_text())
+    except (OSError, ValueError):
+        return None
+    return {"from": data.get("from"), **(data.get("code") or {})}
 
 
 def _check_limits(cfg: Config, p: Plan, sizes: dict[Path, int]) -> None:

@@ -12,9 +12,12 @@ import shlex
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ddp_core.errors import DdpJobError
+
+if TYPE_CHECKING:
+    from jobs.sweeps.spec import Sweep
 
 
 def add_parser(sub: Any) -> None:
@@ -53,26 +56,11 @@ def add_parser(sub: Any) -> None:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from jobs.submission.request import entry_module
     from jobs.sweeps import arrays as sw
-    from jobs.sweeps.spec import load_sweep
 
     started = time.monotonic()
-    if args.search or args.more is not None or _is_search(args.config):
+    if is_search(args):
         return _cmd_search(args, started)
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config and not Path(config).exists():
-        overrides.insert(0, config)  # `sweep --script t.py k=v1,v2`: argparse took the first key for CONFIG
-        config = None
-    if args.no_snapshot:
-        overrides.append("snapshot.enabled=false")
-    spec = load_sweep(
-        None if config is None else Path(config),
-        overrides,
-        trials=args.trials,
-        seed=args.seed,
-        name=args.name,
-        script=args.script,
-        script_args=args.script_args,
-    )
+    spec = load_from_args(args)
     no_sinfo = args.dry_run and shutil.which("sinfo") is None
     request = sw.check_sweep(spec, local_check=not (args.no_cluster_check or no_sinfo))
     plans = sw.plan(spec)
@@ -94,6 +82,32 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(sw.summary(spec, plans, arrays, sw.max_array_size() if arrays else None))
     print(f"took:    {time.monotonic() - started:.1f} s")
     return 0
+
+
+def is_search(args: argparse.Namespace) -> bool:
+    """Whether ``ddpjob sweep ARGS`` is an adaptive search (``--search``, ``--more``, or a search's file)."""
+    return bool(args.search or args.more is not None or _is_search(args.config))
+
+
+def load_from_args(args: argparse.Namespace) -> Sweep:
+    """The grid or random sweep ``ddpjob sweep ARGS`` names, loaded and validated (``ddpjob --host`` checks it too)."""
+    from jobs.sweeps.spec import load_sweep
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not Path(config).exists():
+        overrides.insert(0, config)  # `sweep --script t.py k=v1,v2`: argparse took the first key for CONFIG
+        config = None
+    if args.no_snapshot:
+        overrides.append("snapshot.enabled=false")
+    return load_sweep(
+        None if config is None else Path(config),
+        overrides,
+        trials=args.trials,
+        seed=args.seed,
+        name=args.name,
+        script=args.script,
+        script_args=args.script_args,
+    )
 
 
 def _is_search(config: Optional[str]) -> bool:

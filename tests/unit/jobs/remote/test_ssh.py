@@ -1,0 +1,163 @@
+"""``ddpjob --host`` against a real OpenSSH server on loopback (tests/support/sshd.py), from a "laptop" without Slurm
+commands: one connection for many commands, each SSH failure one line naming the host and the fix within bounded
+time, a remote without ddpjob or of another version, and what a submission sends (and that a failed transfer
+submits nothing). The submission of real jobs from the laptop: tests/cluster/test_remote_laptop.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jobs import cli
+from jobs.remote.ssh import version
+from tests.support import sshd
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    sshd.require()
+    srv = sshd.start_server(tmp_path_factory.mktemp("sshd"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def laptop(server, tmp_path):
+    lap = sshd.Laptop.make(tmp_path / "home", server)
+    (tmp_path / "remote").mkdir()
+    lap.host_file(lap.cluster_entry(remote_dir=str(tmp_path / "remote")))
+    yield lap
+    lap.close()
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("ddpjob: error:")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
+    return lines[0]
+
+
+def test_ten_commands_open_one_connection_and_the_remote_answers_as_it_is(laptop, server, monkeypatch, capfd):
+    for key, value in laptop.env.items():  # this process as the laptop (its ddpjob in process: ~0.1 s less each)
+        monkeypatch.setenv(key, value)
+    before = server.connections()
+    codes = [cli.main(["--host", "cluster", "status"]) for _ in range(10)]
+    assert codes == [2] * 10  # the remote's own exit status, and its own line:
+    assert capfd.readouterr().err.count("ddpjob: error: no runs found under ./runs (hint: ") == 10
+    assert server.connections() - before == 1  # logged in once; the master connection served the other nine
+    assert laptop.run(["--version"]).stdout == f"ddpjob {version()}\n"
+
+
+def test_a_refused_key_and_an_unknown_host(server, tmp_path):
+    stranger = sshd.Laptop.make(tmp_path / "home", server, authorized=False)
+    try:
+        stranger.host_file(stranger.cluster_entry() + stranger.cluster_entry("ghost", host="ghost.invalid"))
+        line = one_line_error(stranger.run(["--host", "cluster", "status"]))
+        assert line.startswith("ddpjob: error: cluster refused the login: ") and "Permission denied" in line
+        assert "hint: check the key: `ssh cluster true` must log in" in line
+        line = one_line_error(stranger.run(["--host", "ghost", "status"]))
+        assert line.startswith("ddpjob: error: unknown host ghost (ghost.invalid): ")
+        assert "add 'Host ghost' to ~/.ssh/config" in line
+    finally:
+        stranger.close()
+
+
+def test_an_unreachable_port_is_given_up_in_bounded_time(laptop):
+    # A port that takes the connection and never answers (a firewall that drops would look the same to ssh).
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)
+    ssh_config = laptop.home / ".ssh" / "config"
+    ssh_config.write_text(
+        ssh_config.read_text() + f"Host silent\n  HostName 127.0.0.1\n  Port {silent.getsockname()[1]}\n"
+    )
+    laptop.host_file(laptop.cluster_entry("silent", host="silent", connect_timeout=1))
+    started = time.monotonic()
+    line = one_line_error(laptop.run(["--host", "silent", "status"]))
+    assert time.monotonic() - started < 8
+    assert line.startswith("ddpjob: error: silent is unreachable: ") and "timed out" in line
+    silent.close()
+
+
+def test_a_remote_without_ddpjob_or_with_another_version(laptop, tmp_path):
+    remote = tmp_path / "remote"
+    laptop.host_file(laptop.cluster_entry(ddpjob="venv/bin/ddpjob", remote_dir=str(remote)))
+    line = one_line_error(laptop.run(["--host", "cluster", "status"]))
+    assert f"no ddpjob at cluster:{remote}/venv/bin/ddpjob (hint: install it there" in line
+    old = tmp_path / "old-ddpjob"
+    old.write_text("#!/bin/sh\necho ddpjob 0.0.1\n")
+    old.chmod(0o755)
+    laptop.host_file(laptop.cluster_entry(ddpjob=str(old), remote_dir=str(remote)))
+    line = one_line_error(laptop.run(["--host", "cluster", "status"]))
+    assert f"cluster runs ddpjob 0.0.1 ({tmp_path / 'remote'}, {old}), this laptop ddpjob {version()}" in line
+    assert f"hint: install the same ddpjob on both: {version()} on cluster (pip install ddpjob=={version()}" in line
+    # A ddpjob from before --version: its usage error is no answer, and the line says so.
+    older = tmp_path / "older-ddpjob"
+    older.write_text("#!/bin/sh\necho 'ddpjob: error: the following arguments are required: command' >&2; exit 2\n")
+    older.chmod(0o755)
+    laptop.host_file(laptop.cluster_entry(ddpjob=str(older), remote_dir=str(remote)))
+    line = one_line_error(laptop.run(["--host", "cluster", "status"]))
+    assert f"cluster runs ddpjob unknown (no --version) ({remote}, {older}), this laptop ddpjob {version()}" in line
+    # Over a connection already open the remote ddpjob itself refuses a caller of another version.
+    proc = subprocess.run([sys.executable, "-m", "jobs", "status"], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "DDPJOB_EXPECT_VERSION": "0.0.1", "DDPJOB_HOST_NAME": "big"})  # fmt: skip
+    assert f"big runs ddpjob {version()} ({tmp_path}" in one_line_error(proc)
+
+
+def test_a_submission_sends_its_config_and_code_and_a_failed_transfer_submits_nothing(laptop, tmp_path):
+    project = laptop.home / "project"
+    (project / "proj").mkdir(parents=True)
+    (project / "proj" / "train.py").write_text("import util\n")
+    (project / "proj" / "util.py").write_text("X = 1\n")
+    (project / "t.yaml").write_text("run: {name: t}\nwandb: {mode: disabled}\nscript: {launcher: srun}\n")
+    args = ["--host", "cluster", "submit", "t.yaml", "--script", "proj/train.py", "--dry-run", "--no-cluster-check"]
+    proc = laptop.run(args, cwd=project)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (incoming,) = (tmp_path / "remote" / ".ddpjob" / "incoming").iterdir()
+    assert f"# code snapshot: 2 files, 0 KiB of {incoming}/tree/proj" in proc.stdout
+    sent = sorted(str(p.relative_to(incoming)) for p in incoming.rglob("*") if p.is_file())
+    assert sent == ["sent.json", "tree/proj/train.py", "tree/proj/util.py", "tree/t.yaml"]
+    assert json.loads((incoming / "sent.json").read_text())["code"]["source"] == str(project / "proj")
+    assert f"path: {incoming}/tree/proj/train.py" in proc.stdout  # the run's script is the copy sent
+    # A config the laptop refuses never leaves it.
+    line = one_line_error(laptop.run([*args, "train.max_steps=-1"], cwd=project))
+    assert "train.max_steps" in line and len(list(incoming.parent.iterdir())) == 1
+    # A remote where the files cannot arrive: nothing is submitted, no run directory made.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / ".ddpjob").write_text("not a folder")
+    laptop.host_file(laptop.cluster_entry(remote_dir=str(broken)))
+    line = one_line_error(laptop.run([*args[:-2]], cwd=project))
+    assert "sending the config and code to cluster:" in line and "failed (nothing submitted)" in line
+    assert sorted(p.name for p in broken.iterdir()) == [".ddpjob"]
+
+
+def test_a_sweep_sends_its_sweep_file_base_config_and_script(laptop, tmp_path):
+    project = laptop.home / "project"
+    (project / "proj").mkdir(parents=True)
+    (project / "proj" / "train.py").write_text("print('train')\n")
+    (project / "sweeps").mkdir()
+    (project / "base.yaml").write_text("run: {name: s}\nwandb: {mode: disabled}\nscript: {launcher: srun}\n")
+    (project / "sweeps" / "s.yaml").write_text("base: ../base.yaml\ngrid:\n  script.args.lr: [0.1, 0.2]\n")
+    args = [
+        "--host",
+        "cluster",
+        "sweep",
+        "sweeps/s.yaml",
+        "--script",
+        "proj/train.py",
+        "--dry-run",
+        "--no-cluster-check",
+    ]
+    proc = laptop.run(args, cwd=project)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (incoming,) = (tmp_path / "remote" / ".ddpjob" / "incoming").iterdir()
+    assert f"runs: {incoming}/tree/proj/train.py --lr=0.1" in proc.stdout  # each trial runs the script sent
+    assert f"runs: {incoming}/tree/proj/train.py --lr=0.2" in proc.stdout
+    sent = sorted(str(p.relative_to(incoming)) for p in incoming.rglob("*") if p.is_file())
+    assert sent == ["sent.json", "tree/base.yaml", "tree/proj/train.py", "tree/sweeps/s.yaml"]
