@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
@@ -181,10 +180,8 @@ class FullWriter:
         """Wait at most ``within_s`` for the save in flight; whether none is left (raising its failure, as ``wait``).
         One still in flight is left to ``close(wait=False)``: its manifest is never written, so the newest complete
         checkpoint is the one before it."""
-        if self._pending is not None:
-            futures.wait([self._pending], timeout=max(0.0, within_s))
-            if not self._pending.done():
-                return False
+        if not checkpoint.done_within(self._pending, within_s):
+            return False
         self.wait()
         return True
 

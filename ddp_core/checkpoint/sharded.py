@@ -29,7 +29,6 @@ import socket
 import tempfile
 import time
 import warnings
-from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, cast
@@ -40,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from ddp_core.checkpoint import storage as storages
+from ddp_core.checkpoint import store
 from ddp_core.checkpoint.storage import Location
 from ddp_core.checkpoint.store import SHARDED, CheckpointInfo, files_digest, prune, remove_data, sha256_file, split
 from ddp_core.distributed import collectives
@@ -236,10 +236,8 @@ class ShardedWriter:
     def settle(self, within_s: float) -> bool:
         """Wait at most ``within_s`` for this rank's part of the save in flight; whether none is left (raising its
         failure, as ``wait``). The ranks agree on the answer (``CheckpointManager.settle``)."""
-        if self._pending is not None:
-            futures.wait([self._pending], timeout=max(0.0, within_s))
-            if not self._pending.done():
-                return False
+        if not store.done_within(self._pending, within_s):
+            return False
         self.wait()
         return True
 

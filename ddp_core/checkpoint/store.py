@@ -32,6 +32,7 @@ import os
 import re
 import socket
 import time
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -340,3 +341,10 @@ def load(info: CheckpointInfo) -> dict[str, Any]:
         return torch.load(info.path, map_location="cpu", weights_only=True)
     storage, name = split(info.path)
     return torch.load(io.BytesIO(storage.read_bytes(name)), map_location="cpu", weights_only=True)
+
+
+def done_within(pending: Optional[futures.Future[Any]], within_s: float) -> bool:
+    """Whether a writer's save in flight (``pending``; None: none) is done, waiting at most ``within_s`` for it."""
+    if pending is not None:
+        futures.wait([pending], timeout=max(0.0, within_s))
+    return pending is None or pending.done()
