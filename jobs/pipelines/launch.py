@@ -187,7 +187,7 @@ def dry_run(pipe: spec.Pipeline, kept: dict[str, str], rec: record.Record) -> No
 def cmd_pipeline(args: argparse.Namespace) -> int:
     pipe = spec.load(Path(args.file))
     before = record.read(pipe.folder)
-    kept = plan(pipe, before)
+    kept = {} if args.fresh else plan(pipe, before)
     with tempfile.TemporaryDirectory() as folder:
         cluster = not args.no_cluster_check
         todo = [s for s in pipe.steps if s.name not in kept]
@@ -208,6 +208,7 @@ def add_parser(sub: Any) -> None:
                        "only the steps that did not complete)")  # fmt: skip
     p.add_argument("file", metavar="FILE", help="a pipeline file, e.g. configs/pipelines/digits.yaml")
     p.add_argument("--dry-run", action="store_true", help="check every step and say what would be submitted")
+    p.add_argument("--fresh", action="store_true", help="submit every step again, the completed ones too")
     p.add_argument("--no-cluster-check", action="store_true", help="skip checking the requests against sinfo")
 
 
