@@ -15,6 +15,7 @@ from typing import Optional
 from ddp_core.errors import DdpJobError
 from jobs.pipelines import record, spec
 from jobs.pipelines.after import After, satisfied
+from jobs.runs import lookup
 from jobs.runs import status as runs_status
 from jobs.runs.listing import DEFAULT_ROOT, shown_path
 
@@ -31,9 +32,17 @@ def find(path: Optional[str]) -> Optional[Path]:
             return spec.load(given).folder
         except DdpJobError:
             return None  # a config file, not a pipeline's: the run status says what it can
-    if spec.NAME.fullmatch(path) and (DEFAULT_ROOT / "pipelines" / path / record.FILE).is_file():
-        return DEFAULT_ROOT / "pipelines" / path
-    return None
+    folder = DEFAULT_ROOT / "pipelines" / path
+    if not spec.NAME.fullmatch(path) or not (folder / record.FILE).is_file():
+        return None
+    try:
+        run = lookup.resolve(path, DEFAULT_ROOT, sweeps=True)
+    except DdpJobError:
+        return folder  # no run or sweep has the name: the pipeline's
+    raise DdpJobError(
+        f"'{path}' names a pipeline ({folder}) and a run or sweep ({shown_path(run)})",
+        f"pass the pipeline's file or {folder} for the pipeline, {shown_path(run)} for the run",
+    )
 
 
 def why_not(name: str, rec: record.Record, states: dict[str, str]) -> str:

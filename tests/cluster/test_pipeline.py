@@ -3,7 +3,8 @@
 train is preempted once (it sends itself the warning signal at a chosen batch of its first attempt: it checkpoints
 and requeues its own job); use waits for train's final end, not its first attempt, and reads train's run directory
 and best checkpoint, resolved as it starts; use then fails (a closed gate), so Slurm cancels last (its afterok can
-never be met) and ``ddpjob status`` says why. The rerun, the gate opened, keeps train and submits only use and last.
+never be met) and ``ddpjob status`` says why. The rerun, the gate opened, keeps train and submits only use and last. ``submit --after`` decides the ended runs
+from their accounting.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ TRAIN = [
     "train.stop_check_ms=0",  # the flag is read after every step: the signal at batch 30 stops the first attempt
 ]  # fmt: skip
 SCRIPT = str(ROOT / "tests" / "support" / "pipeline_step.py")
+DIGITS = str(ROOT / "configs" / "digits.yaml")
 
 
 def pipeline_file(folder: Path, gate: Path) -> Path:
     steps = {
-        "train": {"config": str(ROOT / "configs" / "digits.yaml"), "overrides": TRAIN},
+        "train": {"config": DIGITS, "overrides": TRAIN},
         "use": {
             "script": SCRIPT,
             "args": [
@@ -84,6 +86,13 @@ def test_pipeline_waits_for_a_requeued_step_cancels_after_a_failure_and_reruns_w
     assert "last: cancelled: use ended FAILED(1), and this step runs after use:ok" in table, table
     states = {line.split()[0]: line.split()[1] for line in table.splitlines()[2:5]}
     assert states == {"train": "COMPLETED", "use": "FAILED(1)", "last": "CANCELLED"}, table
+
+    # `submit --after` decides an ended run from its accounting: nothing to wait for, or never.
+    dry = run_cli("submit", DIGITS, "--dry-run", "--after", str(train_dir), "--after", f"{use['run_dir']}:notok",
+                  cwd=tmp_path)  # fmt: skip
+    assert dry.returncode == 0 and "--dependency" not in dry.stdout, dry.stdout + dry.stderr
+    never = run_cli("submit", DIGITS, "--dry-run", "--after", use["job_id"], cwd=tmp_path)
+    assert never.returncode == 2 and "ended FAILED(1), so this job could never start" in never.stderr, never.stderr
 
     gate.touch()  # the fix, from outside: the rerun submits use and last only
     rerun = run_cli("pipeline", str(path), cwd=tmp_path)
