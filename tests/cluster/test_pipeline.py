@@ -3,8 +3,8 @@
 train is preempted once (it sends itself the warning signal at a chosen batch of its first attempt: it checkpoints
 and requeues its own job); use waits for train's final end, not its first attempt, and reads train's run directory
 and best checkpoint, resolved as it starts; use then fails (a closed gate), so Slurm cancels last (its afterok can
-never be met) and ``ddpjob status`` says why. The rerun, the gate opened, keeps train and submits only use and last. ``submit --after`` decides the ended runs
-from their accounting.
+never be met) and ``ddpjob status`` says why. ``submit --after`` decides the ended runs from their accounting. The
+rerun, the gate opened, keeps train and submits only use and last.
 """
 
 from __future__ import annotations
