@@ -8,16 +8,15 @@
    (``ddp_core.checkpoint.step_refs``). Nothing is submitted until every step passed.
 3. The steps, in order, through the one submission pipeline (``checks.resolve`` with the step's ``--dependency``,
    ``submit``). Each step's run directory gets the earlier steps' run directories (``step_refs.write_record``), and
-   the pipeline's record (``jobs.pipelines.record``) each step's job. A rerun reuses the steps that completed or are
-   still queued or running; a step whose condition can no longer be met (``after: train`` when train failed) is
-   skipped, with the reason. A submission that fails cancels the steps this command had queued, and keeps the
+   the pipeline's record (``jobs.pipelines.record``) each step's job. A rerun keeps the steps that completed or are
+   still queued or running after kept steps (``keep``); a step whose condition can no longer be met (``after:
+   train:notok`` when train completed) is skipped, with the reason. A submission that fails cancels the steps this command had queued, and keeps the
    record as it was.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import re
 import tempfile
 from dataclasses import dataclass
@@ -33,7 +32,6 @@ from jobs.pipelines.after import MODES, dependency, satisfied
 from jobs.submission import checks, partitions
 from jobs.submission import commands as submission
 
-log = logging.getLogger("ddpjob")
 PLACEHOLDER = "__ddpjob_step_ref_{}__"  # a plain YAML word, whatever quoting surrounds the reference
 _PLACEHOLDER = re.compile(r"__ddpjob_step_ref_(\d+)__")
 
@@ -94,17 +92,35 @@ def load_step(pipe: spec.Pipeline, step: spec.Step, cluster: bool, folder: Path)
     return Prepared(step, cfg, part)
 
 
-def plan(pipe: spec.Pipeline, before: Optional[record.Record]) -> dict[str, str]:
-    """The steps a rerun keeps, with their state: completed, or still queued or running (their jobs stand)."""
+def plan(pipe: spec.Pipeline, before: Optional[record.Record], fresh: bool) -> tuple[dict[str, str], list[str]]:
+    """(the steps a rerun keeps, with their state; the jobs it cancels): ``keep`` on the record's states now."""
     if before is None:
-        return {}
-    from jobs.runs.status import ACTIVE_STATES
-
+        return {}, []
     known = {s.name for s in pipe.steps}
     found = record.states(
         record.Record(before.name, before.file, {k: v for k, v in before.steps.items() if k in known})
     )
-    return {name: state for name, state in found.items() if state == "COMPLETED" or state in ACTIVE_STATES}
+    return keep(pipe, found, before, fresh)
+
+
+def keep(
+    pipe: spec.Pipeline, found: dict[str, str], before: record.Record, fresh: bool
+) -> tuple[dict[str, str], list[str]]:
+    """A completed step is kept, and so is a queued or running one whose earlier steps are all kept (its job stands);
+    one whose earlier step is submitted again would wait for a job that has ended: it is submitted again too, its old
+    job cancelled. ``fresh``: nothing is kept."""
+    from jobs.runs.status import ACTIVE_STATES
+
+    kept: dict[str, str] = {}
+    stale: list[str] = []
+    for step in pipe.steps:  # earlier steps first
+        state = found.get(step.name, "")
+        waiting = state in ACTIVE_STATES and all(a.ref in kept for a in step.after)
+        if not fresh and (state == "COMPLETED" or waiting):
+            kept[step.name] = state
+        elif state in ACTIVE_STATES:
+            stale.append(before.steps[step.name].job_id)
+    return kept, stale
 
 
 def waits_for(step: spec.Step, rec: record.Record, kept: dict[str, str]) -> tuple[list[str], str]:
@@ -187,7 +203,7 @@ def dry_run(pipe: spec.Pipeline, kept: dict[str, str], rec: record.Record) -> No
 def cmd_pipeline(args: argparse.Namespace) -> int:
     pipe = spec.load(Path(args.file))
     before = record.read(pipe.folder)
-    kept = {} if args.fresh else plan(pipe, before)
+    kept, stale = plan(pipe, before, args.fresh)
     with tempfile.TemporaryDirectory() as folder:
         cluster = not args.no_cluster_check
         todo = [s for s in pipe.steps if s.name not in kept]
@@ -198,6 +214,9 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     if args.dry_run:
         dry_run(pipe, kept, rec)
     else:
+        if stale:  # after every step passed its checks: a refused rerun leaves the pipeline as it was
+            GATEWAY.cancel(stale)
+            print(f"cancelled job {', '.join(stale)}: waiting for a step that is submitted again")
         submitted_or_withdrawn(pipe, prepared, kept, rec, before)
     return 0
 

@@ -106,3 +106,14 @@ def test_a_rerun_waits_for_kept_steps_and_skips_what_can_no_longer_run():
         "train ended COMPLETED, and this step runs after train:notok",
     )
     assert launch.waits_for(export, rec, {}) == (["afterok:41"], "")  # submitted by this command
+
+
+def test_a_rerun_keeps_completed_steps_and_jobs_that_still_wait_for_kept_ones(tmp_path):
+    steps = {"prep": {"script": SCRIPT}, "train": {"config": DIGITS, "after": "prep"},
+             "export": {"script": SCRIPT, "after": "train"}, "side": {"script": SCRIPT, "after": "prep"}}  # fmt: skip
+    pipe = spec.load(write(tmp_path, steps))
+    before = record.Record("p", "p.yaml", {n: record.Entry(f"runs/{n}", str(i)) for i, n in enumerate(steps)})
+    # train failed: its waiting dependent (Slurm has not cancelled it yet) goes again, after the new train
+    found = {"prep": "COMPLETED", "train": "FAILED(1)", "export": "PENDING", "side": "RUNNING"}
+    assert launch.keep(pipe, found, before, fresh=False) == ({"prep": "COMPLETED", "side": "RUNNING"}, ["2"])
+    assert launch.keep(pipe, found, before, fresh=True) == ({}, ["2", "3"])
