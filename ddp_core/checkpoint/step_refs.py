@@ -17,7 +17,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
@@ -25,6 +25,9 @@ from ddp_core.run.rundir import RunDir, atomic_write_text
 
 RECORD = "pipeline_step.json"  # in the step's run directory: the pipeline, the step, the earlier steps' run dirs
 FIELDS = ("run_dir", "best_checkpoint", "latest_checkpoint")
+# Keys used when the step is submitted (its run directory, the batch script, the code snapshot, where checkpoints
+# go), before the earlier step ran: a reference there could never be resolved in time.
+AT_SUBMIT = ("run.", "slurm.", "snapshot.", "script.path", "script.module", "checkpoint.dir")
 REFERENCE = re.compile(r"\$\{steps\.([A-Za-z0-9_-]+)\.([A-Za-z0-9_]+)\}")
 
 
@@ -46,16 +49,24 @@ def walk(value: Any, edit: Callable[[str], str]) -> Any:
     return value
 
 
-def references(cfg: Config) -> list[tuple[str, str]]:
-    """Every ``(step, field)`` the config refers to, in order of appearance."""
-    found: list[tuple[str, str]] = []
+def strings(value: Any, key: str = "") -> Iterator[tuple[str, str]]:
+    """Every string in a config (or any part of it), with the dotted key it is under: ``(key, text)``."""
+    if isinstance(value, str):
+        yield key, value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from strings(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from strings(item, key)
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            yield from strings(item, f"{key}.{name}" if key else str(name))
 
-    def collect(text: str) -> str:
-        found.extend((m[1], m[2]) for m in REFERENCE.finditer(text))
-        return text
 
-    walk(cfg, collect)
-    return found
+def references(cfg: Config) -> list[tuple[str, str, str]]:
+    """Every ``(key, step, field)`` the config refers to, in order of appearance."""
+    return [(key, m[1], m[2]) for key, text in strings(cfg) for m in REFERENCE.finditer(text)]
 
 
 def write_record(run_dir: Path, pipeline: str, step: str, steps: Mapping[str, str]) -> None:
@@ -102,7 +113,7 @@ def resolve(cfg: Config, run_dir: RunDir) -> Config:
     found = record.get("steps")
     steps: dict[str, Any] = found if isinstance(found, dict) else {}
     values: dict[tuple[str, str], str] = {}
-    for step, field in wanted:
+    for _, step, field in wanted:
         if step not in steps or field not in FIELDS:
             raise DdpJobError(
                 f"${{steps.{step}.{field}}} in {run_dir.config_file}: no earlier step '{step}' with field '{field}'"

@@ -10,8 +10,8 @@
    ``submit``). Each step's run directory gets the earlier steps' run directories (``step_refs.write_record``), and
    the pipeline's record (``jobs.pipelines.record``) each step's job. A rerun keeps the steps that completed or are
    still queued or running after kept steps (``keep``); a step whose condition can no longer be met (``after:
-   train:notok`` when train completed) is skipped, with the reason. A submission that fails cancels the steps this command had queued, and keeps the
-   record as it was.
+   train:notok`` when train completed) is skipped, with the reason. A submission that fails cancels the steps this
+   command had queued, and keeps the record as it was.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ddp_core.checkpoint.step_refs import FIELDS
+from ddp_core.checkpoint.step_refs import AT_SUBMIT, FIELDS
 from ddp_core.config.input import read_yaml_mapping
 from ddp_core.errors import DdpJobError
 from jobs.pipelines.after import After
@@ -153,12 +153,19 @@ def load(path: Path) -> Pipeline:
     return Pipeline(name, path, Path(root), order(steps, where))
 
 
-def check_references(pipe: Pipeline, step: Step, refs: list[tuple[str, str]]) -> None:
-    """Each ``${steps.NAME.FIELD}`` of a step's loaded config names a step it waits for, and a known field."""
+def check_references(pipe: Pipeline, step: Step, refs: list[tuple[str, str, str]]) -> None:
+    """Each ``${steps.NAME.FIELD}`` of a step's loaded config (``(key, NAME, FIELD)``) names a step it waits for and
+    a known field, under a key read when the step starts."""
     where = f"pipeline {pipe.file}: step '{step.name}'"
     names = [s.name for s in pipe.steps]
-    for ref, field in refs:
+    for key, ref, field in refs:
         text = f"${{steps.{ref}.{field}}}"
+        if key.startswith(AT_SUBMIT):
+            raise _refuse(
+                where,
+                f"config key '{key}' = {text}: it is used when the step is submitted, before '{ref}' has run",
+                "use references in the task's, trainer's or script's keys and arguments, read as the step starts",
+            )
         if ref not in names:
             raise _refuse(where, f"{text}: no step '{ref}'", f"steps: {', '.join(names)}")
         if field not in FIELDS:

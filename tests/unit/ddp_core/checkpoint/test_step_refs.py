@@ -30,7 +30,8 @@ def train_run(tmp_path) -> RunDir:
 def test_run_dir_and_best_checkpoint_are_what_the_earlier_run_has_now(tmp_path):
     train = train_run(tmp_path)
     cfg, run = step(tmp_path, train.path, "--ckpt", "${steps.train.best_checkpoint}", "${steps.train.run_dir}/m.pt")
-    assert step_refs.references(cfg) == [("train", "best_checkpoint"), ("train", "run_dir")]
+    args = "script.args"
+    assert step_refs.references(cfg) == [(args, "train", "best_checkpoint"), (args, "train", "run_dir")]
     state = {"model": {"w": torch.zeros(2)}}
     best = checkpoint.save(train.checkpoints, 10, state, keep_last=5)
     checkpoint.save(train.checkpoints, 20, state, keep_last=5)

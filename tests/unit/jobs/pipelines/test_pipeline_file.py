@@ -72,6 +72,14 @@ def test_references_name_an_earlier_step_and_a_field(tmp_path, args, needle):
         launch.load_step(pipe, pipe.step("export"), cluster=False, folder=tmp_path)
 
 
+def test_references_in_keys_used_at_submit_are_refused(tmp_path):
+    steps = {"train": {"config": DIGITS}, "use": {"config": DIGITS, "after": "train",
+             "overrides": ['slurm.setup=["cd ${steps.train.run_dir}"]']}}  # fmt: skip
+    pipe = spec.load(write(tmp_path, steps))
+    with pytest.raises(DdpJobError, match=r"config key 'slurm.setup' = \$\{steps.train.run_dir\}: it is used when"):
+        launch.load_step(pipe, pipe.step("use"), cluster=False, folder=tmp_path)
+
+
 def test_references_in_overrides_and_config_files_reach_the_run_unresolved(tmp_path):
     config = tmp_path / "eval.yaml"
     config.write_text(
