@@ -43,6 +43,7 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     # Imported here, not above: `ddpjob --host NAME status` goes to the remote without any of them (forward.as_is).
     from jobs.doctor import checks as doctor
+    from jobs.pipelines import after, launch
     from jobs.runs import export, logs, status
     from jobs.runs.lookup import RUN_HELP
     from jobs.sweeps import command as sweep
@@ -59,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--local", action="store_true", help="run here without Slurm (submitit local executor; waits)")
     p.add_argument("--dry-run", action="store_true", help="print the sbatch script and resolved config only")
     p.add_argument("--no-cluster-check", action="store_true", help="skip checking the request against sinfo")
+    p.add_argument("--after", action="append", default=[], metavar="RUN|JOB[:ok|any|notok]", help=after.HELP)
 
     p = sub.add_parser("prepare", help="validate a config and create its run directory; print its path")
     _add_config_args(p)
@@ -90,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--table", choices=("csv", "json"), help="write only the trial table, trials.csv|json, for pandas")
 
     status.add_parser(sub)
+    launch.add_parser(sub)
     logs.add_parsers(sub)
     export.add_parser(sub)
     doctor.add_parser(sub)
@@ -103,19 +106,23 @@ def _parser() -> argparse.ArgumentParser:
 
 def _commands() -> dict[str, Callable[[argparse.Namespace], int]]:
     from jobs.doctor import checks as doctor
+    from jobs.pipelines import after, launch
+    from jobs.pipelines import status as pipeline_status
     from jobs.report import command as report
     from jobs.runs import export, logs, resume, status, sync
     from jobs.submission import commands as submission
     from jobs.sweeps import command as sweep
 
     return {
-        "submit": submission.cmd_submit,
+        "submit": after.cmd_submit,
         "prepare": submission.cmd_prepare,
         "resume": resume.cmd_resume,
         "sync": sync.cmd_sync,
         "report": report.cmd_report,
         **sweep.COMMANDS,
         **status.COMMANDS,
+        **pipeline_status.COMMANDS,  # `status PIPELINE`: a pipeline's steps; a run or a sweep as before
+        **launch.COMMANDS,
         **logs.COMMANDS,
         **export.COMMANDS,
         **doctor.COMMANDS,

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Optional, Sequence
 
+from ddp_core.checkpoint import step_refs
 from ddp_core.cluster import exits, failures, health, rendezvous, run_lock, signals
 from ddp_core.cluster.env import DistEnv, process_started
 from ddp_core.cluster.exits import ExitCode, after_submitit, leave, without_result
@@ -234,8 +235,7 @@ def run(run_dir: str) -> None:
     writes no result for an attempt that did not finish."""
     # submitit's worker bypasses SIGTERM (it would keep a plain script running past its end): the default again.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    code = _run(run_dir)
-    if code:
+    if code := _run(run_dir):
         without_result(code)
 
 
@@ -270,7 +270,7 @@ def _run(run_dir_arg: str) -> int:
     env = DistEnv.from_env()
     try:
         run_dir = RunDir(Path(run_dir_arg).resolve())
-        cfg = run_dir.load_config()
+        cfg = step_refs.resolve(run_dir.load_config(), run_dir)  # a pipeline step's ${steps.NAME.FIELD}: now
     except DdpJobError as err:
         _start_logging(env)
         log.error("%s", err)

@@ -9,6 +9,7 @@ What differs by command (``HANDLERS``; any other command goes as it is):
 - ``logs -f``: a connection lost while following is opened again, and the remote skips the lines already shown.
 - ``report``: the remote writes the report in a folder of its own, which is brought back here (``--out``, default
   ``reports/NAME``).
+- ``pipeline``: the file and each step's config and code, checked here and sent; the copy of the file names them.
 
 ``send_files`` is the generic piece for a command that names local files (a pipeline file and the configs it names):
 they are sent keeping their relative paths, and the arguments that name them rewritten.
@@ -215,6 +216,46 @@ def send_and_run(
     return run_remote(gw, argv, stage.env(), pythonpath)
 
 
+def pipeline(gw: Gateway, args: argparse.Namespace, argv: list[str]) -> int:
+    """A pipeline file: read and checked here (its steps, their order, each step's config and references, as
+    ``submit``'s are), sent with each step's config and code snapshot (a script step's folder, a config step's task
+    package), and run on the copies: the copy of the file names the configs and scripts that were sent."""
+    import tempfile
+
+    import yaml
+
+    from ddp_core.config.input import read_yaml_mapping
+    from jobs.pipelines import launch, spec
+    from jobs.submission import snapshot
+
+    pipe = spec.load(Path(args.file))
+    data, roots = read_yaml_mapping(pipe.file), []
+    data["name"] = pipe.name  # the copy's record is the pipeline's, whatever the file's name
+    stage = Stage(gw)
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            steps = [launch.load_step(pipe, step, False, Path(folder), checked=False) for step in pipe.steps]
+        for prepared in steps:
+            check_here(copy.deepcopy(prepared.cfg))
+            body, code = data["steps"][prepared.step.name], snapshot.plan(prepared.cfg)
+            root = stage.add_code(code) if code is not None else ""
+            if prepared.step.script:
+                body["script"] = stage.remote_path(prepared.step.script)
+            elif root and code is not None and code.kind != "directory":
+                roots.append(root)
+            if prepared.step.config:
+                body["config"] = stage.add_file(prepared.step.config)
+        sent = stage.local / "tree" / stage.relative(pipe.file)
+        sent.parent.mkdir(parents=True, exist_ok=True)
+        sent.write_text(yaml.safe_dump(data, sort_keys=False))
+        argv = rewrite(argv, {args.file: stage.remote_path(pipe.file)})
+    except BaseException:
+        stage.discard()
+        raise
+    stage.push()
+    return run_remote(gw, argv, stage.env(), ":".join(dict.fromkeys(roots)))
+
+
 def follow_logs(gw: Gateway, args: argparse.Namespace, argv: list[str]) -> int:
     """``logs -f``: the remote's lines as they come; a lost connection is opened again and the remote asked to skip
     the lines already shown (``logs --skip-lines``), so none is shown twice."""
@@ -282,4 +323,5 @@ HANDLERS: dict[str, Callable[[Gateway, argparse.Namespace, list[str]], int]] = {
     "sweep": sweep,
     "logs": follow_logs,
     "report": report,
+    "pipeline": pipeline,
 }

@@ -86,10 +86,16 @@ def check(cfg: Config, local: bool = False, cluster: bool = True) -> Optional[pa
 
 
 def check_and_resolve(
-    cfg: Config, local: bool = False, cluster: bool = True, run_root: Optional[Path] = None
+    cfg: Config,
+    local: bool = False,
+    cluster: bool = True,
+    run_root: Optional[Path] = None,
+    dependency: Optional[str] = None,
 ) -> SlurmRequest:
     """Steps 1 and 2 for one run (``submit``, ``resume``, ``prepare``, the doctor's drill): its checked request."""
-    return resolve(cfg, check(cfg, local, cluster), run_root=run_root)
+    if dependency and local:
+        raise DdpJobError("--after waits for Slurm jobs: it cannot run with --local", "drop --local or --after")
+    return resolve(cfg, check(cfg, local, cluster), run_root=run_root, dependency=dependency)
 
 
 def resolve(
@@ -97,11 +103,12 @@ def resolve(
     part: Optional[partitions.Partition] = None,
     python: str = sys.executable,
     run_root: Optional[Path] = None,
+    dependency: Optional[str] = None,
 ) -> SlurmRequest:
     """Step 2: the job's request (``SlurmRequest.resolve``: ``python`` is the submitting interpreter, ``run_root``
-    the folder of the run directories a container binds in), checked against ``part`` when the cluster was asked, and
-    its CPUs per rank recorded in ``cfg`` for config.yaml."""
-    request = SlurmRequest.resolve(cfg, part, python=python, run_root=run_root)
+    the folder of the run directories a container binds in, ``dependency`` sbatch's --dependency), checked against
+    ``part`` when the cluster was asked, and its CPUs per rank recorded in ``cfg`` for config.yaml."""
+    request = SlurmRequest.resolve(cfg, part, python=python, run_root=run_root, dependency=dependency)
     if part is not None:
         request.check_fits(part)
     cfg.slurm.cpus_per_task = request.cpus_per_rank

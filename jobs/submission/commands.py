@@ -9,7 +9,7 @@ import argparse
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from ddp_core.errors import DdpJobError
 from jobs.submission import checks, snapshot
@@ -54,7 +54,8 @@ def load_from_args(args: argparse.Namespace) -> Config:
     return cfg
 
 
-def cmd_submit(args: argparse.Namespace) -> int:
+def cmd_submit(args: argparse.Namespace, dependency: Optional[str] = None) -> int:
+    """``dependency``: sbatch's --dependency (``--after``, resolved by ``jobs.pipelines.after``)."""
     from ddp_core.run.rundir import new_run_dir
     from jobs.submission.follow import follow, print_submitted
     from jobs.submission.submit import submit
@@ -64,7 +65,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     no_sinfo = args.dry_run and shutil.which("sinfo") is None
     run_dir = new_run_dir(cfg)
     cluster = not (args.no_cluster_check or no_sinfo)
-    request = checks.check_and_resolve(cfg, local=args.local, cluster=cluster, run_root=run_dir.path.parent)
+    request = checks.check_and_resolve(
+        cfg, local=args.local, cluster=cluster, run_root=run_dir.path.parent, dependency=dependency
+    )
     if args.dry_run:
         print_dry_run(cfg, request, run_dir)
         return 0

@@ -130,6 +130,8 @@ class SlurmRequest:
     host_python: str = sys.executable  # the batch script's own steps (its watcher), on the node, outside any image
     container: tuple[str, ...] = ()  # the words of task_python that start the image ("apptainer exec ... IMAGE")
     spare_nodes: int = 0  # slurm.spare_nodes: allocated beyond min/max_nodes, idle until a node of a step fails
+    # --dependency (``submit --after``, a pipeline's steps: jobs.pipelines.after): e.g. afterok:5301,afterany:5302
+    dependency: Optional[str] = None
 
     @classmethod
     def resolve(
@@ -138,9 +140,11 @@ class SlurmRequest:
         part: Optional[cluster.Partition] = None,
         python: str = sys.executable,
         run_root: Optional[Path] = None,
+        dependency: Optional[str] = None,
     ) -> SlurmRequest:
         """``python``: the submitting interpreter (the tasks', unless a container's image has its own); ``run_root``:
-        the folder of the run directories a container binds in (default: ``run.root``, resolved here)."""
+        the folder of the run directories a container binds in (default: ``run.root``, resolved here); ``dependency``:
+        sbatch's ``--dependency``, the jobs this one waits for."""
         s = cfg.slurm
         ranks, per_rank = ranks_per_node(cfg), cpus_per_rank(cfg, part)
         torchrun = cfg.script.enabled and cfg.script.launcher == "torchrun"
@@ -192,6 +196,7 @@ class SlurmRequest:
             host_python=python,
             container=container,
             spare_nodes=s.spare_nodes,
+            dependency=dependency,
         )
 
     @property
@@ -278,6 +283,9 @@ class SlurmRequest:
             # --no-kill job RUNNING, with nothing left in it, when its batch node dies, while without it Slurm ends and
             # requeues the job (NODE_FAIL), so the batch node's death goes through the queue.
             **({"no-kill": True} if self.spare_nodes or self.elastic else {}),
+            # A dependency that can never be satisfied (the earlier job failed, for afterok) cancels this job rather
+            # than leave it pending forever (Slurm's default: reason DependencyNeverSatisfied).
+            **({"dependency": self.dependency, "kill-on-invalid-dep": "yes"} if self.dependency else {}),
             **self.additional,
         }
 

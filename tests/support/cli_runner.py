@@ -27,7 +27,7 @@ from pathlib import Path
 
 from jobs import cli
 
-IN_PROCESS = frozenset({"submit", "sweep", "resume", "prepare", "export"})
+IN_PROCESS = frozenset({"submit", "sweep", "resume", "prepare", "export", "pipeline"})
 # Where the modules a command may import and this process keeps come from: the venv, Python's own, the project.
 KEEP = tuple(str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix, Path(__file__).parents[2]))
 

@@ -631,3 +631,39 @@ def test_cli_dry_run(tmp_path_factory, items):
     else:
         assert expected is None and "# sbatch script (nothing submitted)" in proc.stdout, proc.stderr
     assert not root.exists() and sorted(p.name for p in tmp.iterdir()) == [], "a dry run created files"
+
+
+STEP_NAMES = st.sampled_from(["a", "b", "train", "x y", "", "1"])
+STEP_VALUES = st.none() | st.integers(-2, 3) | st.text(max_size=8) | st.lists(st.text(max_size=6), max_size=3)
+PIPELINE_STEP = st.dictionaries(
+    st.sampled_from(["config", "script", "args", "overrides", "after", "afterr"]),
+    STEP_VALUES | STEP_NAMES | st.lists(STEP_NAMES.map(lambda n: n + ":ok") | STEP_NAMES, max_size=3),
+    max_size=4,
+) | STEP_VALUES  # fmt: skip
+
+
+@fuzz(40)
+@given(
+    spec=st.fixed_dictionaries(
+        {"steps": st.dictionaries(STEP_NAMES, PIPELINE_STEP, max_size=4) | STEP_VALUES},
+        optional={"name": STEP_VALUES, "root": STEP_VALUES, "stages": STEP_VALUES},
+    )
+)
+@example(spec={"steps": {"a": {"script": "s.py", "after": ["b"]}, "b": {"script": "s.py", "after": "a:any"}}})
+def test_pipeline_files(tmp_path, spec):
+    """A pipeline file (jobs.pipelines.spec): refused in one line, or read with each step after those it waits for."""
+    from jobs.pipelines.spec import load
+
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(spec, allow_unicode=True))
+    try:
+        pipe = load(path)
+    except DdpJobError as err:
+        assert_user_error(err)
+        event("refused")
+        return
+    event("accepted")
+    seen: set[str] = set()
+    for step in pipe.steps:
+        assert {a.ref for a in step.after} <= seen and (step.config or step.script), pipe
+        seen.add(step.name)

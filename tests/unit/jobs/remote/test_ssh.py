@@ -161,3 +161,32 @@ def test_a_sweep_sends_its_sweep_file_base_config_and_script(laptop, tmp_path):
     assert f"runs: {incoming}/tree/proj/train.py --lr=0.2" in proc.stdout
     sent = sorted(str(p.relative_to(incoming)) for p in incoming.rglob("*") if p.is_file())
     assert sent == ["sent.json", "tree/base.yaml", "tree/proj/train.py", "tree/sweeps/s.yaml"]
+
+
+def test_a_pipeline_sends_its_file_each_steps_config_and_code(laptop, tmp_path):
+    """``pipeline FILE`` from the laptop: every step checked here, the file sent with each step's config and script
+    folder, and the copy of the file naming what was sent; the remote checks and plans it (a dry run)."""
+    project = laptop.home / "project"
+    (project / "steps").mkdir(parents=True)
+    (project / "steps" / "prep.py").write_text("print('prep')\n")
+    (project / "steps" / "util.py").write_text("X = 1\n")
+    (project / "train.yaml").write_text("run: {name: t}\nwandb: {mode: disabled}\ntrain: {max_steps: 5}\n")
+    (project / "p.yaml").write_text(
+        "name: chain\nsteps:\n  prep: {script: steps/prep.py, overrides: [wandb.mode=disabled]}\n"
+        "  train: {config: train.yaml, after: prep}\n"
+        "  use: {script: steps/prep.py, args: ['${steps.train.run_dir}'], overrides: [wandb.mode=disabled],"
+        " after: train}\n"
+    )
+    args = ["--host", "cluster", "pipeline", "p.yaml", "--dry-run", "--no-cluster-check"]
+    proc = laptop.run(args, cwd=project)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pipeline chain: 3 to submit, 0 kept" in proc.stdout and "use: would be submitted" in proc.stdout
+    (incoming,) = (tmp_path / "remote" / ".ddpjob" / "incoming").iterdir()
+    sent = sorted(str(p.relative_to(incoming)) for p in incoming.rglob("*") if p.is_file())
+    assert sent == ["sent.json", "tree/p.yaml", "tree/steps/prep.py", "tree/steps/util.py", "tree/train.yaml"]
+    copy = (incoming / "tree" / "p.yaml").read_text()
+    assert f"script: {incoming}/tree/steps/prep.py" in copy and f"config: {incoming}/tree/train.yaml" in copy
+    # A step the laptop refuses: one line naming it, and nothing leaves the laptop.
+    (project / "train.yaml").write_text("run: {name: t}\ntrain: {max_steps: -1}\n")
+    line = one_line_error(laptop.run(args, cwd=project))
+    assert "step 'train'" in line and "train.max_steps" in line and len(list(incoming.parent.iterdir())) == 1
