@@ -94,13 +94,24 @@ def test_an_async_save_copies_the_optimizers_tensors_while_the_next_forward_and_
             assert release.wait(30)
         real_copy_all(pieces)
 
+    # The held copy is released only once the optimizer's step is in the fence: if the step did not wait for the copy,
+    # its update would run before the release (no timing involved).
+    fencing, real_fence = threading.Event(), staging.Copying.fence
+
+    def fence(self):
+        fencing.set()
+        real_fence(self)
+
     monkeypatch.setattr(staging, "_copy_all", held_copy_all)
+    monkeypatch.setattr(staging.Copying, "fence", fence)
     writer = FullWriter(tmp_path, keep_last=3, async_save=True, optimizer=optimizer)
+    released_before_update = []
+    optimizer.register_step_pre_hook(lambda *_: released_before_update.append(release.is_set()))  # after the fence's
     writer.save(1, state)
     model(torch.randn(4, 32)).sum().backward()  # changes the batch-norm statistics: copied before save returned
-    threading.Timer(0.2, release.set).start()
+    threading.Thread(target=lambda: fencing.wait(30) and release.set(), daemon=True).start()
     optimizer.step()  # waits for the copy, then changes parameters and moments
-    assert writer.fence_s > 0.1  # the step waited for the held copy
+    assert released_before_update == [True] and writer.fence_s > 0  # the step waited for the held copy
     writer.close()
     loaded = checkpoint.load(checkpoint.find_latest(tmp_path))
     assert all(torch.equal(loaded["model"][k], expected[k]) for k in expected)
