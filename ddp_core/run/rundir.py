@@ -244,10 +244,14 @@ class RunDir:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                f.seek(0)
-                who = f.read().strip() or "another process"
                 ending = time.monotonic() >= deadline
-                if dead is not None and (not asked or ending):  # asked once, and again before giving up
+                ask = dead is not None and (not asked or ending)  # asked once, and again before giving up
+                if not (ask or ending):
+                    time.sleep(0.2)
+                    continue
+                f.seek(0)  # the holder's line, read only when it is needed (a shared filesystem's round trip)
+                who = f.read().strip() or "another process"
+                if ask and dead is not None:
                     asked, words = True, who.split()
                     if dead(dict(zip(words[::2], words[1::2], strict=False))):
                         f.close()

@@ -7,8 +7,6 @@ name (its record under ``runs/pipelines/``) or its record's folder; anything els
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -87,17 +85,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     folder = find(args.path)
     if folder is None:
         return runs_status.cmd_status(args)
-    try:
-        while True:
-            text, active = table(folder)
-            if args.watch is not None and sys.stdout.isatty():
-                sys.stdout.write("\033[H\033[2J")
-            print(text, flush=True)
-            if args.watch is None or not active:
-                return 0
-            time.sleep(args.watch)
-    except KeyboardInterrupt:
-        return 0
+    return runs_status.watch(lambda: table(folder), args.watch)
 
 
 COMMANDS = {"status": cmd_status}

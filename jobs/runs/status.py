@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ddp_core.checkpoint import storage
 from ddp_core.cluster.slurm import Runner
@@ -349,10 +349,15 @@ def status_text(
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    interval = args.watch
+    return watch(lambda: status_text(args.path, args.metric, args.limit), args.watch)
+
+
+def watch(render: Callable[[], tuple[str, bool]], interval: Optional[float]) -> int:
+    """Print ``render()``'s table (and whether any row may still run) once, or with ``interval`` (``--watch``) again
+    every ``interval`` s until no row may; the status of runs and sweeps, and of pipelines (``jobs.pipelines``)."""
     try:
         while True:
-            text, active = status_text(args.path, args.metric, args.limit)
+            text, active = render()
             if interval is not None and sys.stdout.isatty():
                 sys.stdout.write("\033[H\033[2J")  # clear the screen: the table redraws in place
             if interval is not None:

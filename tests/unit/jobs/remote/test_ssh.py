@@ -84,22 +84,27 @@ def test_an_unreachable_port_is_given_up_in_bounded_time(laptop):
     silent.close()
 
 
+def fake_ddpjob(path, body):
+    """A remote "ddpjob" that is a shell script running ``body``."""
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
 def test_a_remote_without_ddpjob_or_with_another_version(laptop, tmp_path):
     remote = tmp_path / "remote"
     laptop.host_file(laptop.cluster_entry(ddpjob="venv/bin/ddpjob", remote_dir=str(remote)))
     line = one_line_error(laptop.run(["--host", "cluster", "status"]))
     assert f"no ddpjob at cluster:{remote}/venv/bin/ddpjob (hint: install it there" in line
-    old = tmp_path / "old-ddpjob"
-    old.write_text("#!/bin/sh\necho ddpjob 0.0.1\n")
-    old.chmod(0o755)
+    old = fake_ddpjob(tmp_path / "old-ddpjob", "echo ddpjob 0.0.1")
     laptop.host_file(laptop.cluster_entry(ddpjob=str(old), remote_dir=str(remote)))
     line = one_line_error(laptop.run(["--host", "cluster", "status"]))
     assert f"cluster runs ddpjob 0.0.1 ({tmp_path / 'remote'}, {old}), this laptop ddpjob {version()}" in line
     assert f"hint: install the same ddpjob on both: {version()} on cluster (pip install ddpjob=={version()}" in line
     # A ddpjob from before --version: its usage error is no answer, and the line says so.
-    older = tmp_path / "older-ddpjob"
-    older.write_text("#!/bin/sh\necho 'ddpjob: error: the following arguments are required: command' >&2; exit 2\n")
-    older.chmod(0o755)
+    older = fake_ddpjob(
+        tmp_path / "older-ddpjob", "echo 'ddpjob: error: the following arguments are required: command' >&2; exit 2"
+    )
     laptop.host_file(laptop.cluster_entry(ddpjob=str(older), remote_dir=str(remote)))
     line = one_line_error(laptop.run(["--host", "cluster", "status"]))
     assert f"cluster runs ddpjob unknown (no --version) ({remote}, {older}), this laptop ddpjob {version()}" in line
