@@ -9,7 +9,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TextIO
 
 from ddp_core.run.rundir import atomic_write_text
 
@@ -29,18 +29,28 @@ class MetricsLog:
             self.previous_last_step = max((s for s in steps if s != sys.maxsize), default=-1)
             kept = [line for line, step in zip(lines, steps, strict=True) if step <= resume_step]
             atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+        # Open for the attempt: an open and a close per line cost the training loop more than the line's write.
+        self.file: Optional[TextIO] = None
 
     def write(self, step: int, split: str, metrics: dict[str, float]) -> None:
         record = {"step": step, "time": round(time.time(), 3), "split": split, **metrics}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.file is None:
+            self.file = open(self.path, "a")
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()  # a whole line at a time, for ``ddpjob status`` and a rank 0 that dies next
 
     def sync(self) -> None:
         """Make every line written so far durable (called before each checkpoint: a checkpoint at step k then
         implies the metrics through step k survive a crash)."""
-        if self.path.exists():
-            with open(self.path, "a") as f:
-                os.fsync(f.fileno())
+        if self.file is not None:
+            os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        """Sync and close (idempotent)."""
+        if self.file is not None:
+            self.sync()
+            self.file.close()
+            self.file = None
 
 
 def _step_of(line: str) -> int:

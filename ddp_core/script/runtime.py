@@ -237,7 +237,7 @@ def finish(outcome: Outcome = "finished") -> None:
     """Make the metrics written so far durable and close the trackers' runs (idempotent). ``outcome``: how this
     attempt ended, for the trackers (``requeue`` passes "stopped")."""
     if _state.metrics is not None:
-        _state.metrics.sync()
+        _state.metrics.close()  # a later ``log`` opens it again
     if _state.trackers is not None:
         _state.trackers.finish(outcome)
 

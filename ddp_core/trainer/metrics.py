@@ -115,10 +115,14 @@ class RunningLoss:
                 self.total += value
             self.pending.clear()
 
+    def totals(self) -> list[float]:
+        """[sum, steps] since the last reset: what a progress line reads."""
+        self._fold()
+        return [self.total, float(self.steps)]
+
     def state(self) -> torch.Tensor:
         """(sum, steps) as a CPU float64 tensor: the form checkpoints hold."""
-        self._fold()
-        return torch.tensor([self.total, float(self.steps)], dtype=torch.float64)
+        return torch.tensor(self.totals(), dtype=torch.float64)
 
     def load(self, state: torch.Tensor) -> None:
         self.total, self.steps, self.pending = float(state[0]), int(state[1]), []

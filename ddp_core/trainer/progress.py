@@ -51,6 +51,8 @@ class Records:
             self.metrics_log.sync()
 
     def finish(self, outcome: Outcome) -> None:
+        if self.metrics_log is not None:
+            self.metrics_log.close()
         self.trackers.finish(outcome)
 
 
@@ -92,7 +94,7 @@ class ProgressLines:
     def start(self, step: int) -> None:
         assert self.line is None, "the loop finishes the last line before it starts the next"
         # The loss read-back synchronises with the device first: the forward timings' events have completed.
-        state = self.log_loss.state().tolist()  # the interval's only host-device sync
+        state = self.log_loss.totals()  # the interval's only host-device sync
         steps = max(1, step - self.logged_step)
         values = [
             *state,

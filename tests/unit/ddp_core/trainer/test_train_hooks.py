@@ -122,6 +122,23 @@ def test_the_schedule_decays_to_min_lr_and_the_default_is_unchanged():
     assert plain.get_last_lr()[0] == 0.0  # min_lr 0: to zero, as before
 
 
+def test_the_schedule_sets_what_lambdalr_sets_and_loads_its_checkpoints():
+    """The built-in schedule is torch's LambdaLR without its per-call checks: the same lr at every step, bitwise, and
+    LambdaLR's state dict loads (checkpoints written before it resume)."""
+    cfg = OptimConfig(lr=3e-3, min_lr=1e-5, warmup_steps=7, schedule=Schedule.cosine)
+    ours = build_scheduler(cfg, torch.optim.SGD(_Block().parameters(), lr=3e-3), max_steps=50)
+    theirs = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(_Block().parameters(), lr=3e-3), ours.factor)
+    for _ in range(60):  # past max_steps: the floor
+        assert ours.get_last_lr() == theirs.get_last_lr()
+        ours.optimizer.step()
+        theirs.optimizer.step()
+        ours.step()
+        theirs.step()
+    resumed = build_scheduler(cfg, torch.optim.SGD(_Block().parameters(), lr=3e-3), max_steps=50)
+    resumed.load_state_dict(theirs.state_dict())
+    assert resumed.last_epoch == 60 and resumed.base_lrs == theirs.base_lrs
+
+
 def test_task_hooks_supply_the_optimizer_and_the_scheduler():
     from ddp_core.tasks.digits import DigitsTask
 
