@@ -5,11 +5,13 @@ Both train the same MLP (``DigitsTask``'s: 64 -> width -> width -> 10, dropout 0
 training split), with AdamW and a shuffled sampler of the same order, on gloo, one thread per rank (where CUDA exists:
 each rank on its GPU over NCCL, batches pinned and copied with non_blocking, as ddpjob does). The hand-written loop is
 the tutorial's: ``init_process_group``, ``DDP(model)``, ``DistributedSampler``, then ``zero_grad``, forward,
-``backward``, ``step``, nothing else. ddpjob's is ``python -m ddp_core RUN_DIR``, what each rank of a Slurm job runs,
-on a run directory prepared beforehand (as ``ddpjob submit`` does on the login node) from configs/digits.yaml with W&B
-disabled and no eval or checkpoint before the end: its per-step stop-flag agreement, loss accounting, LR schedule,
-watchdog beat and progress lines (every ``train.log_every``) are what is measured. Both build AdamW with the same
-hyperparameters; ddpjob passes ``foreach=True`` (its ``optim.implementation`` default), which on a CPU replaces torch's
+``backward``, ``step``, and the learning-rate schedule of configs/digits.yaml (torch's ``LambdaLR``: warmup, then
+cosine over the run), nothing else. Both loops set the same learning rate at every step: how a step's numbers evolve
+moves its time on a CPU (a run with a constant rate against the schedule: 1% apart), so both must train alike.
+ddpjob's is ``python -m ddp_core RUN_DIR``, what each rank of a Slurm job runs, on a run directory prepared beforehand
+(as ``ddpjob submit`` does on the login node) from configs/digits.yaml with W&B disabled and no eval or checkpoint
+before the end: its per-step stop-flag agreement, loss accounting, watchdog beat, telemetry and progress lines (every
+``train.log_every``) are what is measured. Both build AdamW with the same hyperparameters; ddpjob passes ``foreach=True`` (its ``optim.implementation`` default), which on a CPU replaces torch's
 per-parameter Python loop (bitwise the same result) and on a GPU is torch's own default. ``--override
 optim.implementation=for_loop`` gives ddpjob the tutorial's CPU path: the trainer's own cost, like for like. Each run
 is its own set of processes, started the way torchrun's workers are (RANK, WORLD_SIZE, MASTER_ADDR/PORT), each rank
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import socket
 import statistics
@@ -44,6 +47,7 @@ DIGITS = ROOT / "configs" / "digits.yaml"
 BATCH_SIZE = 32  # per rank, as configs/digits.yaml
 # Steps per run, by width: about a second or more of timed window at 2 ranks on a 2-core machine.
 STEPS = {64: 600, 1024: 250}
+WARMUP_STEPS = 20  # configs/digits.yaml's optim.warmup_steps (the hand-written loop's schedule is the same)
 WINDOW_START = 50  # steps before the timed window: warm-up (allocator, DDP's bucket rebuild, first epochs)
 
 
@@ -307,6 +311,14 @@ class _Stamps:
         (self.out / f"rank{rank}.json").write_text(json.dumps(record))
 
 
+def digits_factor(max_steps: int, step: int) -> float:
+    """configs/digits.yaml's learning-rate factor at ``step``: ``optim.warmup_steps`` linear, then cosine to 0
+    (``optim.schedule: cosine``, ``optim.min_lr`` 0), the formula of ddpjob's ``build_scheduler``."""
+    if step < WARMUP_STEPS:
+        return (step + 1) / WARMUP_STEPS
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - WARMUP_STEPS) / max(1, max_steps - WARMUP_STEPS))))
+
+
 def raw_worker(out: Path, width: int, steps: int, window_start: int) -> None:
     """The tutorial's loop. The data and model are DigitsTask's, built inline: this process imports no ddp_core."""
     import torch
@@ -339,6 +351,9 @@ def raw_worker(out: Path, width: int, steps: int, window_start: int) -> None:
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler, drop_last=True, pin_memory=cuda)
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=0.003, weight_decay=0.01)
+    # The schedule of configs/digits.yaml (warmup, then cosine to 0 at the run's last step), as a hand-written loop
+    # writes it: the same learning rate at every step as ddpjob's run, so both train alike.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(digits_factor, steps))
     step, epoch = 0, 0
     while step < steps:
         sampler.set_epoch(epoch)
@@ -348,6 +363,7 @@ def raw_worker(out: Path, width: int, steps: int, window_start: int) -> None:
             loss = F.cross_entropy(ddp_model(inputs), targets)
             loss.backward()
             optimizer.step()
+            scheduler.step()
             step += 1
             stamps.step(step)
             if step == steps:
