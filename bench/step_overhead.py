@@ -11,9 +11,10 @@ moves its time on a CPU (a run with a constant rate against the schedule: 1% apa
 ddpjob's is ``python -m ddp_core RUN_DIR``, what each rank of a Slurm job runs, on a run directory prepared beforehand
 (as ``ddpjob submit`` does on the login node) from configs/digits.yaml with W&B disabled and no eval or checkpoint
 before the end: its per-step stop-flag agreement, loss accounting, watchdog beat, telemetry and progress lines (every
-``train.log_every``) are what is measured. Both build AdamW with the same hyperparameters; ddpjob passes ``foreach=True`` (its ``optim.implementation`` default), which on a CPU replaces torch's
-per-parameter Python loop (bitwise the same result) and on a GPU is torch's own default. ``--override
-optim.implementation=for_loop`` gives ddpjob the tutorial's CPU path: the trainer's own cost, like for like. Each run
+``train.log_every``) are what is measured. Both build AdamW with the same hyperparameters; ddpjob passes
+``foreach=True`` (its ``optim.implementation`` default), which on a CPU replaces torch's per-parameter Python loop
+(bitwise the same result) and on a GPU is torch's own default. ``--override optim.implementation=for_loop`` gives
+ddpjob the tutorial's CPU path: the trainer's own cost, like for like. Each run
 is its own set of processes, started the way torchrun's workers are (RANK, WORLD_SIZE, MASTER_ADDR/PORT), each rank
 bound to a CPU of its own as Slurm binds tasks (``--no-bind``: not). Runs come in pairs, raw/ddpjob then ddpjob/raw
 (ABBA), and each ratio is the median of the pairs' ratios: drift on a shared machine hits both kinds of a pair alike.

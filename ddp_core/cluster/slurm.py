@@ -18,6 +18,7 @@ from ddp_core.errors import DdpJobError
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
 TIMEOUT_S = 60
 MISSING = 127  # the shell's code for "command not found": what a missing client returns here
+NOT_STARTED = 126  # the shell's code for a command it found but could not run
 TIMED_OUT = 124  # timeout(1)'s code: what a controller that does not answer returns here
 # partition (``*``: the default), nodes, CPUs per node, GRES: jobs.submission.partitions reads it
 SINFO_FORMAT = "%P|%D|%c|%G"
@@ -25,14 +26,17 @@ DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's own default, when the configuration doe
 
 
 def run_command(cmd: Sequence[str], timeout_s: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    """The real runner: a missing command gives code 127 and a timeout code 124 (like timeout(1)), never an
-    exception, so callers decide what an absent or stuck controller means for them."""
+    """The real runner, which never raises: a missing command gives code 127, one that cannot start 126 (as a shell),
+    a timeout 124 (as timeout(1)), so callers decide what an absent or stuck controller means for them."""
     try:
         return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout_s)
     except FileNotFoundError:
-        return subprocess.CompletedProcess(list(cmd), MISSING, "", f"{cmd[0]}: command not found")
+        code, why = MISSING, f"{cmd[0]}: command not found"
+    except OSError as err:  # the process could not be started: seen as EFAULT from a node's fork under load
+        code, why = NOT_STARTED, f"{cmd[0]}: could not be started: {err}"
     except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(list(cmd), TIMED_OUT, "", f"{cmd[0]} did not answer within {timeout_s:g} s")
+        code, why = TIMED_OUT, f"{cmd[0]} did not answer within {timeout_s:g} s"
+    return subprocess.CompletedProcess(list(cmd), code, "", why)
 
 
 # The trainer asks Slurm between its checkpoint and its exit, inside a grace time (often 30-120 s) or the warning
@@ -50,15 +54,12 @@ def parse_fields(text: str) -> dict[str, str]:
 
 
 # What Slurm releases print differently in ``scontrol show config`` (the project runs against 22.05, 24.11 and
-# 26.05): a value each release says its own way, and what the callers read instead.
-CONFIG_SPELLINGS = {
-    ("PreemptType", "(null)"): "preempt/none",  # 24.11+ print "(null)" for no preemption, 22.05 "preempt/none"
-}
+# 26.05), and what the callers read instead: 24.11+ print "(null)" for no preemption, 22.05 "preempt/none".
+CONFIG_SPELLINGS = {("PreemptType", "(null)"): "preempt/none"}
 
 
 def parse_config(text: str) -> dict[str, str]:
-    """``scontrol show config`` lines ``Key = Value`` → dict, in one spelling whatever the release
-    (``CONFIG_SPELLINGS``)."""
+    """``scontrol show config``'s ``Key = Value`` lines, spelled alike on every release (``CONFIG_SPELLINGS``)."""
     out: dict[str, str] = {}
     for line in text.splitlines():
         key, sep, value = line.partition("=")

@@ -324,14 +324,8 @@ def run_agent(
         except BaseException as err:
             outcome.append(err)
 
-    # In a helper thread, torch's agent installs no signal handlers: this (main) thread keeps them (module docstring).
-    # torch warns that its workers could then be orphaned; here they cannot, so the warning would only mislead.
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoThreadWarning())
-    thread = threading.Thread(target=agent, name="torchrun-agent", daemon=True)
-    thread.start()
-    # Started while this task still held the warning signal and SIGTERM (cluster.signals): the agent thread keeps
-    # them held, and so do the workers it starts, from their first instruction. This thread handles them from now.
-    signals.release(forwarder.warning, signal.SIGTERM)
+    # Asked before the workers start: nothing in this thread may fail while they run (an exception here would leave
+    # them running without their agent, holding the run directory's lock; measured on the local cluster).
     due = deadline.warning_due(cfg.slurm, env) if env.is_main else None  # node 0's agent: rank 0's
     lost = threading.Event()  # the batch node of a job with spare nodes is gone (cluster.batch_node): warn now
 
@@ -340,6 +334,14 @@ def run_agent(
             lost.set()
 
     watch = batch_node.watch(cfg.slurm, env, RunDir(run_dir), lost_batch_node)
+    # In a helper thread, torch's agent installs no signal handlers: this (main) thread keeps them (module docstring).
+    # torch warns that its workers could then be orphaned; here they cannot, so the warning would only mislead.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoThreadWarning())
+    thread = threading.Thread(target=agent, name="torchrun-agent", daemon=True)
+    thread.start()
+    # Started while this task still held the warning signal and SIGTERM (cluster.signals): the agent thread keeps
+    # them held, and so do the workers it starts, from their first instruction. This thread handles them from now.
+    signals.release(forwarder.warning, signal.SIGTERM)
     while thread.is_alive():
         thread.join(POLL_S)  # signal handlers run here, between waits
         if due is not None and time.time() >= due:

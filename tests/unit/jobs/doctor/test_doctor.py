@@ -351,9 +351,16 @@ def test_slurm_durations():
 # --- the gateway on the login side ----------------------------------------------------------------------------
 
 
-def test_missing_client_and_stuck_controller():
+def test_missing_client_and_stuck_controller(tmp_path):
     proc = slurm.run_command(["ddpjob-no-such-slurm-client"])
     assert proc.returncode == slurm.MISSING
+    # A client that cannot be started (here not executable; on a loaded node, a fork's EFAULT) is an answer too, not
+    # an exception: a torchrun agent once died of one with its workers running.
+    unstartable = tmp_path / "scontrol"
+    unstartable.write_text("#!/bin/sh\n")
+    proc = slurm.run_command([str(unstartable), "show", "job"])
+    assert proc.returncode == slurm.NOT_STARTED and "could not be started" in proc.stderr
+    assert slurm.SlurmGateway(lambda cmd: slurm.run_command([str(unstartable), *cmd[1:]])).show_job("5") is None
     gone = slurm.SlurmGateway(lambda cmd: subprocess.CompletedProcess(list(cmd), 127, "", "not found"))
     assert gone.squeue_ids(["5"]) == [] and gone.sacct_state("5") == ""
     assert gone.sacct(["5"], "State") == slurm.Accounting([], "sacct is not installed here")
