@@ -265,7 +265,7 @@ class ShardedWriter:
         else:
             mine = {name: _describe(tmp / name) for name in names[self.rank :: self.world_size]}
         shares = [mine]
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if not collectives.alone():
             shares = [{} for _ in range(self.world_size)] if self.rank == 0 else []
             dist.gather_object(mine, shares if self.rank == 0 else None, dst=0, group=self._group)
         if self.rank != 0:

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_core.checkpoint.storage import MANIFEST, Location, Storage, at
+from ddp_core.distributed import collectives
 from ddp_core.errors import DdpJobError
 
 try:
@@ -328,7 +329,7 @@ def find_best(directory: Location) -> Optional[CheckpointInfo]:
 def find_latest_agreed(directory: Location) -> Optional[CheckpointInfo]:
     """``find_latest`` on rank 0, told to every rank: each file is hashed once, not once per rank, and all
     ranks resume from the same checkpoint even if a newer one appeared meanwhile."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if collectives.alone():
         return find_latest(directory)
     box = [find_latest(directory) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
