@@ -1,0 +1,115 @@
+"""Real unprivileged users for the tests of what one user can do to another on a shared cluster.
+
+``ensure()`` creates them once per machine with Debian's ``useradd`` (it needs root, as the suite runs): ``alice``
+(``ddpjob-alice``, whose runs are attacked) and ``mallory`` (``ddpjob-mallory``, who attacks), each with a home of
+their own (mode 0700) and a private group, uid 1000 or above and no sudo, plus a shared project group
+``ddpjob-proj`` both are members of (a setgid project folder's group). Nothing here fakes a uid: ``run`` starts the
+command under the user's real uid, gid and groups (``setpriv``), so the kernel does the refusing.
+
+``python_env`` lets such a user run the project's code: the venv's own ``python`` links to pyenv's under ``/root``,
+which other users cannot enter, so their interpreter is Debian's ``/usr/bin/python3`` (the same CPython 3.11 ABI)
+with the venv's site-packages and the checkout on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import subprocess
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from tests.support.helpers import ROOT
+
+PROJECT_GROUP = "ddpjob-proj"
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    uid: int
+    gid: int
+    home: Path
+
+
+def require_root() -> None:
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("creating test users needs root (the suite runs as root here and in CI)")
+
+
+def _user(name: str) -> User:
+    entry = pwd.getpwnam(name)
+    return User(name, entry.pw_uid, entry.pw_gid, Path(entry.pw_dir))
+
+
+def ensure(short: str) -> User:
+    """The test user ``ddpjob-<short>``, created on first use (idempotent; a member of ``ddpjob-proj``)."""
+    require_root()
+    name = f"ddpjob-{short}"
+    try:
+        grp.getgrnam(PROJECT_GROUP)
+    except KeyError:
+        subprocess.run(["groupadd", "-f", PROJECT_GROUP], check=True)
+    try:
+        user = _user(name)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--create-home", "--user-group", "--shell", "/bin/bash", "-K", "UID_MIN=2000",
+             "--groups", PROJECT_GROUP, name],
+            check=True,
+        )  # fmt: skip
+        user = _user(name)
+    assert user.uid >= 1000 and user.uid != 0, user
+    if name not in grp.getgrnam(PROJECT_GROUP).gr_mem:
+        subprocess.run(["usermod", "-a", "-G", PROJECT_GROUP, name], check=True)
+    os.chmod(user.home, 0o700)
+    return user
+
+
+def project_gid() -> int:
+    return grp.getgrnam(PROJECT_GROUP).gr_gid
+
+
+def python_env(extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """An environment in which a plain user's ``/usr/bin/python3`` imports the project and its dependencies."""
+    site = sysconfig.get_paths()["purelib"]  # the venv's site-packages (readable by all: /work is 0755)
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), site]),
+        "OMP_NUM_THREADS": "1",
+    }
+    env.update(extra or {})
+    return env
+
+
+def run(
+    user: User,
+    argv: Sequence[str],
+    *,
+    cwd: Optional[Path] = None,
+    env: Optional[Mapping[str, str]] = None,
+    umask: int = 0o022,
+    check: bool = False,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """``argv`` as ``user`` (real uid, gid and supplementary groups), with ``umask``, in ``cwd`` (default: the home)."""
+    full = {"HOME": str(user.home), "USER": user.name, "LOGNAME": user.name, **(env or python_env())}
+    command = [
+        "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups", "--inh-caps=-all",
+        "sh", "-c", f'umask {umask:03o} && exec "$@"', "sh", *argv,
+    ]  # fmt: skip
+    return subprocess.run(
+        command, cwd=cwd or user.home, env=full, capture_output=True, text=True, check=check, timeout=timeout
+    )
+
+
+def shell(user: User, script: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    """A ``sh -c`` script as ``user`` (see ``run``)."""
+    return run(user, ["sh", "-c", script], **kwargs)  # type: ignore[arg-type]
