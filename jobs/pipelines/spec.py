@@ -7,20 +7,21 @@ order the steps are submitted in (every step after the steps it waits for, else 
 
     name: digits            # optional: the file's stem; the record goes to ROOT/pipelines/NAME/pipeline.json
     root: runs              # optional: the runs root of that record (each step's runs go to its own run.root)
-    steps:
+    steps:                  # config and script paths: from this file's folder
       train:
-        config: configs/digits.yaml
+        config: ../digits.yaml
         overrides: [train.max_steps=200, checkpoint.monitor=max:eval/accuracy]
       export:
-        script: examples/pipeline/export_best.py
+        script: ../../examples/pipeline/export_best.py
         args: [--checkpoint, "${steps.train.best_checkpoint}"]
         after: train        # NAME[:ok|any|notok], or a list of them
 """
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -149,8 +150,20 @@ def load(path: Path) -> Pipeline:
     root = data.get("root", "runs")
     if not isinstance(root, str) or not root:
         raise _refuse(where, f"'root' = {root!r} must be a folder", "e.g. root: runs")
-    steps = {str(k): parse_step(str(k), v, f"{where}: step '{k}'") for k, v in body.items()}
+    steps = {str(k): from_folder(parse_step(str(k), v, f"{where}: step '{k}'"), path.parent) for k, v in body.items()}
     return Pipeline(name, path, Path(root), order(steps, where))
+
+
+def from_folder(step: Step, folder: Path) -> Step:
+    """A step's ``config`` and ``script`` paths taken from the pipeline file's folder, as a sweep file's ``base:``
+    is (``jobs.sweeps.spec``): the file means the same from wherever it is run."""
+
+    def located(value: Optional[str]) -> Optional[str]:
+        if value is None or Path(value).expanduser().is_absolute():
+            return value and str(Path(value).expanduser())
+        return os.path.normpath(folder / value)
+
+    return replace(step, config=located(step.config), script=located(step.script))
 
 
 def check_references(pipe: Pipeline, step: Step, refs: list[tuple[str, str, str]]) -> None:

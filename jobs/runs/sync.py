@@ -9,9 +9,16 @@ import os
 import shlex
 import subprocess
 import sys
+from typing import Sequence
 
 from ddp_core.errors import DdpJobError
 from jobs.runs.lookup import resolve
+
+
+def wandb_sync_command(offline: Sequence[str], python: str = sys.executable) -> list[str]:
+    """The ``wandb sync`` of a run's offline records, named by path: the form every supported wandb accepts (0.17
+    through 0.31; 0.30 removed ``--include-offline``, which a path never needed)."""
+    return [python, "-m", "wandb", "sync", *offline]
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
@@ -34,7 +41,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
         )
     code = 0
     if offline:
-        command = [sys.executable, "-m", "wandb", "sync", "--include-offline", *offline]
+        command = wandb_sync_command(offline)
         print(shlex.join(command))
         code = 0 if args.dry_run else subprocess.call(command)
     if store is not None:

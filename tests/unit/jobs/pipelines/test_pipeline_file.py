@@ -125,3 +125,23 @@ def test_a_rerun_keeps_completed_steps_and_jobs_that_still_wait_for_kept_ones(tm
     found = {"prep": "COMPLETED", "train": "FAILED(1)", "export": "PENDING", "side": "RUNNING"}
     assert launch.keep(pipe, found, before, fresh=False) == ({"prep": "COMPLETED", "side": "RUNNING"}, ["2"])
     assert launch.keep(pipe, found, before, fresh=True) == ({}, ["2", "3"])
+
+
+def test_relative_paths_in_a_pipeline_file_are_taken_from_its_folder(tmp_path):
+    """The example pipeline, named by its absolute path from another folder: every step's config and script found
+    (the dry run checks each step, so a path taken from the current folder would be refused)."""
+    example = ROOT / "configs" / "pipelines" / "digits.yaml"
+    pipe = spec.load(example)
+    assert pipe.step("train").config == str(ROOT / "configs" / "digits.yaml")
+    assert pipe.step("prepare").script == str(ROOT / "examples" / "pipeline" / "prepare_digits.py")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = run_cli("pipeline", str(example), "--dry-run", "--no-cluster-check", cwd=elsewhere)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "does not exist" not in proc.stdout + proc.stderr
+    nested = tmp_path / "project" / "pipelines"
+    nested.mkdir(parents=True)
+    (nested.parent / "train.yaml").write_text(Path(DIGITS).read_text())
+    pipe = spec.load(write(nested, {"train": {"config": "../train.yaml"}, "abs": {"script": SCRIPT}}))
+    assert pipe.step("train").config == str(tmp_path / "project" / "train.yaml")
+    assert pipe.step("abs").script == SCRIPT
