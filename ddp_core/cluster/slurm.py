@@ -7,19 +7,30 @@ the login node (``jobs``, which queues every job here: ``sbatch``) and the compu
 
 from __future__ import annotations
 
-import re
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
+from ddp_core.cluster.backoff import Backoff
+from ddp_core.cluster.slurm_text import (
+    MISSING,
+    NOT_STARTED,
+    RATE_LIMITED,
+    TIMED_OUT,
+    accounting_failure,
+    effective_preempt_mode,
+    exit_text,
+    first_word_state,
+    parse_config,
+    parse_fields,
+    rate_limited,
+)
 from ddp_core.errors import DdpJobError
 
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
 TIMEOUT_S = 60
-MISSING = 127  # the shell's code for "command not found": what a missing client returns here
-NOT_STARTED = 126  # the shell's code for a command it found but could not run
-TIMED_OUT = 124  # timeout(1)'s code: what a controller that does not answer returns here
 # partition (``*``: the default), nodes, CPUs per node, GRES: jobs.submission.partitions reads it
 SINFO_FORMAT = "%P|%D|%c|%G"
 DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's own default, when the configuration does not say
@@ -44,58 +55,6 @@ def run_command(cmd: Sequence[str], timeout_s: float = TIMEOUT_S) -> subprocess.
 NODE_TIMEOUT_S = 15
 
 
-def parse_fields(text: str) -> dict[str, str]:
-    """``Key=Value`` pairs of one ``scontrol show ... -o`` record (values may not contain spaces, except the
-    last keys Slurm prints, which hold the rest of the line)."""
-    out: dict[str, str] = {}
-    for match in re.finditer(r"(\S+?)=(\S*)", text):
-        out.setdefault(match[1], match[2])
-    return out
-
-
-# What Slurm releases print differently in ``scontrol show config`` (the project runs against 22.05, 24.11 and
-# 26.05), and what the callers read instead: 24.11+ print "(null)" for no preemption, 22.05 "preempt/none".
-CONFIG_SPELLINGS = {("PreemptType", "(null)"): "preempt/none"}
-
-
-def parse_config(text: str) -> dict[str, str]:
-    """``scontrol show config``'s ``Key = Value`` lines, spelled alike on every release (``CONFIG_SPELLINGS``)."""
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition("=")
-        if sep and key.strip() and " " not in key.strip():
-            out[key.strip()] = CONFIG_SPELLINGS.get((key.strip(), value.strip()), value.strip())
-    return out
-
-
-def duration_s(text: str) -> int:
-    """Slurm's durations ("30", "10 sec", "00:00:30", "1-00:00:00") in seconds; 0 when empty or unlimited."""
-    days, _, clock = text.strip().removesuffix("sec").strip().rpartition("-")
-    parts = clock.split(":")
-    if not all(p.isdigit() for p in parts) or not (days or "0").isdigit():
-        return 0
-    return int(days or 0) * 86400 + sum(int(p) * 60**i for i, p in enumerate(reversed(parts)))
-
-
-def mode_word(value: str) -> str:
-    """A PreemptMode's first word, upper case: "SUSPEND,GANG" -> "SUSPEND", "requeue" -> "REQUEUE"; "" if unset."""
-    return value.split(",")[0].strip().upper()
-
-
-def effective_preempt_mode(config: Mapping[str, str], partition: Mapping[str, str], qos_mode: str) -> str:
-    """The PreemptMode a job is preempted with: its partition's under preempt/partition_prio, its QOS's
-    (``qos_mode``; "cluster" or unset: the global one) under preempt/qos, the global one where those are unset;
-    OFF on a cluster without preemption. The trainer and ``ddpjob doctor`` both decide on it."""
-    default = mode_word(config.get("PreemptMode", "OFF")) or "OFF"
-    kind = config.get("PreemptType", "preempt/none")
-    if kind.endswith("partition_prio"):
-        return mode_word(partition.get("PreemptMode", "")) or default
-    if kind.endswith("/qos"):
-        own = mode_word(qos_mode)
-        return default if own in ("", "CLUSTER") else own
-    return "OFF"
-
-
 @dataclass(frozen=True)
 class JobInfo:
     """What ``scontrol show job`` says about a job, in the fields the trainer and doctor decide on."""
@@ -116,11 +75,22 @@ def _time(value: str) -> Optional[str]:
     return value if value and value[0].isdigit() else None
 
 
+class SlurmBusy(DdpJobError):
+    """The controller still refused a login-side call for its rate limit after the gateway's own retries: "try
+    again later", never "no such job". A watcher (``jobs.runs.watcher``) keeps what it knew and asks later."""
+
+
 def _answered(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
-    """Login-side queries: a controller that does not answer is the user's to see as one line, not a traceback
-    or an empty answer that reads as "no jobs" (the trainer's calls never raise: they return None instead)."""
+    """Login-side queries: a controller that does not answer, or that rate-limits the caller, is the user's to see
+    as one line, not a traceback or an empty answer that reads as "no jobs" (the trainer's calls never raise: they
+    return None instead)."""
     if proc.returncode == TIMED_OUT:
         raise DdpJobError(f"{proc.args[0]} did not answer within {TIMEOUT_S} s", "is the Slurm controller up? (sinfo)")
+    if proc.returncode == RATE_LIMITED:
+        raise SlurmBusy(
+            f"{proc.args[0]}: the Slurm controller rate-limits your calls ({proc.stderr.strip().splitlines()[-1]})",
+            "wait a minute and run it again; stop other loops that poll Slurm (watch squeue, scripts)",
+        )
     return proc
 
 
@@ -134,47 +104,39 @@ class Accounting:
 
 @dataclass(frozen=True)
 class QueuedJob:
-    """One job as the controller holds it (``squeue -t all``): the fallback where accounting does not answer."""
+    """One job as the controller holds it (``squeue -t all``): the fallback where accounting does not answer, and
+    ``--wait``'s one query per poll (its pending reason and Slurm's start estimate come in the same answer)."""
 
     job_id: str  # as listed: 5301, or an array task 5301_3 (5301_[4-9%2]: its tasks not started yet)
     raw_id: str
     state: str
     restarts: int
     exit_code: str  # "3:0" as sacct writes it: the exit code, then the signal
-
-
-def exit_text(status: str) -> str:
-    """squeue's exit_code (a wait status: 768) as sacct writes it ("3:0"); "0:0" when not a number."""
-    code = int(status) if status.strip().isdigit() else 0
-    return f"{code >> 8}:{code & 0x7F}"
-
-
-def first_word_state(rows: list[list[str]]) -> str:
-    """The state of a one-column ``State`` answer's first row, first word ('CANCELLED by 0' -> 'CANCELLED'); ''.
-    A job that lost a node and went on without it (``--no-kill``) has a ``RESIZING`` row for the allocation it had
-    before: its state is the row after it."""
-    states = [row[0].split()[0] for row in rows if row and row[0].split()]
-    return next((state for state in states if state != "RESIZING"), states[0] if states else "")
-
-
-def accounting_failure(proc: subprocess.CompletedProcess[str]) -> Optional[str]:
-    """The one place that says whether accounting answered a ``sacct``/``sacctmgr`` call: None when it did, else one
-    line why not: the client not installed here, slurmdbd down ("Problem talking to the database"), accounting
-    switched off ("Slurm accounting storage is disabled"), or no answer within the timeout."""
-    if proc.returncode == 0:
-        return None
-    if proc.returncode == MISSING:
-        return f"{proc.args[0]} is not installed here"
-    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
-    return lines[-1] if lines else f"{proc.args[0]} exited {proc.returncode}"
+    reason: str = ""  # why it pends (Priority, Resources, BeginTime, ...); "None" once it runs
+    start_time: str = ""  # ISO time: when it started, or Slurm's estimate while it pends; "" when unknown (N/A)
 
 
 @dataclass
 class SlurmGateway:
     runner: Runner = run_command
+    # How long ``run`` keeps asking again, on the back-off schedule, while the controller answers a call with its rate
+    # limit; then the call's code is RATE_LIMITED (login side: ``SlurmBusy``). 0: the caller backs off itself.
+    rate_limit_wait_s: float = 60.0
+    sleep: Callable[[float], None] = time.sleep
 
     def run(self, *cmd: str) -> subprocess.CompletedProcess[str]:
-        return self.runner(cmd)
+        """The one call of the runner. A rate-limited answer (``slurm_text.rate_limited``) is asked again after the
+        back-off's delays, never read as an answer: after ``rate_limit_wait_s`` it comes back as RATE_LIMITED."""
+        backoff, waited = Backoff(first_s=1.0), 0.0
+        while True:
+            proc = self.runner(cmd)
+            if not rate_limited(proc):
+                return proc
+            delay = backoff.next()
+            if waited + delay > self.rate_limit_wait_s:
+                return subprocess.CompletedProcess(proc.args, RATE_LIMITED, proc.stdout, proc.stderr)
+            self.sleep(delay)
+            waited += delay
 
     def show_job(self, job_id: str) -> Optional[JobInfo]:
         """None when scontrol is missing or the job is unknown (it left the controller's memory)."""
@@ -281,11 +243,11 @@ class SlurmGateway:
         per job, not per attempt: without accounting, earlier attempts are not known. [] when squeue fails."""
         if not job_ids:
             return []
-        fmt = "JobArrayID:|,JobID:|,State:|,RestartCnt:|,exit_code:"
+        fmt = "JobArrayID:|,JobID:|,State:|,RestartCnt:|,exit_code:|,Reason:|,StartTime:"
         proc = _answered(self.run("squeue", "-h", "-r", "-t", "all", "-O", fmt, "-j", ",".join(job_ids)))
         rows = (line.strip().split("|") for line in proc.stdout.splitlines() if proc.returncode == 0)
         return [
-            QueuedJob(r[0], r[1], r[2], int(r[3]) if r[3].isdigit() else 0, exit_text(r[4]))
+            QueuedJob(r[0], r[1], r[2], int(r[3]) if r[3].isdigit() else 0, exit_text(r[4]), *extra(r[5:7]))
             for r in rows
             if len(r) >= 5
         ]
@@ -391,8 +353,15 @@ class SlurmGateway:
         return [dict(zip(fields, values, strict=False)) for values in lines]
 
 
+def extra(fields: list[str]) -> tuple[str, str]:
+    """A queue row's reason and start time, "" where squeue left them out or does not know (N/A, (null))."""
+    reason, start = [*(f.strip() if f.strip() not in ("N/A", "(null)", "Unknown") else "" for f in fields), "", ""][:2]
+    return reason, start
+
+
 GATEWAY = SlurmGateway()
-NODE_GATEWAY = SlurmGateway(lambda cmd: run_command(cmd, NODE_TIMEOUT_S))  # the trainer's, on compute nodes
+# The trainer's, on compute nodes: a rate-limited call is asked again for NODE_TIMEOUT_S at most, as a slow one.
+NODE_GATEWAY = SlurmGateway(lambda cmd: run_command(cmd, NODE_TIMEOUT_S), NODE_TIMEOUT_S)
 
 
 def gateway_for(runner: Optional[Runner] = None) -> SlurmGateway:

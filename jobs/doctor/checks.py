@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ddp_core.cluster import signals
-from ddp_core.cluster.slurm import DEFAULT_MAX_ARRAY_SIZE, GATEWAY, SlurmGateway, duration_s, effective_preempt_mode
+from ddp_core.cluster.slurm import DEFAULT_MAX_ARRAY_SIZE, GATEWAY, SlurmGateway
+from ddp_core.cluster.slurm_text import duration_s, effective_preempt_mode
 from ddp_core.errors import DdpJobError
 from jobs.doctor.drill import render_timings, run_drill
 from jobs.doctor.findings import Finding, node_count_finding, render

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 from ddp_core.errors import DdpJobError
 from jobs.runs import lookup, status
+from jobs.runs.follow import follow
 from jobs.submission import commands as submission
 
 MODES = {"ok": "afterok", "any": "afterany", "notok": "afternotok"}
@@ -112,4 +113,4 @@ def cmd_submit(args: argparse.Namespace) -> int:
     root = lookup.DEFAULT_ROOT
     afters = [After.parse(text) for text in args.after]
     items = [upstream(a.ref, root).decide(a.mode, "--after") for a in afters]
-    return submission.cmd_submit(args, dependency=dependency(items))
+    return submission.cmd_submit(args, dependency=dependency(items), follow=follow)

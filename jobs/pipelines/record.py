@@ -14,6 +14,7 @@ from typing import Any, Optional
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import atomic_write_text
 from jobs.runs import status
+from jobs.runs.watcher import Poll
 
 FILE = "pipeline.json"
 
@@ -58,14 +59,14 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S")
 
 
-def states(record: Record) -> dict[str, str]:
+def states(record: Record, poll: Optional[Poll[Any]] = None) -> dict[str, str]:
     """Each step's state as ``ddpjob status`` gives it (``SKIPPED`` for a step never submitted, ``MISSING`` for a run
     directory that is gone): one sacct call for all of them."""
     out = {name: "SKIPPED" for name, e in record.steps.items() if e.skipped}
     paths = {name: Path(e.run_dir) for name, e in record.steps.items() if not e.skipped}
     out |= {name: "MISSING" for name, path in paths.items() if not path.is_dir()}
     present = {name: path for name, path in paths.items() if path.is_dir()}
-    rows = status.collect(list(present.values()), "eval/accuracy")
+    rows = status.collect(list(present.values()), "eval/accuracy", poll=poll)
     by_path = {row.run.path.resolve(): row for row in rows}
     moment = time.time()
     for name, path in present.items():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from ddp_core.errors import DdpJobError
 from jobs.pipelines import record, spec
@@ -16,6 +16,7 @@ from jobs.pipelines.after import After, satisfied
 from jobs.runs import lookup
 from jobs.runs import status as runs_status
 from jobs.runs.listing import DEFAULT_ROOT, shown_path
+from jobs.runs.watcher import Poll, watch
 
 
 def find(path: Optional[str]) -> Optional[Path]:
@@ -60,12 +61,12 @@ def why_not(name: str, rec: record.Record, states: dict[str, str]) -> str:
     return ""
 
 
-def table(folder: Path) -> tuple[str, bool]:
-    """(the pipeline's table, whether any step may still run)."""
+def table(folder: Path, poll: Optional[Poll[Any]] = None) -> tuple[str, bool]:
+    """(the pipeline's table, whether any step may still run); ``poll``: ``--watch``'s (``jobs.runs.watcher``)."""
     rec = record.read(folder)
     if rec is None:
         raise DdpJobError(f"no pipeline record in {folder}", "submit it first: ddpjob pipeline FILE")
-    states = record.states(rec)
+    states = record.states(rec, poll)
     rows = [("STEP", "STATE", "JOB", "AFTER", "RUN DIR")]
     notes = []
     for name, entry in rec.steps.items():
@@ -85,7 +86,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     folder = find(args.path)
     if folder is None:
         return runs_status.cmd_status(args)
-    return runs_status.watch(lambda: table(folder), args.watch)
+    return watch(lambda poll: table(folder, poll), args.watch)
 
 
 COMMANDS = {"status": cmd_status}

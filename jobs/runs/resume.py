@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from ddp_core.errors import DdpJobError
+from jobs.runs.follow import follow
 from jobs.runs.lookup import resolve
-from jobs.submission.follow import follow, print_submitted
+from jobs.submission.submit import print_submitted
 
 if TYPE_CHECKING:
     from ddp_core.config import Config

@@ -11,15 +11,15 @@ goodput, where its time went (``jobs.runs.goodput``).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import logging
 import math
 import shlex
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ddp_core.checkpoint import storage
 from ddp_core.cluster.slurm import Runner
@@ -28,6 +28,7 @@ from jobs.runs import goodput, notes, throughput
 from jobs.runs.attempts import Attempt, in_array_range, job_attempts
 from jobs.runs.listing import DEFAULT_ROOT, Job, query_ids, run_jobs, runs_to_show, shown_path
 from jobs.runs.ranking import ranking_metric
+from jobs.runs.watcher import Poll, watch
 
 if TYPE_CHECKING:
     from ddp_core.run.rundir import RunDir
@@ -167,8 +168,11 @@ def _read_row(run: RunDir, metric_key: str) -> Row:
     return row
 
 
-def collect(run_paths: Sequence[Path], metric_key: str, runner: Optional[Runner] = None) -> list[Row]:
-    """Read every run and attach its sacct attempts: one sacct call for all of them."""
+def collect(
+    run_paths: Sequence[Path], metric_key: str, runner: Optional[Runner] = None, poll: Optional[Poll[Any]] = None
+) -> list[Row]:
+    """Read every run and attach its sacct attempts: one sacct call for all of them (with ``poll``, a watcher's:
+    only when its back-off says so, else its last answer)."""
     from ddp_core.run.rundir import RunDir  # imports omegaconf: not at module level, `ddpjob --help` builds our parsers
 
     rows = []
@@ -187,7 +191,9 @@ def collect(run_paths: Sequence[Path], metric_key: str, runner: Optional[Runner]
             base, _, task = job.job_id.partition("_")
             if task.isdigit():
                 tasks.setdefault(base, []).append((int(task), row))
-    attempts, no_accounting = job_attempts(query_ids([j for row in rows for j in row.jobs]), runner)
+    ids = query_ids([j for row in rows for j in row.jobs])
+    fetch = functools.partial(job_attempts, ids, runner)
+    attempts, no_accounting = fetch() if poll is None else poll.ask(tuple(ids), fetch)
     for row in rows:
         row.no_accounting = no_accounting
     for attempt in attempts:
@@ -301,20 +307,15 @@ def _code_line(run: RunDir) -> str:
         return str(err)
 
 
-def _max_steps(run: RunDir) -> Optional[int]:
-    import yaml  # plain YAML: the config tree (OmegaConf) is not needed for one number
-
-    try:
-        return throughput.max_steps_of(yaml.safe_load(run.config_file.read_bytes()))
-    except (OSError, ValueError, RecursionError, yaml.YAMLError):  # ValueError: not UTF-8; a damaged file has no ETA
-        return None
-
-
 def status_text(
-    path: Optional[str], metric: Optional[str], limit: int = 20, runner: Optional[Runner] = None
+    path: Optional[str],
+    metric: Optional[str],
+    limit: int = 20,
+    runner: Optional[Runner] = None,
+    poll: Optional[Poll[Any]] = None,
 ) -> tuple[str, bool]:
     """One refresh: (the table, whether any row is still active). ``metric`` None: an adaptive sweep's own, else
-    eval/accuracy."""
+    eval/accuracy. ``poll``: ``--watch``'s, which asks accounting only on its back-off."""
     from jobs.sweeps import search
 
     # is_search is False for None; the check is spelled out for the type checker (Path(None) is an error)
@@ -324,7 +325,7 @@ def status_text(
         metric = search.own_metric(own) if own else "eval/accuracy"
     metric_key = ranking_metric(metric).key
     paths, is_sweep = runs_to_show(path, limit)
-    rows, now = collect(paths, metric_key, runner), time.time()
+    rows, now = collect(paths, metric_key, runner, poll), time.time()
     if study:
         for row in rows:
             row.trial_state = study["states"].get(row.run.name)
@@ -336,7 +337,7 @@ def status_text(
         text += f"\n{rows[0].no_accounting}"
     if len(rows) == 1 and not is_sweep:
         text += f"\ncode: {_code_line(rows[0].run)}"
-        if (speed := throughput.describe(rows[0].run.metrics(), _max_steps(rows[0].run))) is not None:
+        if (speed := throughput.describe(rows[0].run.metrics(), throughput.max_steps_in(rows[0].run))) is not None:
             text += f"\n{speed}"
         if (measured := goodput.measure(rows[0].events, rows[0].run.metrics())) is not None:
             text += f"\n{measured.line()}"
@@ -349,25 +350,7 @@ def status_text(
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    return watch(lambda: status_text(args.path, args.metric, args.limit), args.watch)
-
-
-def watch(render: Callable[[], tuple[str, bool]], interval: Optional[float]) -> int:
-    """Print ``render()``'s table (and whether any row may still run) once, or with ``interval`` (``--watch``) again
-    every ``interval`` s until no row may; the status of runs and sweeps, and of pipelines (``jobs.pipelines``)."""
-    try:
-        while True:
-            text, active = render()
-            if interval is not None and sys.stdout.isatty():
-                sys.stdout.write("\033[H\033[2J")  # clear the screen: the table redraws in place
-            if interval is not None:
-                print(f"{time.strftime('%H:%M:%S')}  every {interval:g} s until all rows end (Ctrl-C stops)")
-            print(text, flush=True)
-            if interval is None or not active:
-                return 0
-            time.sleep(interval)
-    except KeyboardInterrupt:  # the normal way out of --watch, not an error
-        return 0
+    return watch(lambda poll: status_text(args.path, args.metric, args.limit, poll=poll), args.watch)
 
 
 def add_parser(sub: Any) -> None:

@@ -9,7 +9,7 @@ import argparse
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from ddp_core.errors import DdpJobError
 from jobs.submission import checks, snapshot
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ddp_core.config import Config
     from ddp_core.run.rundir import RunDir
     from jobs.submission.request import SlurmRequest
+    from jobs.submission.submit import Submitted
 
 
 def load_from_args(args: argparse.Namespace) -> Config:
@@ -54,11 +55,13 @@ def load_from_args(args: argparse.Namespace) -> Config:
     return cfg
 
 
-def cmd_submit(args: argparse.Namespace, dependency: Optional[str] = None) -> int:
-    """``dependency``: sbatch's --dependency (``--after``, resolved by ``jobs.pipelines.after``)."""
+def cmd_submit(
+    args: argparse.Namespace, dependency: Optional[str] = None, follow: Optional[Callable[[Submitted], int]] = None
+) -> int:
+    """``dependency``: sbatch's --dependency (``--after``, resolved by ``jobs.pipelines.after``); ``follow``: what
+    ``--wait`` (and ``--local``) does with the queued job (``jobs.runs.follow``, a layer above this one)."""
     from ddp_core.run.rundir import new_run_dir
-    from jobs.submission.follow import follow, print_submitted
-    from jobs.submission.submit import submit
+    from jobs.submission.submit import print_submitted, submit
 
     cfg = load_from_args(args)
     # A dry run checks the request against the cluster where there is one, and still renders where not.
@@ -73,7 +76,7 @@ def cmd_submit(args: argparse.Namespace, dependency: Optional[str] = None) -> in
         return 0
     sub = submit(cfg, request, run_dir, local=args.local)
     print_submitted(sub)
-    return follow(sub) if (args.wait or args.local) else 0
+    return follow(sub) if follow is not None and (args.wait or args.local) else 0
 
 
 def print_dry_run(cfg: Config, request: SlurmRequest, run_dir: RunDir) -> None:

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import re
 import shutil
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,3 +179,11 @@ def withdraw(folder: Path, before: set[str], err: BaseException) -> list[str]:
             f"scancel {' '.join(stray)}",
         ) from err
     return stray
+
+
+def print_submitted(sub: Submitted) -> None:
+    """What ``submit`` and ``resume`` print once the job is queued."""
+    print(f"job:     {sub.job_id}")
+    print(f"run dir: {sub.run_dir.path}")
+    print(f"log:     {sub.log_path}")
+    sys.stdout.flush()

@@ -28,6 +28,9 @@ def test_ddp_job_completes_with_two_ranks(slurm_cluster, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
     assert "final eval: accuracy" in proc.stdout
+    # --wait's live line (plain lines: stdout is no terminal): the state Slurm gave, then the job's end and result.
+    assert re.search(rf"^job {job_id} (PENDING \(\w+\), (start estimate |no start)|RUNNING, )", proc.stdout, re.M)
+    assert re.search(rf"^job {job_id} COMPLETED after", proc.stdout, re.M), proc.stdout
     logs = rank_logs(run_dir, job_id)
     assert sorted(logs) == [0, 1]
     for rank, text in logs.items():

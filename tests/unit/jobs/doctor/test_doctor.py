@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import pytest
 
-from ddp_core.cluster import releases, slurm
+from ddp_core.cluster import releases, slurm, slurm_text
 from ddp_core.errors import DdpJobError
 from jobs.cli import main
 from jobs.doctor import checks as doctor
@@ -152,7 +152,7 @@ def test_preempt_none_never_preempts(tmp_path):
 def test_a_cluster_without_preemption_reads_the_same_on_every_release():
     # Slurm 22.05 prints "preempt/none"; 24.11 and 26.05 print "(null)" (measured on scripts/slurm-local --slurm)
     for printed in ("preempt/none", "(null)"):
-        config = slurm.parse_config(f"PreemptType             = {printed}\nPreemptMode             = OFF\n")
+        config = slurm_text.parse_config(f"PreemptType             = {printed}\nPreemptMode             = OFF\n")
         assert config["PreemptType"] == "preempt/none"
 
 
@@ -345,7 +345,7 @@ def test_missing_partition_is_a_user_error(monkeypatch, capsys):
 
 def test_slurm_durations():
     cases = {"30": 30, "10 sec": 10, "00:00:30": 30, "01:30": 90, "1-00:00:10": 86410, "": 0, "UNLIMITED": 0}
-    assert {text: slurm.duration_s(text) for text in cases} == cases
+    assert {text: slurm_text.duration_s(text) for text in cases} == cases
 
 
 # --- the gateway on the login side ----------------------------------------------------------------------------

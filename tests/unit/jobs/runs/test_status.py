@@ -17,7 +17,7 @@ import pytest
 from ddp_core.cluster import slurm
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
-from jobs.runs import attempts, logs, status
+from jobs.runs import attempts, logs, status, watcher
 from jobs.runs.lookup import find_runs
 from tests.support.fake_slurm import FakeSlurm
 
@@ -166,7 +166,9 @@ def test_watch_refreshes_until_every_row_ended(tmp_path, monkeypatch, capsys):
     run = make_run(tmp_path / "run", jobs=["100"])
     fake = FakeSlurm(sacct=["100|100|RUNNING|0:0|a|Unknown", "100|100|COMPLETED|0:0|a|b"])
     monkeypatch.setattr(slurm.GATEWAY, "runner", fake)
-    monkeypatch.setattr(status.time, "sleep", lambda s: None)
+    clock = [0.0]  # the watcher's: each sleep moves it on, so its back-off (2 s first) lets it ask again
+    monkeypatch.setattr(watcher.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(watcher.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
     args = argparse.Namespace(path=str(run), metric="eval/accuracy", limit=20, watch=2.0)
     assert status.cmd_status(args) == 0
     assert fake.count("sacct") == 2  # one per refresh
@@ -358,7 +360,7 @@ def test_without_accounting_states_come_from_the_controller(tmp_path):
 
 
 def test_submit_wait_without_accounting_takes_the_controllers_state(monkeypatch, tmp_path, caplog):
-    from jobs.submission import follow as submit
+    from jobs.runs import follow as submit
 
     def runner(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
         if cmd[0] == "sacct":
@@ -367,7 +369,7 @@ def test_submit_wait_without_accounting_takes_the_controllers_state(monkeypatch,
 
     monkeypatch.setattr(slurm.GATEWAY, "runner", runner)
     monkeypatch.setattr(submit.time, "sleep", lambda s: pytest.fail("waited for accounting that does not answer"))
-    assert submit.wait_until_gone("77") == "CANCELLED"
+    assert submit.final_state("77") == "CANCELLED"
     assert "no accounting (sacct is not installed here): job 77's final state is the controller's" in caplog.text
 
     class Killed:  # a job cancelled from outside leaves no result file: submitit's own wait would never end

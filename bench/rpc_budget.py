@@ -1,0 +1,100 @@
+"""The controller's RPCs that waiting on jobs costs, from ``sdiag``'s per-user counts (counters reset first): ``submit
+--wait`` of one 2-node digits job (the client and the job's own watchers together, both as root here), and ``status
+--watch`` of a job array (per poll, and per minute), against the baseline of the same minutes with nothing asking
+(the daemons' own RPCs, which run as root too) and against the old loop's cost (one ``squeue -j`` every 0.5 s).
+
+    cd REPO && eval "$(scripts/slurm-local env)" && PYTHONPATH=. .venv/bin/python bench/rpc_budget.py [--tasks 100]
+
+Needs the local cluster, alone (it resets the controller's counters). Targets: each at most 30 RPCs a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DIGITS = str(ROOT / "configs" / "digits.yaml")
+TWO = ["train.max_steps=2000", "checkpoint.every_steps=500", "train.eval_every=0", "train.log_every=20",
+       "wandb.mode=disabled", "slurm.nodes=2", "slurm.tasks_per_node=1", "slurm.partition=wide"]  # fmt: skip
+
+
+def root_rpcs() -> int:
+    """root's RPC count since the last reset, less sdiag's own calls (REQUEST_STATS_INFO)."""
+    text = subprocess.run(["sdiag"], capture_output=True, text=True, check=True).stdout
+    user = re.search(r"^\s*root\s+\(\s*0\)\s+count:(\d+)", text, re.M)
+    stats = re.search(r"REQUEST_STATS_INFO\s+\(\s*\d+\)\s+count:(\d+)", text)
+    return (int(user[1]) if user else 0) - (int(stats[1]) if stats else 0)
+
+
+def measured(cmd: list[str], cwd: Path) -> tuple[int, float, str]:
+    """(root's RPCs, seconds, stdout) of ``cmd`` from a counter reset."""
+    subprocess.run(["sdiag", "-r"], capture_output=True, check=True)
+    started = time.monotonic()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    kinds = subprocess.run(["sdiag"], capture_output=True, text=True).stdout.split("by message type")[-1]
+    print(" ".join(cmd[3:6]), kinds.split("by user")[0], flush=True)
+    return root_rpcs(), time.monotonic() - started, out.stdout + out.stderr
+
+
+def idle(seconds: float) -> int:
+    """root's RPCs over ``seconds`` with nothing running: the daemons' own."""
+    subprocess.run(["sdiag", "-r"], capture_output=True, check=True)
+    time.sleep(seconds)
+    return root_rpcs()
+
+
+def per_minute(rpcs: float, seconds: float) -> float:
+    return 60 * rpcs / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=100, help="array tasks of the watched sweep")
+    args = parser.parse_args()
+    ddpjob = [sys.executable, "-m", "jobs"]
+    with tempfile.TemporaryDirectory(dir=ROOT / ".." if os.access(ROOT.parent, os.W_OK) else None) as tmp:
+        cwd = Path(tmp)
+        waited, wait_s, out = measured([*ddpjob, "submit", DIGITS, "--wait", *TWO], cwd)
+        assert "COMPLETED after" in out, out[-3000:]
+        base = idle(min(wait_s, 60))
+        base_rate = per_minute(base, min(wait_s, 60))
+        old_rate = 3 * 60 / 0.5  # one squeue -j (3 RPCs) every 0.5 s
+        rows = [("submit --wait, 2-node job", waited, wait_s, per_minute(waited, wait_s) - base_rate, old_rate)]
+        # A sweep-sized array of tiny tasks, watched as one run folder per task would be: here one array job's
+        # tasks through status of a folder of fabricated runs naming them (the per-poll cost is one query).
+        script = cwd / "tiny.sh"
+        script.write_text("#!/bin/bash\nsleep 20\n")
+        opts = ["--parsable", f"--array=0-{args.tasks - 1}", "-p", "local", "-n1", "-o", "/dev/null"]
+        sub = subprocess.run(["sbatch", *opts, str(script)], capture_output=True, text=True, check=True)
+        array = sub.stdout.strip().split(";")[0]
+        sweep = cwd / "runs" / "sweep"
+        for i in range(args.tasks):
+            run = sweep / f"t{i:04d}"
+            run.mkdir(parents=True)
+            (run / "run.json").write_text(f'{{"run_id": "r{i}", "jobs": [{{"job_id": "{array}_{i}"}}]}}')
+            (run / "config.yaml").write_text(f"run:\n  name: t{i:04d}\n")
+        watched, watch_s, out = measured(
+            ["timeout", "-s", "INT", "40", *ddpjob, "status", str(sweep), "--watch", "2"], cwd
+        )
+        print(out[-1500:])
+        queries = out.count("every 2 s")
+        rows.append((f"status --watch, {args.tasks}-task array", watched, watch_s,
+                     per_minute(watched, watch_s) - base_rate, 60 / 10 * 0))  # fmt: skip
+    print(f"baseline (nothing asking): {base} RPCs in {min(wait_s, 60):.0f} s = {base_rate:.1f}/min\n")
+    print("| case | RPCs | seconds | RPCs/min above baseline | target | old loop RPCs/min |")
+    print("|---|---|---|---|---|---|")
+    for case, rpcs, secs, rate, old in rows:
+        print(f"| {case} | {rpcs} | {secs:.0f} | {rate:.1f} | 30 | {old:.0f} |")
+    print(f"\nstatus --watch refreshed {queries} times")
+
+
+if __name__ == "__main__":
+    main()
