@@ -26,6 +26,7 @@ from ddp_core.checkpoint.train_state import Carried, TrainState
 from ddp_core.cluster.env import DistEnv
 from ddp_core.config import CheckpointConfig, StrategyConfig, StrategyName
 from ddp_core.errors import DdpJobError
+from ddp_core.run import private
 from ddp_core.run.rundir import RunDir
 from ddp_core.strategies import build_strategy
 from ddp_core.trainer.metrics import RunningLoss
@@ -82,7 +83,7 @@ def steps_in(folder: Path) -> list[int]:
 def node_folder(tmp: Path, job: str = "77", host: str | None = None) -> Path:
     import socket
 
-    return tmp / "shm" / f"ddpjob-{job}" / (host or socket.gethostname())
+    return tmp / "shm" / private.per_user_name(job) / (host or socket.gethostname())
 
 
 # --- one process ------------------------------------------------------------------------------------------------
@@ -174,7 +175,7 @@ def test_the_copies_are_removed_when_the_run_is_over(tmp_path):
     train(a, 4)
     a.manager.close()
     a.manager.discard_local()
-    assert not (tmp_path / "shm" / "ddpjob-77").exists()
+    assert not (tmp_path / "shm" / private.per_user_name("77")).exists()
     assert (tmp_path / "shm").is_dir()
 
 
@@ -237,7 +238,7 @@ def _spare_node_gets_its_copy_from_a_peer(rank: int, world: int, tmp: Path) -> N
     for step in (1, 2, 3):
         tier.save(step, {"w": torch.full((3,), float(step))}, pack({"rank": rank, "step": step}))
     tier.close()
-    assert steps_in(tmp / "shm" / "ddpjob-5" / "ab"[rank] / "full") == [2, 3]
+    assert steps_in(tmp / "shm" / private.per_user_name("5") / "ab"[rank] / "full") == [2, 3]
     spare = _tier(tmp, rank, world, store.FULL, "ac"[rank], "5")
     found = local_restore.restore(spare, -1)
     assert found is not None and found[0] == 3 and torch.equal(found[1]["w"], torch.full((3,), 3.0))
@@ -252,7 +253,7 @@ def _spare_node_gets_its_copy_from_a_peer(rank: int, world: int, tmp: Path) -> N
         tier.save(step, {"shards": {"w": torch.full((2,), 10.0 * rank + step)}}, pack({"rank": rank, "step": step}))
     tier.close()
     dist.barrier()
-    job = tmp / "shm" / "ddpjob-6"
+    job = tmp / "shm" / private.per_user_name("6")
     assert steps_in(job / "ab"[rank] / "w2" / f"rank-{rank}") == [2, 3]
     assert steps_in(job / "ab"[rank] / "w2" / f"rank-{1 - rank}") == [2, 3]  # the peer node's replica
     spare = _tier(tmp, rank, world, store.SHARDED, "ac"[rank], "6")
