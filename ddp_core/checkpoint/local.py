@@ -54,6 +54,7 @@ from ddp_core.checkpoint.local_folder import (
     fallback_errno,
     folder_bytes,
     off_for_attempt,
+    record,
     refusal,
 )
 from ddp_core.checkpoint.local_replica import Parts, Ring, ring_peers
@@ -224,7 +225,7 @@ class LocalTier:
             self._sent()  # one in flight: the parts go out in step order
             self.sending = self.side.submit(self._gathered, step, {"ranks": own})
             return
-        self._collect(self.writer)
+        self.collect()
         self.writer.save(step, state | {"ranks": own})
         self.in_flight = True
 
@@ -243,10 +244,13 @@ class LocalTier:
             off_for_attempt(DdpJobError(*verdict), self.env, self.run_dir)
             self.close()
 
-    def _collect(self, writer: FullWriter) -> None:
-        """The outcome of the copy in flight: a failure for room or I/O (``FALLBACK_ERRNOS``) is a warning and a
-        ``local_copy_failed`` event from this rank (once until a copy succeeds again), and the next copy is tried;
-        any other is raised."""
+    def collect(self, writer: Optional[FullWriter] = None) -> None:
+        """Wait for the outcome of this rank's copy in flight, if it writes any: a failure for room or I/O
+        (``FALLBACK_ERRNOS``) is a warning and a ``local_copy_failed`` event from this rank (once until a copy
+        succeeds again), and the next copy is tried; any other is raised."""
+        writer = writer or self.writer
+        if writer is None:
+            return
         try:
             writer.wait()
         except CheckpointWriteError as err:
@@ -262,8 +266,13 @@ class LocalTier:
                     self.every,
                     err.message,
                 )
-                self.run_dir.log_event(
-                    "local_copy_failed", job_id=self.env.job_id, rank=self.env.rank, host=self.host, error=err.message
+                record(
+                    self.run_dir,
+                    "local_copy_failed",
+                    job_id=self.env.job_id,
+                    rank=self.env.rank,
+                    host=self.host,
+                    error=err.message,
                 )
             self.failing = True
         else:
@@ -305,7 +314,7 @@ class LocalTier:
         if not wait:
             return
         if writer is not None:
-            self._collect(writer)
+            self.collect(writer)
             writer.close()
         if side is not None:
             try:

@@ -106,4 +106,12 @@ def fallback_errno(err: BaseException) -> Optional[int]:
 def off_for_attempt(off: DdpJobError, env: DistEnv, run_dir: RunDir) -> None:
     log.warning("node-local tier off for this attempt, durable checkpoints only: %s", off)
     if env.is_main:
-        run_dir.log_event("local_tier_off", job_id=env.job_id, reason=off.message)
+        record(run_dir, "local_tier_off", job_id=env.job_id, reason=off.message)
+
+
+def record(run_dir: RunDir, event: str, **fields: object) -> None:
+    """One of the tier's events in the run's ``attempts.jsonl``, never raising: the warning already says it."""
+    try:
+        run_dir.log_event(event, **fields)
+    except OSError as err:
+        log.warning("could not record the %s event in %s: %s", event, run_dir.path, err)
