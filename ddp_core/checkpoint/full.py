@@ -57,9 +57,11 @@ class FullWriter:
         before_write: Optional[Callable[[int, dict[str, Any]], dict[str, Any]]] = None,
         after_write: Optional[Callable[[int, Optional[checkpoint.CheckpointInfo]], None]] = None,
         level: int = logging.INFO,
+        private: bool = False,
     ) -> None:
         self.directory, self.keep_last, self.writer_rank = directory, keep_last, writer_rank
         self.level = level  # of the lines each save logs (the node-local tier's, at every few steps, are DEBUG)
+        self.private = private  # a folder of this user's alone (the node-local tier's): files 0600
         # Called in the writing thread: before each write with (step, the state), returning what is written, and
         # after it with (step, the checkpoint), or (step, None) after a failed one. The node-local tier gathers the
         # ranks' own parts there, and sends its copy to a peer node (``local``, ``local_replica``): work that
@@ -99,7 +101,14 @@ class FullWriter:
             if self._before_write is not None:
                 state = self._before_write(step, state)
             info = checkpoint.save(
-                self.directory, step, state, self.keep_last, self.writer_rank, prune_old=False, level=self.level
+                self.directory,
+                step,
+                state,
+                self.keep_last,
+                self.writer_rank,
+                prune_old=False,
+                level=self.level,
+                private=self.private,
             )
             self.last_write_s = time.perf_counter() - began
             if self._after_write is not None:
@@ -147,10 +156,16 @@ class FullWriter:
             copying.wait()
             if self._before_write is not None:
                 snapshot = self._before_write(step, snapshot)
-            info = checkpoint.save(self.directory, step, snapshot, self.keep_last, self.writer_rank, level=self.level)
-        except BaseException:
-            # Logged now, with its traceback: the training thread learns of it only at its next wait.
-            log.exception("the checkpoint of step %d failed in the background", step)
+            info = checkpoint.save(
+                self.directory, step, snapshot, self.keep_last, self.writer_rank, level=self.level, private=self.private
+            )
+        except BaseException as err:
+            # Logged now, with its traceback: the training thread learns of it only at its next wait. A quiet writer's
+            # (the node-local tier's, which falls back to the durable tier): one line.
+            if self.level >= logging.INFO:
+                log.exception("the checkpoint of step %d failed in the background", step)
+            else:
+                log.warning("the copy of step %d in %s failed: %s: %s", step, self.directory, type(err).__name__, err)
             raise
         finally:
             if self._after_write is not None:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_core.checkpoint import store
+from ddp_core.run import private
 from ddp_core.run.rundir import atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
@@ -205,14 +206,14 @@ class Ring:
     def _keep(self, step: int, manifest_size: int, payload: bytes) -> None:
         """The previous node's copy of ``step``, kept as its sender wrote it: data first, manifest last."""
         folder = self.folder / f"rank-{self.previous}"
-        folder.mkdir(parents=True, exist_ok=True)
+        private.makedirs(folder)  # in the node's private folder: 0700, the files 0600
         final = folder / f"step_{step:08d}.pt"
         tmp = folder / f".step_{step:08d}.pt.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb", opener=private.opener) as f:
             f.write(memoryview(payload)[manifest_size:])
         final.with_suffix(".json").unlink(missing_ok=True)
         os.replace(tmp, final)
         fsync_dir(folder)
-        atomic_write_text(final.with_suffix(".json"), payload[:manifest_size].decode())
+        atomic_write_text(final.with_suffix(".json"), payload[:manifest_size].decode(), private=True)
         store.prune(folder, self.keep)
         log.debug("kept rank %d's local copy of step %d", self.previous, step)

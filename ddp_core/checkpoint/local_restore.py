@@ -2,7 +2,8 @@
 
 Collective, on every rank (``restore``):
 
-1. Each rank verifies its share of its node's copies (``store.verify``: size and checksum; the node's folders are
+1. Each rank checks its node's folders are this user's alone (``ddp_core.run.private``; else it reports nothing),
+   then verifies its share of its node's copies (``store.verify``: size and checksum; the node's folders are
    split among its ranks) newer than the newest durable checkpoint, and reports them (step, checksum, per key: a
    full-state node copy is ``full``, a sharded copy its rank).
 2. Every rank gets every report (one all-gather) and picks the same step: the newest for which every rank's key
@@ -59,9 +60,14 @@ def _keys(tier: LocalTier) -> list[str]:
 
 
 def report(tier: LocalTier, newer_than: int) -> Report:
-    """This rank's share of its node's verified copies newer than ``newer_than``."""
+    """This rank's share of its node's verified copies newer than ``newer_than``; none from a node folder that is
+    not this user's alone (``LocalTier.refusal``: a planted copy is never restored)."""
     mine = tier.node_ranks.index(tier.env.rank)
     copies: dict[str, dict[int, tuple[str, str]]] = {}
+    refused = tier.refusal()
+    if refused is not None:
+        log.warning("node-local copies skipped: %s", refused.message)
+        return {"host": tier.host, "copies": copies}
     for key in _keys(tier)[mine :: len(tier.node_ranks)]:
         folder = tier.node / _subfolder(tier, key)
         for manifest in sorted(folder.glob("step_*.json"), reverse=True):

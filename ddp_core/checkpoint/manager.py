@@ -25,7 +25,7 @@ from torch import nn
 
 from ddp_core.checkpoint import full as full_checkpoint
 from ddp_core.checkpoint import local_restore, store
-from ddp_core.checkpoint.local import LocalTier, fill_shards, local_shards
+from ddp_core.checkpoint.local import LocalTier, fill_shards, local_shards, open_tier
 from ddp_core.checkpoint.local_replica import pack, unpack
 from ddp_core.checkpoint.train_state import TrainState
 from ddp_core.cluster.env import DistEnv
@@ -115,7 +115,7 @@ class CheckpointManager:
         if cfg.local_every_steps and env.job_id is None:
             log.warning("checkpoint.local_every_steps: this process has no job id to key node-local copies by: off")
         elif cfg.local_every_steps:
-            self.local = LocalTier(cfg, env, run_dir, layout.checkpoint_kind, optimizer)
+            self.local = open_tier(cfg, env, run_dir, layout.checkpoint_kind, optimizer)  # None: refused, off
 
     def load_latest(self, state: TrainState) -> Optional[Restored]:
         """Collective: load the newest checkpoint every rank verified, or a newer node-local copy every rank can get,

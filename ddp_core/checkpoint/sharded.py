@@ -26,7 +26,6 @@ import os
 import pickle
 import shutil
 import socket
-import tempfile
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,6 +43,7 @@ from ddp_core.checkpoint.storage import Location
 from ddp_core.checkpoint.store import SHARDED, CheckpointInfo, files_digest, prune, remove_data, sha256_file, split
 from ddp_core.distributed import collectives
 from ddp_core.errors import DdpJobError
+from ddp_core.run import private as privately
 from ddp_core.run.rundir import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -161,8 +161,8 @@ def merge(tree: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _save_extra(path: Path, extra: dict[str, Any]) -> None:
-    with open(path, "wb") as f:
+def _save_extra(path: Path, extra: dict[str, Any], private: bool) -> None:
+    with open(path, "wb", opener=privately.opener if private else None) as f:
         torch.save(extra, f)
         f.flush()
         os.fsync(f.fileno())
@@ -192,14 +192,15 @@ class ShardedWriter:
         tensors, plain = split_tensors(state)
         if self.rank == 0 or self.storage.in_place:
             remove_data(tmp)  # left by a killed attempt: stale shards must not mix with this save's
-            tmp.mkdir(parents=True)
+            tmp.mkdir(parents=True, mode=privately.DIR_MODE if self.storage.in_place else 0o777)
         if self.rank == 0:
             if self.storage.in_place:
                 # This step's checkpoint from an earlier attempt, manifest first: uploads replace its files one by one.
                 self.storage.remove(f"step_{step:08d}.json")
                 self.storage.remove(f"step_{step:08d}.dcp")
             assert extra is not None
-            _save_extra(tmp / EXTRA, {"plain": plain, "model_keys": list(state["model"])} | extra)
+            rest = {"plain": plain, "model_keys": list(state["model"])} | extra
+            _save_extra(tmp / EXTRA, rest, self.storage.in_place)
         collectives.barrier()  # the folder exists, empty of stale files, before any rank writes into it
         writer = dcp.FileSystemWriter(tmp)  # fsyncs every file it writes
         if self._background is None:
@@ -217,12 +218,13 @@ class ShardedWriter:
 
     def _staging(self, step: int) -> Path:
         """Where DCP writes this step's files: the folder's temporary name beside the checkpoints (renamed into place
-        by rank 0), or, for object storage, a folder of this rank's own in the node's temporary folder (each rank
+        by rank 0), or, for object storage, a new private folder of this rank's own in the node's temporary folder
+        (``ddp_core.run.private``: no other user reads the shards or swaps them before they are hashed; each rank
         uploads what it wrote: its shards; rank 0 also ``.metadata`` and ``extra.pt``)."""
         name = f".step_{step:08d}.dcp.tmp"
         if not self.storage.in_place:
             return Path(self.directory) / name
-        return Path(tempfile.gettempdir()) / f"ddpjob-shards-{os.getpid()}-{self.rank}" / name
+        return privately.temp_folder("shards") / name
 
     def wait(self) -> float:
         """Block until the save in flight, if any, is complete (on rank 0: manifest written). Returns seconds."""
@@ -258,6 +260,7 @@ class ShardedWriter:
         files, so a large checkpoint is hashed in parallel, not by rank 0 alone; rank 0 finishes it."""
         names = sorted(p.name for p in tmp.iterdir())
         if self.storage.in_place:  # this rank's own folder: its files, uploaded (in the background if async)
+            privately.seal(tmp)  # DCP's files 0600 (the folder is 0700 already)
             mine = {name: _describe(tmp / name) for name in names}
             self.storage.upload_folder(tmp, f"step_{step:08d}.dcp")
             shutil.rmtree(tmp.parent, ignore_errors=True)
@@ -327,7 +330,7 @@ def load(info: CheckpointInfo, state: dict[str, Any]) -> tuple[dict[str, Any], d
     ``Strategy.sharded_state`` gives them, at any world size) in place. Returns (that state completed with the
     checkpoint's non-tensor parts, the rest of the checkpoint: position, RNG, scheduler, ...). One in object storage
     is read from a copy in the node's temporary folder."""
-    with storages.local_copy(*split(info.path), Path(tempfile.gettempdir())) as folder:
+    with storages.local_copy(*split(info.path)) as folder:
         return _load(folder, state)
 
 
@@ -350,7 +353,7 @@ def _load(folder: Path, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str
 
 def read_model_state(location: Location) -> dict[str, torch.Tensor]:
     """The whole model's weights under plain keys, in this process alone (no process group needed)."""
-    with storages.local_copy(*split(location), Path(tempfile.gettempdir())) as folder:
+    with storages.local_copy(*split(location)) as folder:
         return _read_model_state(folder)
 
 

@@ -29,6 +29,7 @@ from typing import IO, Any, BinaryIO, Callable, Iterator, Optional, Union
 
 from ddp_core.errors import DdpJobError
 from ddp_core.locations import is_url  # what checkpoint.dir names: one test, shared with the config check
+from ddp_core.run import private as privately
 from ddp_core.run.rundir import atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
@@ -152,8 +153,17 @@ class Storage:
 
 
 class LocalStorage(Storage):
-    def __init__(self, root: Path) -> None:
-        self.root, self.where = root, str(root)
+    """``private``: a folder of this user's alone (the node-local tier's, ``ddp_core.run.private``): its folders
+    are made 0700, its files 0600."""
+
+    def __init__(self, root: Path, private: bool = False) -> None:
+        self.root, self.where, self.private = root, str(root), private
+
+    def _folder(self) -> None:
+        if self.private:
+            privately.makedirs(self.root)
+        else:
+            self.root.mkdir(parents=True, exist_ok=True)
 
     def child(self, name: str) -> Location:
         return self.root / name
@@ -176,11 +186,11 @@ class LocalStorage(Storage):
     def write_data(
         self, name: str, produce: Callable[[IO[bytes]], None], hasher: Any, replaces: Optional[str] = None
     ) -> int:
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._folder()
         final = self.root / name
         tmp = self.root / f".{name}.tmp{os.getpid()}"
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "wb", opener=privately.opener if self.private else None) as f:
                 writer = _DurableWriter(f, hasher)
                 produce(writer)  # type: ignore[arg-type]  # a raw writer: torch.save needs only write()
                 writer.finish()
@@ -196,8 +206,8 @@ class LocalStorage(Storage):
         return writer.size
 
     def write_text(self, name: str, text: str) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.root / name, text)  # durable when it returns (dir too)
+        self._folder()
+        atomic_write_text(self.root / name, text, self.private)  # durable when it returns (dir too)
 
     def remove(self, name: str) -> None:
         path = self.root / name
@@ -296,11 +306,12 @@ class ObjectStorage(Storage):
             self.fs.get_file(path, str(folder / str(path).rsplit("/", 1)[-1]))
 
 
-def at(location: Location) -> Storage:
-    """The storage of a checkpoint folder: object storage for a URL, else the local folder."""
+def at(location: Location, private: bool = False) -> Storage:
+    """The storage of a checkpoint folder: object storage for a URL, else the local folder (``private``: see
+    ``LocalStorage``)."""
     if is_url(location):
         return ObjectStorage(str(location))
-    return LocalStorage(Path(str(location).removeprefix("file://")))
+    return LocalStorage(Path(str(location).removeprefix("file://")), private)
 
 
 def newest_manifest_time(location: Location) -> Optional[float]:
@@ -352,15 +363,13 @@ def probe(url: str) -> None:
 
 
 @contextlib.contextmanager
-def local_copy(storage: Storage, name: str, scratch: Path) -> Iterator[Path]:
-    """A local folder holding entry ``name``'s files: the folder itself for local storage, else a download into
-    ``scratch`` (removed after)."""
+def local_copy(storage: Storage, name: str) -> Iterator[Path]:
+    """A local folder holding entry ``name``'s files: the folder itself for local storage, else a download into a
+    private temporary folder of this user's (``ddp_core.run.private``; removed after)."""
     if isinstance(storage, LocalStorage):
         yield storage.root / name
         return
-    folder = scratch / f"ddpjob-{secrets.token_hex(4)}" / name
-    try:
-        storage.download_folder(name, folder)
-        yield folder
-    finally:
-        shutil.rmtree(folder.parent, ignore_errors=True)
+    with privately.temporary("download") as scratch:
+        storage.download_folder(name, scratch / name)
+        privately.seal(scratch)
+        yield scratch / name

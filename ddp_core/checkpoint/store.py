@@ -95,11 +95,13 @@ def save(
     writer_rank: int = 0,
     prune_old: bool = True,
     level: int = logging.INFO,
+    private: bool = False,
 ) -> CheckpointInfo:
     """Atomically write ``state`` for ``step``, then its manifest, then (``prune_old``) prune to the newest
     ``keep_last``: a caller that prunes in the background passes False. ``level``: of the line saying it is saved.
-    ``directory``: a local folder or an object storage URL (``storage``)."""
-    storage = at(directory)
+    ``directory``: a local folder or an object storage URL (``storage``); ``private``: a local folder of this user's
+    alone (the node-local tier's: files 0600)."""
+    storage = at(directory, private)
     started = time.perf_counter()
     name, manifest_name = f"step_{step:08d}.pt", f"step_{step:08d}.json"
     hasher = _CHECKSUMS[CHECKSUM]()

@@ -41,6 +41,7 @@ from ddp_core.cluster.policy import Allocation, Outcome, decide_after
 from ddp_core.cluster.slurm import NODE_GATEWAY, SlurmGateway
 from ddp_core.config import CheckpointConfig, SlurmConfig
 from ddp_core.errors import DdpJobError
+from ddp_core.run import private
 from ddp_core.run.rundir import RunDir
 
 log = logging.getLogger("ddp_core")
@@ -145,7 +146,7 @@ def remove_local_copies(
         return
     if live is None:
         live = [n for n in expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", "")) if not gone(gateway.show_node(n))]
-    folder = f"{checkpoint.local_path.rstrip('/')}/ddpjob-{env.job_id}"
+    folder = f"{checkpoint.local_path.rstrip('/')}/{private.per_user_name(env.job_id)}"  # the tier's, per user
     if live and gateway.run_on_each(live, ["rm", "-rf", "--", folder]).returncode == 0:
         log.info("removed the node-local copies %s on %s", folder, ",".join(live))
 

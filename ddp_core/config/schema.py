@@ -210,7 +210,8 @@ class CheckpointConfig:
     # there (docs/failures.md). 0: off. Below every_steps. Copies >= 0.5 s of training apart cost at most 3%.
     local_every_steps: int = 0
     # The node-local folder of checkpoint.local_every_steps, absolute on every node (/dev/shm counts against the job's
-    # memory on many sites): copies in LOCAL_PATH/ddpjob-JOBID/HOST/, removed when the run completes.
+    # memory on many sites): copies in LOCAL_PATH/ddpjob-USER-JOBID/HOST/ (yours alone: 0700, checked; a folder that
+    # fails is refused and the tier is off for the attempt), removed when the run completes.
     local_path: str = "/dev/shm"
     # Where the durable checkpoints go: null = RUN/checkpoints. An absolute path or an fsspec URL, e.g.
     # s3://BUCKET/PREFIX (pip install 'ddpjob[s3]'): each run's in DIR/<run dir's name>/, a trial's in

@@ -2,6 +2,7 @@
 
 Owns the layout of a run directory (``rundir.RunDir``: its config, its events log, its locks, checkpoints' and
 hangs' folders), the code snapshot taken at submit and put first on ``sys.path`` on the compute nodes
-(``snapshot``), and the progress lines and final result a run reports (``reporting``). Imports ``config`` and
-``errors`` only.
+(``snapshot``), the progress lines and final result a run reports (``reporting``), and the rule for every folder
+ddpjob makes outside a run directory: this user's alone, checked (``private``). Imports ``config`` and ``errors``
+only.
 """

@@ -36,6 +36,7 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
 from ddp_core.errors import DdpJobError
 from ddp_core.locations import is_url
+from ddp_core.run import private as privately
 
 if TYPE_CHECKING:
     from ddp_core.config import Config
@@ -59,12 +60,13 @@ def new_run_id(length: int = 8) -> str:
     return "".join(secrets.choice(alphabet) for _ in range(length))
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str, private: bool = False) -> None:
     """Write-then-rename so readers never see half a file; durable once it returns (the file, then its directory
-    entry, fsynced). On an error (a full disk) the old file is untouched and no temp file is left."""
+    entry, fsynced). On an error (a full disk) the old file is untouched and no temp file is left. ``private``: a
+    file in a private folder (``private.opener``: 0600)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
+        with open(tmp, "w", opener=privately.opener if private else None) as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

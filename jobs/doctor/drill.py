@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ddp_core.cluster.slurm import GATEWAY, SlurmGateway
 from ddp_core.config import Config, load_config
+from ddp_core.run import private
 from ddp_core.run.rundir import RunDir, new_run_dir
 from jobs.doctor.findings import Finding
 
@@ -142,7 +142,7 @@ def submit_pair(partition: Optional[str], overrides: Sequence[str], root: Path) 
 def run_drill(
     partition: Optional[str], preempt_from: Optional[str], overrides: Sequence[str], gateway: SlurmGateway = GATEWAY
 ) -> tuple[list[Finding], list[Timing]]:
-    root = Path(tempfile.mkdtemp(prefix=".ddpjob-drill-", dir=Path.cwd()))  # on the shared file system
+    root = private.temp_folder("drill", Path.cwd(), prefix=".ddpjob")  # on the shared file system
     jobs: list[str] = []
     timings: list[Timing] = []
     findings: list[Finding] = []

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -27,6 +26,7 @@ from ddp_core.checkpoint import step_refs
 from ddp_core.cluster.slurm import GATEWAY
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
+from ddp_core.run import private
 from jobs.pipelines import record, spec
 from jobs.pipelines.after import MODES, dependency, satisfied
 from jobs.submission import checks, partitions
@@ -205,10 +205,10 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     pipe = spec.load(Path(args.file))
     before = record.read(pipe.folder)
     kept, stale = plan(pipe, before, args.fresh)
-    with tempfile.TemporaryDirectory() as folder:
+    with private.temporary("pipeline") as folder:
         cluster = not args.no_cluster_check
         todo = [s for s in pipe.steps if s.name not in kept]
-        prepared = {s.name: load_step(pipe, s, cluster, Path(folder)) for s in todo}
+        prepared = {s.name: load_step(pipe, s, cluster, folder) for s in todo}
     steps = {k: v for k, v in (before.steps if before else {}).items() if k in kept}
     rec = record.Record(pipe.name, str(pipe.file.resolve()), steps)
     print(f"pipeline {pipe.name}: {len(todo)} to submit, {len(kept)} kept (record: {pipe.folder / record.FILE})")

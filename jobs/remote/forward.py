@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 from ddp_core.errors import DdpJobError
+from ddp_core.run import private
 from jobs.remote import hosts
 from jobs.remote.ssh import SSH_FAILED, Gateway
 from jobs.remote.staging import Stage
@@ -220,8 +221,6 @@ def pipeline(gw: Gateway, args: argparse.Namespace, argv: list[str]) -> int:
     """A pipeline file: read and checked here (its steps, their order, each step's config and references, as
     ``submit``'s are), sent with each step's config and code snapshot (a script step's folder, a config step's task
     package), and run on the copies: the copy of the file names the configs and scripts that were sent."""
-    import tempfile
-
     import yaml
 
     from ddp_core.config.input import read_yaml_mapping
@@ -233,8 +232,8 @@ def pipeline(gw: Gateway, args: argparse.Namespace, argv: list[str]) -> int:
     data["name"] = pipe.name  # the copy's record is the pipeline's, whatever the file's name
     stage = Stage(gw)
     try:
-        with tempfile.TemporaryDirectory() as folder:
-            steps = [launch.load_step(pipe, step, False, Path(folder), checked=False) for step in pipe.steps]
+        with private.temporary("pipeline") as folder:
+            steps = [launch.load_step(pipe, step, False, folder, checked=False) for step in pipe.steps]
         for prepared in steps:
             check_here(copy.deepcopy(prepared.cfg))
             body, code = data["steps"][prepared.step.name], snapshot.plan(prepared.cfg)
@@ -246,8 +245,9 @@ def pipeline(gw: Gateway, args: argparse.Namespace, argv: list[str]) -> int:
             if prepared.step.config:
                 body["config"] = stage.add_file(prepared.step.config)
         sent = stage.local / "tree" / stage.relative(pipe.file)
-        sent.parent.mkdir(parents=True, exist_ok=True)
-        sent.write_text(yaml.safe_dump(data, sort_keys=False))
+        private.makedirs(sent.parent)
+        with open(sent, "w", opener=private.opener) as f:
+            f.write(yaml.safe_dump(data, sort_keys=False))
         argv = rewrite(argv, {args.file: stage.remote_path(pipe.file)})
     except BaseException:
         stage.discard()

@@ -2,7 +2,8 @@
 options), so the user's SSH config, keys and agent apply, and one persistent connection serves every command.
 
 The connection: ``ControlMaster=auto`` with ``ControlPersist``, its socket in a state folder of ddpjob's
-(``$DDPJOB_STATE_DIR``, default ``~/.ssh``): the first command logs in (a two-factor login is typed once, in a
+(``$DDPJOB_STATE_DIR``, default ``~/.ssh/ddpjob``; private to this user, ``ddp_core.run.private``: whoever could
+enter it could use the logged-in connection): the first command logs in (a two-factor login is typed once, in a
 terminal) and leaves a master running; later commands reuse it without a new login. Outside a terminal
 ``BatchMode=yes``: nothing prompts, a login that would need a prompt fails at once. ``ConnectTimeout`` bounds an
 unreachable host. ``connect`` logs in when no master runs and checks the remote ddpjob's version; an SSH failure is
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from ddp_core.errors import DdpJobError
+from ddp_core.run import private
 from jobs.remote.hosts import Host
 
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
@@ -91,9 +93,12 @@ class Gateway:
     interactive: bool = field(default_factory=lambda: sys.stdin.isatty())
 
     def state_dir(self) -> Path:
-        folder = Path(os.environ.get(STATE_ENV) or Path.home() / ".ssh")
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return folder
+        """The control sockets' and stamps' folder: made 0700 if missing, refused unless it is this user's alone."""
+        raw = os.environ.get(STATE_ENV)
+        folder = Path(raw) if raw else Path.home() / ".ssh" / "ddpjob"
+        folder.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        hint = f"if it is yours, chmod 700 it; else set {STATE_ENV} to a folder of your own"
+        return private.folder(folder, "ddpjob's SSH state folder", hint)
 
     def options(self) -> list[str]:
         """The options of every ssh call: the persistent connection, no prompts outside a terminal, bounded time."""
@@ -191,7 +196,8 @@ class Gateway:
         if theirs != ours:
             raise mismatch(self.host.name, f"{self.host.remote_dir}, {self.host.ddpjob}", theirs, ours)
         if (pid := self.master()) is not None:
-            stamp.write_text(pid)
+            with open(stamp, "w", opener=private.opener) as f:
+                f.write(pid)
 
 
 def account_home() -> Optional[Path]:

@@ -8,6 +8,11 @@ references between them still hold. ``sent.json`` records where they came from (
 commit and uncommitted changes): the remote snapshot (``DDPJOB_SENT``) records it with the run. ``push`` copies the
 whole folder in one rsync over the connection; a transfer that fails removes what arrived and raises, before
 anything is submitted.
+
+The folder gathered here is a private temporary folder of this user's (``ddp_core.run.private``: 0700, checked, its
+folders 0700 and ``sent.json`` 0600): no other user of the laptop reads or swaps what is about to be run. The copies
+of the user's files keep their own modes (``rsync -a`` carries them to the remote, where the run's snapshot copies
+them): inside the folder no one else can reach them.
 """
 
 from __future__ import annotations
@@ -16,12 +21,12 @@ import json
 import shlex
 import shutil
 import socket
-import tempfile
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from ddp_core.errors import DdpJobError
+from ddp_core.run import private
 from jobs.remote.ssh import Gateway
 
 if TYPE_CHECKING:
@@ -39,7 +44,7 @@ class Stage:
         laptop = socket.gethostname().split(".")[0] or "laptop"
         self.name = f"{laptop}-{uuid.uuid4().hex[:12]}"
         self.remote = f"{gateway.host.remote_dir.rstrip('/')}/{INCOMING}/{self.name}"
-        self.local = Path(tempfile.mkdtemp(prefix="ddpjob-stage-"))
+        self.local = private.temp_folder("stage")
         self.sent: dict[str, Any] = {"from": socket.gethostname(), "cwd": str(self.cwd), "files": []}
 
     def relative(self, path: Path) -> Path:
@@ -53,7 +58,7 @@ class Stage:
     def add_file(self, path: Path | str) -> str:
         """Send one local file; returns its remote path."""
         target = self.local / "tree" / self.relative(Path(path))
-        target.parent.mkdir(parents=True, exist_ok=True)
+        private.makedirs(target.parent)
         shutil.copy2(path, target)
         self.sent["files"].append(str(Path(path).absolute()))
         return self.remote_path(path)
@@ -63,7 +68,7 @@ class Stage:
         (for a package or a module: its parent folder, for PYTHONPATH), or the script's folder."""
         for rel in code.files:
             target = self.local / "tree" / self.relative(code.base) / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
+            private.makedirs(target.parent)
             shutil.copy2(code.base / rel, target)
         self.sent["code"] = {"source": str(code.source), "kind": code.kind, "files": len(code.files), "git": code.git}
         if code.diff:
@@ -78,7 +83,8 @@ class Stage:
 
     def push(self) -> None:
         """One rsync of the whole staging folder; on failure, what arrived is removed and the error raised."""
-        (self.local / "sent.json").write_text(json.dumps(self.sent, indent=2) + "\n")
+        with open(self.local / "sent.json", "w", opener=private.opener) as f:
+            f.write(json.dumps(self.sent, indent=2) + "\n")
         parent = self.remote.rsplit("/", 1)[0]
         try:
             proc = self.gateway.rsync(

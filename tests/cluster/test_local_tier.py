@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ddp_core.run import private
 from tests.support.cli_runner import field, run_cli
 from tests.support.helpers import (
     ROOT,
@@ -48,7 +49,7 @@ def test_a_killed_rank_costs_only_the_steps_since_the_newest_local_copy(referenc
         "slurm.additional.nodelist=n1", cwd=tmp_path,
     )  # fmt: skip
     run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
-    copies = Path("/dev/shm") / f"ddpjob-{job_id}"
+    copies = Path("/dev/shm") / private.per_user_name(job_id)
     try:
         assert proc.returncode == 0, proc.stdout + proc.stderr
         seen = [(e["event"], e.get("kind")) for e in events(run_dir) if e["event"] not in ("rank_failed", "excluded")]
@@ -94,7 +95,7 @@ def test_a_node_that_lost_its_copies_gets_its_shards_from_the_peer_nodes_replica
         "task.data.crash_rank=1", "task.data.crash_at=30", cwd=tmp_path,
     )  # fmt: skip
     run_dir, job_id = Path(field(proc.stdout, "run dir")), field(proc.stdout, "job")
-    copies = Path("/dev/shm") / f"ddpjob-{job_id}"
+    copies = Path("/dev/shm") / private.per_user_name(job_id)
     try:
         assert proc.returncode == 0, proc.stdout + proc.stderr
         first, second = events(run_dir, "start")

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
+from ddp_core.run import private
 from ddp_core.task import Output
 from ddp_core.tasks.base import Task
 from ddp_core.tasks.charlm import CharLMTask
@@ -94,7 +95,7 @@ class KilledThenSignalledTask(CrashingTask):
 
 class NodeLossDigitsTask(DigitsTask):
     """Digits where rank ``crash_rank`` loses its node's memory at its ``crash_at``-th training batch of every attempt
-    (split(), which every strategy calls): it removes its node's node-local copies (``local_path``/ddpjob-JOB/HOST,
+    (split(), which every strategy calls): it removes its node's node-local copies (``local_path``/ddpjob-USER-JOB/HOST,
     the tier's folder of this job and host) and SIGKILLs itself, as a node that died and came back empty would leave
     it. Numerics unchanged."""
 
@@ -106,7 +107,7 @@ class NodeLossDigitsTask(DigitsTask):
         self.batches += 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank == self.crash_rank and self.batches == self.crash_at:
-            folder = Path(self.local_path) / f"ddpjob-{os.environ['SLURM_JOB_ID']}" / socket.gethostname()
+            folder = Path(self.local_path) / private.per_user_name(os.environ["SLURM_JOB_ID"]) / socket.gethostname()
             shutil.rmtree(folder)
             os.kill(os.getpid(), signal.SIGKILL)
         return super().split(batch)

@@ -10,80 +10,23 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ddp_core.checkpoint import local_restore, store
 from ddp_core.checkpoint.local import LocalTier, fill_shards, local_shards
 from ddp_core.checkpoint.local_replica import Parts, pack, ring_peers, unpack
-from ddp_core.checkpoint.manager import CheckpointManager, Restored
-from ddp_core.checkpoint.train_state import Carried, TrainState
+from ddp_core.checkpoint.manager import Restored
 from ddp_core.cluster.env import DistEnv
-from ddp_core.config import CheckpointConfig, StrategyConfig, StrategyName
+from ddp_core.config import CheckpointConfig
 from ddp_core.errors import DdpJobError
+from ddp_core.run import private
 from ddp_core.run.rundir import RunDir
-from ddp_core.strategies import build_strategy
-from ddp_core.trainer.metrics import RunningLoss
+from tests.support.local_tier import node_folder, rig, steps_in, train, weights
 from tests.support.process_group import spawn
-
-CPU = torch.device("cpu")
-
-
-@dataclass
-class Rig:
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    state: TrainState
-    manager: CheckpointManager
-
-
-def rig(tmp: Path, seed: int = 0, run: str = "run", env: DistEnv | None = None, strategy: str = "ddp", **keys) -> Rig:
-    """A model, AdamW, a schedule, a train state and its checkpoint manager, as the trainer builds them."""
-    env = env or DistEnv(job_id="77")
-    layout = build_strategy(StrategyConfig(name=StrategyName(strategy)), env, CPU)
-    torch.manual_seed(seed)
-    model = layout.wrap(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
-    state = TrainState(scheduler, RunningLoss(), Carried({}, {}), {"train": {"invariant": False}})
-    cfg = CheckpointConfig(**({"every_steps": 10, "local_every_steps": 2, "local_path": str(tmp / "shm")} | keys))
-    (tmp / "shm").mkdir(exist_ok=True)
-    return Rig(model, optimizer, state, CheckpointManager(cfg, RunDir(tmp / run), env, layout, model, optimizer))
-
-
-def train(r: Rig, steps: int) -> None:
-    """``steps`` optimizer steps on batches fixed by the step, with the trainer's saves after each."""
-    for _ in range(steps):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(r.state.pos.step))
-        (r.model(x).sum() + torch.rand(()) * 0).backward()  # the RNG is drawn from, as dropout would
-        r.optimizer.step()
-        r.optimizer.zero_grad()
-        r.state.scheduler.step()
-        r.state.pos.step += 1
-        if r.manager.due(r.state.pos.step, 1000):
-            r.manager.save(r.state)
-        elif r.manager.local_due(r.state.pos.step, 1000):
-            r.manager.save_local(r.state)
-
-
-def weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def steps_in(folder: Path) -> list[int]:
-    return sorted(int(p.stem.removeprefix("step_")) for p in folder.glob("step_*.json"))
-
-
-def node_folder(tmp: Path, job: str = "77", host: str | None = None) -> Path:
-    import socket
-
-    return tmp / "shm" / f"ddpjob-{job}" / (host or socket.gethostname())
-
 
 # --- one process ------------------------------------------------------------------------------------------------
 
@@ -174,7 +117,7 @@ def test_the_copies_are_removed_when_the_run_is_over(tmp_path):
     train(a, 4)
     a.manager.close()
     a.manager.discard_local()
-    assert not (tmp_path / "shm" / "ddpjob-77").exists()
+    assert not (tmp_path / "shm" / private.per_user_name("77")).exists()
     assert (tmp_path / "shm").is_dir()
 
 
@@ -237,7 +180,7 @@ def _spare_node_gets_its_copy_from_a_peer(rank: int, world: int, tmp: Path) -> N
     for step in (1, 2, 3):
         tier.save(step, {"w": torch.full((3,), float(step))}, pack({"rank": rank, "step": step}))
     tier.close()
-    assert steps_in(tmp / "shm" / "ddpjob-5" / "ab"[rank] / "full") == [2, 3]
+    assert steps_in(tmp / "shm" / private.per_user_name("5") / "ab"[rank] / "full") == [2, 3]
     spare = _tier(tmp, rank, world, store.FULL, "ac"[rank], "5")
     found = local_restore.restore(spare, -1)
     assert found is not None and found[0] == 3 and torch.equal(found[1]["w"], torch.full((3,), 3.0))
@@ -252,7 +195,7 @@ def _spare_node_gets_its_copy_from_a_peer(rank: int, world: int, tmp: Path) -> N
         tier.save(step, {"shards": {"w": torch.full((2,), 10.0 * rank + step)}}, pack({"rank": rank, "step": step}))
     tier.close()
     dist.barrier()
-    job = tmp / "shm" / "ddpjob-6"
+    job = tmp / "shm" / private.per_user_name("6")
     assert steps_in(job / "ab"[rank] / "w2" / f"rank-{rank}") == [2, 3]
     assert steps_in(job / "ab"[rank] / "w2" / f"rank-{1 - rank}") == [2, 3]  # the peer node's replica
     spare = _tier(tmp, rank, world, store.SHARDED, "ac"[rank], "6")

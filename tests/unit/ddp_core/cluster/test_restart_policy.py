@@ -18,6 +18,7 @@ from ddp_core.cluster.exits import ExitCode
 from ddp_core.cluster.failures import Failure, Kind, attempt_events
 from ddp_core.cluster.policy import Allocation, Outcome
 from ddp_core.cluster.slurm import SlurmGateway
+from ddp_core.run import private
 from tests.support.policy import Slurm, decide, events, failure_event, run_dir
 
 TWO_OF_THREE = Allocation(live=("n1", "n2", "n3"), step_nodes=2, fewest=2, restarts=0)
@@ -121,7 +122,7 @@ def test_the_next_step_numbers_its_own_events(tmp_path):
 
 
 def test_a_job_that_ends_for_good_removes_its_node_local_copies_on_its_live_nodes(tmp_path, batch):
-    """A spent budget ends the job: the watcher removes LOCAL_PATH/ddpjob-JOB on each node still up (one srun task
+    """A spent budget ends the job: the watcher removes LOCAL_PATH/ddpjob-USER-JOB on each node still up (one srun task
     per node, beside the ended step); with no node-local tier it asks nothing."""
     run = run_dir(tmp_path, "slurm.max_restarts=0", "slurm.max_failures=0", "checkpoint.local_every_steps=2",
                   "checkpoint.local_path=/dev/shm/")  # fmt: skip
@@ -132,7 +133,7 @@ def test_a_job_that_ends_for_good_removes_its_node_local_copies_on_its_live_node
     assert supervise.decide(run, log, 137, env, SlurmGateway(slurm.answer), in_allocation=True) == 137
     removal = [c for c in slurm.calls if c[0] == "srun"]
     assert removal == [("srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--nodelist=n1,n3", "--overlap",
-                        "--quiet", "rm", "-rf", "--", "/dev/shm/ddpjob-57")]  # fmt: skip
+                        "--quiet", "rm", "-rf", "--", f"/dev/shm/ddpjob-{private.user_tag()}-57")]  # fmt: skip
     run2, slurm2 = run_dir(tmp_path / "2", "slurm.max_restarts=0", "slurm.max_failures=0"), Allocated()
     supervise.decide(run2, log, 137, env, SlurmGateway(slurm2.answer), in_allocation=True)
     assert not [c for c in slurm2.calls if c[0] == "srun"]
