@@ -30,7 +30,7 @@ import re
 import secrets
 import string
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
@@ -116,6 +116,8 @@ _META_HINT = "restore it from a backup, or delete it (the run id, and so the W&B
 @dataclass(frozen=True)
 class RunDir:
     path: Path
+    # This process made the directory (``create_run_dir``): a failed submission removes it, and only then.
+    created: bool = field(default=False, compare=False)
 
     @property
     def config_file(self) -> Path:
@@ -353,11 +355,47 @@ def _locked(path: Path) -> Iterator[None]:
 _DIR_SUFFIX = re.compile(r"-\d{8}-\d{6}-[0-9a-f]{4}$")
 
 
+def stamp() -> str:
+    """The time part of a new run directory's name (a function of its own: the tests force two to one second)."""
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def suffix() -> str:
+    """The random part of a new run directory's name: 4 hex digits (the tests force a collision through it)."""
+    return secrets.token_hex(2)
+
+
+# Names tried by create_run_dir before it gives up: each collision is a run started in the same second with the same
+# 16 random bits, so a second try all but always succeeds.
+CREATE_TRIES = 20
+
+
 def new_run_dir(cfg: Config, base: Path | None = None) -> RunDir:
-    """A fresh, not yet existing ``<root>/<name>-<timestamp>-<suffix>`` directory."""
+    """A fresh ``<root>/<name>-<timestamp>-<suffix>`` name, not created (``submit --dry-run``); ``create_run_dir``
+    makes one."""
     root = Path(cfg.run.root) if base is None else base
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return RunDir((root / f"{cfg.run.name}-{stamp}-{secrets.token_hex(2)}").resolve())
+    return RunDir((root / f"{cfg.run.name}-{stamp()}-{suffix()}").resolve())
+
+
+def create_run_dir(cfg: Config, base: Path | None = None) -> RunDir:
+    """A new run directory, created here and by nobody else: ``mkdir`` without ``exist_ok``, another random suffix
+    on a collision. Two submissions in the same second never share one (the second would take over the first's run
+    id, W&B run and checkpoints, and its withdrawal would delete the first run). The result is ``created``: a failed
+    submission may remove it, as it removes nothing it did not make."""
+    for _ in range(CREATE_TRIES):
+        run_dir = new_run_dir(cfg, base)
+        run_dir.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.path.mkdir()
+        except FileExistsError:
+            log.info("run directory %s exists already (a run started in the same second): another name", run_dir.path)
+            continue
+        return RunDir(run_dir.path, created=True)
+    raise DdpJobError(
+        f"no new run directory could be created under {run_dir.path.parent} in {CREATE_TRIES} tries: every name "
+        "was taken",
+        "check that nothing else creates directories there, or set run.root to another folder",
+    )
 
 
 def run_name_of(dir_name: str) -> str | None:
