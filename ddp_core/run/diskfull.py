@@ -16,7 +16,7 @@ import errno
 import logging
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,14 @@ def describe(err: OSError, path: Path) -> str:
     return f"{WHY.get(err.errno or 0, err.strerror or 'error')} on {mount_point(path)}"
 
 
-def warn_lost(what: str, err: OSError, path: Path) -> None:
-    """A line that could not be written (a metrics line, an event): said once per call, never raised."""
-    log.warning("%s not written to %s: %s (%s)", what, path, describe(err, path), errno.errorcode.get(err.errno or 0))
+def tolerant(what: str, path: Path, write: Callable[[], None]) -> bool:
+    """Run ``write`` (of a line: an event, a metrics record) into ``path``; on a full or failing filesystem the line
+    is lost with a warning naming it, never raised. Whether it was written; any other error is raised."""
+    try:
+        write()
+    except OSError as err:
+        if err.errno not in WHY:
+            raise
+        log.warning("%s not written to %s: %s (%s)", what, path, describe(err, path), errno.errorcode[err.errno])
+        return False
+    return True

@@ -36,6 +36,7 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
 from ddp_core.errors import DdpJobError
 from ddp_core.locations import is_url
+from ddp_core.run import diskfull
 
 if TYPE_CHECKING:
     from ddp_core.config import Config
@@ -275,7 +276,8 @@ class RunDir:
         return f
 
     def log_event(self, event: str, **fields: Any) -> None:
-        """Append one attempt event (rank 0 only). Append-only, so the login node never races with it."""
+        """Append one attempt event (rank 0 only). Append-only, so the login node never races with it. On a full or
+        failing filesystem (``diskfull``) the line is lost with a warning."""
         now = time.time()  # "t": to the millisecond, for timings (doctor --drill); "time" for people
         record = {
             "event": event,
@@ -283,8 +285,11 @@ class RunDir:
             "t": round(now, 3),
             **fields,
         }
+        diskfull.tolerant(f"event {event!r}", self.attempts_file, lambda: self._append_event(json.dumps(record)))
+
+    def _append_event(self, line: str) -> None:
         with open(self.attempts_file, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
 
@@ -355,19 +360,15 @@ def _locked(path: Path) -> Iterator[None]:
 _DIR_SUFFIX = re.compile(r"-\d{8}-\d{6}-[0-9a-f]{4}$")
 
 
-def stamp() -> str:
-    """The time part of a new run directory's name (a function of its own: the tests force two to one second)."""
+def stamp() -> str:  # a new run directory's time (the tests force two into one second)
     return time.strftime("%Y%m%d-%H%M%S")
 
 
-def suffix() -> str:
-    """The random part of a new run directory's name: 4 hex digits (the tests force a collision through it)."""
+def suffix() -> str:  # its random part, 4 hex digits (the tests force a collision through it)
     return secrets.token_hex(2)
 
 
-# Names tried by create_run_dir before it gives up: each collision is a run started in the same second with the same
-# 16 random bits, so a second try all but always succeeds.
-CREATE_TRIES = 20
+CREATE_TRIES = 20  # names create_run_dir tries: a collision is a run of the same second with the same 16 bits
 
 
 def new_run_dir(cfg: Config, base: Path | None = None) -> RunDir:
@@ -385,17 +386,11 @@ def create_run_dir(cfg: Config, base: Path | None = None) -> RunDir:
     for _ in range(CREATE_TRIES):
         run_dir = new_run_dir(cfg, base)
         run_dir.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
+        with contextlib.suppress(FileExistsError):  # taken (a run of the same second): another suffix
             run_dir.path.mkdir()
-        except FileExistsError:
-            log.info("run directory %s exists already (a run started in the same second): another name", run_dir.path)
-            continue
-        return RunDir(run_dir.path, created=True)
-    raise DdpJobError(
-        f"no new run directory could be created under {run_dir.path.parent} in {CREATE_TRIES} tries: every name "
-        "was taken",
-        "check that nothing else creates directories there, or set run.root to another folder",
-    )
+            return RunDir(run_dir.path, created=True)
+    where, hint = run_dir.path.parent, "check what else creates directories there, or set run.root to another folder"
+    raise DdpJobError(f"no new run directory under {where}: {CREATE_TRIES} names tried, all taken", hint)
 
 
 def run_name_of(dir_name: str) -> str | None:

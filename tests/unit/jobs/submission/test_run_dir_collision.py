@@ -58,7 +58,7 @@ def test_create_run_dir_never_reuses_a_directory(tmp_path, monkeypatch):
     try:
         rundir.create_run_dir(cfg)
     except Exception as err:
-        assert "no new run directory could be created" in str(err)
+        assert "names tried, all taken" in str(err)
     else:
         raise AssertionError("a taken name was reused")
     assert [p.name for p in Path(tmp_path).iterdir()] == [made.path.name]
