@@ -19,18 +19,20 @@ import logging
 import signal
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from torch import nn
 
 from ddp_core.checkpoint import full as full_checkpoint
-from ddp_core.checkpoint import local_restore, store
+from ddp_core.checkpoint import loadable, local_restore, store
 from ddp_core.checkpoint.local import LocalTier, fill_shards, local_shards, open_tier
 from ddp_core.checkpoint.local_replica import pack, unpack
 from ddp_core.checkpoint.train_state import TrainState
 from ddp_core.cluster.env import DistEnv
 from ddp_core.config import CheckpointConfig
 from ddp_core.distributed import collectives
+from ddp_core.run import diskfull
 from ddp_core.run.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -111,6 +113,8 @@ class CheckpointManager:
         self.longest_save_s = 0.0  # the longest any save of this attempt blocked training
         self.stalled = False  # the save in flight did not complete in the time a stop had for it (settle)
         self.recorded_s: Optional[float] = None  # what earlier attempts' saves cost (metrics.jsonl), read once
+        self.checked = False  # the first save's state was checked for weights_only loading (``loadable``)
+        self.failed_saves = 0  # saves in a row a full or failing filesystem refused (``diskfull``)
         self.local: Optional[LocalTier] = None
         if cfg.local_every_steps and env.job_id is None:
             log.warning("checkpoint.local_every_steps: this process has no job id to key node-local copies by: off")
@@ -195,23 +199,17 @@ class CheckpointManager:
 
     def save(self, state: TrainState, sync: bool = False) -> Optional[dict[str, float]]:
         """Collective: checkpoint ``state``'s step, unless it is saved already. ``sync``: a full checkpoint is
-        complete when this returns (a signal's, the last one). Returns the save's figures for the metrics log."""
+        complete when this returns (a signal's, the last one). Returns the save's figures for the metrics log; None
+        when it was saved already, or could not be (a full or failing filesystem: ``failed``)."""
         step = state.pos.step
         if self.saved_step == step:
             return None
         started = time.perf_counter()
         rest = state.state_dict(self.env)
-        if self.sharded is not None:
-            # The whole model's parameter names, in order: rank 0 may hold only part of them (a pipeline stage).
-            rest["model_keys"] = self.layout.model_keys(self.model)
-            shards = self.layout.sharded_state(self.model, self.optimizer)
-            self.sharded.save(step, shards, rest if self.env.is_main else None)
-        else:
-            if self.env.is_main:
-                whole = {"model": self.layout.model_state(self.model), "optimizer": self.optimizer.state_dict()}
-                assert self.full is not None, "rank 0 writes full checkpoints through its FullWriter"
-                self.full.save(step, whole | rest, sync=sync)
-            collectives.barrier()  # nobody runs ahead (or exits) before the checkpoint is durable, or copied (async)
+        before = _disk_failure(self._wait_in_flight)  # a background save's failure surfaces here
+        failed = _disk_failure(lambda: self._write(step, rest, sync))
+        if not self._agreed(step, failed or (None if sync or not self.cfg.async_save else before)):
+            return None
         self.last_save_s, self.saved_step = time.perf_counter() - started, step
         self.longest_save_s = max(self.longest_save_s, self.last_save_s)
         if self.env.is_main:
@@ -220,6 +218,63 @@ class CheckpointManager:
         # costs (save_s is far less for a background save).
         written = {"write_s": round(self.full.last_write_s, 4)} if self.full and self.full.last_write_s else {}
         return {"save_s": round(self.last_save_s, 4)} | written
+
+    def _wait_in_flight(self) -> None:
+        if self.full is not None:
+            self.full.wait()
+        if self.sharded is not None:
+            self.sharded.wait()
+
+    def _write(self, step: int, rest: dict[str, Any], sync: bool) -> None:
+        """This rank's part of the save; the first of the attempt checks that it would load (``loadable``)."""
+        if self.sharded is not None:
+            # The whole model's parameter names, in order: rank 0 may hold only part of them (a pipeline stage).
+            rest["model_keys"] = self.layout.model_keys(self.model)
+            shards = self.layout.sharded_state(self.model, self.optimizer)
+            if not self.checked:
+                loadable.check_first_save(shards | rest if self.env.is_main else None)
+                self.checked = True
+            self.sharded.save(step, shards, rest if self.env.is_main else None)
+            return
+        whole: Optional[dict[str, Any]] = None
+        if self.env.is_main:
+            whole = {"model": self.layout.model_state(self.model), "optimizer": self.optimizer.state_dict()} | rest
+        if not self.checked:
+            loadable.check_first_save(whole)
+            self.checked = True
+        if whole is not None:
+            assert self.full is not None, "rank 0 writes full checkpoints through its FullWriter"
+            self.full.save(step, whole, sync=sync)
+
+    def _agreed(self, step: int, failed: Optional[OSError]) -> bool:
+        """Collective (and the barrier after a save: nobody runs ahead, or exits, before the checkpoint is durable, or
+        copied): whether every rank's part of the save of ``step`` succeeded. A full or failing filesystem
+        (``diskfull``) is a warning and an event, and training goes on; ``MAX_FAILED_SAVES`` in a row raise
+        ``StorageFailing`` on every rank (the attempt is requeued)."""
+        codes = [int(c[0]) for c in collectives.all_gather_floats([float(failed.errno or 1) if failed else 0.0])]
+        if not any(codes):
+            if self.failed_saves and self.env.is_main:
+                self.run_dir.log_event("save_recovered", job_id=self.env.job_id, step=step)
+            self.failed_saves = 0
+            return True
+        self.failed_saves += 1
+        error = failed or OSError(next(c for c in codes if c), "")
+        why = diskfull.describe(error, self._on_disk())
+        if self.env.is_main:
+            log.warning(
+                "the checkpoint of step %d was not saved: %s; training goes on and the next save tries again (%d of "
+                "%d failed saves in a row)",
+                step,
+                why,
+                self.failed_saves,
+                diskfull.MAX_FAILED_SAVES,
+            )
+            self.run_dir.log_event("save_failed", job_id=self.env.job_id, step=step, error=why, count=self.failed_saves)
+        if self.failed_saves >= diskfull.MAX_FAILED_SAVES:
+            raise diskfull.StorageFailing(
+                f"{self.failed_saves} checkpoints in a row could not be saved, the last at step {step}: {why}"
+            )
+        return False
 
     def save_cost_s(self) -> float:
         """What a synchronous save costs, as this rank measured it, no collective: the longest save of this attempt,
@@ -267,9 +322,22 @@ class CheckpointManager:
         return not self.stalled
 
     def mark_best(self, step: int, value: float) -> None:
-        """Rank 0: the checkpoint of ``step`` is the best by ``checkpoint.monitor``."""
-        if self.env.is_main:
-            store.mark_best(self.location, step, str(self.cfg.monitor), value)
+        """Rank 0: the checkpoint of ``step`` is the best by ``checkpoint.monitor`` (if it was saved: not on a full
+        filesystem, where the mark is a warning too)."""
+        if self.env.is_main and self.saved_step == step:
+            if failed := _disk_failure(lambda: store.mark_best(self.location, step, str(self.cfg.monitor), value)):
+                log.warning(
+                    "the best checkpoint (step %d) is not marked: %s", step, diskfull.describe(failed, self._on_disk())
+                )
+
+    def _on_disk(self) -> Path:
+        """The folder whose filesystem a failed save names: the checkpoints', or the run directory's."""
+        return self.location if isinstance(self.location, Path) else self.run_dir.path
+
+    def require_saved(self, step: int) -> None:
+        """The run is complete only with its last checkpoint: ``StorageFailing`` (requeued) if it was not saved."""
+        if self.saved_step != step:
+            raise diskfull.StorageFailing(f"the final checkpoint (step {step}) could not be saved (see the warning)")
 
     def close(self, wait: bool = True) -> None:
         """Stop the writers (again: a no-op). ``wait``: complete an async save in flight first (before the requeue,
@@ -284,6 +352,18 @@ class CheckpointManager:
         finally:
             if self.local is not None:
                 self.local.close(wait)
+
+
+def _disk_failure(write: Callable[[], None]) -> Optional[OSError]:
+    """Run ``write``; the ENOSPC, EDQUOT or EIO behind its failure (``diskfull``), which is not raised; anything else
+    is."""
+    try:
+        write()
+    except Exception as err:
+        if (found := diskfull.disk_error(err)) is None:
+            raise
+        return found
+    return None
 
 
 # What a stop keeps of its lead time for what follows the save in flight: the requeue and the exit.

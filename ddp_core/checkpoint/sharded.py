@@ -5,6 +5,7 @@
 rank's RNG, scheduler, config, the optimizer's param groups). The folder is written under a temporary name;
 once every rank's files are durable, rank 0 renames it and writes the manifest ``step_XXXXXXXX.json`` (kind
 ``sharded``, world size, each file's size and sha256) last, as for full checkpoints (``ddp_core.checkpoint.store``).
+A step saved already goes beside its earlier copy (``step_XXXXXXXX.1.dcp``, ``store.beside``) and is swapped in.
 
 Loading runs no code from the checkpoint: only tensors go through DCP (its path for other objects unpickles with
 ``weights_only=False``), the rest is in ``extra.pt`` (``weights_only=True``), and we unpickle DCP's ``.metadata``
@@ -78,6 +79,7 @@ _METADATA_GLOBALS = frozenset(
 )
 _DTYPES = frozenset(name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype))
 _BYTES_ENTRY = ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata")
+_Target = tuple[str, Optional[str]]  # a save's folder name, and the copy of its step it replaces (store.beside)
 _REFUSED_HINT = "load only checkpoints as ddpjob wrote them: restore this one from a trusted copy or delete it"
 
 
@@ -193,19 +195,22 @@ class ShardedWriter:
         if self.rank == 0 or self.storage.in_place:
             remove_data(tmp)  # left by a killed attempt: stale shards must not mix with this save's
             tmp.mkdir(parents=True, mode=privately.DIR_MODE if self.storage.in_place else 0o777)
+        target: Optional[tuple[str, Optional[str]]] = None
         if self.rank == 0:
+            # A step saved already (by an earlier attempt) is written beside the copy its manifest vouches for.
+            target = store.beside(self.storage, step, ".dcp")
             if self.storage.in_place:
-                # This step's checkpoint from an earlier attempt, manifest first: uploads replace its files one by one.
-                self.storage.remove(f"step_{step:08d}.json")
-                self.storage.remove(f"step_{step:08d}.dcp")
+                self.storage.remove(target[0])  # stale files no manifest vouches for: none may mix with this save's
             assert extra is not None
             rest = {"plain": plain, "model_keys": list(state["model"])} | extra
             _save_extra(tmp / EXTRA, rest, self.storage.in_place)
-        collectives.barrier()  # the folder exists, empty of stale files, before any rank writes into it
+        # The folder exists, empty of stale files, before any rank writes into it; every rank learns the name.
+        target = collectives.gather_to_all(target)[0]
+        assert target is not None
         writer = dcp.FileSystemWriter(tmp)  # fsyncs every file it writes
         if self._background is None:
             dcp.save(tensors, storage_writer=writer)
-            self._complete(step, tmp, started, None)
+            self._complete(step, target, tmp, started, None)
             collectives.barrier()  # nobody runs ahead (or exits) before the manifest is written
             return time.perf_counter() - started
         if self._group is None and dist.is_initialized():
@@ -213,7 +218,7 @@ class ShardedWriter:
         upload = dcp.async_save(tensors, storage_writer=writer, process_group=self._group)
         assert isinstance(upload, Future)
         blocked = time.perf_counter() - started
-        self._pending = self._background.submit(self._complete_after, upload, step, tmp, started, blocked)
+        self._pending = self._background.submit(self._complete_after, upload, step, target, tmp, started, blocked)
         return blocked
 
     def _staging(self, step: int) -> Path:
@@ -251,18 +256,21 @@ class ShardedWriter:
         if self._background is not None:
             self._background.shutdown(wait=wait, cancel_futures=not wait)
 
-    def _complete_after(self, upload: Future[Any], step: int, tmp: Path, started: float, blocked: float) -> None:
+    def _complete_after(
+        self, upload: Future[Any], step: int, target: _Target, tmp: Path, started: float, blocked: float
+    ) -> None:
         upload.result()  # on every rank, DCP returns once its coordinator wrote .metadata, after all shards
-        self._complete(step, tmp, started, blocked)
+        self._complete(step, target, tmp, started, blocked)
 
-    def _complete(self, step: int, tmp: Path, started: float, blocked: Optional[float]) -> None:
+    def _complete(self, step: int, target: _Target, tmp: Path, started: float, blocked: Optional[float]) -> None:
         """Collective (on the async group in the background): every rank checksums its share of the folder's
-        files, so a large checkpoint is hashed in parallel, not by rank 0 alone; rank 0 finishes it."""
+        files, so a large checkpoint is hashed in parallel, not by rank 0 alone; rank 0 finishes it. ``target``:
+        (the folder's name, the copy of the step it replaces: ``store.beside``)."""
         names = sorted(p.name for p in tmp.iterdir())
         if self.storage.in_place:  # this rank's own folder: its files, uploaded (in the background if async)
             privately.seal(tmp)  # DCP's files 0600 (the folder is 0700 already)
             mine = {name: _describe(tmp / name) for name in names}
-            self.storage.upload_folder(tmp, f"step_{step:08d}.dcp")
+            self.storage.upload_folder(tmp, target[0])
             shutil.rmtree(tmp.parent, ignore_errors=True)
             names = []
         else:
@@ -276,23 +284,24 @@ class ShardedWriter:
         files = {name: info for share in shares for name, info in share.items()}
         for name in names:  # a rank that listed the folder differently (a lagging shared filesystem)
             files.setdefault(name, _describe(tmp / name))
-        self._finish(step, tmp, dict(sorted(files.items())), started, blocked)
+        self._finish(step, target, tmp, dict(sorted(files.items())), started, blocked)
 
     def _finish(
-        self, step: int, tmp: Path, files: dict[str, dict[str, Any]], started: float, blocked: Optional[float]
+        self,
+        step: int,
+        target: _Target,
+        tmp: Path,
+        files: dict[str, dict[str, Any]],
+        started: float,
+        blocked: Optional[float],
     ) -> None:
         """Rank 0: move the folder into place (every rank uploaded its files to object storage), write the manifest
-        last, prune."""
-        name = f"step_{step:08d}.dcp"
+        last (it replaces an earlier copy's in one write), remove the copy it replaced, prune."""
+        name, replaced = target
         if not self.storage.in_place:
             fsync_dir(tmp)
             final = Path(self.directory) / name
-            manifest = final.with_suffix(".json")
-            # This step's checkpoint from an earlier attempt (one resumed at its last step saves it again) is
-            # replaced, manifest first: a kill in between loses this step, never pairs a manifest with other data.
-            manifest.unlink(missing_ok=True)
-            remove_data(final)
-            remove_data(final.with_suffix(".pt"))
+            remove_data(final)  # no manifest vouches for it (store.beside)
             os.replace(tmp, final)
             fsync_dir(Path(self.directory))
         meta = {
@@ -308,6 +317,8 @@ class ShardedWriter:
             "writer": {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid()},
         }
         self.storage.write_text(f"step_{step:08d}.json", json.dumps(meta, indent=1) + "\n")  # durable (dir too)
+        if replaced is not None:
+            self.storage.remove(replaced)
         took = self.last_write_s = time.perf_counter() - started
         log.info(
             "checkpoint step %d saved (%d files, %.1f MB, %.2f s, training blocked %.2f s): %s",

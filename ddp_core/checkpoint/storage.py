@@ -127,12 +127,10 @@ class Storage:
     def open_read(self, name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
         raise NotImplementedError
 
-    def write_data(
-        self, name: str, produce: Callable[[IO[bytes]], None], hasher: Any, replaces: Optional[str] = None
-    ) -> int:
-        """Stream ``produce``'s bytes, hashed by ``hasher``, to the entry ``name``; ``replaces`` (a manifest) is
-        removed before the new data can become visible. Complete (durable) when it returns its size; a failure
-        leaves no partial entry under ``name``."""
+    def write_data(self, name: str, produce: Callable[[IO[bytes]], None], hasher: Any) -> int:
+        """Stream ``produce``'s bytes, hashed by ``hasher``, to the entry ``name`` (one no manifest vouches for:
+        ``store.beside``). Complete (durable) when it returns its size; a failure leaves no partial entry under
+        ``name``."""
         raise NotImplementedError
 
     def write_text(self, name: str, text: str) -> None:
@@ -183,9 +181,7 @@ class LocalStorage(Storage):
     def open_read(self, name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
         return open(self.root / name, "rb")
 
-    def write_data(
-        self, name: str, produce: Callable[[IO[bytes]], None], hasher: Any, replaces: Optional[str] = None
-    ) -> int:
+    def write_data(self, name: str, produce: Callable[[IO[bytes]], None], hasher: Any) -> int:
         self._folder()
         final = self.root / name
         tmp = self.root / f".{name}.tmp{os.getpid()}"
@@ -197,10 +193,6 @@ class LocalStorage(Storage):
         except BaseException:
             tmp.unlink(missing_ok=True)  # a full disk leaves no half file (a kill leaves one for prune)
             raise
-        # This step's data from an earlier attempt (one resumed at its last step saves it again) is replaced
-        # manifest first: a kill in between loses this step, never pairs a manifest with other data.
-        if replaces is not None:
-            (self.root / replaces).unlink(missing_ok=True)
         os.replace(tmp, final)
         fsync_dir(self.root)
         return writer.size
@@ -269,11 +261,7 @@ class ObjectStorage(Storage):
         handle: IO[bytes] = self.fs.open(self._path(name), "rb", block_size=64 << 20)
         return handle
 
-    def write_data(
-        self, name: str, produce: Callable[[IO[bytes]], None], hasher: Any, replaces: Optional[str] = None
-    ) -> int:
-        if replaces is not None:  # first: the upload below replaces the data object it vouches for as it completes
-            self.remove(replaces)
+    def write_data(self, name: str, produce: Callable[[IO[bytes]], None], hasher: Any) -> int:
         f = self.fs.open(self._path(name), "wb", block_size=64 << 20)
         writer = HashingWriter(f, hasher)
         try:

@@ -11,7 +11,9 @@ newest verified one, prune):
 The manifest is written only after the data is durable, so a kill at any moment leaves either a complete
 checkpoint or something ``find_latest`` skips. Where the files go is a ``storage.Storage``: a local folder (a
 temporary file renamed into place) or object storage (``checkpoint.dir`` = ``s3://...``: objects that appear whole
-once uploaded, no rename); the rule is the same for both, and prune removes a manifest before its data.
+once uploaded, no rename); the rule is the same for both, and prune removes a manifest before its data. A step
+saved again (an attempt resumed at its last step) is written beside the copy its manifest vouches for, under the
+step's other name (``step_XXXXXXXX.1.pt``), and the manifest is replaced in one write: never removed first.
 
 A full checkpoint's checksum is xxh3-128 (``checksum`` and ``digest`` in its manifest), computed on the bytes as
 ``torch.save`` streams them: at ~8 GB/s it adds little to a save, where sha256 (1.2 GB/s here) added most of a
@@ -57,6 +59,7 @@ BEST = "best.json"
 
 
 FULL, SHARDED = "full", "sharded"
+TWIN = ".1"  # a re-saved step's data beside the copy its manifest still vouches for (``beside``)
 
 _KNOWN_CHECKSUMS = ("xxh3_128", "sha256")
 _CHECKSUMS: dict[str, Callable[[], Any]] = {"sha256": hashlib.sha256}
@@ -100,13 +103,15 @@ def save(
     """Atomically write ``state`` for ``step``, then its manifest, then (``prune_old``) prune to the newest
     ``keep_last``: a caller that prunes in the background passes False. ``level``: of the line saying it is saved.
     ``directory``: a local folder or an object storage URL (``storage``); ``private``: a local folder of this user's
-    alone (the node-local tier's: files 0600)."""
+    alone (the node-local tier's: files 0600). A step that is there already (an attempt resumed at its last step
+    saves it again) is written beside it and swapped in (``beside``)."""
     storage = at(directory, private)
     started = time.perf_counter()
-    name, manifest_name = f"step_{step:08d}.pt", f"step_{step:08d}.json"
+    manifest_name = f"step_{step:08d}.json"
+    name, replaced = beside(storage, step, ".pt")
     hasher = _CHECKSUMS[CHECKSUM]()
     # Streamed: no second in-memory copy of a multi-GB state. torch.save needs only write() of a file object.
-    size = storage.write_data(name, lambda f: torch.save(state, f), hasher, replaces=manifest_name)
+    size = storage.write_data(name, lambda f: torch.save(state, f), hasher)
     digest = hasher.hexdigest()
     manifest = {
         "step": step,
@@ -118,13 +123,42 @@ def save(
         "time": time.time(),
         "writer": {"rank": writer_rank, "host": socket.gethostname(), "pid": os.getpid()},
     }
-    storage.write_text(manifest_name, json.dumps(manifest, indent=1) + "\n")  # last: it vouches for the data
+    try:
+        storage.write_text(manifest_name, json.dumps(manifest, indent=1) + "\n")  # last: it vouches for the data
+    except BaseException:
+        storage.remove(name)  # no manifest vouches for it: a full disk gets its space back at once
+        raise
+    if replaced is not None:
+        storage.remove(replaced)  # the earlier copy of this step, which no manifest vouches for any more
     info = CheckpointInfo(step=step, path=storage.child(name), digest=digest, size=size)
     took = time.perf_counter() - started
     log.log(level, "checkpoint step %d saved (%.1f MB, %.2f s): %s", step, size / 1e6, took, info.path)
     if prune_old:
         prune(directory, keep_last)
     return info
+
+
+def data_names(step: int, suffix: str) -> tuple[str, str]:
+    """The two names a step's data may have (``suffix``: ``.pt`` or ``.dcp``): ``step_XXXXXXXX.pt``, and its twin
+    ``step_XXXXXXXX.1.pt``, which a re-save of the step writes while the manifest still vouches for the other."""
+    return f"step_{step:08d}{suffix}", f"step_{step:08d}{TWIN}{suffix}"
+
+
+def beside(storage: Storage, step: int, suffix: str) -> tuple[str, Optional[str]]:
+    """(the name new data of ``step`` goes under, the data it replaces once its manifest is written, or None).
+
+    A step whose manifest vouches for data already (an attempt resumed at its last step saves it again) gets the
+    other of its two names: its manifest is then replaced in one atomic write (a rename, one PUT), so at every
+    instant, and after a failure at any point of the re-save, ``find_latest`` finds a complete copy of the step.
+    Whatever is under the other name, no manifest vouches for: it is overwritten."""
+    try:
+        current = _read_manifest(storage, f"step_{step:08d}.json")["file"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none, or one no reader would trust
+        current = None
+    first, twin = data_names(step, suffix)
+    if current is None:
+        return first, None
+    return (twin if current == first else first), current
 
 
 def _manifests(storage: Storage) -> list[tuple[int, str]]:
@@ -146,20 +180,28 @@ def prune(directory: Location, keep_last: int) -> None:
             continue
         # Manifest first: a kill between the deletions leaves orphan data, never a manifest pointing at nothing.
         storage.remove(manifest)
-        storage.remove(f"step_{step:08d}.pt")
-        storage.remove(f"step_{step:08d}.dcp")
+        for name in (*data_names(step, ".pt"), *data_names(step, ".dcp")):
+            storage.remove(name)
     newest = manifests[0][0] if manifests else -1
-    kept = {f"step_{step:08d}{suffix}" for step, _ in manifests for suffix in (".pt", ".dcp")}
-    for name in storage.names():
+    names = storage.names()
+    kept = {name for step, _ in manifests for suffix in (".pt", ".dcp") for name in data_names(step, suffix)}
+    for name in names:
         # What a killed save left: a temporary file, or (object storage, where data is written in place) the data
         # of an older step whose manifest never came. A newer step's data may be a save in flight: left alone.
         if name.startswith(".step_") and ".tmp" in name:
             storage.remove(name)
         elif storage.in_place and (m := _DATA.match(name)) and name not in kept and int(m[1]) < newest:
             storage.remove(name)
+    for step, _ in manifests:
+        # Both names of a kept step: a re-save killed between its manifest and the removal of the copy it replaced.
+        for suffix in (".pt", ".dcp"):
+            if all(name in names for name in data_names(step, suffix)):
+                extra, vouched = beside(storage, step, suffix)
+                if vouched is not None:
+                    storage.remove(extra)
 
 
-_DATA = re.compile(r"^step_(\d{8})\.(pt|dcp)$")
+_DATA = re.compile(r"^step_(\d{8})(?:\.1)?\.(pt|dcp)$")
 
 
 def file_digest(path: Location, algorithm: str) -> str:
@@ -225,9 +267,11 @@ def _read_manifest(storage: Storage, manifest: str) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise ValueError(f"holds a {type(meta).__name__}, not an object")
     kind = meta.get("kind", FULL)
-    expected = manifest.removesuffix(".json") + (".dcp" if kind == SHARDED else ".pt")
-    if meta.get("file") != expected:
-        raise ValueError(f"names the file {meta.get('file')!r}, not {expected!r}")
+    if not (named := _NAME.match(manifest)):
+        raise ValueError("not a checkpoint manifest's name")
+    expected = data_names(int(named[1]), ".dcp" if kind == SHARDED else ".pt")
+    if meta.get("file") not in expected:
+        raise ValueError(f"names the file {meta.get('file')!r}, not {' or '.join(map(repr, expected))}")
     if kind == SHARDED:
         files = meta.get("files")
         if not isinstance(files, dict) or any(

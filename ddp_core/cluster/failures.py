@@ -10,13 +10,16 @@ a rank that dies by a signal records nothing, and srun's own line (``srun: error
   CUDA device error (ECC, a device lost or unavailable); an I/O error of the node (EIO, a stale file handle).
 - **user**, fails at once: an exception from the task's or the script's own code (ValueError, KeyError, ...), a
   non-finite loss, a bad config or import.
+- **storage**, requeued, no node excluded: the run directory's filesystem is full or failing (ENOSPC, EDQUOT; or
+  ``StorageFailing``: ``run.diskfull.MAX_FAILED_SAVES`` checkpoints in a row refused, the trainer training on
+  through the ones before), the filesystem's fault, not the node's and not the user's.
 - **health**, the node excluded and the job requeued: a failed health check (``cluster.health``), within
   ``slurm.max_health_failures``.
 - **unknown**, requeued once: anything else (an unrecognised RuntimeError, an attempt that ended with no record);
   the same failure at the same step again is a user error.
 
-Infrastructure and unknown failures requeue the same job within ``slurm.max_failures`` (``cluster.policy``, through
-``exits.requeue_within``); a user error ends the job FAILED, and ``ddpjob resume`` continues it from its newest
+Infrastructure, storage and unknown failures requeue the same job within ``slurm.max_failures`` (``cluster.policy``,
+through ``exits.requeue_within``); a user error ends the job FAILED, and ``ddpjob resume`` continues it from its newest
 checkpoint after the fix.
 """
 
@@ -39,6 +42,7 @@ DECIDED = frozenset({"requeued", "requeue_failed", "budget_exhausted", "preempte
 
 class Kind(str, enum.Enum):
     infrastructure = "infrastructure"
+    storage = "storage"  # the run directory's filesystem is full or failing (``run.diskfull``): no node excluded
     health = "health"  # a failed health check (``cluster.health``): the node is excluded
     user = "user"
     unknown = "unknown"
@@ -84,6 +88,8 @@ def classify(err: BaseException) -> Kind:
     names = {t.__name__ for t in type(err).__mro__}
     if "HealthCheckFailed" in names:
         return Kind.health
+    if "StorageFailing" in names or (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return Kind.storage
     if names & _INFRA_TYPES or (isinstance(err, OSError) and err.errno in _INFRA_ERRNOS):
         return Kind.infrastructure
     if names & _USER_TYPES:

@@ -9,8 +9,9 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, TextIO
+from typing import Any, BinaryIO, Optional
 
+from ddp_core.run import diskfull
 from ddp_core.run.rundir import atomic_write_text
 
 log = logging.getLogger("ddp_core.progress")
@@ -28,22 +29,30 @@ class MetricsLog:
             steps = [_step_of(line) for line in lines]
             self.previous_last_step = max((s for s in steps if s != sys.maxsize), default=-1)
             kept = [line for line, step in zip(lines, steps, strict=True) if step <= resume_step]
-            atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+            text = "".join(f"{line}\n" for line in kept)
+            diskfull.tolerant("the metrics log's rewind", path, lambda: atomic_write_text(path, text))
         # Open for the attempt: an open and a close per line cost the training loop more than the line's write.
-        self.file: Optional[TextIO] = None
+        # Unbuffered: a line a full disk refuses is lost whole, never left in a buffer to be written later.
+        self.file: Optional[BinaryIO] = None
+        self.torn = False  # a line was cut short by a full disk: the next one starts on a line of its own
 
     def write(self, step: int, split: str, metrics: dict[str, float]) -> None:
         record = {"step": step, "time": round(time.time(), 3), "split": split, **metrics}
+        line = ("\n" if self.torn else "") + json.dumps(record) + "\n"
+        self.torn = not diskfull.tolerant(f"the metrics line of step {step}", self.path, lambda: self._append(line))
+
+    def _append(self, line: str) -> None:
         if self.file is None:
-            self.file = open(self.path, "a")
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()  # a whole line at a time, for ``ddpjob status`` and a rank 0 that dies next
+            self.file = open(self.path, "ab", buffering=0)
+        data = line.encode()
+        while data:  # a whole line at a time, for ``ddpjob status`` and a rank 0 that dies next
+            data = data[self.file.write(data) or 0 :]
 
     def sync(self) -> None:
         """Make every line written so far durable (called before each checkpoint: a checkpoint at step k then
         implies the metrics through step k survive a crash)."""
-        if self.file is not None:
-            os.fsync(self.file.fileno())
+        if (f := self.file) is not None:
+            diskfull.tolerant("the metrics log's sync", self.path, lambda: os.fsync(f.fileno()))
 
     def close(self) -> None:
         """Sync and close (idempotent)."""

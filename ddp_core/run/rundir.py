@@ -30,12 +30,13 @@ import re
 import secrets
 import string
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
 from ddp_core.errors import DdpJobError
 from ddp_core.locations import is_url
+from ddp_core.run import diskfull
 from ddp_core.run import private as privately
 
 if TYPE_CHECKING:
@@ -118,6 +119,8 @@ _META_HINT = "restore it from a backup, or delete it (the run id, and so the W&B
 @dataclass(frozen=True)
 class RunDir:
     path: Path
+    # This process made the directory (``create_run_dir``): a failed submission removes it, and only then.
+    created: bool = field(default=False, compare=False)
 
     @property
     def config_file(self) -> Path:
@@ -275,7 +278,8 @@ class RunDir:
         return f
 
     def log_event(self, event: str, **fields: Any) -> None:
-        """Append one attempt event (rank 0 only). Append-only, so the login node never races with it."""
+        """Append one attempt event (rank 0 only). Append-only, so the login node never races with it. On a full or
+        failing filesystem (``diskfull``) the line is lost with a warning."""
         now = time.time()  # "t": to the millisecond, for timings (doctor --drill); "time" for people
         record = {
             "event": event,
@@ -283,8 +287,11 @@ class RunDir:
             "t": round(now, 3),
             **fields,
         }
+        diskfull.tolerant(f"event {event!r}", self.attempts_file, lambda: self._append_event(json.dumps(record)))
+
+    def _append_event(self, line: str) -> None:
         with open(self.attempts_file, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
 
@@ -355,11 +362,37 @@ def _locked(path: Path) -> Iterator[None]:
 _DIR_SUFFIX = re.compile(r"-\d{8}-\d{6}-[0-9a-f]{4}$")
 
 
+def stamp() -> str:  # a new run directory's time (the tests force two into one second)
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def suffix() -> str:  # its random part, 4 hex digits (the tests force a collision through it)
+    return secrets.token_hex(2)
+
+
+CREATE_TRIES = 20  # names create_run_dir tries: a collision is a run of the same second with the same 16 bits
+
+
 def new_run_dir(cfg: Config, base: Path | None = None) -> RunDir:
-    """A fresh, not yet existing ``<root>/<name>-<timestamp>-<suffix>`` directory."""
+    """A fresh ``<root>/<name>-<timestamp>-<suffix>`` name, not created (``submit --dry-run``); ``create_run_dir``
+    makes one."""
     root = Path(cfg.run.root) if base is None else base
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return RunDir((root / f"{cfg.run.name}-{stamp}-{secrets.token_hex(2)}").resolve())
+    return RunDir((root / f"{cfg.run.name}-{stamp()}-{suffix()}").resolve())
+
+
+def create_run_dir(cfg: Config, base: Path | None = None) -> RunDir:
+    """A new run directory, created here and by nobody else: ``mkdir`` without ``exist_ok``, another random suffix
+    on a collision. Two submissions in the same second never share one (the second would take over the first's run
+    id, W&B run and checkpoints, and its withdrawal would delete the first run). The result is ``created``: a failed
+    submission may remove it, as it removes nothing it did not make."""
+    for _ in range(CREATE_TRIES):
+        run_dir = new_run_dir(cfg, base)
+        run_dir.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):  # taken (a run of the same second): another suffix
+            run_dir.path.mkdir()
+            return RunDir(run_dir.path, created=True)
+    where, hint = run_dir.path.parent, "check what else creates directories there, or set run.root to another folder"
+    raise DdpJobError(f"no new run directory under {where}: {CREATE_TRIES} names tried, all taken", hint)
 
 
 def run_name_of(dir_name: str) -> str | None:

@@ -354,6 +354,7 @@ class Trainer:
             final = self.evaluate()
         self.save(sync=True)
         assert self.checkpoints is not None
+        self.checkpoints.require_saved(step)  # not on a full filesystem: the attempt is requeued
         self.checkpoints.close()  # an async save completes before the run is called complete
         self.checkpoints.discard_local()  # the final checkpoint is durable: the node-local copies are done with
         scores = " ".join(f"{k} {v:.4f}" for k, v in (final or {}).items())

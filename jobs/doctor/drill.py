@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 from ddp_core.cluster.slurm import GATEWAY, SlurmGateway
 from ddp_core.config import Config, load_config
 from ddp_core.run import private
-from ddp_core.run.rundir import RunDir, new_run_dir
+from ddp_core.run.rundir import RunDir, create_run_dir
 from jobs.doctor.findings import Finding
 
 DIGEST = re.compile(r"final weights sha256 ([0-9a-f]{64})")
@@ -133,8 +133,8 @@ def submit_pair(partition: Optional[str], overrides: Sequence[str], root: Path) 
         cfg = load_config(None, [*DRILL_SETTINGS, f"run.root={root}", *overrides])
         if partition:
             cfg.slurm.partition = partition
-        run = new_run_dir(cfg)
-        request = checks.check_and_resolve(cfg, run_root=run.path.parent)
+        request = checks.check_and_resolve(cfg, run_root=root.resolve())
+        run = create_run_dir(cfg)
         out.append((cfg, run, submit(cfg, request, run).job_id))
     return out
 

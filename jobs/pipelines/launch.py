@@ -143,7 +143,7 @@ def waits_for(step: spec.Step, rec: record.Record, kept: dict[str, str]) -> tupl
 
 def submit_steps(pipe: spec.Pipeline, prepared: dict[str, Prepared], kept: dict[str, str], rec: record.Record) -> None:
     """Step 3 (see the module docstring), one line per step; ``rec`` holds the kept steps and gains the others."""
-    from ddp_core.run.rundir import new_run_dir
+    from ddp_core.run.rundir import create_run_dir
     from jobs.submission.submit import submit
 
     for step in pipe.steps:
@@ -158,8 +158,8 @@ def submit_steps(pipe: spec.Pipeline, prepared: dict[str, Prepared], kept: dict[
             print(f"{step.name}: skipped ({skipped})")
             continue
         cfg, part = prepared[step.name].cfg, prepared[step.name].part
-        run_dir = new_run_dir(cfg)
-        request = checks.resolve(cfg, part, run_root=run_dir.path.parent, dependency=dependency(items))
+        request = checks.resolve(cfg, part, run_root=Path(cfg.run.root).resolve(), dependency=dependency(items))
+        run_dir = create_run_dir(cfg)
         earlier = {name: e.run_dir for name, e in rec.steps.items() if e.run_dir}
         step_refs.write_record(run_dir.path, pipe.name, step.name, earlier)
         sub = submit(cfg, request, run_dir)

@@ -1,12 +1,14 @@
 """The lines under ``ddpjob status``'s table, one run at a time: its newest hang (the rank suspected and why,
 ``ddp_core.trainer.watchdog``), its newest failure (who, where, what, and whether it was retried,
-``ddp_core.cluster.failures``), the nodes it excluded after failures, and a persistent straggler."""
+``ddp_core.cluster.failures``), a checkpoint a full filesystem refused, the nodes it excluded after failures, and a
+persistent straggler."""
 
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
 from ddp_core.cluster.failures import excluded_hosts
+from ddp_core.run.diskfull import MAX_FAILED_SAVES
 from ddp_core.trainer.watchdog import cause
 
 
@@ -16,6 +18,13 @@ def for_run(name: str, events: list[dict[str, Any]], straggler: Optional[dict[st
         notes.append(f"hang in {name} after step {hangs[-1].get('step')}: {cause(str(hangs[-1].get('summary', '')))}")
     if found := [i for i, e in enumerate(events) if e["event"] == "failure"]:
         notes.append(failure_note(name, events[found[-1]], events[found[-1] + 1 :]))
+    saves = [e for e in events if e["event"] in ("save_failed", "save_recovered")]
+    if saves and saves[-1]["event"] == "save_failed":  # a full or failing filesystem (ddp_core.run.diskfull)
+        e = saves[-1]
+        notes.append(
+            f"checkpoint not saved in {name} at step {e.get('step')}: {e.get('error')} ({e.get('count')} in a row; "
+            f"training goes on, requeued after {MAX_FAILED_SAVES})"
+        )
     if excluded := excluded_hosts(events):
         notes.append(f"excluded in {name}: " + "; ".join(f"{host} ({why})" for host, why in excluded.items()))
     if straggler is not None:

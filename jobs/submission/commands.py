@@ -60,21 +60,19 @@ def cmd_submit(
 ) -> int:
     """``dependency``: sbatch's --dependency (``--after``, resolved by ``jobs.pipelines.after``); ``follow``: what
     ``--wait`` (and ``--local``) does with the queued job (``jobs.runs.follow``, a layer above this one)."""
-    from ddp_core.run.rundir import new_run_dir
+    from ddp_core.run.rundir import create_run_dir, new_run_dir
     from jobs.submission.submit import print_submitted, submit
 
     cfg = load_from_args(args)
     # A dry run checks the request against the cluster where there is one, and still renders where not.
     no_sinfo = args.dry_run and shutil.which("sinfo") is None
-    run_dir = new_run_dir(cfg)
     cluster = not (args.no_cluster_check or no_sinfo)
-    request = checks.check_and_resolve(
-        cfg, local=args.local, cluster=cluster, run_root=run_dir.path.parent, dependency=dependency
-    )
+    run_root = Path(cfg.run.root).resolve()
+    request = checks.check_and_resolve(cfg, local=args.local, cluster=cluster, run_root=run_root, dependency=dependency)
     if args.dry_run:
-        print_dry_run(cfg, request, run_dir)
+        print_dry_run(cfg, request, new_run_dir(cfg))  # a name only: nothing is created
         return 0
-    sub = submit(cfg, request, run_dir, local=args.local)
+    sub = submit(cfg, request, create_run_dir(cfg), local=args.local)  # created once the checks passed
     print_submitted(sub)
     return follow(sub) if follow is not None and (args.wait or args.local) else 0
 
@@ -107,27 +105,26 @@ def print_dry_run(cfg: Config, request: SlurmRequest, run_dir: RunDir) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from ddp_core.run.rundir import RunDir, new_run_dir
+    from ddp_core.run.rundir import RunDir, create_run_dir
 
     cfg = load_from_args(args)
     if args.job_id and not re.fullmatch(r"\d+(_\d+)?", args.job_id):
         # The id names a directory under run.root: anything but a Slurm job id could point outside it.
         raise DdpJobError(f"--job-id {args.job_id!r} is not a Slurm job id", "pass $SLURM_JOB_ID (digits)")
-    if args.job_id:
-        # A requeued batch script runs `prepare` again: the same job must find the same run directory.
-        run_dir = RunDir((Path(cfg.run.root) / f"{cfg.run.name}-{args.job_id}").resolve())
-        if run_dir.exists():
-            print(run_dir.path)
-            return 0
-    else:
-        run_dir = new_run_dir(cfg)
-    request = checks.check_and_resolve(cfg, cluster=not args.no_cluster_check, run_root=run_dir.path.parent)
+    # A requeued batch script runs `prepare` again: the same job must find the same run directory.
+    own = RunDir((Path(cfg.run.root) / f"{cfg.run.name}-{args.job_id}").resolve()) if args.job_id else None
+    if own is not None and own.exists():
+        print(own.path)
+        return 0
+    request = checks.check_and_resolve(cfg, cluster=not args.no_cluster_check, run_root=Path(cfg.run.root).resolve())
     code = snapshot.plan(cfg)
+    run_dir = own or create_run_dir(cfg)
     run_dir.initialize(cfg)
     try:
         snapshot.take(code, run_dir)
     except OSError as err:
-        shutil.rmtree(run_dir.path, ignore_errors=True)
+        if run_dir.created or args.job_id:  # made here, or this job's own (named for it)
+            shutil.rmtree(run_dir.path, ignore_errors=True)
         raise DdpJobError(f"could not copy the code snapshot: {err}", "check the space left under run.root") from err
     if args.sbatch_script:
         from jobs.submission.render import render_template

@@ -63,9 +63,9 @@ class Submitted:
 
 
 def submit(cfg: Config, request: SlurmRequest, run_dir: RunDir, local: bool = False, fresh: bool = True) -> Submitted:
-    """Initialise ``run_dir`` (a new one when ``fresh``) and submit the trainer (or the config's script) on it, as
-    ``request`` asks. A failed submission leaves no job behind, and no run directory (fresh) or the run's config as it
-    was (resume)."""
+    """Initialise ``run_dir`` (a new one when ``fresh``: ``create_run_dir``'s) and submit the trainer (or the config's
+    script) on it, as ``request`` asks. A failed submission leaves no job behind, and no run directory (fresh) or the
+    run's config as it was (resume); it removes only a directory it created (``RunDir.created``)."""
     from submitit.core.utils import DelayedSubmission
 
     call = DelayedSubmission(task_function(cfg), str(run_dir.path))
@@ -75,7 +75,7 @@ def submit(cfg: Config, request: SlurmRequest, run_dir: RunDir, local: bool = Fa
     run_dir.initialize(cfg)
 
     def undo() -> None:
-        if fresh:
+        if fresh and run_dir.created:  # never a directory this command did not make (another run's)
             shutil.rmtree(run_dir.path, ignore_errors=True)
         elif previous is not None:  # a resume that did not submit leaves the run's config as it was
             atomic_write_text(run_dir.config_file, previous)
