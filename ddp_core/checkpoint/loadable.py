@@ -7,13 +7,18 @@ refuses: no checkpoint of the run can be resumed. ``refusal`` round-trips the st
 ``weights_only`` unpickler in memory, with every tensor replaced by an empty one of its dtype (so the cost does not
 grow with the model), and names the first key it refuses; ``check_first_save`` is rank 0's check, told to every
 rank, so they all stop with the same ``DdpJobError``.
+
+``load`` is the one way ddpjob reads a checkpoint's pickled state (durable, sharded extras, node-local copies and
+replicas): ``weights_only`` on the CPU, and refused in one line on a torch older than 2.6, whose ``weights_only``
+loading a crafted file could make run code (CVE-2025-32434).
 """
 
 from __future__ import annotations
 
 import io
 import re
-from typing import Any, Optional
+from pathlib import Path
+from typing import IO, Any, Optional, Union
 
 import torch
 
@@ -25,6 +30,26 @@ HINT = (
     "numbers and strings (numpy: torch.from_numpy(a) or a.tolist()) in the state_dict that returns it"
 )
 _CONTAINERS = (dict, list, tuple)  # rebuilt with empty tensors; any other type is pickled as it is
+SAFE_TORCH = (2, 6)  # the first torch whose weights_only loading cannot be made to run code (CVE-2025-32434)
+
+
+def require_safe_torch(version: Optional[str] = None) -> None:
+    """Refuse, in one line, a torch (this one: ``version`` None) whose ``torch.load(weights_only=True)`` a planted
+    file could make run code."""
+    version = str(torch.__version__) if version is None else version
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is not None and (int(found[1]), int(found[2])) < SAFE_TORCH:
+        raise DdpJobError(
+            f"torch {version} can be made to run code while loading a checkpoint (CVE-2025-32434): "
+            "ddpjob loads checkpoints only with torch 2.6 or newer",
+            "install torch>=2.6 (scripts/setup; on a GPU cluster DDPJOB_TORCH names your site's build)",
+        )
+
+
+def load(source: Union[str, Path, IO[bytes]]) -> Any:
+    """A checkpoint's pickled state, read with ``weights_only`` onto the CPU: it can never run code."""
+    require_safe_torch()
+    return torch.load(source, map_location="cpu", weights_only=True)
 
 
 def _skeleton(value: Any) -> Any:

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ddp_core.checkpoint import store
+from ddp_core.checkpoint import loadable, store
 from ddp_core.run import private
 from ddp_core.run.rundir import atomic_write_text, fsync_dir
 
@@ -104,7 +104,7 @@ def pack(obj: Any) -> bytes:
 
 def unpack(data: bytes) -> Any:
     # weights_only=True: a copy can never run code on load, as a checkpoint.
-    return _expand(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+    return _expand(loadable.load(io.BytesIO(data)))
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ddp_core.checkpoint import store
+from ddp_core.checkpoint import loadable, store
 from ddp_core.checkpoint.local import FULL_FOLDER, LocalTier, sharded_folder
 from ddp_core.checkpoint.local_replica import wait_all
 from ddp_core.distributed import collectives
@@ -140,7 +140,7 @@ def _load(tier: LocalTier, step: int, source: Source, received: Optional[bytes])
         return None
     try:
         # weights_only=True: a copy can never run code on load, as for the durable checkpoints.
-        state: dict[str, Any] = torch.load(io.BytesIO(received), map_location="cpu", weights_only=True)
+        state: dict[str, Any] = loadable.load(io.BytesIO(received))
     except Exception as err:  # checksummed, so written so: a copy from another version of the code, say
         log.warning("node-local copy of step %d does not load: %s: %s", step, type(err).__name__, err)
         return None

@@ -38,8 +38,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from ddp_core.checkpoint import loadable, store
 from ddp_core.checkpoint import storage as storages
-from ddp_core.checkpoint import store
 from ddp_core.checkpoint.storage import Location
 from ddp_core.checkpoint.store import SHARDED, CheckpointInfo, files_digest, prune, remove_data, sha256_file, split
 from ddp_core.distributed import collectives
@@ -347,7 +347,7 @@ def load(info: CheckpointInfo, state: dict[str, Any]) -> tuple[dict[str, Any], d
 
 def _load(folder: Path, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     metadata = read_metadata(folder)  # refuses a checkpoint whose loading could run code, before reading it
-    extra = torch.load(folder / EXTRA, map_location="cpu", weights_only=True)
+    extra = loadable.load(folder / EXTRA)
     tensors, own = split_tensors(state)
     dcp.load(tensors, storage_reader=_CheckedReader(folder, metadata))
     plain = extra.pop("plain")
@@ -370,7 +370,7 @@ def read_model_state(location: Location) -> dict[str, torch.Tensor]:
 
 def _read_model_state(folder: Path) -> dict[str, torch.Tensor]:
     metadata = read_metadata(folder)
-    extra = torch.load(folder / EXTRA, map_location="cpu", weights_only=True)
+    extra = loadable.load(folder / EXTRA)
     specs = metadata.state_dict_metadata
     state: dict[str, torch.Tensor] = {}
     for key in extra["model_keys"]:  # the model's own state_dict order

@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ddp_core.checkpoint import loadable
 from ddp_core.checkpoint.storage import MANIFEST, Location, Storage, at
 from ddp_core.distributed import collectives
 from ddp_core.errors import DdpJobError
@@ -385,9 +386,9 @@ def find_latest_agreed(directory: Location) -> Optional[CheckpointInfo]:
 def load(info: CheckpointInfo) -> dict[str, Any]:
     # weights_only=True: a checkpoint file can never run code on load.
     if isinstance(info.path, Path):
-        return torch.load(info.path, map_location="cpu", weights_only=True)
+        return loadable.load(info.path)
     storage, name = split(info.path)
-    return torch.load(io.BytesIO(storage.read_bytes(name)), map_location="cpu", weights_only=True)
+    return loadable.load(io.BytesIO(storage.read_bytes(name)))
 
 
 def done_within(pending: Optional[futures.Future[Any]], within_s: float) -> bool:

@@ -40,3 +40,20 @@ def test_a_value_that_cannot_be_pickled_or_a_class_of_the_task_is_named_too():
     assert loadable.refusal({"scheduler": {"f": lambda: 0}}).startswith("checkpoint state['scheduler']['f']: ")
     found = loadable.refusal({"task": [1, (2, Mine())]})
     assert found.startswith("checkpoint state['task'][1][1]: ") and "Mine is not loadable" in found, found
+
+
+def test_a_torch_older_than_2_6_loads_no_checkpoint(tmp_path, monkeypatch):
+    """CVE-2025-32434: before torch 2.6 a crafted file could run code through weights_only loading. Every checkpoint
+    read goes through ``loadable.load``, which refuses such a torch in one line (pip already refuses it: pyproject's
+    floor); this torch and newer ones load."""
+    for version in ("2.6.0", "2.13.0+cpu", "3.0.0a0+git1234"):
+        loadable.require_safe_torch(version)
+    with pytest.raises(DdpJobError) as err:
+        loadable.require_safe_torch("2.5.1+cu121")
+    assert "torch 2.5.1+cu121" in err.value.message and "CVE-2025-32434" in err.value.message
+    assert "torch>=2.6" in err.value.hint
+    info = store.save(tmp_path, 1, good_state(), keep_last=1)
+    assert set(store.load(info)) == {"model", "optimizer", "per_rank"}
+    monkeypatch.setattr(torch, "__version__", "2.4.1")  # what an old site install reports
+    with pytest.raises(DdpJobError, match=r"torch 2\.4\.1 can be made to run code"):
+        store.load(info)
