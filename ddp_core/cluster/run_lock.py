@@ -5,7 +5,8 @@ The previous attempt of the same Slurm job may still be exiting when its requeue
 waited for, a minute. A previous attempt whose node died never releases it, though: a lock on a shared filesystem
 outlives a dead client until the server's lease ends (NFSv4: 90 s by default; a frozen node's, never). So a holder
 that is an earlier attempt of this very job, on another node that Slurm says is gone (``node_state.gone``), is
-taken for dead and its lock is broken; any other holder is a trainer to wait for, or refuse. Torch-free.
+taken for dead and its lock is broken; any other holder is a trainer to wait for, or refuse. Only NOT_RESPONDING is
+not gone for this (``node_state.down``): the holder may be alive behind a slow network. Torch-free.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import socket
 from typing import IO
 
 from ddp_core.cluster.env import DistEnv
-from ddp_core.cluster.node_state import gone
+from ddp_core.cluster.node_state import down
 from ddp_core.cluster.slurm import NODE_GATEWAY, SlurmGateway
 from ddp_core.run.rundir import RunDir
 
@@ -32,8 +33,8 @@ def hold(run_dir: RunDir, env: DistEnv, gateway: SlurmGateway = NODE_GATEWAY) ->
 
 def dead(holder: dict[str, str], *, env: DistEnv, gateway: SlurmGateway) -> bool:
     """Whether the lock's recorded ``holder`` (host, pid, job) is an earlier attempt of this job on another node that
-    Slurm says is gone."""
+    Slurm has taken out (DOWN or FAIL)."""
     host = holder.get("host", "")
     if not env.slurm_job_id or holder.get("job") != env.job_id or not host or host == socket.gethostname():
         return False
-    return gone(gateway.show_node(host))
+    return down(gateway.show_node(host))

@@ -5,8 +5,7 @@ Layout::
     <run>/config.yaml     resolved config (what the compute node trains with)
     <run>/run.json        identity: run id (= W&B id), created time, submitted job ids (login node writes)
     <run>/attempts.jsonl  what each attempt did: start, interrupted, requeued, completed, pruned (rank 0 appends)
-    <run>/checkpoints/    step_XXXXXXXX.pt (full) or step_XXXXXXXX.dcp/ (sharded) + step_XXXXXXXX.json
-                          (manifest: kind, sizes, checksums; written last)
+    <run>/checkpoints/    step_X.pt (full) or step_X.dcp/ (sharded) + step_X.json (manifest, written last)
     <run>/metrics.jsonl   one JSON object per logged step (rank 0)
     <run>/slurm/          submitit's and sbatch's job files and per-task logs
     <run>/wandb/          W&B run files (offline runs are synced from here)
@@ -51,6 +50,7 @@ CODE_RECORD = "code.json"  # where it came from, where it lies (a sweep's trials
 CODE_DIFF = "code.diff"  # uncommitted changes against that commit, when the code is in a git repository
 # Advisory locks (flock): the kernel drops them when their process exits, however it exits.
 TRAINER_LOCK = ".trainer.lock"  # rank 0 of the attempt training in this directory; holds who it is
+DEAD_ASK_S = 5.0  # how often a waiting trainer asks whether the lock's holder is dead (its node taken out meanwhile)
 SUBMIT_LOCK = ".submit.lock"  # a CLI command between "is the run active?" and "job recorded"
 META_LOCK = ".meta.lock"  # run.json's read-modify-write
 NO_SCRIPT = b"\nscript:\n  path: null\n  module: null\n"  # config.yaml's script section of a trainer run (to_yaml)
@@ -243,21 +243,21 @@ class RunDir:
         outlives a dead node until the server's lease ends): the lock file is then replaced by a fresh one."""
         self.path.mkdir(parents=True, exist_ok=True)
         f = open(self.path / TRAINER_LOCK, "a+")
-        deadline, asked = time.monotonic() + wait_s, False
+        deadline, asked = time.monotonic() + wait_s, -DEAD_ASK_S
         while True:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 ending = time.monotonic() >= deadline
-                ask = dead is not None and (not asked or ending)  # asked once, and again before giving up
+                ask = dead is not None and (time.monotonic() - asked >= DEAD_ASK_S or ending)
                 if not (ask or ending):
                     time.sleep(0.2)
                     continue
                 f.seek(0)  # the holder's line, read only when it is needed (a shared filesystem's round trip)
                 who = f.read().strip() or "another process"
                 if ask and dead is not None:
-                    asked, words = True, who.split()
+                    asked, words = time.monotonic(), who.split()
                     if dead(dict(zip(words[::2], words[1::2], strict=False))):
                         f.close()
                         log.warning("breaking the trainer lock of %s: its holder is dead (%s)", self.path, who)
