@@ -35,7 +35,7 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
 from ddp_core.errors import DdpJobError
 from ddp_core.locations import is_url
-from ddp_core.run import diskfull
+from ddp_core.run import diskfull, locking
 from ddp_core.run import private as privately
 
 if TYPE_CHECKING:
@@ -246,7 +246,7 @@ class RunDir:
         deadline, asked = time.monotonic() + wait_s, -DEAD_ASK_S
         while True:
             try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locking.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 ending = time.monotonic() >= deadline
@@ -354,7 +354,7 @@ class RunDir:
 def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        locking.flock(f, fcntl.LOCK_EX)
         yield
 
 

@@ -2,7 +2,8 @@
 template, a sweep's arrays, an adaptive search's workers, ``--dry-run``):
 
 1. ``check``: what one run will import (``check_code``: the script, or the task and the strategy's cut of its
-   model), the object storage ``checkpoint.dir`` names (``check_storage``: a test object), what ``--local``
+   model), the object storage ``checkpoint.dir`` names (``check_storage``: a test object), that the runs'
+   filesystem locks across nodes (``check_locks``: its mount options and a real ``flock``), what ``--local``
    allows, the container image's path, and, unless told not to, the cluster (``sinfo``: the partition, and the
    image's file). Every refusal is one line naming the key, before anything is created.
 2. ``resolve``: the job's one ``SlurmRequest``, from the checked config and the partition; checked against the
@@ -77,11 +78,21 @@ def check_storage(cfg: Config) -> None:
         storage.probe(str(cfg.checkpoint.dir))
 
 
+def check_locks(cfg: Config) -> None:
+    """The runs' filesystem takes a ``flock`` that holds across nodes (``ddp_core.run.locking``): the run
+    directory's trainer lock is what keeps two trainers out of one run."""
+    from ddp_core.run import locking
+
+    if (why := locking.problem(Path(cfg.run.root))) is not None:
+        raise DdpJobError(why, locking.HINT)
+
+
 def check(cfg: Config, local: bool = False, cluster: bool = True) -> Optional[partitions.Partition]:
-    """Step 1 for one run: ``check_code``, ``check_storage`` and ``check_place``; the partition when the cluster was
-    asked."""
+    """Step 1 for one run: ``check_code``, ``check_storage``, ``check_locks`` and ``check_place``; the partition when
+    the cluster was asked."""
     check_code(cfg)
     check_storage(cfg)
+    check_locks(cfg)
     return check_place(cfg, local, cluster)
 
 
