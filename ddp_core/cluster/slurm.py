@@ -199,12 +199,19 @@ class SlurmGateway:
         ``jobs.submission.partitions``)."""
         return _answered(self.run("sinfo", "-h", "-o", SINFO_FORMAT))
 
-    def squeue_ids(self, job_ids: Sequence[str]) -> list[tuple[str, str]]:
+    def squeue_ids(self, job_ids: Sequence[str], strict: bool = False) -> list[tuple[str, str]]:
         """(id as listed, raw job id) of each job of ``job_ids`` still queued or running, array tasks one by one
-        (``5301_3``): one call for all. An array's base id lists all its tasks. A failing squeue lists nothing."""
+        (``5301_3``): one call for all. An array's base id lists all its tasks. A failing squeue lists nothing, or,
+        ``strict`` (before a run is started again: it must not run twice), is one line: fail closed."""
         if not job_ids:
             return []
         proc = _answered(self.run("squeue", "-h", "-r", "-o", "%i %A", "-j", ",".join(job_ids)))
+        if strict and proc.returncode != 0 and "Invalid job id" not in proc.stderr:  # that one: none is queued
+            why = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+            raise DdpJobError(
+                f"squeue cannot say whether job {', '.join(job_ids)} is still queued or running ({why})",
+                "run it again once squeue answers: a run must not be started while its job still runs",
+            )
         pairs = (line.strip().partition(" ") for line in proc.stdout.splitlines())
         return [(job_id, raw.strip()) for job_id, _, raw in pairs if job_id]
 

@@ -23,9 +23,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from ddp_core.config import load_config, to_dict
     from ddp_core.config.continuation import breaks
     from ddp_core.run.rundir import RunDir
-    from jobs.submission import checks
+    from jobs.submission import active, checks
     from jobs.submission.submit import submit
-    from jobs.sweeps.arrays import active_jobs
 
     run_dir = RunDir(resolve(args.run_dir, Path(args.root)))
     old = run_dir.load_config()
@@ -40,13 +39,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     keep_off_excluded(run_dir, cfg, args.include_node)
     request = checks.check_and_resolve(cfg, local=args.local, run_root=run_dir.path.parent)
     with run_dir.submit_lock():  # from "not active" to "job recorded": concurrent resumes queue up here
-        recorded = [str(j["job_id"]) for j in run_dir.jobs() if j.get("via") != "local"]
-        queued = active_jobs(recorded)  # no squeue here (--local without Slurm): the gateway lists nothing
-        active = [j for j in recorded if j in queued]
-        if active:
-            raise DdpJobError(
-                f"run {run_dir.name} is still queued or running as job {active[0]}", "wait for it or scancel it first"
-            )
+        active.refuse_if_active(run_dir)  # however its jobs were started; fails closed
         sub = submit(cfg, request, run_dir, local=args.local, fresh=False)
     print_submitted(sub)
     return follow(sub) if (args.wait or args.local) else 0

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 from ddp_core.errors import DdpJobError
-from jobs.submission import checks, snapshot
+from jobs.submission import active, checks, snapshot
 
 if TYPE_CHECKING:
     from ddp_core.config import Config
@@ -113,13 +113,22 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         raise DdpJobError(f"--job-id {args.job_id!r} is not a Slurm job id", "pass $SLURM_JOB_ID (digits)")
     # A requeued batch script runs `prepare` again: the same job must find the same run directory.
     own = RunDir((Path(cfg.run.root) / f"{cfg.run.name}-{args.job_id}").resolve()) if args.job_id else None
-    if own is not None and own.exists():
+    if own is not None and own.path.exists():
+        if args.job_id not in active.slurm_jobs(own) or not own.exists():  # a reused id, or a folder made by hand: not this job's
+            raise DdpJobError(
+                f"run directory {own.path} exists and is not job {args.job_id}'s (its jobs: "
+                f"{', '.join(active.slurm_jobs(own)) or 'none recorded'})",
+                "give the job another run.name, or move that directory away",
+            )
+        active.refuse_if_active(own, this_job=args.job_id)  # another job still training there
         print(own.path)
         return 0
     request = checks.check_and_resolve(cfg, cluster=not args.no_cluster_check, run_root=Path(cfg.run.root).resolve())
     code = snapshot.plan(cfg)
     run_dir = own or create_run_dir(cfg)
     run_dir.initialize(cfg)
+    if args.job_id:
+        run_dir.record_job(args.job_id, "template")  # its requeue finds the directory its own
     try:
         snapshot.take(code, run_dir)
     except OSError as err:

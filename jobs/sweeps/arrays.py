@@ -86,12 +86,13 @@ def check_sweep(sweep: Sweep, local_check: bool = True) -> SlurmRequest:
     return dataclasses.replace(request, job_name=first.slurm.job_name or sweep.name)
 
 
-def active_jobs(job_ids: list[str]) -> set[str]:
-    """Job ids (array tasks as ARRAY_INDEX) still pending or running: one squeue call for all of them."""
+def active_jobs(job_ids: list[str], strict: bool = False) -> set[str]:
+    """Job ids (array tasks as ARRAY_INDEX) still pending or running: one squeue call for all of them. ``strict``:
+    a squeue that cannot answer is one line (``SlurmGateway.squeue_ids``), not "none"."""
     if not job_ids:
         return set()
     arrays = sorted({j.split("_")[0] for j in job_ids})
-    return {job_id for job_id, _ in GATEWAY.squeue_ids(arrays)}
+    return {job_id for job_id, _ in GATEWAY.squeue_ids(arrays, strict=strict)}
 
 
 def plan(sweep: Sweep) -> list[TrialPlan]:
