@@ -113,8 +113,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         raise DdpJobError(f"--job-id {args.job_id!r} is not a Slurm job id", "pass $SLURM_JOB_ID (digits)")
     # A requeued batch script runs `prepare` again: the same job must find the same run directory.
     own = RunDir((Path(cfg.run.root) / f"{cfg.run.name}-{args.job_id}").resolve()) if args.job_id else None
-    if own is not None and own.path.exists():
-        if args.job_id not in active.slurm_jobs(own) or not own.exists():  # a reused id, or a folder made by hand: not this job's
+    if own is not None and own.path.exists():  # a reused id, or a folder made by hand: not its own
+        if args.job_id not in active.slurm_jobs(own) or not own.exists():
             raise DdpJobError(
                 f"run directory {own.path} exists and is not job {args.job_id}'s (its jobs: "
                 f"{', '.join(active.slurm_jobs(own)) or 'none recorded'})",
