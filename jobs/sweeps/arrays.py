@@ -97,6 +97,7 @@ def active_jobs(job_ids: list[str], strict: bool = False) -> set[str]:
 
 def plan(sweep: Sweep) -> list[TrialPlan]:
     root = sweep_dir(sweep)
+    same_base(sweep, root)
     plans, recorded = [], {}
     for trial, cfg in zip(sweep.trials, sweep.configs, strict=True):
         run_dir = RunDir(root / trial.trial_id)
@@ -114,6 +115,18 @@ def plan(sweep: Sweep) -> list[TrialPlan]:
         else p
         for p in plans
     ]
+
+
+def same_base(sweep: Sweep, root: Path) -> None:
+    """A sweep run again under its name keeps its base config: its trial ids cover only their own keys, so a changed
+    base would count the old base's completed trials as done and resume the others with the new one."""
+    path = root / SWEEP_FILE
+    recorded = json.loads(path.read_text()).get("base_digest") if path.exists() else None
+    if recorded is not None and recorded != sweep.base_digest:
+        raise DdpJobError(
+            f"sweep '{sweep.name}' in {root} ran with another base config: its trials and these would mix",
+            "name this sweep otherwise (name: in the sweep file, or --name), or move that folder away",
+        )
 
 
 def max_array_size() -> int:
@@ -188,7 +201,7 @@ def _record_array(root: Path, sweep: Sweep, array_id: str, trial_ids: list[str])
     path = root / SWEEP_FILE
     meta: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     base = str(sweep.base_config.resolve()) if sweep.base_config is not None else None
-    meta.update(name=sweep.name, sweep_id=sweep.sweep_id, base_config=base)
+    meta.update(name=sweep.name, sweep_id=sweep.sweep_id, base_config=base, base_digest=sweep.base_digest)
     meta.setdefault("trials", {t.trial_id: list(t.overrides) for t in sweep.trials})
     # What a report plots each trial at (the loaded values: 1e-3 and 0.001 alike) and each key's axis scale.
     meta.setdefault("params", {t.trial_id: t.params for t in sweep.trials})

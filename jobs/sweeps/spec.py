@@ -77,6 +77,9 @@ class Sweep:
     configs: tuple[Config, ...] = field(default=(), compare=False, repr=False)  # trial i's validated config
     # swept key -> log | linear | choice: how its axis is drawn in reports (random: the distribution; grid: its values)
     scales: dict[str, str] = field(default_factory=dict, compare=False)
+    # What every trial shares beyond its trial id: the base config as read (not its text: comments and order do not
+    # count). A rerun whose base changed would mix old and new trials under the same ids (jobs.sweeps.arrays.plan).
+    base_digest: str | None = None
 
     def run_subdir(self, trial: Trial) -> Path:
         return Path(self.name) / trial.trial_id
@@ -327,7 +330,8 @@ def _build(
     sweep_id = _digest({"name": name, "base": base.read_text() if base else None, "trials": listing})
     scales = {k: infer_scale([t.params[k] for t in trials_out]) for k in grid}
     scales |= {k: {"choice": "choice", "loguniform": "log"}.get(p["dist"], "linear") for k, p in params.items()}
-    return Sweep(name, base, tuple(trials_out), sweep_id, tuple(configs), scales)
+    shared = _digest(json.loads(json.dumps(read_yaml_mapping(base), default=str))) if base else None
+    return Sweep(name, base, tuple(trials_out), sweep_id, tuple(configs), scales, shared)
 
 
 def _loaded(cfg: Config, key: str, text: str) -> Any:

@@ -1,5 +1,6 @@
 """Sweep specifications: expansion, reproducible random draws, validation of every trial, stable ids. No Slurm."""
 
+import json
 import time
 from pathlib import Path
 
@@ -263,3 +264,27 @@ def test_thousand_trials_are_fast(tmp_path):
     rand_s = time.perf_counter() - started
     assert len(rand.trials) == 1000
     print(f"1,000 trials expanded + validated: grid {grid_s:.2f} s, grid x random {rand_s:.2f} s")
+
+
+def test_a_sweep_run_again_with_another_base_config_is_refused(tmp_path):
+    """A sweep's trial ids cover their own keys, not the base: run again under its name with a changed base, its old
+    completed trials would count as done and the others resume with the new one. What the sweep recorded of its base
+    (the config as read: comments and key order do not count) must match, or the sweep is refused in one line."""
+    from jobs.sweeps.arrays import plan, sweep_dir
+    from jobs.sweeps.record import SWEEP_FILE
+    from tests.support.cli_runner import run_cli
+
+    base = tmp_path / "base.yaml"
+    text = (ROOT / "configs" / "digits.yaml").read_text()
+    base.write_text(text)
+    args = [f"run.root={tmp_path / 'runs'}", "optim.lr=1e-3,3e-3"]
+    sweep = load_sweep(base, args)
+    folder = sweep_dir(sweep)
+    folder.mkdir(parents=True)
+    (folder / SWEEP_FILE).write_text(json.dumps({"name": sweep.name, "base_digest": sweep.base_digest}))
+    base.write_text("# the same config, said again\n" + text)
+    assert len(plan(load_sweep(base, args))) == 2  # the same base as read
+    base.write_text(text.replace("max_steps: 300", "max_steps: 301"))
+    changed = run_cli("sweep", str(base), *args, "--dry-run", "--no-cluster-check", cwd=tmp_path)
+    assert changed.returncode == 2, changed.stdout + changed.stderr
+    assert f"sweep '{sweep.name}' in {folder} ran with another base config" in changed.stderr
