@@ -308,7 +308,7 @@ def report(gw: Gateway, args: argparse.Namespace, argv: list[str]) -> int:
     code = lost_if_failed(gw, argv, proc.returncode)
     if code == 0:
         local.mkdir(parents=True, exist_ok=True)
-        got = gw.rsync(f":{remote}/", f"{local}/")
+        got = fetch_report(gw, remote, local)
         if got.returncode != 0:
             why = (got.stderr.strip().splitlines() or [f"rsync exited {got.returncode}"])[-1]
             raise DdpJobError(f"could not bring the report back from {gw.host.name}:{remote}: {why}", "run it again")
@@ -316,6 +316,16 @@ def report(gw: Gateway, args: argparse.Namespace, argv: list[str]) -> int:
     gw.runner(gw.ssh(f"rm -rf {shlex.quote(remote)}"))
     sys.stdout.write(out)
     return code
+
+
+def fetch_report(gw: Gateway, remote: str, local: Path) -> subprocess.CompletedProcess[str]:
+    """The report's own files from the remote's folder, and nothing else a compromised remote could leave there:
+    regular files of those names only (no symlink, device or folder: ``-rt``, not ``-a``), never a path outside
+    ``local``, written with this user's umask."""
+    from jobs.report import FILES
+
+    only = [*(f"--include=/{name}" for name in FILES), "--exclude=*"]
+    return gw.rsync(f":{remote}/", f"{local}/", extra=only, flags=("-rt", "--no-links", "--no-devices"))
 
 
 HANDLERS: dict[str, Callable[[Gateway, argparse.Namespace, list[str]], int]] = {

@@ -14,6 +14,7 @@ one line naming the host and the fix (``explain``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import posixpath
@@ -83,6 +84,17 @@ def explain(host: Host, stderr: str) -> DdpJobError:
     return DdpJobError(f"ssh to {where} failed: {last}", f"try `ssh -v {host.destination} true`")
 
 
+@functools.lru_cache(maxsize=1)
+def local_rsync_version() -> tuple[int, ...]:
+    """This machine's rsync release (``rsync --version``'s first line), (0,) when it does not say."""
+    try:
+        first = subprocess.run(["rsync", "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return (0,)
+    found = re.search(r"version\s+(\d+)\.(\d+)\.(\d+)", first)
+    return tuple(int(part) for part in found.groups()) if found else (0,)
+
+
 @dataclass
 class Gateway:
     """SSH to one host: captured calls (``run``), calls whose output goes straight to this terminal (``stream``),
@@ -91,6 +103,7 @@ class Gateway:
     host: Host
     runner: Runner = run_captured
     interactive: bool = field(default_factory=lambda: sys.stdin.isatty())
+    rsync_version: tuple[int, ...] = field(default_factory=lambda: local_rsync_version())
 
     def state_dir(self) -> Path:
         """The control sockets' and stamps' folder: made 0700 if missing, refused unless it is this user's alone."""
@@ -144,14 +157,22 @@ class Gateway:
         """A call whose stderr (and stdout, unless ``stdout=PIPE``) go to this terminal as the remote writes them."""
         return subprocess.Popen(self.ssh(remote_command), stdin=subprocess.DEVNULL, stdout=stdout, text=True)
 
-    def rsync(self, source: str, target: str, extra: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
-        """``rsync -a`` over this host's connection; ``HOST:`` in ``source``/``target`` is written ``:PATH``."""
-        remote = shlex.join(["ssh", *self.options()])
+    def rsync(
+        self, source: str, target: str, extra: Sequence[str] = (), flags: Sequence[str] = ("-a",)
+    ) -> subprocess.CompletedProcess[str]:
+        """``rsync -a`` (or ``flags``) over this host's connection; ``HOST:`` in ``source``/``target`` is written
+        ``:PATH``. The remote path reaches the remote rsync as it is, never split or expanded by the remote shell:
+        ``--protect-args`` from rsync 3.0 (the default from 3.2.4, asked for anyway: ``RSYNC_OLD_ARGS`` turns it
+        off), quoted for that shell on older ones (macOS ships 2.6.9, which has no such option)."""
+        remote, old = shlex.join(["ssh", *self.options()]), self.rsync_version < (3, 0)
 
         def spell(path: str) -> str:
-            return f"{self.host.destination}{path}" if path.startswith(":") else path
+            if not path.startswith(":"):
+                return path
+            return f"{self.host.destination}:{shlex.quote(path[1:]) if old else path[1:]}"
 
-        return self.runner(["rsync", "-a", "-e", remote, *extra, spell(source), spell(target)])
+        protect = [] if old else ["--protect-args"]
+        return self.runner(["rsync", *flags, *protect, "-e", remote, *extra, spell(source), spell(target)])
 
     def command(self, argv: Sequence[str], env: Mapping[str, str] = {}, pythonpath: str = "") -> str:
         """The remote shell line that runs ``ddpjob ARGV`` in the remote directory, after the host's setup line;

@@ -20,7 +20,10 @@ from jobs.report.png import PNG_SIZE
 from jobs.report.sources import load
 from jobs.report.table import TABLE_FORMATS
 
-__all__ = ["PNG_SIZE", "write_report", "write_table"]
+__all__ = ["FILES", "PNG_SIZE", "write_report", "write_table"]
+
+REPORT, PAGE = "report.png", "report.html"
+FILES = (REPORT, PAGE, *(f"trials.{fmt}" for fmt in TABLE_FORMATS))  # all a report writes: ddpjob --host brings these
 
 
 def write_report(path: Path, out_dir: Optional[Path] = None, metric: Optional[str] = None) -> tuple[Path, Path]:
@@ -34,7 +37,7 @@ def write_report(path: Path, out_dir: Optional[Path] = None, metric: Optional[st
     out = Path(out_dir) if out_dir is not None else path
     out.mkdir(parents=True, exist_ok=True)
     title = f"ddpjob report: {path.resolve().name}"
-    png_path, html_path = out / "report.png", out / "report.html"
+    png_path, html_path = out / REPORT, out / PAGE
     png.write_png(sweep, title, png_path)
     search_lines: list[str] = []
     if sweep.study is not None:

