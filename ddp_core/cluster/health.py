@@ -3,11 +3,14 @@ check passes (``slurm.health_check``, a shell command run by each node's first r
 for the trainer, the GPU answers and a collective on the training device completes (``distributed.groups``). A
 failed check raises ``HealthCheckFailed``: the batch script's watcher excludes the node from the job's later
 attempts and requeues it within ``slurm.max_health_failures``, without spending ``slurm.max_failures``
-(``cluster.failures``). Torch-free.
+(``cluster.failures``). A run directory that takes no write because its filesystem is full (ENOSPC, EDQUOT) is no
+fault of the node: ``StorageFailing`` (kind ``storage``: requeued, no node excluded). Torch-free.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import socket
@@ -16,6 +19,8 @@ import time
 from typing import Optional
 
 from ddp_core.cluster.env import DistEnv
+from ddp_core.run import diskfull
+from ddp_core.run.diskfull import StorageFailing
 from ddp_core.run.rundir import RunDir
 
 log = logging.getLogger("ddp_core")
@@ -35,6 +40,10 @@ def check_node(run_dir: RunDir, env: DistEnv, command: Optional[str], timeout_s:
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):  # full for every node: the filesystem's, not this node's
+            raise StorageFailing(f"health check on {host}: {diskfull.describe(err, run_dir.path)}") from None
         raise HealthCheckFailed(f"health check on {host}: the run directory is not writable ({err})") from None
     if not command or env.local_rank != 0:
         return

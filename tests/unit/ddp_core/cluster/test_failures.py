@@ -182,6 +182,26 @@ def test_health_check_of_a_node(tmp_path):
         tmp_path.chmod(0o700)
 
 
+def test_a_full_run_filesystem_is_not_the_nodes_fault(tmp_path):
+    """The health check's probe file on a real full tmpfs: the filesystem's failure (storage: requeued, no node
+    excluded), named by its mount point, never a bad node."""
+    from ddp_core.cluster.health import check_node
+    from ddp_core.run.diskfull import StorageFailing
+    from ddp_core.run.rundir import RunDir
+    from tests.support.filesystems import fill, small_tmpfs
+
+    with small_tmpfs(tmp_path / "shared", 64 * 1024) as shared:
+        run = RunDir(shared / "run")
+        run.path.mkdir()
+        check_node(run, DistEnv(rank=0, local_rank=0), None)
+        filler = fill(shared)
+        with pytest.raises(StorageFailing, match=f"no space left on {shared}") as err:
+            check_node(run, DistEnv(rank=0, local_rank=0), None)
+        assert classify(err.value) is Kind.storage and not list(run.path.iterdir())  # no probe left behind
+        filler.unlink()
+        check_node(run, DistEnv(rank=0, local_rank=0), None)  # space back: the node is fine
+
+
 def node_fail_gateway(down: str) -> SlurmGateway:
     """Slurm's answers after a node failure ended attempt 0 of job 57 on n[1-2], ``down`` the node that went."""
 
