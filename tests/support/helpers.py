@@ -267,6 +267,8 @@ def running_profile() -> str:
         out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=20).stdout
     except (OSError, subprocess.TimeoutExpired):
         return "none"
+    if "proctrack/cgroup" in out:
+        return "site"  # the only profile with cgroups
     if "preempt/partition_prio" in out:
         return "preempt-signal" if "preempt_send_user_signal" in out else "preempt"
     return "preempt-qos" if "preempt/qos" in out else "default"

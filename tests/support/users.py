@@ -98,11 +98,14 @@ def run(
     umask: int = 0o022,
     check: bool = False,
     timeout: float = 120,
+    enter: Sequence[str] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """``argv`` as ``user`` (real uid, gid and supplementary groups), with ``umask``, in ``cwd`` (default: the home)."""
+    """``argv`` as ``user`` (real uid, gid and supplementary groups), with ``umask``, in ``cwd`` (default: the home).
+    ``enter``: a command that runs the rest as root first, the privileges dropped inside it (a Slurm release's root
+    filesystem, ``$DDPJOB_SLURM_HOME/bin/.enter``: entering it needs root)."""
     full = {"HOME": str(user.home), "USER": user.name, "LOGNAME": user.name, **(env or python_env())}
     command = [
-        "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups", "--inh-caps=-all",
+        *enter, "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups", "--inh-caps=-all",
         "sh", "-c", f'umask {umask:03o} && exec "$@"', "sh", *argv,
     ]  # fmt: skip
     return subprocess.run(

@@ -1,0 +1,128 @@
+"""The local cluster's site profile (``scripts/slurm-local up --profile site``, docs/local-cluster.md): configured as
+production sites are, it kills a job over its memory, runs each step in a cgroup of its own, refuses submissions over
+a QOS limit and from users without an association, and (24.11 and later) slows a user's burst of RPCs. Real jobs, as
+root and as the unprivileged ``ddpjob-alice``, through ddpjob's Slurm gateway (a gateway whose commands run as her).
+Refusals' exact lines are what the submit code will parse."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from ddp_core.cluster.slurm import GATEWAY, SlurmGateway
+from tests.support import cluster_guard, users
+from tests.support.helpers import wait_gone
+
+# Tiny jobs of one CPU, held jobs and refusals: nothing global (the QOS limits are per user).
+pytestmark = [pytest.mark.cluster_profile("site"), pytest.mark.cluster_shared("a")]
+
+ENTER = cluster_guard.HOME / "bin" / ".enter"  # a release in a root filesystem: its commands run inside the tree
+QOS_REFUSAL = [
+    "sbatch: error: QOSMaxSubmitJobPerUserLimit",
+    "sbatch: error: Batch job submission failed: Job violates accounting/QOS policy (job submit limit, user's size"
+    " and/or time limits)",
+]
+NO_ASSOCIATION = (
+    "sbatch: error: Batch job submission failed: Invalid account or account/partition combination specified"
+)
+RATE_LIMITED = "squeue: RPC rate limited 1 time(s). Sleeping then trying again."
+
+
+def user_env() -> dict[str, str]:
+    # /usr/sbin for the tree's entry (pivot_root), which runs as root before the privileges drop
+    conf = os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")
+    return users.python_env({"SLURM_CONF": conf, "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"})
+
+
+def gateway_as(user: users.User) -> SlurmGateway:
+    """ddpjob's Slurm gateway, its commands run as ``user`` (inside the release's tree when it has one)."""
+    enter = [str(ENTER)] if ENTER.exists() else []
+    return SlurmGateway(lambda cmd: users.run(user, cmd, env=user_env(), enter=enter, timeout=60))
+
+
+@pytest.fixture
+def alice() -> users.User:
+    return users.ensure("alice")
+
+
+@pytest.fixture
+def shared_dir(alice: users.User) -> Iterator[Path]:
+    """A folder both root and alice write job output to (pytest's tmp_path is root's alone)."""
+    folder = Path(tempfile.mkdtemp(prefix="ddpjob-site-"))
+    os.chown(folder, alice.uid, alice.gid)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_site_profile_is_configured_as_sites_are(slurm_cluster):
+    config = GATEWAY.show_config()
+    assert config is not None
+    assert config["ProctrackType"] == "proctrack/cgroup" and config["JobAcctGatherType"] == "jobacct_gather/cgroup"
+    assert set(config["TaskPlugin"].split(",")) >= {"task/cgroup", "task/affinity"}, config["TaskPlugin"]
+    assert config["SelectTypeParameters"] == "CR_CORE_MEMORY" and config["DefMemPerCPU"] == "2000"
+    assert "Contain" in config["PrologFlags"]
+    assert set(config["AccountingStorageEnforce"].split(",")) >= {"associations", "limits", "qos"}
+    release = GATEWAY.version().split(".")[:2]
+    assert ("rl_enable" in config.get("SlurmctldParameters", "")) == (release != ["22", "05"]), release
+    limits = {r["Name"]: r for r in GATEWAY.qos_records(["Name", "MaxSubmitPU", "MaxJobsPU", "GrpTRES"]) or []}
+    assert limits["site"] == {"Name": "site", "MaxSubmitPU": "6", "MaxJobsPU": "2", "GrpTRES": "cpu=8"}
+    for user, qos in (("root", "normal"), ("ddpjob-alice", "site"), ("ddpjob-mallory", "site")):
+        assert [a["QOS"] for a in GATEWAY.associations(user, ["User", "QOS"]) or []] == [qos], user
+
+
+@pytest.mark.parametrize("who", ["root", "alice"])
+def test_a_job_over_its_memory_is_killed_and_its_step_runs_in_its_cgroup(slurm_cluster, alice, shared_dir, who):
+    gateway, uid, python = (GATEWAY, 0, sys.executable) if who == "root" else (gateway_as(alice), alice.uid, None)
+    python = python or users.SYSTEM_PYTHON  # alice cannot enter /root, where the venv's python lives
+    out = shared_dir / f"{who}.out"
+    script = (
+        f"{python} -c 'import ddp_core.errors' || exit 3\n"  # her python runs the project's code
+        f"srun {python} -c 'print(open(\"/proc/self/cgroup\").read())'\n"  # step 0
+        f"{python} -c 'b = bytearray(200 * 2**20); print(len(b))'\n"  # the batch step, 200 MiB over its 64
+    )
+    job_id = gateway.sbatch_wrap(["--mem=64M", "-t", "2", "-o", str(out)], script)
+    assert job_id, "sbatch refused"
+    assert wait_gone(job_id, 60) == "OUT_OF_MEMORY", out.read_text()
+    assert GATEWAY.sacct_state(job_id) == "OUT_OF_MEMORY"
+    text = out.read_text()
+    for ctrl in ("freezer", "memory", "cpuset"):
+        # a cgroup namespace per node: the paths a real node shows, below each node's own subtree
+        assert re.search(rf"^\d+:{ctrl}:/slurm_n\d/uid_{uid}/job_{job_id}/step_0(/task_0)?$", text, re.M), text
+    assert "oom" in text.lower() and "Killed" in text, text
+
+
+def test_a_submission_over_the_qos_limit_is_refused(slurm_cluster, alice):
+    gateway = gateway_as(alice)
+    held: list[str] = []
+    try:
+        for _ in range(6):  # MaxSubmitJobsPerUser of QOS site, alice's default QOS
+            job_id = gateway.sbatch_wrap(["--hold", "-o", "/dev/null"], "true")
+            assert job_id, "a submission under the limit was refused"
+            held.append(job_id)
+        refused = gateway.run("sbatch", "--hold", "-o", "/dev/null", "--wrap", "true")
+    finally:
+        GATEWAY.cancel(held)
+    assert refused.returncode == 1 and refused.stderr.splitlines() == QOS_REFUSAL, refused.stderr
+
+
+def test_a_user_without_an_association_is_refused(slurm_cluster):
+    guest = users.ensure("guest")  # a real account of the host that scripts/slurm-local gives no association
+    refused = gateway_as(guest).run("sbatch", "-o", "/dev/null", "--wrap", "true")
+    assert refused.returncode == 1 and refused.stderr.splitlines() == [NO_ASSOCIATION], refused.stderr
+
+
+def test_a_burst_of_rpcs_is_rate_limited(slurm_cluster, alice):
+    if GATEWAY.version().startswith("22.05"):
+        pytest.skip("RPC rate limiting came with Slurm 23.02")
+    # squeue costs ~3 RPCs and takes ~0.1 s: a user's bucket (30 RPCs, 2 more a second) is empty after ~10. The
+    # client is told to back off and sleeps; only -v says so. Root (SlurmUser) is never limited.
+    burst = "for i in $(seq 40); do squeue -v -h 2>&1 | grep -F -m1 'RPC rate limited' && exit 0; done; exit 1"
+    proc = users.shell(alice, burst, env=user_env(), enter=[str(ENTER)])
+    assert proc.returncode == 0 and proc.stdout.splitlines() == [RATE_LIMITED], proc.stdout + proc.stderr
