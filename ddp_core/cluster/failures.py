@@ -15,6 +15,11 @@ a rank that dies by a signal records nothing, and srun's own line (``srun: error
   through the ones before), the filesystem's fault, not the node's and not the user's.
 - **health**, the node excluded and the job requeued: a failed health check (``cluster.health``), within
   ``slurm.max_health_failures``.
+- **memory**, fails at once, no node excluded: a task the step's memory limit killed (srun's ``task 0: Out Of
+  Memory``, the cgroup's OOM handler: ``slurm.mem_gb``, or the cluster's default memory per CPU). The same request
+  runs out again on any node: the job ends FAILED naming the step's peak and the limit, and ``ddpjob resume RUN
+  slurm.mem_gb=...`` continues it. (Where nothing limits memory, the kernel's OOM killer SIGKILLs a task: that reads
+  as a signal, infrastructure.)
 - **unknown**, requeued once: anything else (an unrecognised RuntimeError, an attempt that ended with no record);
   the same failure at the same step again is a user error.
 
@@ -44,6 +49,7 @@ class Kind(str, enum.Enum):
     infrastructure = "infrastructure"
     storage = "storage"  # the run directory's filesystem is full or failing (``run.diskfull``): no node excluded
     health = "health"  # a failed health check (``cluster.health``): the node is excluded
+    memory = "memory"  # the step's memory limit killed a task: the same next time, not retried
     user = "user"
     unknown = "unknown"
 
@@ -140,6 +146,11 @@ class TaskEnd:
     what: str
 
     @property
+    def out_of_memory(self) -> bool:
+        """Killed by the step's memory limit (the cgroup's OOM handler), as srun reports it."""
+        return self.what.lower() == "out of memory"
+
+    @property
     def by_signal(self) -> bool:
         """Killed by a signal of its own, not an exit code, and not the SIGTERM srun sends the others."""
         return not self.what.startswith("Exited with exit code") and self.what != "Terminated"
@@ -194,6 +205,8 @@ def diagnose(
     for kind in (Kind.health, Kind.user):
         if found := [e for e in by_time if e.get("kind") == kind.value]:
             return Failure.of_rank(kind, found[0])
+    if oom := [e for e in ends if e.out_of_memory]:  # the others' errors (a peer gone) follow from it
+        return Failure(Kind.memory, oom[0].rank, oom[0].host, step, "out of memory (the step's memory limit)")
     killed = [e for e in ends if e.by_signal]
     if killed:
         end = killed[0]
@@ -229,9 +242,14 @@ def spent(failure: Failure, earlier: list[dict[str, Any]], restarted: Sequence[d
     health = failure.kind is Kind.health
 
     def same(e: dict[str, Any]) -> bool:
-        return e.get("kind") != Kind.user.value and (e.get("kind") == "health") == health
+        return e.get("kind") not in (Kind.user.value, Kind.memory.value) and (e.get("kind") == "health") == health
 
     return 1 + sum(1 for e in earlier if same(e)) - sum(1 for e in restarted if same(e))
+
+
+def last_kind(events: list[dict[str, Any]]) -> Optional[str]:
+    """The kind of the run's last ``failure`` event (None without one)."""
+    return next((str(e.get("kind")) for e in reversed(events) if e["event"] == "failure"), None)
 
 
 def excluded_hosts(events: list[dict[str, Any]]) -> dict[str, str]:

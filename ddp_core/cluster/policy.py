@@ -28,6 +28,7 @@ Torch-free; it records and logs what it decides, and the callers map the ``Decis
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import time
@@ -38,6 +39,7 @@ from ddp_core.cluster import exits
 from ddp_core.cluster.env import DistEnv, expand_nodelist
 from ddp_core.cluster.failures import Failure, Kind, as_repeated, budget, excluded_hosts, spent, to_exclude
 from ddp_core.cluster.slurm import JobInfo, SlurmGateway
+from ddp_core.cluster.slurm_text import rss_bytes
 from ddp_core.config import SlurmConfig
 from ddp_core.run.rundir import RunDir
 
@@ -104,11 +106,18 @@ def decide_after(
     earlier = [e for e in events if e["event"] == "failure" and e.get("job_id") == env.job_id]
     restarted = [e for e in events if e["event"] == "restarted" and e.get("job_id") == env.job_id]
     failure = as_repeated(failure, earlier)
+    if failure.kind is Kind.memory and env.slurm_job_id:
+        failure = dataclasses.replace(failure, error=memory_error(gateway.memory_use(env.slurm_job_id), slurm))
     ended = env.restart_count if attempt is None else attempt
     run_dir.log_event("failure", job_id=env.job_id, restart_count=ended, **failure.fields())
     if failure.kind is Kind.user:
         reason = f"{failure.where} failed at step {failure.step}: {failure.error}"
         return failed(run_dir, env, failure, reason, "a user error, not retried: fix it, then continue with", label)
+    if failure.kind is Kind.memory:
+        reason = f"{failure.where} ran {failure.error} at step {failure.step}"
+        then = "not retried, the same request runs out again on any node: give it more, then continue with"
+        more = f"slurm.mem_gb={2 * slurm.mem_gb:g}" if slurm.mem_gb else "slurm.mem_gb=N"
+        return failed(run_dir, env, failure, reason, then, label, more)
     name, limit = budget(failure, slurm)  # a health check's own: its node is excluded each time
     used = spent(failure, earlier, restarted)
     after = f"{failure.kind.value} failure of {failure.where} at step {failure.step} ({failure.error})"
@@ -171,6 +180,15 @@ def failed(
     resume = f"ddpjob resume {run_dir.path}" + (f" {resume_args}" if resume_args else "")
     log.error("%s%s; %s: %s", label, reason, then, resume)
     return Decision(Outcome.FAILED, failure, exits.ExitCode.FAILED)
+
+
+def memory_error(use: Optional[tuple[str, str]], slurm: SlurmConfig) -> str:
+    """``out of memory: a task's peak 150M of the job's 308M (slurm.mem_gb=0.3)``, as far as accounting says."""
+    asked = f"slurm.mem_gb={slurm.mem_gb:g}" if slurm.mem_gb else "slurm.mem_gb unset: the cluster's default"
+    if use is None:
+        return f"out of memory ({asked})"
+    peak, request = use
+    return f"out of memory: a task's peak {rss_bytes(peak) / 2**20:.0f} MiB of the job's {request or '?'} ({asked})"
 
 
 def room_for(gateway: SlurmGateway, job: Optional[JobInfo], excluded: dict[str, str], needed: int) -> bool:

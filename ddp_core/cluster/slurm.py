@@ -26,11 +26,13 @@ from ddp_core.cluster.slurm_text import (
     parse_config,
     parse_fields,
     rate_limited,
+    rss_bytes,
 )
 from ddp_core.errors import DdpJobError
 
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
 TIMEOUT_S = 60
+MEMORY_TRIES = 15  # sacct asked up to this many times, a second apart, for an out-of-memory step's peak
 # partition (``*``: the default), nodes, CPUs per node, GRES: jobs.submission.partitions reads it
 SINFO_FORMAT = "%P|%D|%c|%G"
 DEFAULT_MAX_ARRAY_SIZE = 1001  # Slurm's own default, when the configuration does not say
@@ -343,6 +345,21 @@ class SlurmGateway:
             (r["TimeStart"], r["NodeName"]) for r in rows if r.get("NodeName") and "DOWN" in r.get("State", "")
         )
         return list(dict.fromkeys(name for _, name in down))
+
+    def memory_use(self, job_id: str) -> Optional[tuple[str, str]]:
+        """(the highest MaxRSS of a task of the job's steps that ran out of memory, the memory the job asked for, as
+        sacct writes them: ``154004K``, ``308M``); None where accounting does not say."""
+        for _ in range(MEMORY_TRIES):  # a step that just ended: slurmdbd may not hold its MaxRSS yet
+            proc = self.run("sacct", "-n", "-P", "-j", job_id, "-o", "JobID,State,MaxRSS,ReqMem")
+            if proc.returncode != 0:
+                return None
+            rows = [line.split("|") for line in proc.stdout.splitlines() if line.count("|") == 3]
+            asked = next((r[3] for r in rows if r[0] == job_id and r[3]), "")
+            peaks = [r[2] for r in rows if r[1].startswith("OUT_OF_MEMORY") and rss_bytes(r[2]) > 0]
+            if peaks:
+                return max(peaks, key=rss_bytes), asked
+            time.sleep(1.0)
+        return None
 
     def qos_records(self, fields: Sequence[str]) -> Optional[list[dict[str, str]]]:
         """Every QOS in accounting, ``fields`` each (sacctmgr's names); None without a working slurmdbd."""

@@ -107,3 +107,12 @@ def accounting_failure(proc: subprocess.CompletedProcess[str]) -> Optional[str]:
         return f"{proc.args[0]} is not installed here"
     lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
     return lines[-1] if lines else f"{proc.args[0]} exited {proc.returncode}"
+
+
+def rss_bytes(text: str) -> float:
+    """sacct's ``154004K`` / ``2.5G`` in bytes (K, M, G, T are 1024's)."""
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(text[-1:].upper(), 1)
+    try:
+        return float(text.rstrip("KMGTkmgt")) * scale
+    except ValueError:
+        return 0.0

@@ -165,7 +165,7 @@ def lost_node(failure: Failure, step_nodes: list[str], allocation: Allocation) -
     """A failure no rank explained, on a step one of whose nodes is gone: that node's death (``--no-kill`` kept the
     allocation), an infrastructure failure naming it."""
     gone = [n for n in step_nodes if n not in allocation.live]
-    if not gone or failure.kind in (Kind.user, Kind.health):
+    if not gone or failure.kind in (Kind.user, Kind.health, Kind.memory):
         return failure
     what = f"node failure: {', '.join(gone)} stopped responding (the allocation kept the others: --no-kill)"
     return Failure(Kind.infrastructure, None, gone[0], failure.step, what)

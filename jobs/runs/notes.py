@@ -42,7 +42,9 @@ def failure_note(name: str, e: dict[str, Any], after: Sequence[dict[str, Any]] =
     first = next(decided, None)
     restarted = first if first is not None and first["event"] == "restarted" else None
     then = f"restarted in the allocation on {','.join(restarted.get('nodes') or [])}" if restarted else "requeued"
-    retried = "a user error, not retried" if e.get("kind") == "user" else f"{e.get('kind')}: {then}"
+    retried = {"user": "a user error, not retried", "memory": "not retried: more memory with slurm.mem_gb"}.get(
+        str(e.get("kind")), f"{e.get('kind')}: {then}"
+    )
     return f"failure in {name} at step {e.get('step')}: {who}: {e.get('error')} ({retried})"
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ddp_core.checkpoint import storage
+from ddp_core.cluster import failures
 from ddp_core.cluster.slurm import Runner
 from ddp_core.errors import DdpJobError
 from jobs.runs import goodput, notes, throughput
@@ -99,6 +100,8 @@ class Row:
             if last_event == "preempted" and last.state not in ACTIVE_STATES:
                 # PreemptMode=CANCEL: the ranks left inside the grace time, so Slurm's record reads FAILED.
                 return "PREEMPTED"
+            if last.state == "FAILED" and last_event == "failed" and failures.last_kind(decided) == "memory":
+                return "OUT_OF_MEMORY"  # a step's task over its limit; the batch script then ended FAILED
             return f"FAILED({last.exit_code.split(':')[0]})" if last.state == "FAILED" else last.state
         # No accounting (a --local run, or no sacct here): the trainer's own record says what happened last.
         if self.no_accounting and self.jobs and EVENT_STATES.get(last_event) in ("STARTED", "INTERRUPTED"):

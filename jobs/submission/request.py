@@ -14,6 +14,7 @@ only lays it out (``jobs.submission.render``: the job's script, an array's, a se
 from __future__ import annotations
 
 import logging
+import math
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -101,6 +102,14 @@ def container_words(cfg: Config, run_root: Path) -> tuple[tuple[str, ...], tuple
     return (), ("apptainer", "exec", *nv, "--env", pythonpath, "--bind", ",".join(binds), c.image)
 
 
+def mem_option(mem_gb: Optional[float]) -> Optional[str]:
+    """sbatch's ``--mem`` for ``slurm.mem_gb`` (Slurm's G is 1024 M): whole gigabytes as ``NG``, a fraction in
+    megabytes rounded up (sbatch takes no ``0.5GB``: "Invalid --mem specification"); None: the cluster's default."""
+    if not mem_gb:
+        return None
+    return f"{mem_gb:g}G" if float(mem_gb).is_integer() else f"{math.ceil(mem_gb * 1024)}M"
+
+
 @dataclass(frozen=True)
 class SlurmRequest:
     """One job's request, in Slurm's terms. ``resolve`` builds it; nothing else derives these numbers."""
@@ -159,7 +168,7 @@ class SlurmRequest:
             "partition": s.partition,
             "account": s.account,
             "qos": s.qos,
-            "mem": f"{s.mem_gb:g}GB" if s.mem_gb else None,
+            "mem": mem_option(s.mem_gb),
         }
         container_srun, container = container_words(cfg, run_root or Path(cfg.run.root).resolve())
         task_python = s.container.python if s.container.enabled else python

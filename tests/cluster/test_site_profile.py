@@ -17,7 +17,9 @@ from typing import Iterator
 import pytest
 
 from ddp_core.cluster.slurm import GATEWAY, SlurmGateway
+from ddp_core.run.rundir import RunDir
 from tests.support import cluster_guard, users
+from tests.support.digits import DIGITS
 from tests.support.helpers import wait_gone
 
 # Tiny jobs of one CPU, held jobs and refusals: nothing global (the QOS limits are per user).
@@ -126,3 +128,26 @@ def test_a_burst_of_rpcs_is_rate_limited(slurm_cluster, alice):
     burst = "for i in $(seq 40); do squeue -v -h 2>&1 | grep -F -m1 'RPC rate limited' && exit 0; done; exit 1"
     proc = users.shell(alice, burst, env=user_env(), enter=[str(ENTER)])
     assert proc.returncode == 0 and proc.stdout.splitlines() == [RATE_LIMITED], proc.stdout + proc.stderr
+
+
+def test_a_ddpjob_run_out_of_memory_fails_once_and_names_its_peak(slurm_cluster, alice, shared_dir):
+    """A trainer's rank over slurm.mem_gb, submitted by alice with ``ddpjob submit --wait``: the cgroup's OOM handler
+    kills it, and that is a row of the failure table (memory), not an infrastructure failure: no restart in the
+    allocation, no requeue, no node excluded; the job ends FAILED, ``ddpjob status`` says OUT_OF_MEMORY with the
+    step's peak and the limit, and the log says how to continue with more."""
+    enter = [str(ENTER)] if ENTER.exists() else []
+    ddpjob = [users.SYSTEM_PYTHON, "-m", "jobs"]
+    args = ["slurm.mem_gb=0.3", "slurm.nodes=1", "slurm.tasks_per_node=2", "wandb.mode=disabled",
+            "train.max_steps=50", f"run.root={shared_dir / 'runs'}"]  # fmt: skip
+    sub = users.run(alice, [*ddpjob, "submit", str(DIGITS), *args, "--wait"], cwd=shared_dir, env=user_env(),
+                    enter=enter, timeout=180)  # fmt: skip
+    assert sub.returncode == 1, sub.stdout + sub.stderr
+    (run,) = (shared_dir / "runs").iterdir()
+    kinds = [(e["event"], e.get("kind")) for e in RunDir(run).events() if e["event"] != "rank_failed"]
+    assert kinds == [("failure", "memory"), ("failed", None)], kinds
+    status = users.run(alice, [*ddpjob, "status", str(run)], cwd=shared_dir, env=user_env(), enter=enter)
+    assert re.search(r"^\s+\d+\s+OUT_OF_MEMORY\s", status.stdout, re.M), status.stdout + status.stderr
+    peak = r"out of memory: a task's peak [1-9]\d* MiB of the job's 308M \(slurm\.mem_gb=0\.3\)"
+    assert re.search(peak, status.stdout), status.stdout
+    log = "".join(p.read_text() for p in (run / "slurm").glob("*_0_log.err"))
+    assert f"ddpjob resume {run} slurm.mem_gb=0.6" in log, log

@@ -36,6 +36,27 @@ def test_a_user_error_fails_wherever_it_happens(tmp_path):
     assert slurm.asked() == []
 
 
+def test_a_task_over_its_memory_limit_fails_the_job_naming_its_peak_and_excludes_nothing(tmp_path):
+    """Out of memory is a row of the table: srun's ``task 0: Out Of Memory`` (the cgroup's OOM handler) diagnoses
+    it before the peers' broken connections; the same request runs out again on any node, so neither a restart nor
+    a requeue, no node excluded, no budget spent; the reason names the step's peak and the limit."""
+    from ddp_core.cluster.failures import diagnose, spent, srun_task_ends
+
+    ends = srun_task_ends(["srun: error: n1: task 0: Out Of Memory", "srun: error: n1: task 1: Terminated"])
+    peers = [{"event": "rank_failed", "rank": 1, "kind": "infrastructure", "error": "DistNetworkError: reset", "t": 1}]
+    oom = diagnose(peers, ends, 1, None)
+    assert (oom.kind, oom.rank, oom.host) == (Kind.memory, 0, "n1")
+    assert spent(oom, [failure_event("57", "n1", "memory")]) == 1  # an earlier memory failure spends nothing
+    run, slurm = run_dir(tmp_path, "slurm.mem_gb=0.3"), Slurm()
+    for can_run_again in (False, True):
+        decision = decide(run, slurm, oom, can_run_again=can_run_again, here={"n1", "n2"})
+        assert (decision.outcome, decision.code) == (Outcome.FAILED, ExitCode.FAILED)
+    assert events(run) == [("failure", "n1"), ("failed", None)] * 2 and slurm.asked() == []
+    assert run.events()[-1]["reason"] == (
+        "rank 0 on n1 ran out of memory: a task's peak 150 MiB of the job's 308M (slurm.mem_gb=0.3) at step None"
+    )
+
+
 def test_the_watcher_requeues_where_a_step_runs_again(tmp_path):
     """The same first failure: the watcher's attempt is over (requeued); a caller that can run again does, here."""
     run, slurm = run_dir(tmp_path), Slurm()
