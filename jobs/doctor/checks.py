@@ -28,6 +28,7 @@ from jobs.doctor.node_probe import site_findings
 from jobs.doctor.run_settings import RunInfo, read_run
 from jobs.runs.listing import shown_path
 from jobs.runs.lookup import RUN_HELP
+from jobs.submission import limits
 
 # A save measured at S seconds is given 1.5 S + 5 s: the step in flight ends first, and a busy file system
 # (many jobs checkpointing at once when a big job preempts them) is slower than when it was measured.
@@ -90,8 +91,7 @@ def read_cluster(gateway: SlurmGateway, partition: Optional[str]) -> Cluster:
 
 def _job_qos(c: Cluster, qos: Optional[str]) -> str:
     """The run's slurm.qos, else the user's default QOS, else Slurm's own default."""
-    defaults = [a["DefaultQOS"] for a in c.assoc or [] if a.get("DefaultQOS")]
-    return qos or (defaults[0] if defaults else "normal")
+    return limits.job_qos(c.assoc or [], qos)
 
 
 def exposure(c: Cluster, qos: Optional[str] = None) -> Exposure:
@@ -232,13 +232,9 @@ def _saves(c: Cluster, e: Exposure, run: RunInfo, user_signal: bool) -> list[Fin
 def _max_submit_jobs(c: Cluster, qos: str) -> Finding:
     if c.qos is None or c.assoc is None:
         return Finding("max_submit_jobs", "unknown", "no accounting: submit limits cannot be read")
-    limits = {f"QOS {qos} MaxSubmitPU": q.get("MaxSubmitPU", "") for q in c.qos if q["Name"] == qos}
-    for a in (a for a in c.assoc if a.get("Partition") in ("", c.name)):
-        limits |= {"association MaxSubmit": a.get("MaxSubmit", ""), "association GrpSubmit": a.get("GrpSubmit", "")}
-    numbers = {source: int(v) for source, v in limits.items() if v.isdigit()}
-    if not numbers:
+    if (found := limits.submit_limit(c.qos, c.assoc, qos, c.name)) is None:
         return Finding("max_submit_jobs", "ok", "no MaxSubmitJobs limit applies to you")
-    source, limit = min(numbers.items(), key=lambda item: item[1])
+    limit, source = found
     why = f"at most {limit} queued jobs ({source}); each array task counts, so sbatch refuses a larger sweep"
     fix = f"submit sweeps of at most {limit} trials (fewer values or --trials); `ddpjob sweep` again adds the rest"
     return Finding("max_submit_jobs", "warn", why, fix, limit)

@@ -24,7 +24,7 @@ from ddp_core.cluster.slurm import GATEWAY
 from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir, atomic_write_text
-from jobs.submission import snapshot
+from jobs.submission import limits, snapshot
 from jobs.submission.render import Layout, render
 from jobs.submission.request import SlurmRequest, entry_module
 
@@ -164,7 +164,8 @@ def submitted_or_withdrawn(
         withdrawn = withdraw(folder, before, err) if queued else []
         undo()
         cancelled = f" (cancelled {unit} {', '.join(withdrawn)}, which sbatch had queued)" if withdrawn else ""
-        raise DdpJobError(f"{what} failed: {reason(err)}{cancelled}{earlier}", hint) from err
+        why, fix = limits.refusal(str(err)) or (reason(err), hint)  # a site's limit: named, with its fix
+        raise DdpJobError(f"{what} failed: {why}{cancelled}{earlier}", fix) from err
 
 
 def withdraw(folder: Path, before: set[str], err: BaseException) -> list[str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from ddp_core.errors import DdpJobError
+from jobs.submission import limits
 
 if TYPE_CHECKING:
     from jobs.sweeps.spec import Sweep
@@ -78,6 +79,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         )
         print(sw.render_array_script(spec, request, max(1, count), parallelism))
         return 0
+    todo = sum(1 for p in plans if p.action in ("submit", "resume"))
+    limits.check_room(todo, spec.configs[0].slurm.qos, spec.configs[0].slurm.partition or "")  # every task counts
     arrays = sw.submit_sweep(spec, plans, parallelism, request)
     print(sw.summary(spec, plans, arrays, sw.max_array_size() if arrays else None))
     print(f"took:    {time.monotonic() - started:.1f} s")

@@ -151,3 +151,33 @@ def test_a_ddpjob_run_out_of_memory_fails_once_and_names_its_peak(slurm_cluster,
     assert re.search(peak, status.stdout), status.stdout
     log = "".join(p.read_text() for p in (run / "slurm").glob("*_0_log.err"))
     assert f"ddpjob resume {run} slurm.mem_gb=0.6" in log, log
+
+
+def test_ddpjob_names_the_qos_limit_that_refuses_a_job_and_refuses_a_sweep_over_it_up_front(
+    slurm_cluster, alice, shared_dir
+):
+    """alice's QOS allows 6 queued jobs: with 6 held, ``ddpjob submit`` is one line naming the limit and its fix,
+    with nothing left behind; a sweep whose trials would pass the limit is refused before anything is created."""
+    enter = [str(ENTER)] if ENTER.exists() else []
+    ddpjob = [users.SYSTEM_PYTHON, "-m", "jobs"]
+    root = f"run.root={shared_dir / 'runs'}"
+    sweep = users.run(alice, [*ddpjob, "sweep", str(DIGITS), "optim.lr=1e-3,2e-3,3e-3,4e-3,5e-3,6e-3,7e-3", root],
+                      cwd=shared_dir, env=user_env(), enter=enter, timeout=180)  # fmt: skip
+    assert sweep.returncode == 2, sweep.stdout + sweep.stderr
+    assert "the sweep would queue 7 jobs (each trial is one), but QOS site MaxSubmitPU allows 6 queued and 0 are " \
+        "queued now: 6 more fit" in sweep.stderr, sweep.stderr  # fmt: skip
+    assert not (shared_dir / "runs").exists()
+    gateway, held = gateway_as(alice), []
+    try:
+        for _ in range(6):
+            job_id = gateway.sbatch_wrap(["--hold", "-o", "/dev/null"], "true")
+            assert job_id, "a submission under the limit was refused"
+            held.append(job_id)
+        sub = users.run(alice, [*ddpjob, "submit", str(DIGITS), root], cwd=shared_dir, env=user_env(), enter=enter)
+    finally:
+        GATEWAY.cancel(held)
+    lines = [line for line in sub.stderr.splitlines() if line.startswith("ddpjob: error:")]
+    assert sub.returncode == 2 and len(lines) == 1, sub.stdout + sub.stderr
+    assert "sbatch refused the job: the QOS's MaxSubmitJobPerUser limit (QOSMaxSubmitJobPerUserLimit)" in lines[0]
+    assert "(hint: as many of your jobs are queued as it allows" in lines[0]
+    assert not (shared_dir / "runs").exists() or not any((shared_dir / "runs").iterdir())  # nothing left behind
