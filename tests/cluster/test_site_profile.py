@@ -23,7 +23,8 @@ from tests.support.digits import DIGITS
 from tests.support.helpers import wait_gone
 
 # Tiny jobs of one CPU, held jobs and refusals: nothing global (the QOS limits are per user).
-pytestmark = [pytest.mark.cluster_profile("site"), pytest.mark.cluster_shared("a")]
+# Every release's site pass runs them (slurm_interface): cgroups, limits and rate limiting differ between releases.
+pytestmark = [pytest.mark.cluster_profile("site"), pytest.mark.cluster_shared("a"), pytest.mark.slurm_interface]
 
 ENTER = cluster_guard.HOME / "bin" / ".enter"  # a release in a root filesystem: its commands run inside the tree
 QOS_REFUSAL = [
