@@ -190,7 +190,7 @@ class FakeGateway:
     def max_array_size(self) -> int:
         return 1001
 
-    def squeue_ids(self, ids: Sequence[str]) -> list[tuple[str, str]]:
+    def squeue_ids(self, ids: Sequence[str], strict: bool = False) -> list[tuple[str, str]]:
         return []
 
     def sbatch(self, script: Path) -> subprocess.CompletedProcess[str]:
