@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 if TYPE_CHECKING:
     from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
+from ddp_core.run import permissions
 from ddp_core.run.rundir import CODE_DIFF, CODE_DIR, CODE_RECORD, RunDir, atomic_write_text
 from ddp_core.run.snapshot import LIBRARY_PACKAGES
 
@@ -71,6 +72,7 @@ class Plan:
             target = code_dir / self.prefix / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(self.base / rel, target)
+            permissions.restrict(target)  # copy2 kept the source's mode: a group-writable file stays no such thing
         return {
             "source": str(self.source),
             "path": str(code_dir),
@@ -182,18 +184,9 @@ def plan(cfg: Config) -> Optional[Plan]:
     folder = source.parent if kind == "module" else source
     sent = sent_from(source)
     git = _git(folder) if sent is None else None  # sent code: the remote's own repository is not its origin
-    base, pruned = (source.parent if kind == "module" else source), []
-    if kind == "module":
-        files = [Path(source.name)]
-    elif git is not None:
-        files = _git_files(source)
-    else:
-        files, pruned = _walk(
-            source, Path(cfg.run.root).resolve(), cfg.snapshot.include_hidden, cfg.snapshot.outside_links
-        )
-    left_out = sorted(rel for rel in files if _left_out(base, rel, cfg, in_git=git is not None))
-    files = [rel for rel in files if rel not in set(left_out)]
-    left_out = sorted([*left_out, *pruned])
+    # Sent code was chosen on the laptop, by the same rules: the remote takes all of it (hidden files git tracks).
+    files, left_out = _select(cfg, source, kind, git is not None, chosen=sent is not None)
+    base = folder
     sizes = {rel: (base / rel).stat().st_size for rel in files if (base / rel).is_file()}  # a deleted tracked file: no
     p = Plan(source, kind, sorted(sizes), sum(sizes.values()), [source.stem] if kind != "directory" else [], git)
     p.left_out = left_out
@@ -204,6 +197,21 @@ def plan(cfg: Config) -> Optional[Plan]:
     if git is not None:
         p.diff = _run_git(folder, "diff", "HEAD", "--binary", "--", source.name if kind == "module" else ".") or ""
     return p
+
+
+def _select(cfg: Config, source: Path, kind: str, in_git: bool, chosen: bool) -> tuple[list[Path], list[Path]]:
+    """(the files to copy, those left out: hidden ones outside git, links out of the folder; see the docstring)."""
+    base = source.parent if kind == "module" else source
+    pruned: list[Path] = []
+    if kind == "module":
+        files = [Path(source.name)]
+    elif in_git:
+        files = _git_files(source)
+    else:
+        skip = Path(cfg.run.root).resolve()
+        files, pruned = _walk(source, skip, cfg.snapshot.include_hidden or chosen, cfg.snapshot.outside_links)
+    left_out = [rel for rel in files if _left_out(base, rel, cfg, in_git or chosen)]
+    return [rel for rel in files if rel not in set(left_out)], sorted([*left_out, *pruned])
 
 
 def sent_from(source: Path) -> Optional[dict[str, Any]]:
