@@ -16,7 +16,8 @@ is refused here, in one line naming the key and where the secret belongs (the jo
   (``export HF_TOKEN=$(cat ~/.hf_token)``) or from the environment stays allowed.
 
 A secret-looking name: one with KEY, TOKEN, SECRET, PASSWORD, PASSWD or CREDENTIAL in it (``WANDB_API_KEY``,
-``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``MLFLOW_TRACKING_PASSWORD``, ``HF_TOKEN``, ...).
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``MLFLOW_TRACKING_PASSWORD``, ``HF_TOKEN``, ...), but not a
+tokenizer's (``TOKENIZERS_PARALLELISM``, ``TOKENIZER_DIR``: ML configs name those).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from ddp_core.errors import DdpJobError
 
-_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+_SECRET_NAME = re.compile(r"KEY|TOKEN(?!IZ)|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)  # not TOKENIZER_DIR
 # The start of an env resolver's call, however it is spaced: its argument is read by _env_argument.
 _ENV_CALL = re.compile(r"\$\{\s*(?:oc\.env|env)\s*:\s*")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")

@@ -71,6 +71,9 @@ def test_a_secret_value_that_reached_the_config_anyhow_is_refused(monkeypatch):
     refused([f"task.data.note=a{KEY_VALUE}b"], "config key 'task.data.note' holds the value of $WANDB_API_KEY")
     monkeypatch.setenv("WANDB_API_KEY", "1")  # too short to mean anything: values like 1 or true are everywhere
     assert load_config(DIGITS, ["wandb.group=1"]).wandb.group == "1"
+    monkeypatch.setenv("TOKENIZER_DIR", "/data/tokenizers/gpt2")  # a tokenizer's folder is no secret
+    cfg = load_config(DIGITS, ["task.data.tokenizer=${oc.env:TOKENIZER_DIR}"])
+    assert cfg.task.data["tokenizer"] == "/data/tokenizers/gpt2"
 
 
 @pytest.mark.parametrize(
