@@ -17,18 +17,19 @@ every member of the group: any of them could run code as the run's owner. So:
   configs, code, checkpoints and logs); a private run (``run.private: true``, or ``DDPJOB_PRIVATE=1`` in the
   environment) gets umask ``077``: folders 0700, files 0600, the run directory closed to every other user.
 
-Standard library only: the job entry runs it before submitit loads anything. Users' view: docs/how-it-works.md.
+Folders ddpjob makes outside a run directory (node-local copies, staging) follow ``ddp_core.run.private`` instead:
+always this user's alone. Standard library only: the job entry runs it before submitit loads anything. Users' view: docs/how-it-works.md.
 """
 
 from __future__ import annotations
 
 import os
-import pwd
 import stat
 from pathlib import Path
 from typing import Iterable
 
 from ddp_core.errors import DdpJobError
+from ddp_core.run.private import owner
 
 PRIVATE_ENV = "DDPJOB_PRIVATE"
 
@@ -57,18 +58,11 @@ def restrict(path: Path) -> None:
     os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) & ~mask)
 
 
-def _owner(uid: int) -> str:
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
-
-
 def untrusted(path: Path) -> str:
     """Why ``path`` (followed through links: what would be read) could have been changed by another user, or ''."""
     info = os.stat(path)
     if info.st_uid != os.getuid():
-        return f"is owned by {_owner(info.st_uid)}, not by you"
+        return f"is owned by {owner(info.st_uid)}, not by you"
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         who = {stat.S_IWGRP: "its group", stat.S_IWOTH: "everyone"}.get(
             info.st_mode & (stat.S_IWGRP | stat.S_IWOTH), "its group and everyone"

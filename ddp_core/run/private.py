@@ -49,7 +49,8 @@ def per_user_name(key: str) -> str:
     return f"ddpjob-{user_tag()}-{safe}"
 
 
-def _owner(uid: int) -> str:
+def owner(uid: int) -> str:
+    """A uid as an error line names it: ``alice (uid 2000)``, or ``uid N`` without a passwd entry."""
     try:
         return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
     except KeyError:
@@ -67,7 +68,7 @@ def problem(path: Path) -> Optional[str]:
     if not stat.S_ISDIR(st.st_mode):
         return "is not a folder"
     if st.st_uid != os.geteuid():
-        return f"is owned by {_owner(st.st_uid)}, not {_owner(os.geteuid())}"
+        return f"is owned by {owner(st.st_uid)}, not {owner(os.geteuid())}"
     if st.st_mode & 0o077:
         return f"has mode {stat.S_IMODE(st.st_mode):04o} (group or others have access; it must be 0700)"
     return None
