@@ -9,8 +9,8 @@ The rule, in one place: such a folder has a per-user name (``per_user_name``, ``
 with mode 0700 and is checked with ``lstat`` before use (``check``): owned by this user, a real folder (not a
 symlink), no access for group or others. A place that fails is refused with a ``DdpJobError`` naming the path and
 its owner or mode. Folders inside one are made 0700 too (``makedirs``) and files in them 0600, whatever the umask
-(``opener``; ``seal`` for files a library wrote). A run directory's own files never go through here: their access is
-the project's (the run root's group and mode).
+(``opener``; ``seal`` for files a library wrote). A run directory's own files never go through here: who may read
+them is the project's choice, and no one else may write them (``ddp_core.run.permissions``).
 """
 
 from __future__ import annotations
