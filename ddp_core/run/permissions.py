@@ -18,7 +18,8 @@ every member of the group: any of them could run code as the run's owner. So:
   environment) gets umask ``077``: folders 0700, files 0600, the run directory closed to every other user.
 
 Folders ddpjob makes outside a run directory (node-local copies, staging) follow ``ddp_core.run.private`` instead:
-always this user's alone. Standard library only: the job entry runs it before submitit loads anything. Users' view: docs/how-it-works.md.
+always this user's alone. No torch, no submitit: the job entry runs it before submitit loads anything. The users'
+view: docs/how-it-works.md.
 """
 
 from __future__ import annotations
