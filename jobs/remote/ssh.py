@@ -168,6 +168,7 @@ class Gateway:
             proc.stdin.close()  # the remote reads to the end of it: the command's own stdin is then empty
         except BrokenPipeError:
             pass  # ssh failed before reading it: its exit status says why
+        proc.stdin = None  # closed: communicate() and wait() have nothing left to send
         return proc
 
     def rsync(
