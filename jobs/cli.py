@@ -15,6 +15,7 @@ import sys
 from typing import Callable, NoReturn, Optional, Sequence
 
 from ddp_core.errors import DdpJobError
+from ddp_core.run import permissions
 from jobs.remote import forward, ssh
 
 
@@ -150,6 +151,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="ddpjob: %(levelname)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
+    permissions.tighten(permissions.is_private())  # nothing ddpjob writes is writable by others (a run: checks)
     try:
         ssh.check_expected_version()
         direct = forward.as_is(argv)  # `--host NAME status ...`: the remote's own parser answers

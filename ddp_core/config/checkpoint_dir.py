@@ -10,6 +10,7 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from ddp_core.config.problems import require
+from ddp_core.config.secrets import url_credentials
 from ddp_core.locations import is_url
 
 _KEY = "checkpoint.dir"
@@ -37,7 +38,7 @@ def validate_checkpoint_dir(value: Optional[str], script_enabled: bool) -> None:
     require(bool(_SCHEME.match(parts.scheme)), _KEY, value, "the URL's scheme must be a plain name, e.g. s3")
     # Credentials never go into the config (config.yaml, the sbatch script and the logs would carry them).
     require(
-        "@" not in parts.netloc and not parts.query and not parts.fragment,
+        not url_credentials(value) and not parts.query and not parts.fragment,
         _KEY,
         "<a URL with credentials or options>",
         "no user, password, query or fragment in the URL: credentials come from the AWS environment "

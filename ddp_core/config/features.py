@@ -132,6 +132,12 @@ class SnapshotConfig:
     # Refuse a snapshot larger than this, in MB (data or outputs inside the code's folder, most often).
     max_mb: float = 50.0
     max_files: int = 5000  # refuse a snapshot of more files than this
+    # Outside git, also copy hidden files and folders (.env, .netrc, a home's .bash_history): they are left out
+    # unless this is true. `ddpjob submit --dry-run` lists what would be copied and what is left out.
+    include_hidden: bool = False
+    # Also copy what a symlink points at outside the code's folder (a link to ~/.aws/credentials): left out
+    # unless this is true, in git or not.
+    outside_links: bool = False
 
 
 def validate_snapshot(snapshot: SnapshotConfig) -> None:

@@ -2,9 +2,10 @@
 
 The YAML reader (PyYAML's safe loader, reading plain scalars as OmegaConf does except that only true/false are
 booleans; repeated keys, alias bombs and deep nesting refused), the ``key=value`` override syntax, the refusal of
-secret-looking ``${oc.env:...}`` interpolations, and shape checks of values against the dataclass tree (a bool key
-takes true/false only, a section a mapping, ...). Every problem is one ``DdpJobError`` line naming the file or the
-override; OmegaConf's own errors are translated the same way (``explain``).
+secret-looking ``${oc.env:...}`` interpolations (``secrets``, on the text as YAML decoded it), and shape checks of
+values against the dataclass tree (a bool key takes true/false only, a section a mapping, ...). Every problem is one
+``DdpJobError`` line naming the file or the override; OmegaConf's own errors are translated the same way
+(``explain``).
 
 Shape checks of values against the dataclass tree are ``shapes``; generic over the schema (the root dataclass is a
 parameter), neither module imports the schema that ``load`` builds ``load_config`` and ``check_override`` from.
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from ddp_core.config.secrets import refuse_env_interpolation
 from ddp_core.errors import DdpJobError
 
 if TYPE_CHECKING:  # imported where a config is loaded: the trainer, handed one, never imports OmegaConf
@@ -26,22 +28,6 @@ if TYPE_CHECKING:  # imported where a config is loaded: the trainer, handed one,
 # omegaconf.MISSING, the value OmegaConf reads as "required, not given" (the schema's default for required keys).
 # OmegaConf itself is imported by load_config only: the trainer, which is handed a Config, does not pay its imports.
 MISSING = "???"
-
-_ENV_INTERPOLATION = re.compile(r"\$\{\s*oc\.env\s*:\s*([A-Za-z_][A-Za-z0-9_]*)")
-_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
-
-
-def _refuse_secret_interpolation(where: str, text: str) -> None:
-    """A resolved config is written in plain text to config.yaml, every checkpoint and the W&B run's config."""
-    for name in _ENV_INTERPOLATION.findall(text):
-        if _SECRET_NAME.search(name):
-            raise DdpJobError(
-                f"{where} interpolates ${{oc.env:{name}}}, which looks like a secret: its value would be written "
-                "in plain text to config.yaml, checkpoints and the W&B run",
-                f"leave {name} in the environment (wandb reads WANDB_API_KEY itself; sbatch passes the submitting "
-                "shell's environment to the job)",
-            )
-
 
 # What str.splitlines() breaks a line at, and other control characters: escaped in messages, which are one line.
 _LINE_BREAKS = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]")
@@ -79,8 +65,9 @@ def parse_override(item: str) -> tuple[str, Any]:
             f"override '{_clip(item)}' does not start with a dotted config key",
             "write key=value with no spaces around '=' and no [index] (set a whole list: wandb.tags=[a,b])",
         )
-    _refuse_secret_interpolation(f"override '{key}'", item)
-    return key, _override_value(item, text)
+    value = _override_value(item, text)
+    refuse_env_interpolation(f"override '{key}'", value)  # as YAML decoded it: an escape spells nothing new
+    return key, value
 
 
 def _override_value(item: str, text: str) -> Any:
@@ -190,11 +177,11 @@ def read_yaml(path: Path, loader: type) -> dict[str, Any]:
         raise DdpJobError(f"config file '{path}' not found", "pass a YAML file, e.g. configs/digits.yaml")
     try:
         text = path.read_text(encoding="utf-8")
-        _refuse_secret_interpolation(f"config file '{path}'", text)
         root = yaml.compose(text, Loader=loader)
         if root is not None:
             _check_nodes(f"config file '{path}'", root)
         data = yaml.load(text, Loader=loader)  # a safe loader: no !!python tags
+        refuse_env_interpolation(f"config file '{path}'", data)  # as YAML decoded it: an escape spells nothing new
     except OSError as err:
         raise DdpJobError(f"config file '{path}' cannot be read: {err.strerror}", hint) from None
     except UnicodeDecodeError as err:

@@ -75,6 +75,10 @@ class RunConfig:
     # Where run directories are created, as <root>/<name>-<time>-<id>; a relative root is relative to the submit
     # directory (where ddpjob runs). It must be on a filesystem every node sees.
     root: str = "runs"
+    # Who may read the run: false, the umask decides (umask 022: everyone may read its configs, code, checkpoints
+    # and logs); true, only you (folders 0700, files 0600), as DDPJOB_PRIVATE=1 in the environment asks too. No one
+    # else may ever write what a job executes or unpickles, whatever the umask (docs/how-it-works.md).
+    private: bool = False
 
 
 @dataclass

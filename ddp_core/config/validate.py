@@ -27,6 +27,7 @@ from ddp_core.config.schema import (
     StrategyConfig,
     StrategyName,
 )
+from ddp_core.config.secrets import validate_secrets
 from ddp_core.config.strategy_checks import validate_strategy
 from ddp_core.config.tracking import validate_log
 from ddp_core.config.tree import Config, plain, to_dict
@@ -94,6 +95,7 @@ def validate(cfg: Config) -> None:
         "must look like 'package.module:ClassName'",
     )
     require(bool(cfg.run.name.strip()) and "/" not in cfg.run.name, "run.name", cfg.run.name, "must be a plain name")
+    validate_secrets(cfg)  # the one guard: no credential in any key (ddp_core.config.secrets)
 
 
 def _validate_ranges(cfg: Config) -> None:

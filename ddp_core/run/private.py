@@ -9,8 +9,8 @@ The rule, in one place: such a folder has a per-user name (``per_user_name``, ``
 with mode 0700 and is checked with ``lstat`` before use (``check``): owned by this user, a real folder (not a
 symlink), no access for group or others. A place that fails is refused with a ``DdpJobError`` naming the path and
 its owner or mode. Folders inside one are made 0700 too (``makedirs``) and files in them 0600, whatever the umask
-(``opener``; ``seal`` for files a library wrote). A run directory's own files never go through here: their access is
-the project's (the run root's group and mode).
+(``opener``; ``seal`` for files a library wrote). A run directory's own files never go through here: who may read
+them is the project's choice, and no one else may write them (``ddp_core.run.permissions``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def per_user_name(key: str) -> str:
     return f"ddpjob-{user_tag()}-{safe}"
 
 
-def _owner(uid: int) -> str:
+def owner(uid: int) -> str:
+    """A uid as an error line names it: ``alice (uid 2000)``, or ``uid N`` without a passwd entry."""
     try:
         return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
     except KeyError:
@@ -67,7 +68,7 @@ def problem(path: Path) -> Optional[str]:
     if not stat.S_ISDIR(st.st_mode):
         return "is not a folder"
     if st.st_uid != os.geteuid():
-        return f"is owned by {_owner(st.st_uid)}, not {_owner(os.geteuid())}"
+        return f"is owned by {owner(st.st_uid)}, not {owner(os.geteuid())}"
     if st.st_mode & 0o077:
         return f"has mode {stat.S_IMODE(st.st_mode):04o} (group or others have access; it must be 0700)"
     return None

@@ -35,7 +35,7 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
 from ddp_core.errors import DdpJobError
 from ddp_core.locations import is_url
-from ddp_core.run import diskfull, locking
+from ddp_core.run import diskfull, locking, permissions
 from ddp_core.run import private as privately
 
 if TYPE_CHECKING:
@@ -331,7 +331,9 @@ class RunDir:
         return [*head, *(str(a) for a in args)] if isinstance(args, list) else head
 
     def initialize(self, cfg: Config) -> None:
-        """Create the layout, save the resolved config, and fix the run's identity (idempotent)."""
+        """Create the layout, save the resolved config, and fix the run's identity (idempotent). Under the run's
+        permission policy (``ddp_core.run.permissions``): never writable by others, private if asked."""
+        permissions.tighten(permissions.is_private(cfg.run.private))
         for sub in (self.path, self.checkpoints, self.slurm, self.wandb):
             sub.mkdir(parents=True, exist_ok=True)
         from ddp_core.config import to_yaml

@@ -23,7 +23,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from ddp_core.config.perf import PROFILE_REQUEST
 from ddp_core.errors import DdpJobError
+from ddp_core.run import permissions
 from ddp_core.run.rundir import RunDir
 
 log = logging.getLogger("ddp_core.run.snapshot")
@@ -47,8 +49,13 @@ def read_record(run_dir: RunDir) -> Optional[dict[str, Any]]:
 
 
 def activate(run_dir: RunDir) -> Optional[dict[str, Any]]:
-    """Put the run's snapshot first on ``sys.path`` (before the task or script is imported); its record, or None."""
+    """Put the run's snapshot first on ``sys.path`` (before the task or script is imported); its record, or None.
+    First the run's permission policy (``ddp_core.run.permissions``): this process's umask, and every file that
+    decides what runs (config.yaml, code.json, the snapshot, the profile trigger) refused if another user could
+    have changed it."""
+    permissions.tighten(permissions.is_private())
     record = read_record(run_dir)
+    check_run_files(run_dir, record)
     if record is None:
         return None
     path = Path(record["path"])
@@ -66,6 +73,16 @@ def activate(run_dir: RunDir) -> Optional[dict[str, Any]]:
     sys.path.insert(0, str(path))
     importlib.invalidate_caches()
     return record
+
+
+def check_run_files(run_dir: RunDir, record: Optional[dict[str, Any]]) -> None:
+    """The files of ``run_dir`` that decide what an attempt runs, checked before it imports anything (one line naming
+    the first another user owns or can write, ``permissions.check_trusted``)."""
+    files = [run_dir.config_file, run_dir.code_record, run_dir.path / PROFILE_REQUEST]
+    permissions.check_trusted([f for f in files if f.exists()], top=run_dir.path)
+    if record is not None and Path(record["path"]).is_dir():  # a sweep's trials share the sweep's: up to its folder
+        code = Path(record["path"])
+        permissions.check_trusted(permissions.tree(code), top=code.parent)
 
 
 def script_in_snapshot(record: Optional[dict[str, Any]], script_path: str) -> str:

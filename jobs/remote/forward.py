@@ -313,7 +313,7 @@ def report(gw: Gateway, args: argparse.Namespace, argv: list[str]) -> int:
             why = (got.stderr.strip().splitlines() or [f"rsync exited {got.returncode}"])[-1]
             raise DdpJobError(f"could not bring the report back from {gw.host.name}:{remote}: {why}", "run it again")
         out = out.replace(remote, str(local))
-    gw.runner(gw.ssh(f"rm -rf {shlex.quote(remote)}"))
+    gw.runner(gw.ssh(), f"rm -rf {shlex.quote(remote)}")
     sys.stdout.write(out)
     return code
 

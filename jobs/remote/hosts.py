@@ -8,7 +8,9 @@ name to its SSH destination, the remote working directory, the remote ddpjob and
       setup: module load python/3.11 && source ~/env/bin/activate   # a shell line run first (default: none)
       connect_timeout: 10           # seconds before an unreachable host is given up (default 10)
 
-A name without an entry is a host of the SSH config, with the defaults. ``--remote-dir`` wins over both.
+A name without an entry is a host of the SSH config, with the defaults. ``--remote-dir`` wins over both. The setup
+line reaches the remote on ssh's stdin, never its command line (``jobs.remote.ssh``), and may not write a secret out
+(``export HF_TOKEN=...``: ``ddp_core.config.secrets``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from ddp_core.config.secrets import refuse_secret_assignments
 from ddp_core.errors import DdpJobError
 
 HOSTS_ENV = "DDPJOB_HOSTS"
@@ -62,12 +65,14 @@ def lookup(name: str, remote_dir: Optional[str] = None) -> Host:
     unknown = sorted(set(entry) - set(KEYS))
     if unknown:
         raise DdpJobError(f"{path}: entry {name!r} has unknown key(s) {', '.join(unknown)}", "keys: " + ", ".join(KEYS))
+    setup = str(entry.get("setup") or "")
+    refuse_secret_assignments(f"{path}: {name}.setup", setup)  # the one guard for secrets (ddp_core.config.secrets)
     return Host(
         name=name,
         destination=str(entry.get("host") or name),
         remote_dir=str(remote_dir or entry.get("remote_dir") or project_dir()),
         ddpjob=str(entry.get("ddpjob") or DEFAULT_DDPJOB),
-        setup=str(entry.get("setup") or ""),
+        setup=setup,
         connect_timeout=_seconds(path, name, entry.get("connect_timeout", 10)),
     )
 

@@ -31,16 +31,21 @@ from ddp_core.errors import DdpJobError
 from ddp_core.run import private
 from jobs.remote.hosts import Host
 
-Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
+Runner = Callable[[Sequence[str], Optional[str]], subprocess.CompletedProcess[str]]
 SSH_FAILED = 255  # ssh's own exit status for a connection that failed or was lost
 PERSIST = "10m"  # how long an idle master connection stays up
 STATE_ENV = "DDPJOB_STATE_DIR"
 EXPECT_ENV, NAME_ENV = "DDPJOB_EXPECT_VERSION", "DDPJOB_HOST_NAME"  # for the remote's check_expected_version
 WRAPPER_ERRORS = ("is not a directory", "no ddpjob at ")  # the remote wrapper's own lines (``Gateway.command``)
+# What ssh asks the remote's login shell to run: the command line itself comes on stdin, so neither the laptop's
+# ssh nor the remote shell has it on its command line, where ps shows it (the host file's setup: line, the overrides).
+FROM_STDIN = 'eval "$(cat)"'
 
 
-def run_captured(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(cmd), capture_output=True, text=True, stdin=subprocess.DEVNULL)
+def run_captured(cmd: Sequence[str], script: Optional[str] = None) -> subprocess.CompletedProcess[str]:
+    """``cmd``, captured; ``script`` on its stdin (None: none)."""
+    stdin = subprocess.DEVNULL if script is None else None
+    return subprocess.run(list(cmd), capture_output=True, text=True, stdin=stdin, input=script)
 
 
 def version() -> str:
@@ -131,12 +136,13 @@ class Gateway:
             opts += ["-o", "BatchMode=yes"]
         return opts
 
-    def ssh(self, remote_command: str) -> list[str]:
-        return ["ssh", *self.options(), self.host.destination, remote_command]
+    def ssh(self) -> list[str]:
+        """The ssh command of a call whose remote command line comes on its stdin (``FROM_STDIN``)."""
+        return ["ssh", *self.options(), self.host.destination, FROM_STDIN]
 
     def master(self) -> Optional[str]:
         """The running master connection's pid, or None when none runs (the next call logs in)."""
-        proc = self.runner(["ssh", *self.options(), "-O", "check", self.host.destination])
+        proc = self.runner(["ssh", *self.options(), "-O", "check", self.host.destination], None)
         found = re.search(r"pid=(\d+)", proc.stderr + proc.stdout)
         return found[1] if proc.returncode == 0 and found else None
 
@@ -148,14 +154,22 @@ class Gateway:
 
     def run(self, remote_command: str) -> subprocess.CompletedProcess[str]:
         """A captured call; an SSH failure raises one line."""
-        proc = self.runner(self.ssh(remote_command))
+        proc = self.runner(self.ssh(), remote_command)
         if proc.returncode == SSH_FAILED:
             raise explain(self.host, proc.stderr)
         return proc
 
     def stream(self, remote_command: str, stdout: Optional[int] = None) -> subprocess.Popen[str]:
         """A call whose stderr (and stdout, unless ``stdout=PIPE``) go to this terminal as the remote writes them."""
-        return subprocess.Popen(self.ssh(remote_command), stdin=subprocess.DEVNULL, stdout=stdout, text=True)
+        proc = subprocess.Popen(self.ssh(), stdin=subprocess.PIPE, stdout=stdout, text=True)
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(remote_command)
+            proc.stdin.close()  # the remote reads to the end of it: the command's own stdin is then empty
+        except BrokenPipeError:
+            pass  # ssh failed before reading it: its exit status says why
+        proc.stdin = None  # closed: communicate() and wait() have nothing left to send
+        return proc
 
     def rsync(
         self, source: str, target: str, extra: Sequence[str] = (), flags: Sequence[str] = ("-a",)
@@ -172,7 +186,7 @@ class Gateway:
             return f"{self.host.destination}:{shlex.quote(path[1:]) if old else path[1:]}"
 
         protect = [] if old else ["--protect-args"]
-        return self.runner(["rsync", *flags, *protect, "-e", remote, *extra, spell(source), spell(target)])
+        return self.runner(["rsync", *flags, *protect, "-e", remote, *extra, spell(source), spell(target)], None)
 
     def command(self, argv: Sequence[str], env: Mapping[str, str] = {}, pythonpath: str = "") -> str:
         """The remote shell line that runs ``ddpjob ARGV`` in the remote directory, after the host's setup line;

@@ -93,7 +93,7 @@ class Stage:
         finally:
             shutil.rmtree(self.local, ignore_errors=True)
         if proc.returncode != 0:
-            self.gateway.runner(self.gateway.ssh(f"rm -rf {shlex.quote(self.remote)}"))
+            self.gateway.runner(self.gateway.ssh(), f"rm -rf {shlex.quote(self.remote)}")
             last = (proc.stderr.strip().splitlines() or [f"rsync exited {proc.returncode}"])[-1]
             raise DdpJobError(
                 f"sending the config and code to {self.gateway.host.name}:{self.remote} failed (nothing submitted): "

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from ddp_core.cluster.backoff import Backoff
 from ddp_core.cluster.slurm import GATEWAY, QueuedJob, SlurmGateway
+from ddp_core.run.permissions import check_trusted
 from jobs.runs import throughput
 from jobs.runs.status import ACTIVE_STATES
 from jobs.runs.watcher import LINE_REFRESH_S, Line, Poll, watch
@@ -94,6 +96,13 @@ def results_written(job: Any, state: str, grace_s: float = RESULT_GRACE_S) -> bo
         time.sleep(0.2)
 
 
+def check_results(job: Any, run_dir: RunDir) -> None:
+    """Before ``--wait`` unpickles the tasks' results here: each one, and its folder up to the run directory, refused
+    in one line if another user owns it or can write it (``ddp_core.run.permissions``)."""
+    results = [Path(job.task(i).paths.result_pickle) for i in range(job.num_tasks)]
+    check_trusted([p for p in results if p.exists()], top=run_dir.path)
+
+
 def wait(submitted: Submitted) -> tuple[bool, Optional[dict[str, float]], str]:
     """Block until the job ends: (succeeded, final eval metrics, state or error line)."""
     import submitit
@@ -111,6 +120,7 @@ def wait(submitted: Submitted) -> tuple[bool, Optional[dict[str, float]], str]:
         job.wait()
     error: Optional[str] = None
     result = None
+    check_results(job, submitted.run_dir)
     try:
         result = job.results()[0]  # one result per task; rank 0's holds the final eval
     except Exception as err:  # submitit raises its own errors for failed jobs

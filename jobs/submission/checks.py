@@ -21,6 +21,7 @@ from ddp_core.config import Config, WandbMode
 from ddp_core.config.perf_checks import warn_without_nvml
 from ddp_core.config.tracking import check_installed
 from ddp_core.errors import DdpJobError
+from ddp_core.run.permissions import is_private, tighten
 from jobs.submission import partitions
 from jobs.submission.request import SlurmRequest
 
@@ -30,7 +31,9 @@ def check_code(cfg: Config) -> None:
     distinct trial of a sweep, a search's base config): the script (it must be there and readable now; its absolute
     path and sha256 are recorded), or the task (its module imported, with torch) and the strategy's cut of its model
     (a meta-device model: fsdp wrap classes, pipeline stages, ties across stages). And each configured tracker's
-    package (log.trackers)."""
+    package (log.trackers). And the run's permission policy, before anything is created (``ddp_core.run.permissions``:
+    never writable by others; private when run.private or DDPJOB_PRIVATE asks)."""
+    tighten(is_private(cfg.run.private))
     check_installed(cfg.log, wandb_enabled=cfg.wandb.mode is not WandbMode.disabled)
     if cfg.script.enabled:
         from ddp_core.script.prepare import resolve_for_submit

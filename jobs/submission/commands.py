@@ -100,6 +100,8 @@ def print_dry_run(cfg: Config, request: SlurmRequest, run_dir: RunDir) -> None:
         print(f"{where}; the batch script and its watcher run outside it")
     print(render(request, Layout.run(run_dir.path)))
     print(f"# code snapshot: {code.summary() if code else 'none'}")
+    for line in code.listing() if code else []:  # what would be sent: to the run directory, and with --host
+        print(line)
     print("# resolved config")
     print(to_yaml(cfg), end="")
 

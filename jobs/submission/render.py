@@ -25,9 +25,9 @@ from ddp_core.run.rundir import RunDir
 from jobs.submission.request import SlurmRequest
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm_templates" / "ddp.sbatch"
-# The module every submitit job runs: it loads FOLDER/<job id>_submitted.pkl and calls the function pickled there.
-# submitit's job protocol, the same for every job it submits (and read by the submitit release each node has).
-TASK_ENTRY = "submitit.core._submit"
+# The module every submitit job runs: submitit's job entry (it loads FOLDER/<job id>_submitted.pkl and calls the
+# function pickled there; submitit's job protocol), behind the check that no other user could have written that file.
+TASK_ENTRY = "ddp_core.run.entry"
 WCKEY = "submitit"  # submitit's: accounting reports group a user's submitit jobs by it
 
 

@@ -3,8 +3,12 @@
 What is copied: a script's directory (``script.path``), else the top-level package, or module file, of the script
 module or of ``task.target``. In a git work tree, the files git would commit there (tracked, plus untracked ones it
 does not ignore), and the record names the commit and saves the uncommitted changes as ``code.diff``; elsewhere,
-every file but hidden folders, ``__pycache__`` and the run root. The library itself (``ddp_core``, ``jobs``) and
-code installed in site-packages are not the user's working tree and are not copied.
+every file but hidden files and folders (``.env``, ``.netrc``, ``.bash_history`` in a home that holds a script),
+``__pycache__`` and the run root. Anywhere, a symlink whose target lies outside the copied folder is left out (a
+link to ``~/.aws/credentials``): the snapshot is sent to the cluster (``--host``) and readable as the run is.
+``snapshot.include_hidden`` and ``snapshot.outside_links`` take them anyway; ``submit --dry-run`` lists the files
+and what was left out. The library itself (``ddp_core``, ``jobs``) and code installed in site-packages are not the
+user's working tree and are not copied.
 
 ``plan`` lists and sizes the files before anything exists, so an oversized snapshot is refused in one line before
 a run directory is made; ``Plan.take`` copies them into ``RUN/code`` (or a sweep's) and writes ``RUN/code.json``.
@@ -27,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 if TYPE_CHECKING:
     from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
+from ddp_core.run import permissions
 from ddp_core.run.rundir import CODE_DIFF, CODE_DIR, CODE_RECORD, RunDir, atomic_write_text
 from ddp_core.run.snapshot import LIBRARY_PACKAGES
 
@@ -48,6 +53,7 @@ class Plan:
     git: Optional[dict[str, Any]] = None
     diff: str = ""
     sent: Optional[dict[str, Any]] = None  # what a laptop sent (``sent_from``): recorded with the snapshot
+    left_out: list[Path] = field(default_factory=list)  # hidden files, links out of the folder (module docstring)
 
     @property
     def base(self) -> Path:
@@ -66,6 +72,7 @@ class Plan:
             target = code_dir / self.prefix / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(self.base / rel, target)
+            permissions.restrict(target)  # copy2 kept the source's mode: a group-writable file stays no such thing
         return {
             "source": str(self.source),
             "path": str(code_dir),
@@ -82,6 +89,18 @@ class Plan:
         git = f"; git {str(self.git.get('commit') or 'no commit')[:12]}" if self.git else ""
         dirty = " + uncommitted changes" if self.diff else ""
         return f"{len(self.files)} files, {self.bytes / 1024:.0f} KiB of {self.source}{git}{dirty}"
+
+    def listing(self) -> list[str]:
+        """``--dry-run``'s lines: each file that would be sent, then each one left out and the key that takes it."""
+        lines = [f"#   {self.prefix / rel}" for rel in self.files]
+        for rel in self.left_out:
+            why = (
+                "a link out of the folder: snapshot.outside_links"
+                if (self.base / rel).is_symlink()
+                else ("hidden: snapshot.include_hidden")
+            )
+            lines.append(f"#   left out: {rel}{'/' if (self.base / rel).is_dir() else ''} ({why})")
+        return lines
 
 
 def take(p: Optional[Plan], run_dir: RunDir) -> None:
@@ -165,15 +184,12 @@ def plan(cfg: Config) -> Optional[Plan]:
     folder = source.parent if kind == "module" else source
     sent = sent_from(source)
     git = _git(folder) if sent is None else None  # sent code: the remote's own repository is not its origin
-    if kind == "module":
-        files = [Path(source.name)]
-    elif git is not None:
-        files = _git_files(source)
-    else:
-        files = _walk(source, skip=Path(cfg.run.root).resolve())
-    base = source.parent if kind == "module" else source
+    # Sent code was chosen on the laptop, by the same rules: the remote takes all of it (hidden files git tracks).
+    files, left_out = _select(cfg, source, kind, git is not None, chosen=sent is not None)
+    base = folder
     sizes = {rel: (base / rel).stat().st_size for rel in files if (base / rel).is_file()}  # a deleted tracked file: no
     p = Plan(source, kind, sorted(sizes), sum(sizes.values()), [source.stem] if kind != "directory" else [], git)
+    p.left_out = left_out
     _check_limits(cfg, p, sizes)
     if sent is not None:
         p.git, p.diff = sent.pop("git", None), sent.pop("diff", "")
@@ -181,6 +197,21 @@ def plan(cfg: Config) -> Optional[Plan]:
     if git is not None:
         p.diff = _run_git(folder, "diff", "HEAD", "--binary", "--", source.name if kind == "module" else ".") or ""
     return p
+
+
+def _select(cfg: Config, source: Path, kind: str, in_git: bool, chosen: bool) -> tuple[list[Path], list[Path]]:
+    """(the files to copy, those left out: hidden ones outside git, links out of the folder; see the docstring)."""
+    base = source.parent if kind == "module" else source
+    pruned: list[Path] = []
+    if kind == "module":
+        files = [Path(source.name)]
+    elif in_git:
+        files = _git_files(source)
+    else:
+        skip = Path(cfg.run.root).resolve()
+        files, pruned = _walk(source, skip, cfg.snapshot.include_hidden or chosen, cfg.snapshot.outside_links)
+    left_out = [rel for rel in files if _left_out(base, rel, cfg, in_git or chosen)]
+    return [rel for rel in files if rel not in set(left_out)], sorted([*left_out, *pruned])
 
 
 def sent_from(source: Path) -> Optional[dict[str, Any]]:
@@ -209,13 +240,30 @@ def _check_limits(cfg: Config, p: Plan, sizes: dict[Path, int]) -> None:
     )
 
 
-def _walk(source: Path, skip: Path) -> list[Path]:
-    files = []
-    for folder, dirs, names in os.walk(source):
+def _walk(source: Path, skip: Path, hidden: bool, links: bool) -> tuple[list[Path], list[Path]]:
+    """Every file under ``source`` outside git, and the folders not entered: hidden ones unless ``hidden``, links to
+    folders unless ``links`` (hidden files and links to files are listed: ``_left_out`` decides, for the dry run)."""
+    files: list[Path] = []
+    pruned: list[Path] = []
+    for folder, dirs, names in os.walk(source, followlinks=links):
         here = Path(folder)
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in SKIP_DIRS and (here / d).resolve() != skip]
+        keep = [d for d in dirs if d not in SKIP_DIRS and d != ".git" and (here / d).resolve() != skip]
+        out = [d for d in keep if (not hidden and d.startswith(".")) or (not links and (here / d).is_symlink())]
+        inside = source.resolve()  # a link to a folder inside: not entered, as os.walk never did, and not listed
+        pruned += [(here / d).relative_to(source) for d in out if not (here / d).resolve().is_relative_to(inside)
+                   or d.startswith(".")]  # fmt: skip
+        dirs[:] = [d for d in keep if d not in out]
         files += [(here / n).relative_to(source) for n in names if not n.endswith((".pyc", ".pyo"))]
-    return files
+    return files, pruned
+
+
+def _left_out(base: Path, rel: Path, cfg: Config, in_git: bool) -> bool:
+    """A file the snapshot leaves out unless asked: a link whose target lies outside ``base`` (any part of its path
+    a link out), or outside git a hidden file."""
+    path, inside = base / rel, base.resolve()
+    if not cfg.snapshot.outside_links and not path.resolve().is_relative_to(inside):
+        return True
+    return not cfg.snapshot.include_hidden and not in_git and any(p.startswith(".") for p in rel.parts)
 
 
 def _run_git(folder: Path, *args: str) -> Optional[str]:

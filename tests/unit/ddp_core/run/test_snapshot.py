@@ -171,3 +171,67 @@ def test_library_tasks_take_no_snapshot(tmp_path):
     assert not run.code_record.exists()
     proc = run_cli("submit", DIGITS, "--dry-run", "--no-cluster-check", cwd=tmp_path)
     assert "# code snapshot: none" in proc.stdout
+
+
+def _home_like(tmp_path: Path) -> Path:
+    """A folder outside git like the home that holds ``~/train.py``: hidden files, and links in and out of it."""
+    home, outside = tmp_path / "home", tmp_path / "elsewhere"
+    (home / "lib").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "credentials").write_text("[default]\naws_secret_access_key = x\n")
+    (outside / "shared").mkdir()
+    (outside / "shared" / "data.py").write_text("x = 1\n")
+    (home / "train.py").write_text("print('hi')\n")
+    (home / "lib" / "util.py").write_text("y = 2\n")
+    for hidden in (".bash_history", ".env", ".netrc", "lib/.secret.py", ".config/tool.yaml"):
+        (home / hidden).parent.mkdir(parents=True, exist_ok=True)
+        (home / hidden).write_text("secret\n")
+    (home / "aws_credentials").symlink_to(outside / "credentials")
+    (home / "shared").symlink_to(outside / "shared")
+    (home / "util_link.py").symlink_to(home / "lib" / "util.py")  # inside the folder: copied
+    return home
+
+
+def test_a_snapshot_outside_git_leaves_out_hidden_files_and_links_out_of_the_folder(tmp_path):
+    home = _home_like(tmp_path)
+    run = _prepare(home, "--script", "train.py", "run.root=" + str(tmp_path / "runs"))
+    files = sorted(str(p.relative_to(run.code)) for p in run.code.rglob("*") if p.is_file())
+    assert files == ["lib/util.py", "train.py", "util_link.py"]
+    dry = run_cli("submit", "--dry-run", "--no-cluster-check", "--script", "train.py", "run.root=" + str(tmp_path),
+                  cwd=home)  # fmt: skip
+    assert dry.returncode == 0, dry.stderr
+    listed = [line for line in dry.stdout.splitlines() if line.startswith("#   ")]
+    assert listed == [
+        "#   lib/util.py", "#   train.py", "#   util_link.py",
+        "#   left out: .bash_history (hidden: snapshot.include_hidden)",
+        "#   left out: .config/ (hidden: snapshot.include_hidden)",
+        "#   left out: .env (hidden: snapshot.include_hidden)",
+        "#   left out: .netrc (hidden: snapshot.include_hidden)",
+        "#   left out: aws_credentials (a link out of the folder: snapshot.outside_links)",
+        "#   left out: lib/.secret.py (hidden: snapshot.include_hidden)",
+        "#   left out: shared/ (a link out of the folder: snapshot.outside_links)",
+    ], dry.stdout  # fmt: skip
+
+
+def test_asked_for_the_snapshot_takes_hidden_files_and_links_out(tmp_path):
+    home = _home_like(tmp_path)
+    run = _prepare(home, "--script", "train.py", "run.root=" + str(tmp_path / "runs"), "snapshot.include_hidden=true",
+                   "snapshot.outside_links=true")  # fmt: skip
+    files = sorted(str(p.relative_to(run.code)) for p in run.code.rglob("*") if p.is_file())
+    assert files == [".bash_history", ".config/tool.yaml", ".env", ".netrc", "aws_credentials", "lib/.secret.py",
+                     "lib/util.py", "shared/data.py", "train.py", "util_link.py"]  # fmt: skip
+
+
+def test_in_git_a_tracked_link_out_of_the_tree_is_left_out(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (tmp_path / "netrc").write_text("machine x password y\n")
+    (repo / "train.py").write_text("print('hi')\n")
+    (repo / ".gitignore").write_text("runs/\n")
+    (repo / "netrc_link").symlink_to(tmp_path / "netrc")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "x")
+    run = _prepare(repo, "--script", "train.py")
+    files = sorted(str(p.relative_to(run.code)) for p in run.code.rglob("*") if p.is_file())
+    assert files == [".gitignore", "train.py"]  # git's own hidden files are the user's choice: tracked

@@ -17,6 +17,7 @@ import pytest
 from jobs import cli
 from jobs.remote.ssh import version
 from tests.support import sshd
+from tests.support.helpers import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +244,16 @@ def test_remote_paths_reach_rsync_whole_on_old_and_new_rsync(laptop, tmp_path, m
         assert got.returncode == 0, got.stderr
         assert (into / "f.txt").read_text() == "whole\n"
     assert not list(tmp_path.rglob("pwned*")) and not list(laptop.home.rglob("pwned*"))
+
+
+def test_the_host_files_setup_line_is_on_no_command_line(laptop, tmp_path):
+    """The setup line reaches the remote on ssh's stdin: no process (the laptop's ssh, the remote's shell) shows it
+    to ps. The line itself looks for its marker in every process's command line, with the marker read from a file."""
+    marker = f"setup-marker-{os.getpid()}-{time.monotonic_ns()}"
+    (tmp_path / "pattern").write_text(marker + "\n")
+    seen = tmp_path / "seen"
+    setup = f"export PYTHONPATH={ROOT}; grep -lsFf {tmp_path / 'pattern'} /proc/[0-9]*/cmdline > {seen}; true"
+    laptop.host_file(laptop.cluster_entry(remote_dir=str(tmp_path), setup=f"{setup} # {marker}"))
+    proc = laptop.run(["--host", "cluster", "status"])
+    assert "no runs found" in proc.stderr, proc.stderr  # the setup line ran, then the command
+    assert seen.is_file() and seen.read_text() == "", seen.read_text()
