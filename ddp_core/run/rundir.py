@@ -36,7 +36,7 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 from ddp_core.errors import DdpJobError
 from ddp_core.locations import is_url
 from ddp_core.run import diskfull, locking, permissions
-from ddp_core.run import private as privately
+from ddp_core.run import private as private_files
 
 if TYPE_CHECKING:
     from ddp_core.config import Config
@@ -62,12 +62,11 @@ def new_run_id(length: int = 8) -> str:
 
 
 def atomic_write_text(path: Path, text: str, private: bool = False) -> None:
-    """Write-then-rename so readers never see half a file; durable once it returns (the file, then its directory
-    entry, fsynced). On an error (a full disk) the old file is untouched and no temp file is left. ``private``: a
-    file in a private folder (``private.opener``: 0600)."""
+    """Write-then-rename so readers never see half a file; durable once it returns (file and entry fsynced). On an
+    error (a full disk) the old file is untouched, no temp file left. ``private``: 0600 (``private.opener``)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "w", opener=privately.opener if private else None) as f:
+        with open(tmp, "w", opener=private_files.opener if private else None) as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -331,8 +330,7 @@ class RunDir:
         return [*head, *(str(a) for a in args)] if isinstance(args, list) else head
 
     def initialize(self, cfg: Config) -> None:
-        """Create the layout, save the resolved config, and fix the run's identity (idempotent). Under the run's
-        permission policy (``ddp_core.run.permissions``): never writable by others, private if asked."""
+        """Create the layout, save the config, fix the run's identity (idempotent); ``run.permissions``' policy."""
         permissions.tighten(permissions.is_private(cfg.run.private))
         for sub in (self.path, self.checkpoints, self.slurm, self.wandb):
             sub.mkdir(parents=True, exist_ok=True)
