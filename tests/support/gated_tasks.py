@@ -1,0 +1,36 @@
+"""A task that stops at chosen batches until the test lets it go on: the test changes the world from outside (fills
+a filesystem, frees it) at exactly those points, then says go. No sleeps racing the job.
+
+``GatedDigitsTask(gate_dir=D, gates=[12, 25])``: rank 0, in the job's first attempt, at its 12th and 25th training
+batch (split() calls, which every strategy makes once per batch; a DDP attempt's first is its priming batch) writes
+``D/at-12`` and waits for ``D/go-12`` (at most ``wait_s``). The other ranks wait at the next collective. Numerics
+unchanged."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch.distributed as dist
+
+from ddp_core.tasks.digits import DigitsTask
+
+
+class GatedDigitsTask(DigitsTask):
+    def __init__(self, gate_dir: str = "", gates: Sequence[int] = (), wait_s: float = 120.0, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.gate_dir, self.gates, self.wait_s, self.batches = Path(gate_dir), set(gates), wait_s, 0
+
+    def split(self, batch: tuple) -> tuple:
+        self.batches += 1
+        first = os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+        if first and self.batches in self.gates and (not dist.is_initialized() or dist.get_rank() == 0):
+            (self.gate_dir / f"at-{self.batches}").touch()
+            deadline = time.monotonic() + self.wait_s
+            while not (self.gate_dir / f"go-{self.batches}").exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"gate {self.batches}: no go from the test within {self.wait_s:g} s")
+                time.sleep(0.05)
+        return super().split(batch)
