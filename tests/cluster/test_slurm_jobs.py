@@ -111,7 +111,7 @@ def test_infrastructure_failures_requeue_within_max_failures(slurm_cluster, tmp_
     assert sacct_state(job_id) == "FAILED"
     # The job ended for good: its node-local copies (a copy every 2 steps) went with it (the local cluster's nodes
     # share this machine's /dev/shm).
-    assert not Path("/dev/shm") / private.per_user_name(job_id).exists()
+    assert not (Path("/dev/shm") / private.per_user_name(job_id)).exists()
 
 
 def test_resumes_submit_one_job_which_skips_a_truncated_checkpoint(slurm_cluster, tmp_path):
