@@ -20,7 +20,7 @@ from ddp_core.cluster.slurm import GATEWAY, SlurmGateway
 from ddp_core.run.rundir import RunDir
 from tests.support import cluster_guard, users
 from tests.support.digits import DIGITS
-from tests.support.helpers import wait_gone
+from tests.support.helpers import digests, rank_logs, two_rank_reference, wait_gone
 
 # Tiny jobs of one CPU, held jobs and refusals: nothing global (the QOS limits are per user).
 # Every release's site pass runs them (slurm_interface): cgroups, limits and rate limiting differ between releases.
@@ -182,3 +182,42 @@ def test_ddpjob_names_the_qos_limit_that_refuses_a_job_and_refuses_a_sweep_over_
     assert "sbatch refused the job: the QOS's MaxSubmitJobPerUser limit (QOSMaxSubmitJobPerUserLimit)" in lines[0]
     assert "(hint: as many of your jobs are queued as it allows" in lines[0]
     assert not (shared_dir / "runs").exists() or not any((shared_dir / "runs").iterdir())  # nothing left behind
+
+
+TIER = ["train.max_steps=30", "checkpoint.every_steps=10", "train.log_every=5", "train.eval_every=0",
+        "wandb.mode=disabled", "slurm.nodes=1", "slurm.tasks_per_node=2"]  # fmt: skip
+
+
+def test_another_user_can_neither_plant_in_nor_read_a_users_job(slurm_cluster, alice, shared_dir, pytestconfig,
+                                                               tmp_path_factory):  # fmt: skip
+    """alice's private run with the node-local tier in /dev/shm, her job held back a few seconds: mallory sees its id
+    in squeue and makes the tier's folder first (0777, a forged copy in it, as the review did). The job refuses her
+    folder in one line and trains on with its durable checkpoints; mallory can read none of the run and write none
+    of what the job unpickles; the run ends bitwise equal to an uninterrupted one."""
+    mallory = users.ensure("mallory")
+    shared_dir.chmod(0o755)  # a project folder others may enter: the run's own privacy is what keeps them out
+    reference = two_rank_reference(pytestconfig, tmp_path_factory, "site-tier", str(DIGITS), TIER)
+    enter = [str(ENTER)] if ENTER.exists() else []
+    args = [*TIER, "checkpoint.local_every_steps=2", "checkpoint.local_path=/dev/shm", "run.private=true",
+            f"run.root={shared_dir / 'runs'}", "slurm.additional.begin=now+12"]  # fmt: skip
+    sub = users.run(alice, [users.SYSTEM_PYTHON, "-m", "jobs", "submit", str(DIGITS), *args], cwd=shared_dir,
+                    env=user_env(), enter=enter)  # fmt: skip
+    assert sub.returncode == 0, sub.stdout + sub.stderr
+    job_id = next(line.split()[-1] for line in sub.stdout.splitlines() if line.startswith("job:"))
+    (run,) = (shared_dir / "runs").iterdir()
+    planted = Path("/dev/shm") / f"ddpjob-{alice.name}-{job_id}"  # what ddp_core.run.private names it, as alice
+    attack = (f"mkdir -m 777 {planted} && mkdir -m 777 {planted}/n1 && echo forged > {planted}/n1/step_00000010.pt;"
+              f" cat {run}/config.yaml; ls {run}; echo x >> {run}/config.yaml; ls {run}/slurm")  # fmt: skip
+    tried = users.shell(mallory, attack)
+    try:
+        assert planted.is_dir() and planted.stat().st_uid == mallory.uid, tried.stderr
+        assert tried.stderr.count("Permission denied") == 4, tried.stdout + tried.stderr  # read, list, write, list
+        assert wait_gone(job_id, 240) == "COMPLETED"
+        seen = [e["event"] for e in RunDir(run).events()]
+        assert "local_tier_off" in seen and "failure" not in seen, seen
+        logs = rank_logs(run, job_id)
+        assert f"{planted} is owned by {mallory.name}" in logs[0], logs[0][-3000:]
+        assert digests(logs) == {0: reference, 1: reference}
+        assert sorted(p.name for p in planted.rglob("*")) == ["n1", "step_00000010.pt"]  # nothing of alice's there
+    finally:
+        shutil.rmtree(planted, ignore_errors=True)
