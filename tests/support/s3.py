@@ -92,3 +92,28 @@ def s3(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
     s3fs.S3FileSystem().mkdir(server.bucket)
     yield server
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def killed_while_uploading(bucket: str, url: str, script: str, key_end: str, timeout_s: float = 60) -> None:
+    """Run ``script`` (``sys.argv[1]``: ``url``) until it prints ``saved``, then SIGKILL it once a multipart upload of
+    an object whose key ends with ``key_end`` is in flight on the server (begun, not completed): a writer that dies
+    mid-upload, as a preempted node's would."""
+    import boto3
+
+    def uploading() -> bool:
+        uploads = boto3.client("s3").list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+        return any(u["Key"].endswith(key_end) for u in uploads)
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", script, url], stdout=subprocess.PIPE, text=True, cwd=root,
+                            env=os.environ | {"OMP_NUM_THREADS": "1"})  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "saved\n"
+        deadline = time.monotonic() + timeout_s
+        while not uploading() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert uploading(), f"no upload of *{key_end} began within {timeout_s:g} s"
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert proc.returncode == -9

@@ -2,10 +2,7 @@
 mode, tests/support/s3.py): the same format as on disk, parts first and the manifest last, without renames."""
 
 import logging
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,7 +15,6 @@ from ddp_core.checkpoint.full import FullWriter
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
 from tests.support import s3 as s3_support
-from tests.support.helpers import ROOT
 from tests.support.s3 import SECRET_KEY
 
 s3_server, s3 = s3_support.s3_server, s3_support.s3  # the fixtures
@@ -108,28 +104,9 @@ print("finished", flush=True)
 """
 
 
-def _uploading(bucket):
-    """Whether a multipart upload of step 2's data is in flight (begun, not completed) on the server."""
-    import boto3
-
-    uploads = boto3.client("s3").list_multipart_uploads(Bucket=bucket).get("Uploads", [])
-    return any(u["Key"].endswith("step_00000002.pt") for u in uploads)
-
-
 def test_kill_9_during_an_upload_leaves_the_earlier_checkpoint(s3):
     url = s3.url("killed")
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, url], stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=os.environ | {"OMP_NUM_THREADS": "1"})  # fmt: skip
-    try:
-        assert proc.stdout is not None and proc.stdout.readline() == "saved\n"
-        deadline = time.monotonic() + 60
-        while not _uploading(s3.bucket) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert _uploading(s3.bucket)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    assert proc.returncode == -signal.SIGKILL
+    s3_support.killed_while_uploading(s3.bucket, url, KILLED_CHILD, "step_00000002.pt")
     assert objects(url) == ["step_00000001.json", "step_00000001.pt"]  # the half upload is not an object
     latest = checkpoint.find_latest(url)
     assert latest is not None and latest.step == 1

@@ -6,10 +6,6 @@ re-save leaves a complete, verified copy of the step. Failures are real: a small
 import errno
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import s3fs
@@ -19,7 +15,6 @@ from ddp_core.checkpoint import store
 from ddp_core.run.diskfull import disk_error
 from tests.support import s3 as s3_support
 from tests.support.filesystems import fill, pages, small_tmpfs
-from tests.support.helpers import ROOT
 
 s3_server, s3 = s3_support.s3_server, s3_support.s3  # the fixtures
 
@@ -103,27 +98,9 @@ print("finished", flush=True)
 """
 
 
-def _uploading(bucket):
-    import boto3
-
-    uploads = boto3.client("s3").list_multipart_uploads(Bucket=bucket).get("Uploads", [])
-    return any(u["Key"].endswith("step_00000010.1.pt") for u in uploads)
-
-
 def test_kill_9_during_a_resave_upload_keeps_the_step(s3):
     url = s3.url("killed")
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, url], stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=os.environ | {"OMP_NUM_THREADS": "1"})  # fmt: skip
-    try:
-        assert proc.stdout is not None and proc.stdout.readline() == "saved\n"
-        deadline = time.monotonic() + 60
-        while not _uploading(s3.bucket) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert _uploading(s3.bucket)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    assert proc.returncode == -signal.SIGKILL
+    s3_support.killed_while_uploading(s3.bucket, url, KILLED_CHILD, "step_00000010.1.pt")
     assert objects(url) == ["step_00000010.json", "step_00000010.pt"]  # the half upload is not an object
     latest = store.find_latest(url)
     assert latest is not None and latest.step == 10 and torch.equal(store.load(latest)["w"], torch.ones(4))
