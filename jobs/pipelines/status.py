@@ -24,6 +24,7 @@ def find(path: Optional[str]) -> Optional[Path]:
     if path is None:
         return None
     given = Path(path)
+    lookup.readable(given, path)
     if (given / record.FILE).is_file():
         return given
     if given.suffix in (".yaml", ".yml") and given.is_file():

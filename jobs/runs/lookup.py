@@ -3,11 +3,16 @@
 ``ID_INDEX``), or its name (``run.name``, or the directory's name under the runs root). ``resolve`` turns any of
 them into the run's directory, or fails in one line: an unknown reference says where it looked, an ambiguous one
 lists the candidates. Commands that also show a sweep (``status``, ``logs``, ``report``) accept a sweep folder or its
-name the same way."""
+name the same way. A folder this user may not read (another user's run on a shared filesystem) is one line naming
+its owner (``readable``), not a traceback from the first file opened in it."""
 
 from __future__ import annotations
 
+import getpass
+import os
+import pwd
 import re
+import stat
 from pathlib import Path
 
 from ddp_core.errors import DdpJobError
@@ -23,6 +28,7 @@ def resolve(ref: str, root: Path = DEFAULT_ROOT, sweeps: bool = False) -> Path:
     """The run directory (or, with ``sweeps``, the sweep folder) ``ref`` names; ``DdpJobError`` otherwise."""
     kind = "a run directory or a sweep folder" if sweeps else "a run directory"
     path = Path(ref)
+    readable(path, ref)
     if path.is_dir():
         if RunDir(path).exists() or (sweeps and find_runs(path)):
             return path.resolve()
@@ -37,6 +43,28 @@ def resolve(ref: str, root: Path = DEFAULT_ROOT, sweeps: bool = False) -> Path:
             found += [d for d in _folders(root) if d.name == ref and find_runs(d) and d not in found]
         return _one(ref, found, root, "is named")
     raise DdpJobError(f"'{ref}' is not {kind}, a job id or a run name", f"pass {kind}, a job id or a run name")
+
+
+def readable(path: Path, ref: str) -> None:
+    """``DdpJobError`` if this user may not reach ``path`` (a folder above it closed to her) or list and enter it, when
+    it is a folder; a missing path passes (the callers say what they looked for)."""
+    hint = "pass a run of your own, or ask its owner to share it (a group of yours and chmod -R g+rX)"
+    try:
+        info = path.stat()
+    except PermissionError:
+        closed = f"'{ref}' cannot be reached by {getpass.getuser()}: a folder above it is closed to you"
+        raise DdpJobError(closed, hint) from None
+    except OSError:
+        return
+    if not stat.S_ISDIR(info.st_mode) or os.access(path, os.R_OK | os.X_OK):
+        return
+    try:
+        owner = pwd.getpwuid(info.st_uid).pw_name
+    except KeyError:
+        owner = f"uid {info.st_uid}"
+    raise DdpJobError(
+        f"'{ref}' cannot be read by {getpass.getuser()}: it belongs to {owner} (mode {info.st_mode & 0o7777:04o})", hint
+    )
 
 
 def _one(ref: str, found: list[Path], root: Path, how: str) -> Path:

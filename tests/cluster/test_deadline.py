@@ -18,7 +18,8 @@ import pytest
 from tests.support.cli_runner import field, run_cli
 from tests.support.helpers import ROOT, events, rank_logs, wait_gone
 
-pytestmark = [pytest.mark.cluster_shared("a"), pytest.mark.slurm_interface]  # 2-CPU jobs: cluster_guard.py
+# 2-CPU jobs: cluster_guard.py; cluster_user: it passes as ddpjob-alice too (tests/support/as_user.py)
+pytestmark = [pytest.mark.cluster_shared("a"), pytest.mark.slurm_interface, pytest.mark.cluster_user]
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 # 400 steps of 0.3 s in the first attempt (120 s: a two-minute limit less the 30 s margin cannot hold them), a few
 # seconds once requeued. Two minutes, not one: the requeued attempt has the limit less the margin (90 s) for its start,

@@ -17,7 +17,8 @@ import pytest
 from tests.support.cli_runner import run_cli
 from tests.support.helpers import ROOT, events, sacct_state, wait_gone
 
-pytestmark = [pytest.mark.cluster_shared("a")]  # one-CPU jobs: see tests/support/cluster_guard.py
+# one-CPU jobs: see tests/support/cluster_guard.py; cluster_user: as ddpjob-alice too (tests/support/as_user.py)
+pytestmark = [pytest.mark.cluster_shared("a"), pytest.mark.cluster_user]
 TRAIN = [
     "task.target=tests.support.tasks:SignalledDigitsTask", "train.max_steps=60", "optim.warmup_steps=0",
     "train.eval_every=20", "train.log_every=10", "checkpoint.every_steps=20", "checkpoint.monitor=max:eval/accuracy",

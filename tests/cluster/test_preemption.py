@@ -205,6 +205,7 @@ def test_time_limit_warning_counts_as_timeout(slurm_cluster, tmp_path):
 
 
 @pytest.mark.slurm_interface
+@pytest.mark.cluster_user
 def test_sbatch_template_job_requeues_itself(reference, tmp_path):
     # The plain-sbatch path (no submitit): same signal, same self-requeue, same final weights. The submit directory
     # holds a user's jobs.py and ddp_core.py: submit.sh, the batch script and its tasks never import them.

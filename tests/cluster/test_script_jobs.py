@@ -69,6 +69,7 @@ def charlm_reference(slurm_cluster, tmp_path_factory) -> str:
 
 
 @pytest.mark.slurm_interface
+@pytest.mark.cluster_user
 def test_tutorial_script_runs_unchanged_on_two_nodes(slurm_cluster, tmp_path):
     """examples/ddp_tutorial.py (no ddpjob import) as a 2-node job: world size 2, one rank on each of n1 and n2;
     then the same through the sbatch template (scripts/submit.sh)."""
@@ -122,6 +123,7 @@ def test_charlm_script_interrupted_twice_ends_bitwise_equal(charlm_reference, tm
 
 
 @pytest.mark.slurm_interface
+@pytest.mark.cluster_user
 def test_tutorial_under_torchrun_on_two_nodes(slurm_cluster, tmp_path):
     """script.launcher=torchrun, 2 nodes x 2 ranks: one Slurm task per node (its log holds the node's ranks), whose
     torchrun agent starts ranks 0-1 on n1 and 2-3 on n2, world size 4, rendezvous on n1."""

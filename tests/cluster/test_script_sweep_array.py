@@ -15,6 +15,7 @@ from tests.support.script_sweeps import QUIET, TRAIN, trials_of
 
 
 @pytest.mark.slurm_interface
+@pytest.mark.cluster_user
 def test_script_sweep_runs_as_one_array(slurm_cluster, tmp_path):
     """Four trials of a small script, one array job: every trial completes with its own arguments; status lists the
     four, report draws four curves."""

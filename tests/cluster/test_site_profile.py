@@ -16,7 +16,7 @@ from typing import Iterator
 
 import pytest
 
-from ddp_core.cluster.slurm import GATEWAY, SlurmGateway
+from ddp_core.cluster.slurm import GATEWAY
 from ddp_core.run.rundir import RunDir
 from tests.support import cluster_guard, users
 from tests.support.digits import DIGITS
@@ -38,16 +38,7 @@ NO_ASSOCIATION = (
 RATE_LIMITED = "squeue: RPC rate limited 1 time(s). Sleeping then trying again."
 
 
-def user_env() -> dict[str, str]:
-    # /usr/sbin for the tree's entry (pivot_root), which runs as root before the privileges drop
-    conf = os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")
-    return users.python_env({"SLURM_CONF": conf, "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"})
-
-
-def gateway_as(user: users.User) -> SlurmGateway:
-    """ddpjob's Slurm gateway, its commands run as ``user`` (inside the release's tree when it has one)."""
-    enter = [str(ENTER)] if ENTER.exists() else []
-    return SlurmGateway(lambda cmd: users.run(user, cmd, env=user_env(), enter=enter, timeout=60))
+user_env, gateway_as = users.slurm_env, users.gateway_as  # her environment and her Slurm gateway
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.cluster_shared("a")]  # 2-CPU jobs: see tests/support/
 
 # Not a release pass's (slurm_interface): submitit's submission, the job's accounting and a multi-rank job show there
 # in test_gpu_slurm's 2-node job, test_status_real_jobs's and the drill.
+@pytest.mark.cluster_user
 def test_ddp_job_completes_with_two_ranks(slurm_cluster, tmp_path):
     proc = run_cli("submit", DIGITS, "--wait", *QUICK, "wandb.mode=offline", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr

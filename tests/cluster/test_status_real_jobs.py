@@ -20,6 +20,7 @@ from tests.support.helpers import ROOT, events, in_queue, wait_for, wait_gone
 
 @pytest.mark.cluster_shared("b")  # one 2-rank job at a time on one node: see tests/support/cluster_guard.py
 @pytest.mark.slurm_interface
+@pytest.mark.cluster_user
 def test_status_logs_and_cancel_on_real_jobs(slurm_cluster, tmp_path):
     digits = str(ROOT / "configs" / "digits.yaml")
     proc = run_cli("submit", digits, "--wait", "train.max_steps=30", "train.eval_every=0", "checkpoint.every_steps=10",

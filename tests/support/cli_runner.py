@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import io
 import logging
 import os
@@ -28,8 +29,12 @@ from pathlib import Path
 from jobs import cli
 
 IN_PROCESS = frozenset({"submit", "sweep", "resume", "prepare", "export", "pipeline"})
-# Where the modules a command may import and this process keeps come from: the venv, Python's own, the project.
-KEEP = tuple(str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix, Path(__file__).parents[2]))
+# Where the modules a command may import and this process keeps come from: the venv, Python's own, the project. The
+# venv's site-packages by where torch is: a user's Debian python has it on PYTHONPATH, outside sys.prefix (as alice,
+# tests/support/as_user.py), and a torch forgotten and imported again crashed her pytest in its garbage collection.
+_TORCH = importlib.util.find_spec("torch")
+_SITE = Path(_TORCH.origin).parents[1] if _TORCH and _TORCH.origin else Path(sys.prefix)
+KEEP = tuple(str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix, _SITE, Path(__file__).parents[2]))
 
 
 def run(

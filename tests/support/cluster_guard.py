@@ -52,6 +52,7 @@ def instance_mismatch(env: Mapping[str, str]) -> str | None:
 
 HOME = cluster_home(os.environ)
 UNHEALTHY = ("down", "drain", "drng", "fail", "failg", "maint", "unk")
+LOCK_FILES = ("tests.turnstile", "tests.lock")  # a user's pass needs them writable (tests/support/as_user.py)
 LEFTOVER_GRACE_S = 30  # a cancelled or finishing job of the last test may still be completing
 
 
@@ -90,7 +91,8 @@ def _settle(timeout: float) -> bool:
 def turn(shared: bool) -> Iterator[list[str]]:
     """Hold the cluster, alone or (``shared``) beside other shared tests, and heal it first; yields the repairs."""
     HOME.mkdir(parents=True, exist_ok=True)
-    with open(HOME / "tests.turnstile", "a") as gate, open(HOME / "tests.lock", "a") as lock:
+    gate_name, lock_name = LOCK_FILES
+    with open(HOME / gate_name, "a") as gate, open(HOME / lock_name, "a") as lock:
         fcntl.flock(gate, fcntl.LOCK_EX)  # in arrival order: a waiting exclusive test holds the gate
         try:
             fcntl.flock(lock, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)

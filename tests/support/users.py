@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+from ddp_core.cluster.slurm import SlurmGateway
+from tests.support.cluster_guard import HOME as CLUSTER_HOME
 from tests.support.helpers import ROOT
 
 PROJECT_GROUP = "ddpjob-proj"
@@ -103,16 +105,39 @@ def run(
     """``argv`` as ``user`` (real uid, gid and supplementary groups), with ``umask``, in ``cwd`` (default: the home).
     ``enter``: a command that runs the rest as root first, the privileges dropped inside it (a Slurm release's root
     filesystem, ``$DDPJOB_SLURM_HOME/bin/.enter``: entering it needs root)."""
-    full = {"HOME": str(user.home), "USER": user.name, "LOGNAME": user.name, **(env or python_env())}
-    command = [
+    return subprocess.run(
+        command(user, argv, umask=umask, enter=enter), cwd=cwd or user.home, env=user_environ(user, env),
+        capture_output=True, text=True, check=check, timeout=timeout,
+    )  # fmt: skip
+
+
+def command(user: User, argv: Sequence[str], *, umask: int = 0o022, enter: Sequence[str] = ()) -> list[str]:
+    """The command line that runs ``argv`` as ``user`` (see ``run``; ``tests.support.as_user`` execs it)."""
+    return [
         *enter, "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups", "--inh-caps=-all",
         "sh", "-c", f'umask {umask:03o} && exec "$@"', "sh", *argv,
     ]  # fmt: skip
-    return subprocess.run(
-        command, cwd=cwd or user.home, env=full, capture_output=True, text=True, check=check, timeout=timeout
-    )
+
+
+def user_environ(user: User, env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """``env`` (default: ``python_env()``) with the user's own HOME, USER and LOGNAME."""
+    return {"HOME": str(user.home), "USER": user.name, "LOGNAME": user.name, **(env or python_env())}
 
 
 def shell(user: User, script: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
     """A ``sh -c`` script as ``user`` (see ``run``)."""
     return run(user, ["sh", "-c", script], **kwargs)  # type: ignore[arg-type]
+
+
+def slurm_env() -> dict[str, str]:
+    """``python_env`` with the cluster's ``SLURM_CONF``; /usr/sbin on PATH for a release tree's entry (pivot_root),
+    which runs as root before the privileges drop."""
+    conf = os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")
+    return python_env({"SLURM_CONF": conf, "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"})
+
+
+def gateway_as(user: User) -> SlurmGateway:
+    """ddpjob's Slurm gateway, its commands run as ``user`` (inside the release's tree when it has one)."""
+    entry = CLUSTER_HOME / "bin" / ".enter"
+    enter = [str(entry)] if entry.exists() else []
+    return SlurmGateway(lambda cmd: run(user, cmd, env=slurm_env(), enter=enter, timeout=60))

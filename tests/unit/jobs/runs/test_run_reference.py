@@ -5,6 +5,8 @@ own words (``resume`` and ``export`` took one already)."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from ddp_core.config import load_config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
 from jobs.runs.lookup import resolve
+from tests.support import users
 from tests.support.cli_runner import run_cli
 from tests.support.helpers import ROOT
 
@@ -82,3 +85,25 @@ def test_every_command_takes_the_job_id_submit_printed(runs, command, reached):
     assert reached in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     wrong = run_cli(command, "999", cwd=runs.parent)
     assert wrong.returncode == 2 and "ddpjob: error: no run under 'runs' has job '999'" in wrong.stderr, wrong.stderr
+
+
+@pytest.mark.parametrize("command", ["status", "logs"])
+def test_another_users_run_is_one_line_naming_its_owner(tmp_path, command):
+    """Root's run given to alice's ddpjob, in a folder she may list (mode 0700: its owner in one line) and in one she
+    may not enter (pytest's, mode 0700): not the ``PermissionError`` of the first file opened in it (a real second
+    user: ``tests/support/users.py``)."""
+    alice = users.ensure("alice")
+    hint = "(hint: pass a run of your own, or ask its owner to share it (a group of yours and chmod -R g+rX))"
+    shared = Path(tempfile.mkdtemp(dir="/var/tmp"))
+    try:
+        shared.chmod(0o755)
+        closed = _run(tmp_path / "closed", "123")
+        for run in (_run(shared / "run", "124"), closed):
+            run.chmod(0o700)
+            proc = users.run(alice, [users.SYSTEM_PYTHON, "-m", "jobs", command, str(run)])
+            why = "reached by ddpjob-alice: a folder above it is closed to you" if run == closed else \
+                "read by ddpjob-alice: it belongs to root (mode 0700)"  # fmt: skip
+            assert proc.returncode == 2, proc.stdout + proc.stderr
+            assert proc.stderr.splitlines() == [f"ddpjob: error: '{run}' cannot be {why} {hint}"], proc.stderr
+    finally:
+        shutil.rmtree(shared)

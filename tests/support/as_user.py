@@ -1,0 +1,69 @@
+"""pytest itself as an unprivileged user (issue 54: the cluster tests run as a user, not root).
+
+``.venv/bin/python -m tests.support.as_user [pytest args]``, as root, with the cluster's environment
+(``eval "$(scripts/slurm-local env)"``): creates the user (``DDPJOB_TEST_USER``, default ``alice``:
+``ddpjob-alice``) if missing and execs ``/usr/bin/python3 -m pytest ARGS`` under her real uid, gid and groups
+(``users.command``), so every job the tests submit is hers and Slurm and the kernel refuse what she may not do. Root
+is needed only to get there; nothing runs as root after the exec, and she gets no sudo.
+
+What she needs, and why each piece is here: Debian's python with the venv's site-packages and the checkout on
+``PYTHONPATH`` (``users.python_env``: the venv's own python lives under ``/root``); her own ``HOME``; pytest's
+``--basetemp`` and cache in a folder she owns (``/var/tmp/ddpjob-pytest-<user>``: tmp_path, the cached reference
+runs); the cluster's ``SLURM_CONF``, ``DDPJOB_SLURM_HOME`` and ``PATH``; and the cluster guard's lock files beside the
+cluster's state opened for writing (``tests/support/cluster_guard.py``: root creates them, mode 0666).
+
+Slurm 22.05 (the host's commands) only: on 24.11 and 26.05 the client wrappers enter the release's root filesystem,
+which needs root (``unshare: unshare failed: Operation not permitted`` as her), and pytest would have to run inside
+that tree (docs/local-cluster.md, "Running the tests as a user").
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from tests.support import cluster_guard, users
+from tests.support.helpers import ROOT
+
+# What the tests read from the caller's environment (scripts/test's and the cluster's); everything else is dropped.
+PASSED = ("SLURM_CONF", "DDPJOB_SLURM_HOME", "DDPJOB_REQUIRE_SLURM", "DDPJOB_FUZZ_SCALE", "PYTEST_ADDOPTS", "TERM")
+
+
+def prepare(user: users.User) -> Path:
+    """Her folder for pytest's temporary files and cache (emptied), and the cluster guard's files she must lock."""
+    folder = Path(f"/var/tmp/ddpjob-pytest-{user.name}")
+    folder.mkdir(mode=0o700, exist_ok=True)
+    os.chown(folder, user.uid, user.gid)
+    cluster_guard.HOME.mkdir(parents=True, exist_ok=True)
+    for name in cluster_guard.LOCK_FILES:
+        path = cluster_guard.HOME / name
+        path.touch()
+        path.chmod(0o666)
+    return folder
+
+
+def environment(user: users.User) -> dict[str, str]:
+    env = users.python_env({k: os.environ[k] for k in PASSED if k in os.environ})
+    slurm_bin = cluster_guard.HOME / "bin"  # a release's client wrappers (scripts/slurm-local env puts them first)
+    if slurm_bin.is_dir():
+        env["PATH"] = f"{slurm_bin}:{env['PATH']}"
+    return users.user_environ(user, env)
+
+
+def main(argv: list[str]) -> None:
+    if os.geteuid() != 0:
+        sys.exit("tests.support.as_user: run it as root (it creates the user and drops to her)")
+    if mismatch := cluster_guard.instance_mismatch(os.environ):
+        sys.exit(f'tests.support.as_user: {mismatch}: eval "$(scripts/slurm-local env)" first')
+    user = users.ensure(os.environ.get("DDPJOB_TEST_USER", "alice"))
+    folder = prepare(user)
+    pytest = [users.SYSTEM_PYTHON, "-m", "pytest", f"--basetemp={folder / 'basetemp'}",
+              "-o", f"cache_dir={folder / 'cache'}", *argv]  # fmt: skip
+    os.chdir(ROOT)
+    cmd = users.command(user, pytest)
+    os.execvpe(cmd[0], cmd, environment(user))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
