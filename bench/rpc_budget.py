@@ -1,9 +1,10 @@
 """The controller's RPCs that waiting on jobs costs, from ``sdiag``'s per-user counts (counters reset first): ``submit
 --wait`` of one 2-node digits job (the client and the job's own watchers together, both as root here), and ``status
---watch`` of a job array (per poll, and per minute), against the baseline of the same minutes with nothing asking
-(the daemons' own RPCs, which run as root too) and against the old loop's cost (one ``squeue -j`` every 0.5 s).
+--watch`` of a real sweep of 1,000 trials, its array held (per minute), against the baseline of the same minutes
+with nothing asking (the daemons' own RPCs, which run as root too) and against the old loop's cost (one ``squeue -j``
+every 0.5 s).
 
-    cd REPO && eval "$(scripts/slurm-local env)" && PYTHONPATH=. .venv/bin/python bench/rpc_budget.py [--tasks 100]
+    cd REPO && eval "$(scripts/slurm-local env)" && PYTHONPATH=. .venv/bin/python bench/rpc_budget.py [--trials 1000]
 
 Needs the local cluster, alone (it resets the controller's counters). Targets: each at most 30 RPCs a minute.
 """
@@ -57,7 +58,8 @@ def per_minute(rpcs: float, seconds: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", type=int, default=100, help="array tasks of the watched sweep")
+    parser.add_argument("--trials", type=int, default=1000, help="trials of the watched sweep")
+    parser.add_argument("--watch-s", type=int, default=60, help="how long the sweep is watched")
     args = parser.parse_args()
     ddpjob = [sys.executable, "-m", "jobs"]
     with tempfile.TemporaryDirectory(dir=ROOT / ".." if os.access(ROOT.parent, os.W_OK) else None) as tmp:
@@ -68,32 +70,27 @@ def main() -> None:
         base_rate = per_minute(base, min(wait_s, 60))
         old_rate = 3 * 60 / 0.5  # one squeue -j (3 RPCs) every 0.5 s
         rows = [("submit --wait, 2-node job", waited, wait_s, per_minute(waited, wait_s) - base_rate, old_rate)]
-        # A sweep-sized array of tiny tasks, watched as one run folder per task would be: here one array job's
-        # tasks through status of a folder of fabricated runs naming them (the per-poll cost is one query).
-        script = cwd / "tiny.sh"
-        script.write_text("#!/bin/bash\nsleep 20\n")
-        opts = ["--parsable", f"--array=0-{args.tasks - 1}", "-p", "local", "-n1", "-o", "/dev/null"]
-        sub = subprocess.run(["sbatch", *opts, str(script)], capture_output=True, text=True, check=True)
-        array = sub.stdout.strip().split(";")[0]
-        sweep = cwd / "runs" / "sweep"
-        for i in range(args.tasks):
-            run = sweep / f"t{i:04d}"
-            run.mkdir(parents=True)
-            (run / "run.json").write_text(f'{{"run_id": "r{i}", "jobs": [{{"job_id": "{array}_{i}"}}]}}')
-            (run / "config.yaml").write_text(f"run:\n  name: t{i:04d}\n")
-        watched, watch_s, out = measured(
-            ["timeout", "-s", "INT", "40", *ddpjob, "status", str(sweep), "--watch", "2"], cwd
-        )
-        print(out[-1500:])
+        # A real sweep of --trials trials, its array held (sbatch --hold: every task pending, so the watch keeps
+        # refreshing), watched for a minute; then cancelled.
+        sweep = subprocess.run([*ddpjob, "sweep", DIGITS, f"train.seed=range(0,{args.trials})", "wandb.mode=disabled",
+                                "slurm.additional={hold: true}"], cwd=cwd, capture_output=True, text=True)  # fmt: skip
+        assert sweep.returncode == 0, sweep.stdout + sweep.stderr
+        arrays = next(line.split()[1:] for line in sweep.stdout.splitlines() if line.startswith("arrays:"))
+        try:
+            watched, watch_s, out = measured(
+                ["timeout", "-s", "INT", str(args.watch_s), *ddpjob, "status", "digits-sweep", "--watch", "2"], cwd
+            )
+        finally:
+            subprocess.run(["scancel", *arrays], capture_output=True)
         queries = out.count("every 2 s")
-        rows.append((f"status --watch, {args.tasks}-task array", watched, watch_s,
-                     per_minute(watched, watch_s) - base_rate, 60 / 10 * 0))  # fmt: skip
+        rows.append((f"status --watch, {args.trials}-trial sweep", watched, watch_s,
+                     per_minute(watched, watch_s) - base_rate, 3 * 60 / 2))  # fmt: skip
     print(f"baseline (nothing asking): {base} RPCs in {min(wait_s, 60):.0f} s = {base_rate:.1f}/min\n")
     print("| case | RPCs | seconds | RPCs/min above baseline | target | old loop RPCs/min |")
     print("|---|---|---|---|---|---|")
     for case, rpcs, secs, rate, old in rows:
         print(f"| {case} | {rpcs} | {secs:.0f} | {rate:.1f} | 30 | {old:.0f} |")
-    print(f"\nstatus --watch refreshed {queries} times")
+    print(f"\nstatus --watch refreshed {queries} times in {watch_s:.0f} s")
 
 
 if __name__ == "__main__":
