@@ -71,7 +71,18 @@ def ensure(short: str) -> User:
     if name not in grp.getgrnam(PROJECT_GROUP).gr_mem:
         subprocess.run(["usermod", "-a", "-G", PROJECT_GROUP, name], check=True)
     os.chmod(user.home, 0o700)
+    reachable(ROOT)
     return user
+
+
+def reachable(path: Path) -> None:
+    """Let every user enter the folders above ``path`` (the checkout: the test users import its code and the venv's
+    packages from it): a folder without search permission for others (a clone under ``/root``, 0700) gets ``o+x``,
+    entering only, never listing. The folders here are 0755 already; a CI clone's parents may not be."""
+    for folder in [path, *path.parents]:
+        mode = folder.stat().st_mode
+        if not mode & 0o001:
+            os.chmod(folder, mode | 0o001)
 
 
 def project_gid() -> int:
