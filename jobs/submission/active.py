@@ -25,12 +25,18 @@ def slurm_jobs(run_dir: RunDir) -> list[str]:
     return [j for j in dict.fromkeys(ids) if SLURM_ID.fullmatch(j)]
 
 
+def queued(job_ids: list[str], gateway: SlurmGateway = GATEWAY, strict: bool = False) -> set[str]:
+    """Those of ``job_ids`` (array tasks as ARRAY_INDEX) still pending or running: one squeue for all of them.
+    ``strict``: a squeue that cannot answer is one line (``SlurmGateway.squeue_ids``), not "none"."""
+    arrays = sorted({j.split("_")[0] for j in job_ids})
+    return {listed for listed, _ in gateway.squeue_ids(arrays, strict=strict)}
+
+
 def refuse_if_active(run_dir: RunDir, gateway: SlurmGateway = GATEWAY, this_job: str = "") -> None:
     """One line if a job of the run other than ``this_job`` is still queued or running, or if Slurm cannot say."""
     ids = [j for j in slurm_jobs(run_dir) if j != this_job]
-    arrays = sorted({j.split("_")[0] for j in ids})
-    queued = {listed for listed, _ in gateway.squeue_ids(arrays, strict=True)}
-    if active := [j for j in ids if j in queued]:
+    running = queued(ids, gateway, strict=True)
+    if active := [j for j in ids if j in running]:
         raise DdpJobError(
             f"run {run_dir.name} is still queued or running as job {active[0]}", "wait for it or scancel it first"
         )

@@ -23,6 +23,7 @@ from ddp_core.config import Config
 from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import CODE_RECORD, RunDir, atomic_write_text
 from jobs.submission import checks, snapshot
+from jobs.submission.active import queued
 from jobs.submission.render import Layout, render
 from jobs.submission.request import SlurmRequest
 from jobs.submission.submit import queue, submitted_or_withdrawn, task_function
@@ -86,15 +87,6 @@ def check_sweep(sweep: Sweep, local_check: bool = True) -> SlurmRequest:
     return dataclasses.replace(request, job_name=first.slurm.job_name or sweep.name)
 
 
-def active_jobs(job_ids: list[str], strict: bool = False) -> set[str]:
-    """Job ids (array tasks as ARRAY_INDEX) still pending or running: one squeue call for all of them. ``strict``:
-    a squeue that cannot answer is one line (``SlurmGateway.squeue_ids``), not "none"."""
-    if not job_ids:
-        return set()
-    arrays = sorted({j.split("_")[0] for j in job_ids})
-    return {job_id for job_id, _ in GATEWAY.squeue_ids(arrays, strict=strict)}
-
-
 def plan(sweep: Sweep) -> list[TrialPlan]:
     root = sweep_dir(sweep)
     same_base(sweep, root)
@@ -108,7 +100,7 @@ def plan(sweep: Sweep) -> list[TrialPlan]:
         else:
             action = "resume" if run_dir.exists() else "submit"
         plans.append(TrialPlan(trial, trial_config(sweep, trial, cfg), run_dir, action))
-    active = active_jobs([j for ids in recorded.values() for j in ids])
+    active = queued([j for ids in recorded.values() for j in ids], GATEWAY)
     return [
         dataclasses.replace(p, action="active")
         if p.action == "resume" and any(j in active for j in recorded[p.trial.trial_id])
