@@ -34,7 +34,6 @@ from jobs.submission import limits
 # (many jobs checkpointing at once when a big job preempts them) is slower than when it was measured.
 MARGIN_FACTOR, MARGIN_S = 1.5, 5.0
 QOS_FIELDS = ("Name", "Preempt", "PreemptMode", "GraceTime", "MaxSubmitPU")
-ASSOC_FIELDS = ("Partition", "DefaultQOS", "MaxSubmit", "GrpSubmit")
 PREEMPTIBLE = ("REQUEUE", "CANCEL")  # the modes that end an attempt (SUSPEND and GANG only pause it)
 
 
@@ -85,7 +84,7 @@ def read_cluster(gateway: SlurmGateway, partition: Optional[str]) -> Cluster:
     if config.get("AccountingStorageType", "none").endswith("none"):
         return Cluster(config, part, partitions, None, None, "AccountingStorageType=accounting_storage/none")
     qos = gateway.qos_records(QOS_FIELDS)
-    assoc = gateway.associations(getpass.getuser(), ASSOC_FIELDS)
+    assoc = gateway.associations(getpass.getuser(), limits.ASSOC_FIELDS)
     return Cluster(config, part, partitions, qos, assoc, gateway.accounting_error())
 
 

@@ -19,7 +19,7 @@ from ddp_core.errors import DdpJobError
 
 LIMIT = re.compile(r"\b(QOS|Assoc)(Grp|Max)(\w+?)(PerUser|PerAccount|PerJob|PerNode|MinsPerJob)?Limit\b")
 QOS_FIELDS = ("Name", "MaxSubmitPU")
-ASSOC_FIELDS = ("Partition", "DefaultQOS", "MaxSubmit", "GrpSubmit")
+ASSOC_FIELDS = ("Partition", "DefaultQOS", "MaxSubmit", "GrpSubmit")  # job_qos, submit_limit (and the doctor)
 MINE = "sacctmgr show assoc user=$USER format=account,partition,qos,maxsubmit"
 ASK_LESS = "ask for less (slurm.nodes, slurm.tasks_per_node, slurm.cpus_per_task, slurm.gpus_per_node, slurm.mem_gb)"
 
