@@ -21,12 +21,12 @@ from tests.support.helpers import ROOT, events, rank_logs, wait_gone
 # 2-CPU jobs: cluster_guard.py; cluster_user: it passes as ddpjob-alice too (tests/support/as_user.py)
 pytestmark = [pytest.mark.cluster_shared("a"), pytest.mark.slurm_interface, pytest.mark.cluster_user]
 DIGITS = str(ROOT / "configs" / "digits.yaml")
-# 400 steps of 0.3 s in the first attempt (120 s: a two-minute limit less the 30 s margin cannot hold them), a few
-# seconds once requeued. Two minutes, not one: the requeued attempt has the limit less the margin (90 s) for its start,
-# its steps and its save, which a loaded 2-core CI machine needs (at one minute its starts took 25 s and each attempt
-# ran into the deadline again).
+# 120 steps of 1 s in the first attempt (a two-minute limit less the 30 s margin cannot hold them), the 30 to 100 left
+# at full speed once requeued. Few steps, slow ones: the requeued attempt has the limit less the margin (90 s) for its
+# start, its steps and its save, and on a loaded 2-core CI machine a start took 25 s and a full-speed 2-node step up to
+# 0.2 s (with 400 steps of 0.3 s, the ~300 left made the requeued attempt run into the deadline again).
 CONFIG = [
-    "task.target=tests.support.tasks:SlowFirstAttemptDigitsTask", "task.data.pause_s=0.3", "train.max_steps=400",
+    "task.target=tests.support.tasks:SlowFirstAttemptDigitsTask", "task.data.pause_s=1.0", "train.max_steps=120",
     "train.log_every=5", "checkpoint.every_steps=20", "data.batch_size=16", "wandb.mode=disabled",
     "slurm.signal=none", "slurm.time_min=2",  # no warning signal; slurm.deadline_margin_s: its default, 30 s
 ]  # fmt: skip
@@ -55,7 +55,7 @@ def test_without_a_signal_the_job_saves_and_requeues_itself_before_its_time_limi
     starts = events(run_dir, "start")
     assert [(e["job_id"], e["restart_count"]) for e in starts] == [(job_id, 0), (job_id, 1)]
     (stopped,) = [e["step"] for e in events(run_dir, "interrupted")]
-    assert 0 < stopped < 400 and starts[1]["step"] == stopped
+    assert 0 < stopped < 120 and starts[1]["step"] == stopped
 
     # Saved and requeued before the first attempt's EndTime (its start plus the two-minute limit), never killed.
     first, last = attempts(job_id)
@@ -70,4 +70,4 @@ def test_without_a_signal_the_job_saves_and_requeues_itself_before_its_time_limi
     logs = rank_logs(run_dir, job_id)
     assert "deadline stop: now + " in logs[0] and "stopping at step" in logs[1]
     assert f"resumed from step_{stopped:08d}.pt" in logs[0], logs[0][-3000:]
-    assert "finished at step 400" in logs[0]
+    assert "finished at step 120" in logs[0]
