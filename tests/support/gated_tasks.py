@@ -34,3 +34,29 @@ class GatedDigitsTask(DigitsTask):
                     raise TimeoutError(f"gate {self.batches}: no go from the test within {self.wait_s:g} s")
                 time.sleep(0.05)
         return super().split(batch)
+
+
+class StormDigitsTask(DigitsTask):
+    """The fault storm's task (tests/support/storm.py): rank 0 counts its training batches across the whole run, every
+    attempt and launch, in ``D/batches`` (replaced whole: a rank killed while writing leaves the old count); at the
+    count ``gates[I]`` it writes ``D/at-I`` and waits for ``D/go-I``. The count goes on through restarts, so gate I
+    comes once, wherever the faults before it sent the run. Numerics unchanged."""
+
+    def __init__(self, gate_dir: str = "", gates: Sequence[int] = (), wait_s: float = 120.0, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.gate_dir, self.gates, self.wait_s = Path(gate_dir), list(gates), wait_s
+
+    def split(self, batch: tuple) -> tuple:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            counter = self.gate_dir / "batches"
+            count = int(counter.read_text()) + 1 if counter.exists() else 1
+            (self.gate_dir / "batches.new").write_text(str(count))
+            os.replace(self.gate_dir / "batches.new", counter)
+            for index in (i for i, at in enumerate(self.gates) if at == count):
+                (self.gate_dir / f"at-{index}").touch()
+                deadline = time.monotonic() + self.wait_s
+                while not (self.gate_dir / f"go-{index}").exists():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"storm gate {index}: no go from the test within {self.wait_s:g} s")
+                    time.sleep(0.02)
+        return super().split(batch)
