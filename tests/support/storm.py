@@ -34,7 +34,7 @@ SMALL_FS = cluster_guard.HOME / "smallfs"
 STEPS, EVERY = 60, 5  # train.max_steps and checkpoint.every_steps of every storm run
 STALL_S = 10  # watchdog.stall_s: a short stall stays under it, a long one outlasts it
 RUN = [
-    "train.max_steps=60", "checkpoint.every_steps=5", "checkpoint.keep_last=3", "train.log_every=5",
+    "checkpoint.every_steps=5", "checkpoint.keep_last=3", "train.log_every=5",
     "train.eval_every=0", "wandb.mode=disabled", "slurm.nodes=2", "slurm.tasks_per_node=1",
     f"watchdog.stall_s={STALL_S}", "dist.timeout_s=120", "slurm.max_failures=30", "slurm.max_restarts=30",
     "slurm.max_preemptions=30", "slurm.max_hangs=30",
@@ -62,6 +62,7 @@ KINDS = {
     "disk_full": {"low", "wide"},
     "s3_stall": {"s3"},
 }
+ENDS = {"failed", "budget_exhausted", "preempted", "completed"}  # a run's last event
 ONCE = {"freeze_node", "kill_node"}  # a node fault leaves no spare for a second one in the same allocation
 
 
@@ -79,6 +80,7 @@ class Schedule:
     seed: int
     setting: str
     faults: tuple[Fault, ...]
+    steps: int = STEPS  # train.max_steps
 
     def describe(self) -> str:
         items = [f"{f.index}:{f.kind}@{f.gate}" + (f"/rank{f.rank}" if f.kind in ("kill", "stall_short",
@@ -86,16 +88,17 @@ class Schedule:
         return f"seed {self.seed} ({self.setting}; replay: DDPJOB_STORM_SEED={self.seed}): " + ", ".join(items)
 
     def overrides(self) -> list[str]:
-        return [*RUN, *SETTINGS[self.setting], f"task.data.gates=[{','.join(str(f.gate) for f in self.faults)}]"]
+        gates = ",".join(str(f.gate) for f in self.faults)
+        return [*RUN, f"train.max_steps={self.steps}", *SETTINGS[self.setting], f"task.data.gates=[{gates}]"]
 
 
-def plan(seed: int, count: int, kinds: set[str] | None = None) -> Schedule:
+def plan(seed: int, count: int, kinds: set[str] | None = None, steps: int = STEPS) -> Schedule:
     """``count`` faults drawn from ``kinds`` (default: all), for a setting that can take most of them; the last gate
     leaves two checkpoints' worth of steps, so every fault lands while the run still trains."""
     rng = random.Random(seed)
     setting = rng.choice(sorted(SETTINGS))
     usable = sorted(k for k in (kinds or set(KINDS)) if setting in KINDS[k])
-    room = STEPS - 2 * EVERY - 4
+    room = steps - 2 * EVERY - 4
     gate, faults = rng.randint(4, 8), []
     for index in range(count):
         kind = rng.choice([k for k in usable if k not in ONCE or all(f.kind != k for f in faults)])
@@ -103,7 +106,7 @@ def plan(seed: int, count: int, kinds: set[str] | None = None) -> Schedule:
         faults.append(Fault(index, kind, gate, rng.randint(0, 1), then))
         after_restart = kind in RESTARTS and rng.random() < 0.5
         gate += rng.randint(2, 3) if after_restart else rng.randint(4, max(4, room // count))
-    return Schedule(seed, setting, tuple(faults))
+    return Schedule(seed, setting, tuple(faults), steps)
 
 
 @dataclass
@@ -152,7 +155,7 @@ class Storm:
         self.job_id, self.run_dir, self.gate_dir, self.s3_pid = job_id, run_dir, gate_dir, s3_pid
 
     def inject(self, fault: Fault) -> Recorded:
-        wait_for((self.gate_dir / f"at-{fault.index}").exists, 240, f"gate {fault.index} (batch {fault.gate})")
+        self.until((self.gate_dir / f"at-{fault.index}").exists, 240, f"gate {fault.index} (batch {fault.gate})")
         seen, starts = len(events(self.run_dir)), len(events(self.run_dir, "start"))
         record = Recorded(fault, time.time(), seen)
         after = getattr(self, fault.kind)(fault, record)
@@ -160,13 +163,26 @@ class Storm:
         if after is not None:
             after()
         if fault.kind in REQUEUES:
-            wait_for(lambda: self.requeued_since(seen), 180, f"fault {fault.index} ({fault.kind})'s requeue")
+            self.until(lambda: self.requeued_since(seen), 180, f"fault {fault.index} ({fault.kind})'s requeue")
             if fault.then_controller:
                 self.controller_down(6)
         if fault.kind in RESTARTS:
-            wait_for(lambda: len(events(self.run_dir, "start")) > starts, 240, f"a launch after fault {fault.index}")
+            self.until(lambda: len(events(self.run_dir, "start")) > starts, 240, f"a launch after fault {fault.index}")
         record.events = events(self.run_dir)[seen:]
         return record
+
+    def until(self, condition: Callable[[], Any], timeout: float, what: str) -> Any:
+        """``wait_for``, failing at once with the run's last events if it ended meanwhile (failed, a budget spent)."""
+
+        def met() -> Any:
+            if value := condition():
+                return value
+            recorded = events(self.run_dir)
+            if recorded and recorded[-1]["event"] in ENDS:
+                raise AssertionError(f"the run ended while waiting for {what}: {recorded[-3:]}")
+            return None
+
+        return wait_for(met, timeout, what)
 
     def requeued_since(self, seen: int) -> bool:
         return any(e["event"] == "requeued" for e in events(self.run_dir)[seen:])
@@ -187,7 +203,7 @@ class Storm:
         signal_all(pids, signal.SIGSTOP)
 
         def after() -> None:
-            wait_for(lambda: len(events(self.run_dir, "hang")) > hangs, 120, "the watchdog's hang event")
+            self.until(lambda: len(events(self.run_dir, "hang")) > hangs, 120, "the watchdog's hang event")
             signal_all(pids, signal.SIGCONT)
 
         return after
@@ -214,7 +230,7 @@ class Storm:
         local("freeze-node", record.host)
 
         def after() -> None:
-            wait_for(lambda: self.requeued_since(record.seen), 180, "the requeue after the frozen batch node")
+            self.until(lambda: self.requeued_since(record.seen), 180, "the requeue after the frozen batch node")
             local("kill-node", record.host)
             local("start-node", record.host)
 
@@ -228,7 +244,7 @@ class Storm:
         local("kill-node", record.host)
 
         def after() -> None:
-            wait_for(lambda: len(events(self.run_dir, "start")) > starts, 240, "the launch on the spare")
+            self.until(lambda: len(events(self.run_dir, "start")) > starts, 240, "the launch on the spare")
             local("start-node", record.host)
 
         return after
@@ -253,7 +269,7 @@ class Storm:
 
         def after() -> None:
             try:
-                wait_for(lambda: len(events(self.run_dir, "save_failed")) > failed, 120, "a save failed for space")
+                self.until(lambda: len(events(self.run_dir, "save_failed")) > failed, 120, "a save failed for space")
             finally:
                 filler.unlink()
 
