@@ -125,6 +125,18 @@ def local(*args: str, timeout: float = 120) -> None:
     assert done.returncode == 0, f"slurm-local {' '.join(args)}: {done.stdout}{done.stderr}"
 
 
+def begin(*args: str) -> Callable[[], None]:
+    """``slurm-local ARGS`` started now; the returned call waits for it. A fault at a gate starts so and the go comes
+    at once: rank 0 waiting out a slow command (slurmdbd's stop takes seconds) would look like a hang."""
+    proc = subprocess.Popen([LOCAL, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def done() -> None:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, f"slurm-local {' '.join(args)}: {out}"
+
+    return done
+
+
 def host_of(pid: int) -> str:
     env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return next(e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"SLURMD_NODENAME="))
@@ -138,12 +150,13 @@ def signal_all(pids: list[int], sig: signal.Signals) -> None:
             pass
 
 
-def later(hold_s: float, action: Callable[[], None]) -> Callable[[], None]:
-    """``action`` once the fault has lasted ``hold_s`` (its length: the run is left alone meanwhile)."""
+def later(hold_s: float, *actions: Callable[[], None]) -> Callable[[], None]:
+    """The ``actions`` once the fault has lasted ``hold_s`` (its length: the run is left alone meanwhile)."""
 
     def after() -> None:
         time.sleep(hold_s)
-        action()
+        for action in actions:
+            action()
 
     return after
 
@@ -227,9 +240,10 @@ class Storm:
         """The batch node dies as the others see a dead host (its processes frozen); once the job is requeued it is
         killed and brought back (tests/support/helpers.py submit_and_lose_batch_node)."""
         record.host = self.batch_host()
-        local("freeze-node", record.host)
+        frozen = begin("freeze-node", record.host)
 
         def after() -> None:
+            frozen()
             self.until(lambda: self.requeued_since(record.seen), 180, "the requeue after the frozen batch node")
             local("kill-node", record.host)
             local("start-node", record.host)
@@ -241,9 +255,10 @@ class Storm:
         back once the ranks run again."""
         record.host = host_of(self.rank_pids(fault.rank)[0])
         starts = len(events(self.run_dir, "start"))
-        local("kill-node", record.host)
+        killed = begin("kill-node", record.host)
 
         def after() -> None:
+            killed()
             self.until(lambda: len(events(self.run_dir, "start")) > starts, 240, "the launch on the spare")
             local("start-node", record.host)
 
@@ -255,12 +270,10 @@ class Storm:
         local("start-controller")
 
     def controller(self, fault: Fault, record: Recorded) -> Callable[[], None]:
-        local("stop-controller")
-        return later(8, lambda: local("start-controller"))
+        return later(8, begin("stop-controller"), lambda: local("start-controller"))
 
     def accounting(self, fault: Fault, record: Recorded) -> Callable[[], None]:
-        local("stop-accounting")
-        return later(10, lambda: local("start-accounting"))
+        return later(10, begin("stop-accounting"), lambda: local("start-accounting"))
 
     def disk_full(self, fault: Fault, record: Recorded) -> Callable[[], None]:
         """The run directory's filesystem full (a log line or an event still fits) until a save fails for it."""
