@@ -76,6 +76,8 @@ def one_storm(schedule: storm.Schedule, cwd: Path, reference: str) -> dict[str, 
             print(f"  {fault.index}: {fault.kind} {'ok' if not found else found}", flush=True)
     except AssertionError as err:  # a gate never reached: the run ended early (a budget, a failure)
         problems.append(f"stopped at fault {len(checked)}: {err}")
+    finally:
+        world.repair()
     state = wait_gone(job_id, 600)
     if server is not None:
         stop_server(server)

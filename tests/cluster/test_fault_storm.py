@@ -27,7 +27,8 @@ from tests.support.digits import DIGITS
 from tests.support.helpers import digests, events, rank_logs, stop_server, two_rank_reference, wait_gone, wait_idle
 
 pytestmark = pytest.mark.cluster_profile("preempt")  # preemption fills both nodes, node faults: the cluster alone
-SEEDS = [int(os.environ["DDPJOB_STORM_SEED"])] if os.environ.get("DDPJOB_STORM_SEED") else [11, 12, 13]
+REPLAY = os.environ.get("DDPJOB_STORM_SEED", "")  # N, or N,M,...: those seeds instead of CI's
+SEEDS = [int(seed) for seed in REPLAY.split(",")] if REPLAY else [12, 35]
 FAULTS = 4
 
 
@@ -70,11 +71,13 @@ def test_a_run_survives_a_seeded_storm_of_faults_and_ends_bitwise(seed, referenc
     proc = run_cli("submit", DIGITS, *schedule.overrides(), *task, *store, f"run.root={root}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+    world = storm.Storm(job_id, run_dir, gate, s3_pid)
     try:
-        problems = weather(schedule, storm.Storm(job_id, run_dir, gate, s3_pid), job_id, run_dir, reference)
+        problems = weather(schedule, world, job_id, run_dir, reference)
         assert not problems, f"{schedule.describe()}\n" + "\n".join(problems)
         check_status(run_dir, tmp_path, schedule)
     finally:
+        world.repair()
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
         shutil.rmtree(root, ignore_errors=True)
 

@@ -38,9 +38,10 @@ class GatedDigitsTask(DigitsTask):
 
 class StormDigitsTask(DigitsTask):
     """The fault storm's task (tests/support/storm.py): rank 0 counts its training batches across the whole run, every
-    attempt and launch, in ``D/batches`` (replaced whole: a rank killed while writing leaves the old count); at the
-    count ``gates[I]`` it writes ``D/at-I`` and waits for ``D/go-I``. The count goes on through restarts, so gate I
-    comes once, wherever the faults before it sent the run. Numerics unchanged."""
+    attempt and launch, in ``D/batches`` (replaced whole: a rank killed while writing leaves the old count). Gate I
+    is the first batch whose count reaches ``gates[I]`` once the test has armed it (``D/arm-I``: it arms a gate once
+    the run has recovered from the fault before, which a run stopping a few steps after a signal may not have at
+    that count); there rank 0 writes ``D/at-I`` and waits for ``D/go-I``. Numerics unchanged."""
 
     def __init__(self, gate_dir: str = "", gates: Sequence[int] = (), wait_s: float = 120.0, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
@@ -52,11 +53,15 @@ class StormDigitsTask(DigitsTask):
             count = int(counter.read_text()) + 1 if counter.exists() else 1
             (self.gate_dir / "batches.new").write_text(str(count))
             os.replace(self.gate_dir / "batches.new", counter)
-            for index in (i for i, at in enumerate(self.gates) if at == count):
-                (self.gate_dir / f"at-{index}").touch()
-                deadline = time.monotonic() + self.wait_s
-                while not (self.gate_dir / f"go-{index}").exists():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"storm gate {index}: no go from the test within {self.wait_s:g} s")
-                    time.sleep(0.02)
+            index = next((i for i in range(len(self.gates)) if not (self.gate_dir / f"go-{i}").exists()), None)
+            if index is not None and count >= self.gates[index] and (self.gate_dir / f"arm-{index}").exists():
+                self.wait_at(index)
         return super().split(batch)
+
+    def wait_at(self, index: int) -> None:
+        (self.gate_dir / f"at-{index}").touch()
+        deadline = time.monotonic() + self.wait_s
+        while not (self.gate_dir / f"go-{index}").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"storm gate {index}: no go from the test within {self.wait_s:g} s")
+            time.sleep(0.02)

@@ -70,7 +70,7 @@ ONCE = {"freeze_node", "kill_node"}  # a node fault leaves no spare for a second
 class Fault:
     index: int
     kind: str
-    gate: int  # rank 0's training batch, counted over the whole run
+    gate: int  # rank 0's training batch, counted over the whole run (or the first once the gate is armed)
     rank: int  # the rank a process fault hits
     then_controller: bool = False  # a controller restart while the job is requeued and pending
 
@@ -122,7 +122,7 @@ class Recorded:
 
 def local(*args: str, timeout: float = 120) -> None:
     done = subprocess.run([LOCAL, *args], capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"slurm-local {' '.join(args)}: {done.stdout}{done.stderr}"
+    assert done.returncode == 0, f"slurm-local {' '.join(args)}: exit {done.returncode}: {done.stdout}{done.stderr}"
 
 
 def begin(*args: str) -> Callable[[], None]:
@@ -132,7 +132,7 @@ def begin(*args: str) -> Callable[[], None]:
 
     def done() -> None:
         out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, f"slurm-local {' '.join(args)}: {out}"
+        assert proc.returncode == 0, f"slurm-local {' '.join(args)}: exit {proc.returncode}: {out}"
 
     return done
 
@@ -166,8 +166,23 @@ class Storm:
 
     def __init__(self, job_id: str, run_dir: Path, gate_dir: Path, s3_pid: int | None = None) -> None:
         self.job_id, self.run_dir, self.gate_dir, self.s3_pid = job_id, run_dir, gate_dir, s3_pid
+        self.down: set[str] = set()  # nodes frozen or killed and not yet back
+        self.stopped: list[int] = []  # processes SIGSTOPped
+
+    def repair(self) -> None:
+        """Whatever a fault left broken when the test stopped half-way: every process going again, the daemons up,
+        the nodes back, the filesystem's space free."""
+        signal_all([*self.stopped, *([self.s3_pid] if self.s3_pid else [])], signal.SIGCONT)
+        for filler in SMALL_FS.glob(".storm-filler-*"):
+            filler.unlink()
+        for node in sorted(self.down):
+            subprocess.run([LOCAL, "kill-node", node], capture_output=True, timeout=120)
+            subprocess.run([LOCAL, "start-node", node], capture_output=True, timeout=120)
+        for daemon in ("start-controller", "start-accounting"):
+            subprocess.run([LOCAL, daemon], capture_output=True, timeout=120)
 
     def inject(self, fault: Fault) -> Recorded:
+        (self.gate_dir / f"arm-{fault.index}").touch()
         self.until((self.gate_dir / f"at-{fault.index}").exists, 240, f"gate {fault.index} (batch {fault.gate})")
         seen, starts = len(events(self.run_dir)), len(events(self.run_dir, "start"))
         record = Recorded(fault, time.time(), seen)
@@ -208,11 +223,13 @@ class Storm:
 
     def stall_short(self, fault: Fault, record: Recorded) -> Callable[[], None]:
         pids = self.rank_pids(fault.rank)
+        self.stopped += pids
         signal_all(pids, signal.SIGSTOP)
         return later(STALL_S / 3, lambda: signal_all(pids, signal.SIGCONT))
 
     def stall_long(self, fault: Fault, record: Recorded) -> Callable[[], None]:
         pids, hangs = self.rank_pids(fault.rank), len(events(self.run_dir, "hang"))
+        self.stopped += pids
         signal_all(pids, signal.SIGSTOP)
 
         def after() -> None:
@@ -240,6 +257,7 @@ class Storm:
         """The batch node dies as the others see a dead host (its processes frozen); once the job is requeued it is
         killed and brought back (tests/support/helpers.py submit_and_lose_batch_node)."""
         record.host = self.batch_host()
+        self.down.add(record.host)
         frozen = begin("freeze-node", record.host)
 
         def after() -> None:
@@ -247,6 +265,7 @@ class Storm:
             self.until(lambda: self.requeued_since(record.seen), 180, "the requeue after the frozen batch node")
             local("kill-node", record.host)
             local("start-node", record.host)
+            self.down.discard(record.host)
 
         return after
 
@@ -255,12 +274,14 @@ class Storm:
         back once the ranks run again."""
         record.host = host_of(self.rank_pids(fault.rank)[0])
         starts = len(events(self.run_dir, "start"))
+        self.down.add(record.host)
         killed = begin("kill-node", record.host)
 
         def after() -> None:
             killed()
             self.until(lambda: len(events(self.run_dir, "start")) > starts, 240, "the launch on the spare")
             local("start-node", record.host)
+            self.down.discard(record.host)
 
         return after
 

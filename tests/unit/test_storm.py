@@ -29,17 +29,21 @@ def test_a_seed_is_one_schedule_whose_faults_fit_its_setting_and_land_while_it_t
 def test_the_gates_count_batches_across_attempts_and_wait_for_the_go(tmp_path):
     batch = (torch.zeros(2, 64), torch.zeros(2, dtype=torch.long))
     first = StormDigitsTask(gate_dir=str(tmp_path), gates=[3, 5], wait_s=30)
-    for _ in range(2):
-        first.split(batch)
+    for _ in range(3):
+        first.split(batch)  # gate 0 not armed yet: the run goes past its count
+    assert not (tmp_path / "at-0").exists()
+    (tmp_path / "arm-0").touch()
     again = StormDigitsTask(gate_dir=str(tmp_path), gates=[3, 5], wait_s=30)  # the next attempt's task
     reached = threading.Thread(target=again.split, args=(batch,))
     reached.start()
     while not (tmp_path / "at-0").exists():
         assert reached.is_alive()
-    assert reached.is_alive() and (tmp_path / "batches").read_text() == "3"  # waiting for its go
+    assert reached.is_alive() and (tmp_path / "batches").read_text() == "4"  # the first armed batch, waiting
     (tmp_path / "go-0").touch()
     reached.join(30)
-    assert not reached.is_alive() and not (tmp_path / "at-1").exists()
+    assert not reached.is_alive()
+    again.split(batch)  # count 5: gate 1's, not armed
+    assert not (tmp_path / "at-1").exists()
 
 
 def recorded(kind: str, *events: dict, rank: int = 1, host: str = "") -> storm.Recorded:
