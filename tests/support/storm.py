@@ -1,6 +1,7 @@
 """The fault storm (issue 56): one real run on the local cluster gets a seeded sequence of mixed faults, each injected
 from outside its processes as the world does, at points the run itself reaches (tests/support/gated_tasks.py's
-``StormDigitsTask``: rank 0 stops at gate I and waits for the test's go), never at a moment raced by polling.
+``StormDigitsTask``: rank 0 stops at gate I, once the test armed it, and waits for the test's go), never at a moment
+raced by polling.
 
 ``plan(seed, faults)`` draws the schedule with ``random.Random(seed)``: the run's setting (which partition, spare
 node, checkpoint store: a fault needs its setting, preemption a preemptible partition, a killed node a spare, an S3
