@@ -98,7 +98,8 @@ def main() -> None:
     args = parser.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="ddpjob-storm-"))
     schedules = [storm.plan(seed, args.faults, steps=args.steps) for seed in args.seeds]
-    ref = final_digests(run_trainer(DIGITS, work / "reference", schedules[0].overrides(), nproc=2))[0]
+    uninterrupted = [*storm.RUN, f"train.max_steps={args.steps}"]
+    ref = final_digests(run_trainer(DIGITS, work / "reference", uninterrupted, nproc=2))[0]
     survived: collections.Counter[str] = collections.Counter()
     injected: collections.Counter[str] = collections.Counter()
     for schedule in schedules:

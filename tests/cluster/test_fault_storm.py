@@ -84,12 +84,14 @@ def test_a_run_survives_a_seeded_storm_of_faults_and_ends_bitwise(seed, referenc
 
 def weather(schedule: storm.Schedule, world: storm.Storm, job_id: str, run_dir: Path, reference: str) -> list[str]:
     """Every fault of the schedule, then the run's end: what went wrong, each in a line."""
-    problems = []
+    problems, windows = [], 0
     for fault in schedule.faults:
         try:
-            problems += storm.check_recorded(world.inject(fault))
+            record = world.inject(fault)
         except AssertionError as err:  # the run ended, or never reached the gate
             return [*problems, f"fault {fault.index} ({fault.kind}): {err}"]
+        problems += storm.check_recorded(record)
+        windows += sum(e["event"] == "failure" for e in record.events)
     state = wait_gone(job_id, 300)
     if state != "COMPLETED":
         return [*problems, f"job {job_id} ended {state}: {[e for e in events(run_dir) if e['event'] != 'start']}"]
@@ -98,6 +100,8 @@ def weather(schedule: storm.Schedule, world: storm.Storm, job_id: str, run_dir: 
         problems.append(f"final weights {found} differ from the uninterrupted run's {reference}")
     if (last := events(run_dir)[-1])["event"] != "completed":
         problems.append(f"the run's last event is {last}")
+    if len(failures := events(run_dir, "failure")) != windows:  # one outside every fault's window: no fault's
+        problems.append(f"{len(failures) - windows} failures recorded outside the faults' windows: {failures}")
     return problems + storm.lost_steps(run_dir)
 
 
