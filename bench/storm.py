@@ -33,7 +33,6 @@ from tests.support.helpers import (
     rank_logs,
     run_trainer,
     stop_server,
-    wait_gone,
     wait_idle,
 )
 
@@ -43,7 +42,7 @@ DIGITS = str(ROOT / "configs" / "digits.yaml")
 
 def submit(schedule: storm.Schedule, cwd: Path, extra: list[str]) -> tuple[str, Path]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    task = ["task.target=tests.support.gated_tasks:StormDigitsTask", f"task.data.gate_dir={cwd / 'gate'}"]
+    task = [f"task.data.gate_dir={cwd / 'gate'}"]
     out = subprocess.run([sys.executable, "-m", "jobs", "submit", DIGITS, *schedule.overrides(), *task, *extra],
                          cwd=cwd, env=env, capture_output=True, text=True)  # fmt: skip
     if out.returncode:
@@ -78,7 +77,7 @@ def one_storm(schedule: storm.Schedule, cwd: Path, reference: str) -> dict[str, 
         problems.append(f"stopped at fault {len(checked)}: {err}")
     finally:
         world.repair()
-    state = wait_gone(job_id, 600)
+    state = storm.final_state(job_id, 600)
     if server is not None:
         stop_server(server)
     ended = [e for e in events(run_dir) if e["event"] in ("completed", "failed", "budget_exhausted")]

@@ -24,7 +24,7 @@ from jobs.runs import goodput
 from tests.support import storm
 from tests.support.cli_runner import field, run_cli
 from tests.support.digits import DIGITS
-from tests.support.helpers import digests, events, rank_logs, stop_server, two_rank_reference, wait_gone, wait_idle
+from tests.support.helpers import digests, events, rank_logs, stop_server, two_rank_reference, wait_idle
 
 pytestmark = pytest.mark.cluster_profile("preempt")  # preemption fills both nodes, node faults: the cluster alone
 REPLAY = os.environ.get("DDPJOB_STORM_SEED", "")  # N, or N,M,...: those seeds instead of CI's
@@ -67,7 +67,7 @@ def test_a_run_survives_a_seeded_storm_of_faults_and_ends_bitwise(seed, referenc
     gate = tmp_path / "gate"
     gate.mkdir()
     wait_idle()
-    task = ["task.target=tests.support.gated_tasks:StormDigitsTask", f"task.data.gate_dir={gate}"]
+    task = [f"task.data.gate_dir={gate}"]
     proc = run_cli("submit", DIGITS, *schedule.overrides(), *task, *store, f"run.root={root}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
@@ -92,7 +92,7 @@ def weather(schedule: storm.Schedule, world: storm.Storm, job_id: str, run_dir: 
             return [*problems, f"fault {fault.index} ({fault.kind}): {err}"]
         problems += storm.check_recorded(record)
         windows += sum(e["event"] == "failure" for e in record.events)
-    state = wait_gone(job_id, 300)
+    state = storm.final_state(job_id, 300)
     if state != "COMPLETED":
         return [*problems, f"job {job_id} ended {state}: {[e for e in events(run_dir) if e['event'] != 'start']}"]
     found = digests(rank_logs(run_dir, job_id))

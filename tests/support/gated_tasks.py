@@ -36,18 +36,32 @@ class GatedDigitsTask(DigitsTask):
         return super().split(batch)
 
 
+SLOW_S = 1.0  # the storm task's pause a batch while a fault is held
+
+
 class StormDigitsTask(DigitsTask):
     """The fault storm's task (tests/support/storm.py): rank 0 counts its training batches across the whole run, every
-    attempt and launch, in ``D/batches`` (replaced whole: a rank killed while writing leaves the old count). Gate I
-    is the first batch whose count reaches ``gates[I]`` once the test has armed it (``D/arm-I``: it arms a gate once
-    the run has recovered from the fault before, which a run stopping a few steps after a signal may not have at
-    that count); there rank 0 writes ``D/at-I`` and waits for ``D/go-I``. Numerics unchanged."""
+    attempt and launch, in ``D/batches`` (replaced whole: a rank killed while writing leaves the old count). Gate I is
+    the first batch whose count reaches ``gates[I]`` once the test has armed it (``D/arm-I``: it arms a gate once the
+    run has recovered from the fault before, which a run stopping a few steps after a signal may not have at that
+    count); there rank 0 writes ``D/at-I`` and waits for ``D/go-I``. ``pause_s``: a pause every batch, on every rank,
+    ``SLOW_S`` while ``D/slow`` exists. Numerics unchanged."""
 
-    def __init__(self, gate_dir: str = "", gates: Sequence[int] = (), wait_s: float = 120.0, **kwargs: object) -> None:
+    def __init__(
+        self,
+        gate_dir: str = "",
+        gates: Sequence[int] = (),
+        wait_s: float = 120.0,
+        pause_s: float = 0.0,
+        **kwargs: object,
+    ) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
-        self.gate_dir, self.gates, self.wait_s = Path(gate_dir), list(gates), wait_s
+        self.gate_dir, self.gates, self.wait_s, self.pause_s = Path(gate_dir), list(gates), wait_s, pause_s
 
     def split(self, batch: tuple) -> tuple:
+        # While the test holds a fault (``D/slow``: a controller down for seconds, a node dying) the run trains on,
+        # slowly, so it is still training when the fault ends and the next gate comes.
+        time.sleep(SLOW_S if (self.gate_dir / "slow").exists() else self.pause_s)
         if not dist.is_initialized() or dist.get_rank() == 0:
             counter = self.gate_dir / "batches"
             count = int(counter.read_text()) + 1 if counter.exists() else 1

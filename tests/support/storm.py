@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from tests.support import cluster_guard
 from tests.support.filesystems import fill
-from tests.support.helpers import ROOT, events, task_pids, wait_for
+from tests.support.helpers import ROOT, events, task_pids, wait_for, wait_gone
 
 LOCAL = str(ROOT / "scripts" / "slurm-local")
 SMALL_FS = cluster_guard.HOME / "smallfs"
@@ -40,6 +40,8 @@ RUN = [
     f"watchdog.stall_s={STALL_S}", "dist.timeout_s=120", "slurm.max_failures=30", "slurm.max_restarts=30",
     "slurm.max_preemptions=30", "slurm.max_hangs=30",
 ]  # fmt: skip
+# The gated task (its gates: ``Schedule.overrides``), 50 ms a batch: the run still trains when a slow fault lands.
+TASK = ["task.target=tests.support.gated_tasks:StormDigitsTask", "task.data.pause_s=0.05"]
 # Where each setting runs: "low" is preemptible (no spare there), "wide" has the spare n3, "s3" checkpoints to S3.
 SETTINGS = {
     "low": ["slurm.partition=low"],
@@ -90,7 +92,8 @@ class Schedule:
 
     def overrides(self) -> list[str]:
         gates = ",".join(str(f.gate) for f in self.faults)
-        return [*RUN, f"train.max_steps={self.steps}", *SETTINGS[self.setting], f"task.data.gates=[{gates}]"]
+        setting = SETTINGS[self.setting]
+        return [*RUN, f"train.max_steps={self.steps}", *setting, *TASK, f"task.data.gates=[{gates}]"]
 
 
 def plan(seed: int, count: int, kinds: set[str] | None = None, steps: int = STEPS) -> Schedule:
@@ -188,9 +191,11 @@ class Storm:
         seen, starts = len(events(self.run_dir)), len(events(self.run_dir, "start"))
         record = Recorded(fault, time.time(), seen)
         after = getattr(self, fault.kind)(fault, record)
+        (self.gate_dir / "slow").touch()  # the run trains on slowly while the fault is held
         (self.gate_dir / f"go-{fault.index}").touch()
         if after is not None:
             after()
+        (self.gate_dir / "slow").unlink()
         if fault.kind in REQUEUES:
             self.until(lambda: self.requeued_since(seen), 180, f"fault {fault.index} ({fault.kind})'s requeue")
             if fault.then_controller:
@@ -341,6 +346,11 @@ def check_recorded(record: Recorded) -> list[str]:
     if kind == "stall_long" and not any(e["event"] == "hang" for e in record.events):
         problems.append("the long stall recorded no hang")
     return problems
+
+
+def final_state(job_id: str, timeout: float) -> str:
+    """The job's end as sacct has it: its last record's (a job that lost a node has a RESIZING record before)."""
+    return wait_gone(job_id, timeout).split()[-1]
 
 
 def lost_steps(run_dir: Path) -> list[str]:
