@@ -196,8 +196,9 @@ class Storm:
         if after is not None:
             after()
         (self.gate_dir / "slow").unlink()
-        if fault.kind in REQUEUES:
-            self.until(lambda: self.requeued_since(seen), 180, f"fault {fault.index} ({fault.kind})'s requeue")
+        if fault.kind in REQUEUES:  # Slurm requeues the job itself after an `scontrol requeue`: no requeued event
+            queued = "interrupted" if fault.kind == "requeue" else "requeued"
+            self.until(lambda: self.since(seen, queued), 180, f"fault {fault.index} ({fault.kind})'s requeue")
             if fault.then_controller:
                 self.controller_down(6)
         if fault.kind in RESTARTS:
@@ -218,8 +219,9 @@ class Storm:
 
         return wait_for(met, timeout, what)
 
-    def requeued_since(self, seen: int) -> bool:
-        return any(e["event"] == "requeued" for e in events(self.run_dir)[seen:])
+    def since(self, seen: int, kind: str = "requeued") -> bool:
+        """Whether the run recorded a ``kind`` event after its first ``seen``."""
+        return any(e["event"] == kind for e in events(self.run_dir)[seen:])
 
     def rank_pids(self, rank: int) -> list[int]:
         return wait_for(lambda: task_pids(self.job_id, rank), 30, f"rank {rank}'s process")
@@ -268,7 +270,7 @@ class Storm:
 
         def after() -> None:
             frozen()
-            self.until(lambda: self.requeued_since(record.seen), 180, "the requeue after the frozen batch node")
+            self.until(lambda: self.since(record.seen), 180, "the requeue after the frozen batch node")
             local("kill-node", record.host)
             local("start-node", record.host)
             self.down.discard(record.host)
