@@ -177,8 +177,8 @@ class Storm:
         """Whatever a fault left broken when the test stopped half-way: every process going again, the daemons up,
         the nodes back, the filesystem's space free."""
         signal_all([*self.stopped, *([self.s3_pid] if self.s3_pid else [])], signal.SIGCONT)
-        for filler in SMALL_FS.glob(".storm-filler-*"):
-            filler.unlink()
+        for filler in [*SMALL_FS.glob(".storm-filler-*"), self.gate_dir / "slow"]:
+            filler.unlink(missing_ok=True)
         for node in sorted(self.down):
             subprocess.run([LOCAL, "kill-node", node], capture_output=True, timeout=120)
             subprocess.run([LOCAL, "start-node", node], capture_output=True, timeout=120)
