@@ -34,3 +34,48 @@ class GatedDigitsTask(DigitsTask):
                     raise TimeoutError(f"gate {self.batches}: no go from the test within {self.wait_s:g} s")
                 time.sleep(0.05)
         return super().split(batch)
+
+
+SLOW_S = 1.0  # the storm task's pause a batch while a fault is held
+
+
+class StormDigitsTask(DigitsTask):
+    """The fault storm's task (tests/support/storm.py): rank 0 counts its training batches across the whole run, every
+    attempt and launch, in ``D/batches`` (replaced whole: a rank killed while writing leaves the old count). Gate I is
+    the first batch whose count reaches ``gates[I]`` once the test has armed it (``D/arm-I``: it arms a gate once the
+    run has recovered from the fault before, which a run stopping a few steps after a signal may not have at that
+    count); there rank 0 writes ``D/at-I`` and waits for ``D/go-I``. ``pause_s``: a pause every batch, on every rank,
+    ``SLOW_S`` while ``D/slow`` exists. Numerics unchanged."""
+
+    def __init__(
+        self,
+        gate_dir: str = "",
+        gates: Sequence[int] = (),
+        wait_s: float = 120.0,
+        pause_s: float = 0.0,
+        **kwargs: object,
+    ) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.gate_dir, self.gates, self.wait_s, self.pause_s = Path(gate_dir), list(gates), wait_s, pause_s
+
+    def split(self, batch: tuple) -> tuple:
+        # While the test holds a fault (``D/slow``: a controller down for seconds, a node dying) the run trains on,
+        # slowly, so it is still training when the fault ends and the next gate comes.
+        time.sleep(SLOW_S if (self.gate_dir / "slow").exists() else self.pause_s)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            counter = self.gate_dir / "batches"
+            count = int(counter.read_text()) + 1 if counter.exists() else 1
+            (self.gate_dir / "batches.new").write_text(str(count))
+            os.replace(self.gate_dir / "batches.new", counter)
+            index = next((i for i in range(len(self.gates)) if not (self.gate_dir / f"go-{i}").exists()), None)
+            if index is not None and count >= self.gates[index] and (self.gate_dir / f"arm-{index}").exists():
+                self.wait_at(index)
+        return super().split(batch)
+
+    def wait_at(self, index: int) -> None:
+        (self.gate_dir / f"at-{index}").touch()
+        deadline = time.monotonic() + self.wait_s
+        while not (self.gate_dir / f"go-{index}").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"storm gate {index}: no go from the test within {self.wait_s:g} s")
+            time.sleep(0.02)
