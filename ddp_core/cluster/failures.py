@@ -147,6 +147,22 @@ def record(run_dir: RunDir, env: DistEnv, err: BaseException, step: Optional[int
 _SRUN_TASK = re.compile(r"^srun: error: (?P<host>\S+): tasks? (?P<tasks>[\d,-]+): (?P<what>.+)$")
 
 
+# srun's report that it could not start the job step at all, no rank ran: the controller or the nodes were not ready
+# (a slurmctld just restarted, its nodes re-registering: "Unable to create step for job 57: Memory required by task is
+# not available"), never the ranks' fault. An infrastructure failure; the policy waits before the next step
+# (``cluster.policy.restart``).
+_SRUN_STEP = re.compile(
+    r"^srun: error: (?P<what>Unable to create step for job .+|Unable to contact slurm controller.*"
+    r"|Slurm controller not responding.*)$"
+)
+NOT_STARTED = "srun could not start the job step"
+
+
+def srun_step_error(lines: list[str]) -> str:
+    """srun's own line saying the step could not be created (``_SRUN_STEP``), or ''."""
+    return next((m["what"].strip() for line in lines if (m := _SRUN_STEP.match(line.strip()))), "")
+
+
 @dataclass(frozen=True)
 class TaskEnd:
     """One line of srun's report: a task (or several) on a host, and how it ended."""
@@ -204,12 +220,16 @@ class Failure:
 
 
 def diagnose(
-    rank_failures: list[dict[str, Any]], ends: list[TaskEnd], status: int, last_step: Optional[int]
+    rank_failures: list[dict[str, Any]],
+    ends: list[TaskEnd],
+    status: int,
+    last_step: Optional[int],
+    step_error: str = "",
 ) -> Failure:
-    """The attempt's failure from its ranks' ``rank_failed`` events and srun's report. A failed health check comes
-    first (the others' errors follow from its rank leaving), then a user error any rank raised; else a task killed by
-    a signal (likewise: srun's report, or a torchrun agent's ``rank_failed`` with the ``signal``); else the first
-    rank's error."""
+    """The attempt's failure from its ranks' ``rank_failed`` events and srun's report (``ends``, and ``step_error``:
+    ``srun_step_error``'s line). A failed health check comes first (the others' errors follow from its rank leaving),
+    then a user error any rank raised; else a task killed by a signal (likewise: srun's report, or a torchrun agent's
+    ``rank_failed`` with the ``signal``); else a step srun could not start; else the first rank's error."""
     by_time = sorted(rank_failures, key=lambda e: e.get("t", 0))
     steps = [e["step"] for e in by_time if isinstance(e.get("step"), int)]
     step = max(steps) if steps else last_step
@@ -224,6 +244,8 @@ def diagnose(
         return Failure(Kind.infrastructure, end.rank, end.host, step, f"killed by a signal ({end.what})")
     if by_signal := [e for e in by_time if e.get("signal")]:  # a torchrun agent's report of its worker (as srun's)
         return Failure.of_rank(Kind.infrastructure, by_signal[0])
+    if step_error:  # no rank ran: Slurm was not ready for the step
+        return Failure(Kind.infrastructure, None, None, step, f"{NOT_STARTED}: {step_error}")
     if by_time:
         return Failure.of_rank(Kind(by_time[0].get("kind", Kind.unknown.value)), by_time[0])
     if ends:

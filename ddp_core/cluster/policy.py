@@ -40,13 +40,23 @@ from typing import Collection, Optional
 
 from ddp_core.cluster import exits
 from ddp_core.cluster.env import DistEnv, expand_nodelist
-from ddp_core.cluster.failures import Failure, Kind, as_repeated, budget, excluded_hosts, spent, to_exclude
+from ddp_core.cluster.failures import (
+    NOT_STARTED,
+    Failure,
+    Kind,
+    as_repeated,
+    budget,
+    excluded_hosts,
+    spent,
+    to_exclude,
+)
 from ddp_core.cluster.slurm import JobInfo, SlurmGateway
 from ddp_core.cluster.slurm_text import rss_bytes
 from ddp_core.config import SlurmConfig
 from ddp_core.run.rundir import RunDir
 
 log = logging.getLogger("ddp_core")
+STEP_RETRY_S = 5  # times the restart's count: the pause before a job step srun could not start (failures.NOT_STARTED)
 
 
 class Outcome(str, enum.Enum):
@@ -160,9 +170,14 @@ def restart(
     limit: int,
 ) -> Decision:
     """A restart inside the allocation: the exclusions and a ``restarted`` event recorded, ``RUN_AGAIN`` on ``nodes``.
-    It spends the attempt's restart budget, not ``slurm.max_failures`` (``failures.spent``)."""
+    It spends the attempt's restart budget, not ``slurm.max_failures`` (``failures.spent``). After a step srun could
+    not start, it first waits ``STEP_RETRY_S`` seconds a restart (5, 10, 15: a restarted controller's nodes register
+    within seconds)."""
     record_exclusions(run_dir, env, new)
     count = allocation.restarts + 1
+    if failure.error.startswith(NOT_STARTED):  # Slurm was not ready (a controller just back): give it a moment
+        log.warning("waiting %d s for Slurm before the next job step", STEP_RETRY_S * count)
+        time.sleep(STEP_RETRY_S * count)
     run_dir.log_event(
         "restarted", job_id=env.job_id, restart_count=env.restart_count, launch=env.launch + 1, step=failure.step,
         kind=failure.kind.value, count=count, nodes=list(nodes),

@@ -35,7 +35,15 @@ from typing import Any, Optional, Sequence
 
 from ddp_core.cluster import exits, node_loss
 from ddp_core.cluster.env import DistEnv, expand_nodelist
-from ddp_core.cluster.failures import DECIDED, Failure, Kind, attempt_events, diagnose, srun_task_ends
+from ddp_core.cluster.failures import (
+    DECIDED,
+    Failure,
+    Kind,
+    attempt_events,
+    diagnose,
+    srun_step_error,
+    srun_task_ends,
+)
 from ddp_core.cluster.node_state import gone
 from ddp_core.cluster.policy import Allocation, Outcome, decide_after
 from ddp_core.cluster.slurm import NODE_GATEWAY, SlurmGateway
@@ -87,11 +95,13 @@ def decide(
     if any(e["event"] in DECIDED for e in attempt):
         return status
     metric_steps = [r["step"] for r in run_dir.metrics()]
+    lines = srun_lines(batch_log, env)
     failure = diagnose(
         [e for e in attempt if e["event"] == "rank_failed"],
-        srun_task_ends(srun_lines(batch_log, env)),
+        srun_task_ends(lines),
         status,
         max(metric_steps) if metric_steps else None,
+        srun_step_error(lines),
     )
     allocation = this_allocation(env, gateway, cfg.slurm, events) if in_allocation and job is not None else None
     if allocation is not None:

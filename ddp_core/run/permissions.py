@@ -10,7 +10,7 @@ every member of the group: any of them could run code as the run's owner. So:
   run is writable by anyone but its owner.
 - Before any of it is used, ``check_trusted`` refuses, in one line, such a file that another user owns or can write
   (its group or everyone), or whose folder, up to the run directory (or a sweep's folder), they can write (a file
-  could be swapped in): on the compute node before submitit unpickles the call (``ddp_core.run.entry``) and before
+  could be swapped in): on the compute node before submitit unpickles the call (``ddp_core.cluster.entry``) and before
   the trainer or script imports anything (``ddp_core.run.snapshot.activate``); on the login node before ``--wait``
   unpickles a result (``jobs.submission.follow``). Folders above the run directory are the user's to share.
 - Reading is one choice: by default the umask decides (``umask 022``: the group and everyone may read a run's

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 from ddp_core.cluster import exits
 from ddp_core.cluster.env import LAUNCH_VAR, DistEnv
-from ddp_core.cluster.failures import DECIDED, diagnose, srun_task_ends
+from ddp_core.cluster.failures import DECIDED, diagnose, srun_step_error, srun_task_ends
 from ddp_core.cluster.policy import Allocation, Outcome, decide_after, nodes_of
 from ddp_core.cluster.slurm import NODE_GATEWAY, JobInfo, SlurmGateway
 from ddp_core.run.rundir import RunDir
@@ -67,9 +67,9 @@ def run(command: Sequence[str], run_dir: RunDir, ending: threading.Event, gatewa
         if code == 0 or ending.is_set() or any(e["event"] in DECIDED for e in new):
             return code
         steps = [r["step"] for r in run_dir.metrics()]
-        failure = diagnose(
-            [e for e in new if e["event"] == "rank_failed"], srun_task_ends(stderr), code, max(steps) if steps else None
-        )
+        ranks = [e for e in new if e["event"] == "rank_failed"]
+        last = max(steps) if steps else None
+        failure = diagnose(ranks, srun_task_ends(stderr), code, last, srun_step_error(stderr))
         here = tuple(sorted(nodes_of(os.environ.get("SLURM_JOB_NODELIST", ""))))
         # The trial's steps take the whole allocation: a restart runs on all of it or not at all.
         allocation = Allocation(here, len(here), len(here), restarts=launch)

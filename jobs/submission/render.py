@@ -27,7 +27,7 @@ from jobs.submission.request import SlurmRequest
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm_templates" / "ddp.sbatch"
 # The module every submitit job runs: submitit's job entry (it loads FOLDER/<job id>_submitted.pkl and calls the
 # function pickled there; submitit's job protocol), behind the check that no other user could have written that file.
-TASK_ENTRY = "ddp_core.run.entry"
+TASK_ENTRY = "ddp_core.cluster.entry"
 WCKEY = "submitit"  # submitit's: accounting reports group a user's submitit jobs by it
 
 

@@ -93,13 +93,13 @@ def submit(cfg: Config, request: SlurmRequest, run_dir: RunDir, local: bool = Fa
 
 def run_here(request: SlurmRequest, run_dir: RunDir, call: DelayedSubmission) -> Any:
     """``--local``: the run's tasks as processes on this machine (submitit's ``LocalExecutor``), no Slurm. Each task
-    runs ``ddp_core.run.entry``, as a batch script's do: the pickled call is checked before it is loaded."""
+    runs ``ddp_core.cluster.entry``, as a batch script's do: the pickled call is checked before it is loaded."""
     import submitit
 
     class CheckedLocalExecutor(submitit.LocalExecutor):
         @property
         def _submitit_command_str(self) -> str:  # submitit's hook for the task command (its _submit's, otherwise)
-            return " ".join([self.python, "-u -m ddp_core.run.entry", shlex.quote(str(self.folder))])
+            return " ".join([self.python, "-u -m ddp_core.cluster.entry", shlex.quote(str(self.folder))])
 
     executor = CheckedLocalExecutor(folder=run_dir.slurm)
     executor.update_parameters(

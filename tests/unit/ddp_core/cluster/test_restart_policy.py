@@ -136,3 +136,25 @@ def test_a_job_that_ends_for_good_removes_its_node_local_copies_on_its_live_node
     run2, slurm2 = run_dir(tmp_path / "2", "slurm.max_restarts=0", "slurm.max_failures=0"), Allocated()
     supervise.decide(run2, log, 137, env, SlurmGateway(slurm2.answer), in_allocation=True)
     assert not [c for c in slurm2.calls if c[0] == "srun"]
+
+
+def test_a_step_srun_could_not_start_is_slurms_not_ready_and_runs_again_after_a_pause(tmp_path, monkeypatch):
+    """Right after a slurmctld restart its nodes re-register, and srun cannot create the restart's step (the storm's
+    seed 11: "Memory required by task is not available", twice in a second). No rank ran: an infrastructure failure,
+    never "the same failure at the same step again" (a user error); the restart waits before each next step."""
+    from ddp_core.cluster import policy
+    from ddp_core.cluster.failures import NOT_STARTED, diagnose, srun_step_error, srun_task_ends
+
+    lines = ["srun: error: Unable to create step for job 57: Memory required by task is not available"]
+    failure = diagnose([], srun_task_ends(lines), 1, 40, srun_step_error(lines))
+    assert (failure.kind, failure.rank, failure.host) == (Kind.infrastructure, None, None)
+    assert failure.error == f"{NOT_STARTED}: Unable to create step for job 57: Memory required by task is not available"
+    assert srun_step_error(["srun: error: n2: task 1: Killed"]) == ""
+    slept: list[float] = []
+    monkeypatch.setattr(policy.time, "sleep", slept.append)
+    run, slurm = run_dir(tmp_path), Slurm()
+    for restarts in (0, 1):
+        allocation = Allocation(live=("n1", "n2"), step_nodes=2, fewest=2, restarts=restarts)
+        assert decide(run, slurm, failure, allocation=allocation).nodes == ("n1", "n2")
+    assert slept == [policy.STEP_RETRY_S, 2 * policy.STEP_RETRY_S]
+    assert [e.get("kind") for e in run.events() if e["event"] == "failure"] == ["infrastructure"] * 2

@@ -142,9 +142,9 @@ def test_the_attempt_refuses_a_file_of_the_run_that_another_user_could_change(pr
 
 
 def test_submitits_job_entry_refuses_a_pickled_call_another_user_could_have_written(project, tmp_path):
-    """The batch script's task command (ddp_core.run.entry) before submitit loads the call: a pickle that would leave
-    a mark when loaded is refused, group-writable, owned by mallory or in a folder her group can write, and loaded
-    once it and its folders are alice's alone."""
+    """The batch script's task command (ddp_core.cluster.entry) before submitit loads the call: a pickle that would
+    leave a mark when loaded is refused, group-writable, owned by mallory or in a folder her group can write, and
+    loaded once it and its folders are alice's alone."""
     alice = users.ensure("alice")
     folder = project / "run" / "slurm"
     folder.mkdir(parents=True)
@@ -157,7 +157,7 @@ def test_submitits_job_entry_refuses_a_pickled_call_another_user_could_have_writ
     env = users.python_env({"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "123", "SLURM_PROCID": "0",
                             "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
                             "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "n1"})  # fmt: skip
-    entry = [users.SYSTEM_PYTHON, "-m", "ddp_core.run.entry", str(folder)]
+    entry = [users.SYSTEM_PYTHON, "-m", "ddp_core.cluster.entry", str(folder)]
     (folder.parent / "config.yaml").write_text("run: {}\n")  # a run directory: the refusal is recorded there
     for owner, mode, why in [(alice.uid, 0o664, "is writable by its group"), (users.ensure("mallory").uid, 0o644,
                              "is owned by ddpjob-mallory")]:  # fmt: skip

@@ -173,7 +173,7 @@ def test_dry_run_lists_each_trials_argv_and_the_script_entry(tmp_path):
         f"{TRAIN} --steps 10 --crash-once --lr={lr} --sleep={s}" for lr in ("0.1", "0.2") for s in ("0", "0.01")
     ]
     assert "each task runs ddp_core.script.run(RUN_DIR) on its trial's run directory" in proc.stdout
-    assert "-m ddp_core.run.entry" in proc.stdout and "#SBATCH --array=0-3%" in proc.stdout
+    assert "-m ddp_core.cluster.entry" in proc.stdout and "#SBATCH --array=0-3%" in proc.stdout
     assert not list(tmp_path.iterdir())  # a dry run creates nothing
 
 

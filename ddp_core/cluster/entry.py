@@ -5,7 +5,7 @@ by no one else; then the pickled call is checked, with its folder up to the run 
 another user owns or can write is refused in one line before submitit unpickles it (it would run their code as you),
 and recorded as the rank's user error (``record_refusal``), so the job ends FAILED at once rather than requeued.
 
-``python -m ddp_core.run.entry FOLDER`` (``jobs.submission.render``'s task command); standard library and submitit
+``python -m ddp_core.cluster.entry FOLDER`` (``jobs.submission.render``'s task command); standard library and submitit
 only, as submitit's own entry, until a refusal is recorded.
 """
 
