@@ -56,7 +56,9 @@ def test_status_logs_and_cancel_on_real_jobs(slurm_cluster, tmp_path):
     assert logs.cancel([str(slow_dir)]) == {}
 
 
-# exclusive: stopping slurmdbd is global to the cluster (tests/support/cluster_guard.py)
+# exclusive: stopping slurmdbd is global to the cluster (tests/support/cluster_guard.py); as alice, through the fault
+# broker (tests/support/faults.py)
+@pytest.mark.cluster_user
 def test_status_without_accounting_then_a_cancel_that_saves(slurm_cluster, tmp_path):
     """A site without the accounting client, then one whose slurmdbd is down: status still reads the running job's
     state, from the controller, and says in one line what it cannot know. Then ``ddpjob cancel`` (a plain

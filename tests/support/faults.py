@@ -27,26 +27,40 @@ from tests.support.helpers import ROOT
 
 BROKER_ENV = "DDPJOB_FAULT_BROKER"  # the socket's path, in the user's environment (tests.support.as_user)
 NODES = ("n1", "n2", "n3")
-# Each allowed subcommand and how many node names it takes.
-INJECTIONS = {"kill-node": 1, "freeze-node": 1, "start-node": 1, "stop-accounting": 0, "start-accounting": 0}
+# Each allowed request and how many node names it takes: scripts/slurm-local's subcommands, and resume-node, the
+# cluster guard's repair of a node Slurm drained or marked down (tests/support/cluster_guard.py: heal), which as her
+# Slurm refuses ("slurm_update error: Invalid user id") and which every later test of her pass would otherwise pay for.
+INJECTIONS = {"kill-node": 1, "freeze-node": 1, "start-node": 1, "stop-accounting": 0, "start-accounting": 0,
+              "resume-node": 1}  # fmt: skip
 TIMEOUT_S = 150  # start-node waits up to 60 s for the node, after the node's slurmd has started
 MAX_REQUEST = 256
 
 
 def command(args: Sequence[str]) -> list[str]:
-    """The ``scripts/slurm-local`` command line of an allowed injection; ``ValueError`` for anything else (the one
-    check, on either side of the socket: a test that passes as root asks nothing the broker would refuse)."""
+    """The command line of an allowed request (``INJECTIONS``); ``ValueError`` for anything else (the one check, on
+    either side of the socket: a test that passes as root asks nothing the broker would refuse)."""
     args = list(args)
     if not args or args[0] not in INJECTIONS or len(args) != 1 + INJECTIONS[args[0]]:
         raise ValueError(f"not a fault injection: {args!r} (allowed: {', '.join(INJECTIONS)})")
     if any(arg not in NODES for arg in args[1:]):
         raise ValueError(f"not a node of the local cluster: {args[1:]!r} (allowed: {', '.join(NODES)})")
+    if args[0] == "resume-node":
+        return ["scontrol", "update", f"NodeName={args[1]}", "State=RESUME"]
     return [str(ROOT / "scripts" / "slurm-local"), *args]
 
 
 def slurm_local(*args: str) -> subprocess.CompletedProcess[str]:
     """``scripts/slurm-local ARGS`` (one of ``INJECTIONS``): run here as root, through the broker as a plain user.
     Returns its exit code and output; the caller decides what a failure means."""
+    return _as_root(args)
+
+
+def resume_node(node: str) -> subprocess.CompletedProcess[str]:
+    """``scontrol update NodeName=NODE State=RESUME``, as root (through the broker as a plain user)."""
+    return _as_root(["resume-node", node])
+
+
+def _as_root(args: Sequence[str]) -> subprocess.CompletedProcess[str]:
     cmd = command(args)
     if os.geteuid() == 0:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)

@@ -15,6 +15,7 @@ from typing import Iterator
 import pytest
 
 from tests.support import faults, users
+from tests.support.helpers import ROOT
 
 # A client that sends its argv's JSON to the broker as is (slurm_local would refuse a bad request before sending it).
 RAW = """import json, socket, sys
@@ -50,11 +51,17 @@ def ask(user: users.User, path: str, request: object) -> str:
 @pytest.mark.parametrize(
     "args",
     [[], ["up"], ["down"], ["kill-node"], ["kill-node", "n4"], ["kill-node", "n1", "n2"], ["kill-node", "n1;id"],
-     ["stop-accounting", "n1"], ["env"], ["--help"]],
+     ["stop-accounting", "n1"], ["resume-node"], ["resume-node", "ALL"], ["env"], ["--help"]],
 )  # fmt: skip
 def test_only_the_fixed_injections_are_a_command(args):
     with pytest.raises(ValueError, match="not a"):
         faults.command(args)
+
+
+def test_each_request_is_one_fixed_command():
+    assert faults.command(["kill-node", "n2"]) == [str(ROOT / "scripts" / "slurm-local"), "kill-node", "n2"]
+    assert faults.command(["stop-accounting"]) == [str(ROOT / "scripts" / "slurm-local"), "stop-accounting"]
+    assert faults.command(["resume-node", "n3"]) == ["scontrol", "update", "NodeName=n3", "State=RESUME"]
 
 
 def test_the_broker_serves_its_user_only_and_runs_only_its_injections(broker):
