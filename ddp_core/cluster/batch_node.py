@@ -148,8 +148,9 @@ def requeue_after(
 ) -> int:
     """Rank 0, once every rank stopped and checkpointed at ``step`` because the batch node ``host`` is gone: an
     infrastructure ``failure`` of that host, then what the after-failure policy makes of it (a requeue within
-    ``slurm.max_failures``, the host excluded at its second failure, or the job's end). Returns the exit code."""
+    ``slurm.max_failures``, the lost host excluded where the partition can do without it, or the job's end). Returns the
+    exit code."""
     what = f"node failure: the batch node {host} stopped responding (the batch script and its watcher died with it)"
-    failure = Failure(Kind.infrastructure, None, host, step, what)
+    failure = Failure(Kind.infrastructure, None, host, step, what, lost="the batch node, gone (Slurm marks it down)")
     job = gateway.show_job(env.slurm_job_id) if env.slurm_job_id else None
     return decide_after(failure, run_dir, env, gateway, slurm, job=job).code

@@ -26,6 +26,10 @@ a rank that dies by a signal records nothing, and srun's own line (``srun: error
 Infrastructure, storage and unknown failures requeue the same job within ``slurm.max_failures`` (``cluster.policy``,
 through ``exits.requeue_within``); a user error ends the job FAILED, and ``ddpjob resume`` continues it from its newest
 checkpoint after the fix.
+
+**Which node is bad** is decided on evidence about the node (``to_exclude``): a failed health check, a device error,
+or Slurm's own word (DOWN, FAIL, drained). A process killed twice on one node is no such evidence (the OOM killer, a
+user's ``kill``, a library's segfault): the run goes on there within its budgets.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from ddp_core.cluster import node_state
 from ddp_core.cluster.env import DistEnv
 from ddp_core.config import SlurmConfig
 from ddp_core.run.rundir import RunDir
@@ -81,10 +86,15 @@ _USER_TYPES = frozenset(
 # torch.distributed's own errors and the OS's connection errors: a peer or the network, not this rank's code.
 _INFRA_TYPES = frozenset({"DistError", "DistBackendError", "DistNetworkError", "DistStoreError", "ConnectionError"})
 _INFRA_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.ECONNRESET, errno.ECONNREFUSED, errno.EPIPE, errno.ENETDOWN})
+# A device's own fault (the node's, whichever process met it): evidence that excludes the node (``to_exclude``).
+DEVICE_WORDS = re.compile(
+    r"ecc error|uncorrectable|device lost|fallen off the bus|gpu is lost|cuda-capable device|devices unavailable"
+    r"|cuda driver|xid",
+    re.IGNORECASE,
+)
 _INFRA_WORDS = re.compile(
     r"connection (?:reset|closed|refused)|broken pipe|by peer|nccl|gloo|socket timeout|timed out .*collective"
-    r"|ecc error|uncorrectable|device lost|fallen off the bus|gpu is lost|cuda-capable device|devices unavailable"
-    r"|cuda driver|input/output error|stale file handle",
+    r"|input/output error|stale file handle|" + DEVICE_WORDS.pattern,
     re.IGNORECASE,
 )
 
@@ -174,6 +184,7 @@ class Failure:
     host: Optional[str]
     step: Optional[int]
     error: str
+    lost: str = ""  # Slurm's word that ``host`` was lost (NODE_FAIL, gone from the allocation): evidence it is bad
 
     @property
     def where(self) -> str:
@@ -264,9 +275,13 @@ def excluded_hosts(events: list[dict[str, Any]]) -> dict[str, str]:
     return hosts
 
 
-def to_exclude(events: list[dict[str, Any]], failure: Failure) -> dict[str, str]:
-    """The host to exclude after ``failure`` (whose ``failure`` event ``events`` already holds): one that failed a
-    health check, or had its second infrastructure failure in this run (since it was last taken back)."""
+def to_exclude(events: list[dict[str, Any]], failure: Failure, node: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The host to exclude after ``failure``, on evidence about the node, never on how often its processes failed (a
+    rank killed twice, by the OOM killer or by hand, says nothing about the node): a failed health check, a device
+    error (``DEVICE_WORDS``), the node lost with the attempt's step (``Failure.lost``: Slurm ended the attempt for it,
+    or took it out of the allocation), or, for any other infrastructure failure, Slurm's own word (``node``: its
+    ``scontrol show node`` fields; ``node_state.bad``: DOWN, FAIL, drained). A host already excluded is not named
+    again."""
     host = failure.host
     if host is None or host in excluded_hosts(events):
         return {}
@@ -274,13 +289,13 @@ def to_exclude(events: list[dict[str, Any]], failure: Failure) -> dict[str, str]
         return {host: f"failed a health check: {failure.error}"}
     if failure.kind is not Kind.infrastructure:
         return {}
-    count = 0
-    for e in events:
-        if e["event"] == "included" and e.get("host") == host:
-            count = 0
-        elif e["event"] == "failure" and e.get("host") == host and e.get("kind") == Kind.infrastructure.value:
-            count += 1
-    return {host: f"{count} infrastructure failures in this run, the last: {failure.error}"} if count >= 2 else {}
+    if failure.lost:
+        return {host: f"lost: {failure.lost}"}
+    if DEVICE_WORDS.search(failure.error):
+        return {host: f"a device error: {failure.error}"}
+    if said := node_state.bad(node):
+        return {host: f"Slurm says {said}, after: {failure.error}"}
+    return {}
 
 
 def attempt_events(events: list[dict[str, Any]], env: DistEnv) -> list[dict[str, Any]]:

@@ -13,9 +13,10 @@ ended with no decision recorded (no ``requeued``, ``failure``, ...):
 - from there the after-failure policy decides (``cluster.policy``, the watcher's and a search trial's step's too),
   with this attempt as the one that runs again: that failure counts against ``slurm.max_failures`` like any other,
   and once spent the attempt ends here (exit code ``BUDGET_SPENT``) and the run reads FAILED with the reason;
-- a host with its second infrastructure failure is excluded (``failures.to_exclude``); if this attempt was placed on
-  it again, the job is requeued off it now, before srun starts a rank there (``NOT_STARTED``), unless too few nodes
-  would be left (``failed``, exit code ``FAILED``); with that requeue, a sweep's array keeps its pending tasks off it.
+- the lost host is excluded (``failures.to_exclude``: Slurm's NODE_FAIL is the evidence); if this attempt was placed
+  on it again, the job is requeued off it now, before srun starts a rank there (``NOT_STARTED``); with that requeue, a
+  sweep's array keeps its pending tasks off it. When too few nodes would be left without it, it is not excluded and
+  this attempt runs.
 
 Torch-free; it never raises (a question Slurm cannot answer leaves the attempt to run).
 """
@@ -63,14 +64,16 @@ def node_failure(gateway: SlurmGateway, job_id: str, step: Optional[int]) -> Opt
     down = gateway.nodes_down_between(nodes, start, until) or [n for n in nodes if gone(gateway.show_node(n))]
     host = down[0] if down else None
     what = f"{', '.join(down)} stopped responding" if down else f"a node of {nodelist} failed"
-    return Failure(Kind.infrastructure, None, host, step, f"node failure: {what} (Slurm ended the attempt: NODE_FAIL)")
+    lost = "Slurm ended the attempt for it (NODE_FAIL)" if down else ""
+    return Failure(Kind.infrastructure, None, host, step, f"node failure: {what} (Slurm ended the attempt: NODE_FAIL)",
+                   lost=lost)  # fmt: skip
 
 
 def begin(
     run_dir: RunDir, env: DistEnv, nodelist: str, slurm: SlurmConfig, gateway: SlurmGateway, array_job_id: str = ""
 ) -> int:
     """Before a requeued attempt's srun (see the module docstring): ``GO_ON``, or the batch script's exit code when
-    this attempt must not start (a spent budget, a requeue off an excluded node it was placed on, too few nodes left).
+    this attempt must not start (a spent budget, a requeue off an excluded node it was placed on).
     ``array_job_id``: a sweep's array, whose pending tasks stay off a node this run now excludes."""
     if not env.restart_count or not env.slurm_job_id:
         return GO_ON

@@ -14,14 +14,17 @@ One policy, three callers, which differ only by parameters:
 1. an unknown failure this job saw before at the same step is a user error (``failures.as_repeated``); one
    ``failure`` event is recorded;
 2. a user error: ``failed`` recorded, ``FAILED``;
-3. the node the failure excludes (``failures.to_exclude``: a failed health check, a second infrastructure failure);
-4. ``RUN_AGAIN`` when the caller can run again here, within the failure's budget (``failures.budget``), and none of
-   ``here`` is excluded (where a dead rank restarted inside the same allocation, to come, belongs too);
-5. else the job is requeued off its excluded nodes within the budget (``exits.requeue_within``): unless excluding a
-   new node leaves its partition too few (``room_for``: ``failed``, ``FAILED``, rather than pending for ever); a spent
-   budget or a refused requeue is ``STOPPED`` with ``requeue_within``'s code. Once ``REQUEUED``, the job's
-   ``ExcNodeList`` holds every excluded node, and a new one is kept off the array's pending tasks too (a sweep's later
-   trials, a search's later workers).
+3. the node the failure excludes, on evidence about it (``failures.to_exclude``: a failed health check, a device
+   error, Slurm's DOWN, FAIL or drained state; never a count of killed processes); a node whose exclusion would leave
+   the job's partition too few (``room_for``) is not excluded (``not_excluded`` recorded): the job goes on within its
+   budget, never FAILED for that alone;
+4. a restart inside the allocation (``Allocation``, within ``slurm.max_restarts``) on its live nodes the run does not
+   exclude; else ``RUN_AGAIN`` when the caller can run again here, within the failure's budget (``failures.budget``),
+   and none of ``here`` is excluded;
+5. else the job is requeued off its excluded nodes within the budget (``exits.requeue_within``); a spent budget or a
+   refused requeue is ``STOPPED`` with ``requeue_within``'s code. Once ``REQUEUED``, the job's ``ExcNodeList`` holds
+   every excluded node, and a new one is kept off the array's pending tasks too (a sweep's later trials, a search's
+   later workers).
 
 Torch-free; it records and logs what it decides, and the callers map the ``Decision`` to their exit code.
 """
@@ -49,7 +52,7 @@ log = logging.getLogger("ddp_core")
 class Outcome(str, enum.Enum):
     RUN_AGAIN = "run_again"  # the caller runs the failed work again in the allocation it holds
     REQUEUED = "requeued"  # Slurm ends this attempt and queues the same job again
-    FAILED = "failed"  # a user error, or no room left after an exclusion: the job ends FAILED (``failed`` recorded)
+    FAILED = "failed"  # a user error or a task out of memory: the job ends FAILED (``failed`` recorded)
     STOPPED = "stopped"  # a spent budget or a refused requeue (``budget_exhausted``/``requeue_failed`` recorded)
 
 
@@ -122,8 +125,11 @@ def decide_after(
     used = spent(failure, earlier, restarted)
     after = f"{failure.kind.value} failure of {failure.where} at step {failure.step} ({failure.error})"
     log.warning("%s%s", label, after)
-    events = run_dir.events()  # with this failure's event: to_exclude counts it
-    new = to_exclude(events, failure)
+    events = run_dir.events()
+    new = to_exclude(events, failure, node_evidence(gateway, failure))
+    if new and not room_for(gateway, job, {**excluded_hosts(events), **new}, slurm.min_nodes + slurm.spare_nodes):
+        keep_using(run_dir, env, new, label)
+        new = {}
     excluded = {**excluded_hosts(events), **new}
     if allocation is not None and allocation.restarts < slurm.max_restarts and (nodes := allocation.pick(excluded)):
         return restart(run_dir, env, failure, new, allocation, nodes, slurm.max_restarts)
@@ -131,9 +137,6 @@ def decide_after(
         record_exclusions(run_dir, env, new)
         log.info("%srunning it again here (%d of %d %ss spent)", label, used, limit, name)
         return Decision(Outcome.RUN_AGAIN, failure)
-    if new and not room_for(gateway, job, excluded, slurm.min_nodes):
-        reason = f"excluding {', '.join(new)} would leave too few nodes for this job ({after})"
-        return failed(run_dir, env, failure, reason, "free nodes or take one back, then", label, "--include-node HOST")
     record_exclusions(run_dir, env, new)
     if used <= limit and (placed_on := sorted(set(here) & set(excluded))):
         log.warning("%sthis allocation holds %s, which the run excludes: requeued off it", label, ", ".join(placed_on))
@@ -193,12 +196,31 @@ def memory_error(use: Optional[tuple[str, str]], slurm: SlurmConfig) -> str:
 
 def room_for(gateway: SlurmGateway, job: Optional[JobInfo], excluded: dict[str, str], needed: int) -> bool:
     """Whether the job's partition keeps the ``needed`` nodes without ``excluded`` (True when Slurm cannot say).
-    ``needed``: slurm.nodes' MIN, not the job's NumNodes, which for a running elastic job is the count it got."""
+    ``needed``: slurm.nodes' MIN and the spare nodes, not the job's NumNodes, which for a running elastic job is the
+    count it got."""
     part = gateway.show_partition(job.partition) if job is not None else None
     if job is None or part is None:
         return True
     nodes = set(expand_nodelist(part.get("Nodes", ""))) if part.get("Nodes") else set()
     return not nodes or len(nodes - set(excluded)) >= needed
+
+
+def node_evidence(gateway: SlurmGateway, failure: Failure) -> Optional[dict[str, str]]:
+    """What Slurm says of the node an infrastructure failure names (``failures.to_exclude``'s evidence); None for
+    any other failure, which asks Slurm nothing."""
+    if failure.kind is not Kind.infrastructure or failure.host is None:
+        return None
+    return gateway.show_node(failure.host)
+
+
+def keep_using(run_dir: RunDir, env: DistEnv, bad: dict[str, str], label: str) -> None:
+    """Bad nodes the job cannot do without (its partition would have too few left): not excluded, a ``not_excluded``
+    event each. The job goes on within its budget on the nodes Slurm gives it (Slurm itself places nothing on a node
+    that is DOWN or drained, so a requeued job waits for one to come back), rather than failing for that alone."""
+    for host, why in bad.items():
+        run_dir.log_event("not_excluded", job_id=env.job_id, host=host, reason=why)
+        log.warning("%s%s is bad (%s), but excluding it would leave too few nodes for this job: not excluded, going "
+                    "on within the budget", label, host, why)  # fmt: skip
 
 
 def record_exclusions(run_dir: RunDir, env: DistEnv, new: dict[str, str]) -> None:

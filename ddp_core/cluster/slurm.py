@@ -25,6 +25,7 @@ from ddp_core.cluster.slurm_text import (
     first_word_state,
     parse_config,
     parse_fields,
+    parse_node,
     rate_limited,
     rss_bytes,
 )
@@ -324,9 +325,10 @@ class SlurmGateway:
         return [parse_fields(line) for line in lines if line.startswith("PartitionName=")]
 
     def show_node(self, name: str) -> Optional[dict[str, str]]:
-        """``scontrol show node -o NAME``'s fields; None when scontrol cannot answer."""
+        """``scontrol show node -o NAME``'s fields (``Reason`` whole, spaces and all, less Slurm's ``[user@time]``);
+        None when scontrol cannot answer."""
         proc = self.run("scontrol", "show", "node", "-o", name)
-        return parse_fields(proc.stdout.splitlines()[0]) if proc.returncode == 0 and proc.stdout.strip() else None
+        return parse_node(proc.stdout.splitlines()[0]) if proc.returncode == 0 and proc.stdout.strip() else None
 
     def nodes_down_between(self, nodes: Sequence[str], start: str, end: str) -> Optional[list[str]]:
         """The ``nodes`` accounting saw go down (not responding, failed) between ``start`` and ``end`` (ISO times),

@@ -40,6 +40,15 @@ def parse_fields(text: str) -> dict[str, str]:
     return out
 
 
+def parse_node(line: str) -> dict[str, str]:
+    """``scontrol show node -o``'s record: ``parse_fields``, with ``Reason`` whole (an admin's words, spaces and all)
+    less Slurm's ``[user@time]``."""
+    fields = parse_fields(line)
+    if reason := re.search(r"\bReason=(.*?)(?=\s\S+=|$)", line):
+        fields["Reason"] = re.sub(r"\s*\[[^\]]*@[^\]]*\]$", "", reason[1].strip())
+    return fields
+
+
 # What Slurm releases print differently in ``scontrol show config`` (the project runs against 22.05, 24.11 and
 # 26.05), and what the callers read instead: 24.11+ print "(null)" for no preemption, 22.05 "preempt/none".
 CONFIG_SPELLINGS = {("PreemptType", "(null)"): "preempt/none"}

@@ -11,10 +11,10 @@ report in BATCH_LOG after this attempt's marker), and the after-failure policy (
 node-loss check and a search's trial step share) records one ``failure`` event and decides:
 
 - a user error: records ``failed`` and leaves srun's status, so the job ends FAILED within seconds;
-- infrastructure or unknown: requeues the same job within ``slurm.max_failures`` (``exits.requeue_within``), off the
-  nodes the run excludes, unless too few would be left (then ``failed``); the next attempt resumes from the newest
-  checkpoint. An unknown failure seen again at the same step is a user error. The attempt is over, so nothing runs
-  again in this allocation.
+- infrastructure or unknown: restarts the ranks in the allocation within ``slurm.max_restarts`` (``--in-allocation``),
+  else requeues the same job within ``slurm.max_failures`` (``exits.requeue_within``), off the nodes the run excludes
+  on evidence (``failures.to_exclude``; never one the partition cannot do without); the next attempt resumes from the
+  newest checkpoint. An unknown failure seen again at the same step is a user error.
 
 Its exit code is the batch script's: 0 once the job is requeued, else srun's status. Torch-free, and it never
 raises: a watcher that fails leaves the job as srun left it.
@@ -168,7 +168,7 @@ def lost_node(failure: Failure, step_nodes: list[str], allocation: Allocation) -
     if not gone or failure.kind in (Kind.user, Kind.health, Kind.memory):
         return failure
     what = f"node failure: {', '.join(gone)} stopped responding (the allocation kept the others: --no-kill)"
-    return Failure(Kind.infrastructure, None, gone[0], failure.step, what)
+    return Failure(Kind.infrastructure, None, gone[0], failure.step, what, lost="gone from the allocation")
 
 
 def tasks_per_node() -> int:

@@ -11,10 +11,9 @@ watcher's own, with running again in this allocation allowed) records it in the 
   first as a restart within ``slurm.max_restarts`` (a ``restarted`` event, as the batch script's watcher restarts a
   single run's step), then within ``slurm.max_failures`` (health: ``max_health_failures``) of this worker's job (a
   worker of another job that takes the trial over starts a budget of its own, as ``ddpjob resume`` does), unless the
-  failure excludes a node of
-  this allocation (``failures.to_exclude``): then the worker's job is requeued off it (``ExcNodeList``, and the
-  array's pending workers too), and its next attempt resumes the trial, still bound to it; or, when the partition
-  would have too few nodes left without it, ``failed`` and the trial fails.
+  failure excludes a node of this allocation (``failures.to_exclude``: on evidence, such as Slurm draining it): then
+  the worker's job is requeued off it (``ExcNodeList``, and the array's pending workers too), and its next attempt
+  resumes the trial, still bound to it. A node the partition cannot do without is not excluded: the step runs again.
 
 A requeue that the step's rank 0 decided but could not make (inside a container image without scontrol:
 ``requeue_deferred``) is made here, outside the image, as the batch script's watcher makes it for a single run.

@@ -103,9 +103,9 @@ def test_infrastructure_failures_requeue_within_max_failures(slurm_cluster, tmp_
         ("start", None), ("failure", "infrastructure"), ("requeued", "failure"),
         ("start", None), ("failure", "infrastructure"), ("budget_exhausted", None),
     ], seen  # fmt: skip
-    # Both failures on one node (each attempt may land on either): that node is excluded, for a later resume.
-    hosts = [e["host"] for e in events(run_dir, "failure")]
-    assert [e["host"] for e in events(run_dir, "excluded")] == ([hosts[0]] if hosts[0] == hosts[1] else [])
+    # Even with both failures on one node (each attempt may land on either), nothing is excluded: Slurm says the
+    # nodes are fine, and a killed process is no evidence against its node.
+    assert events(run_dir, "excluded") == []
     assert {e["job_id"] for e in events(run_dir)} == {job_id}
     reason = events(run_dir)[-1]["reason"]
     assert reason == "requeue budget exhausted after 2 failures (slurm.max_failures=1)", reason

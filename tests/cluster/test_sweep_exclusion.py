@@ -2,8 +2,8 @@
 adaptive search's workers each watch their trials' failures as a single run's batch script does (docs/failures.md).
 
 The cluster alone (tests/support/cluster_guard.py): every job takes one CPU on each of two nodes of partition "wide"
-(n1-n3), which Slurm places on n1 and n2 (n3 has the higher weight), and the failures are the test's own ranks dying on
-n2."""
+(n1-n3), which Slurm places on n1 and n2 (n3 has the higher weight), and the failure is a trial's rank on n2 killed
+once Slurm has drained n2 (tests/support/bad_node.py: the drain is the evidence a node is excluded on)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import optuna
 
 from ddp_core.cluster.env import expand_nodelist
 from ddp_core.search.study import open_study
+from tests.support.bad_node import drain_and_kill, undrain
 from tests.support.cli_runner import field, run_cli
 from tests.support.digits import DIGITS, TWO
 from tests.support.helpers import events, wait_for
@@ -22,17 +23,22 @@ from tests.support.helpers import events, wait_for
 # The cluster alone: each test needs its job placed on n2 (n1 and n2 weigh least), and beside another lane a job of that
 # lane still completing on n2 kept a retry off it once (slurmctld placed it on n1 and n3 a second after the other
 # job's kill), so the trial completed and nothing was excluded.
-CRASH = ["task.target=tests.support.tasks:CrashingTask", "task.data.crash_host=n2", "task.data.crash_at=25",
-         "task.data.error=SIGKILL"]  # fmt: skip
+
+
+def halting(halted: Path) -> list[str]:
+    """A trial's rank on n2 halts at its 25th batch, for the test to drain n2 and kill it (``bad_node``)."""
+    return ["task.target=tests.support.tasks:CrashingTask", "task.data.crash_host=n2", "task.data.crash_at=25",
+            "task.data.error=HALT", f"task.data.halt_file={halted}"]  # fmt: skip
 
 
 def test_a_node_a_trial_excluded_is_excluded_for_the_sweeps_later_trials(slurm_cluster, tmp_path):
-    """A sweep's array task watches its trial's attempts as a single run's batch script does: every rank on n2 dies at
-    its 25th batch, so trial 0 fails there twice, excludes n2 and completes on n1 and n3. Trial 1, held in the queue
-    meanwhile (``scontrol hold``: the array's order stays the test's), has taken the exclusion from the array and, once
-    released, runs on n1 and n3 with no failure."""
-    proc = run_cli("sweep", DIGITS, *TWO, *CRASH, "slurm.array_parallelism=1", "train.seed=0,1", "--name", "bad-node",
-                   cwd=tmp_path)  # fmt: skip
+    """A sweep's array task watches its trial's attempts as a single run's batch script does: trial 0's rank on n2
+    dies at its 25th batch once Slurm has drained n2, so trial 0 excludes n2 and completes on n1 and n3. Trial 1, held
+    in the queue meanwhile (``scontrol hold``: the array's order stays the test's), has taken the exclusion from the
+    array and, once released, runs on n1 and n3 with no failure."""
+    halted = tmp_path / "halted"
+    proc = run_cli("sweep", DIGITS, *TWO, *halting(halted), "slurm.array_parallelism=1", "train.seed=0,1", "--name",
+                   "bad-node", cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     array = field(proc.stdout, "arrays").split()[0]
     held = subprocess.run(["scontrol", "hold", f"{array}_1"], capture_output=True, text=True)
@@ -40,9 +46,13 @@ def test_a_node_a_trial_excluded_is_excluded_for_the_sweeps_later_trials(slurm_c
     sweep_dir = Path(field(proc.stdout, "dir"))
     trials = {int(yaml_seed(p)): p.parent for p in sweep_dir.glob("*/config.yaml")}
     first, second = trials[0], trials[1]
-    wait_for(lambda: any(e["event"] == "completed" for e in events(first)), 240, "trial 0 to complete", poll=1)
+    try:
+        drain_and_kill(halted, "n2")
+        wait_for(lambda: any(e["event"] == "completed" for e in events(first)), 240, "trial 0 to complete", poll=1)
+    finally:
+        undrain("n2")
     seen = [(e["event"], e.get("host")) for e in events(first) if e["event"] in ("failure", "excluded", "completed")]
-    assert seen == [("failure", "n2"), ("failure", "n2"), ("excluded", "n2"), ("completed", None)], seen
+    assert seen == [("failure", "n2"), ("excluded", "n2"), ("completed", None)], seen
     shown = subprocess.run(["scontrol", "show", "job", f"{array}_1"], capture_output=True, text=True).stdout
     assert "ExcNodeList=n2" in shown and "JobState=PENDING" in shown, shown
     subprocess.run(["scontrol", "release", f"{array}_1"], check=True)
@@ -58,11 +68,12 @@ def yaml_seed(config: Path) -> str:
 
 
 def test_a_search_trial_retries_its_step_then_moves_its_worker_off_the_bad_node(slurm_cluster, tmp_path):
-    """An adaptive search's worker runs each trial as an srun step of its allocation (n2 and another node): every
-    rank on n2 dies at its 25th batch of each step. The worker restarts the failed step in place (one failure may
-    be bad luck: slurm.max_restarts), and after the second failure there excludes n2 and requeues itself off it; its
-    next attempt, on n1 and n3, resumes the trial from its checkpoint, and the search completes both trials."""
-    proc = run_cli("sweep", DIGITS, *TWO, *CRASH, "optim.lr=loguniform(1e-3,1e-2)", "--search", "random",
+    """An adaptive search's worker runs each trial as an srun step of its allocation (n2 and another node): the
+    first trial's rank on n2 dies at its 25th batch once Slurm has drained n2. The worker cannot restart the step in
+    place without n2, so it excludes n2 and requeues itself off it; its next attempt, on n1 and n3, resumes the trial
+    from its checkpoint, and the search completes both trials."""
+    halted = tmp_path / "halted"
+    proc = run_cli("sweep", DIGITS, *TWO, *halting(halted), "optim.lr=loguniform(1e-3,1e-2)", "--search", "random",
                    "--trials", "2", "--parallel", "1", "--name", "bad-node-search", cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     sweep, array = Path(field(proc.stdout, "dir")), field(proc.stdout, "arrays").split()[0]
@@ -70,12 +81,15 @@ def test_a_search_trial_retries_its_step_then_moves_its_worker_off_the_bad_node(
     def trials() -> list[optuna.trial.FrozenTrial]:
         return open_study(sweep)[1].get_trials()
 
-    wait_for(lambda: len(trials()) == 2 and all(t.state.is_finished() for t in trials()), 300, "2 trials", poll=2)
+    try:
+        drain_and_kill(halted, "n2")
+        wait_for(lambda: len(trials()) == 2 and all(t.state.is_finished() for t in trials()), 300, "2 trials", poll=2)
+    finally:
+        undrain("n2")
     assert [t.state for t in trials()] == [optuna.trial.TrialState.COMPLETE] * 2, [t.user_attrs for t in trials()]
     first = sweep / "t0000"
     seen = [(e["event"], e.get("kind"), e.get("host")) for e in events(first) if e["event"] != "rank_failed"]
     assert seen == [
-        ("start", None, None), ("failure", "infrastructure", "n2"), ("restarted", "infrastructure", None),
         ("start", None, None), ("failure", "infrastructure", "n2"), ("excluded", None, "n2"),
         ("requeued", "failure", None), ("start", None, None), ("completed", None, None),
     ], seen  # fmt: skip

@@ -16,10 +16,11 @@ from ddp_core.run.rundir import RunDir
 
 
 class Slurm:
-    """A gateway over a fabricated cluster: job 57 runs in partition ``local`` (``nodes``); every call is kept."""
+    """A gateway over a fabricated cluster: job 57 runs in partition ``local`` (``nodes``), whose nodes are in
+    ``states`` (MIXED where it names none); every call is kept."""
 
-    def __init__(self, nodes: str = "n[1-3]") -> None:
-        self.nodes = nodes
+    def __init__(self, nodes: str = "n[1-3]", states: dict[str, str] | None = None) -> None:
+        self.nodes, self.states = nodes, states or {}  # states: a node's State (default MIXED), as scontrol says
         self.calls: list[tuple[str, ...]] = []
         self.gateway = SlurmGateway(self.answer)
 
@@ -28,6 +29,10 @@ class Slurm:
         out = ""
         if cmd[:3] == ("scontrol", "show", "job"):
             out = f"JobId={cmd[-1]} JobState=RUNNING Partition=local Restarts=0\n"
+        elif cmd[:3] == ("scontrol", "show", "node"):
+            state = self.states.get(cmd[-1], "MIXED")
+            reason = " Reason=bad DIMM [admin@2026-12-02T01:00:00]" if "DRAIN" in state else ""
+            out = f"NodeName={cmd[-1]} Arch=x86_64 State={state} Partitions=local{reason}\n"
         elif cmd[:3] == ("scontrol", "show", "partition"):
             out = f"PartitionName=local Nodes={self.nodes} TotalNodes=3\n"
         elif cmd[0] == "sacct" and "JobID,State,MaxRSS,ReqMem" in cmd:  # as the site profile's sacct wrote it

@@ -30,8 +30,9 @@ class CrashingTask(DigitsTask):
     """Digits, but rank ``crash_rank`` (or, with ``crash_host``, every rank on that host: a bad node) fails at its
     ``crash_at``-th training batch of every attempt: ``error`` names the builtin exception it raises, or
     ``SIGKILL``, which it sends itself (what the OOM killer or a segfault in a library look like from outside), or
-    ``HALT``: it writes ``halt_file`` and waits there for the test to take its whole node down from outside
-    (``scripts/slurm-local kill-node``), so the node dies at a chosen step rather than at a raced moment.
+    ``HALT``: it writes ``halt_file`` (its pid in ``halt_file.pid``) and waits there for the test to take its whole node
+    down from outside (``scripts/slurm-local kill-node``), or to drain the node and kill the rank
+    (``tests.support.bad_node``), at a chosen step rather than at a raced moment.
     ``crash_launch``: only in that job step of the job's first attempt (``DDPJOB_LAUNCH``; -1: every one).
     ``crash_rank_by_launch``: in the job's first attempt, job step ``i``'s crashing rank is its ``i``-th item, and
     the later steps crash nowhere (it replaces ``crash_rank`` and ``crash_launch``)."""
@@ -67,7 +68,8 @@ class CrashingTask(DigitsTask):
                     if self.halt_file:  # when the kill came, for a benchmark's clock (bench/restart.py)
                         Path(self.halt_file).write_text(f"{time.time():.3f}\n")
                     os.kill(os.getpid(), signal.SIGKILL)
-                if self.error == "HALT":
+                if self.error == "HALT":  # its pid beside, first: for a test that kills this rank alone
+                    Path(self.halt_file + ".pid").write_text(f"{os.getpid()}\n")
                     Path(self.halt_file).write_text(f"{socket.gethostname()} rank {rank} at batch {self.batches}\n")
                     while True:
                         time.sleep(1)

@@ -85,16 +85,19 @@ def test_an_elastic_job_without_spares_is_requeued_from_its_second_node_when_the
     assert watch is not None and watch.host == "n1"
     watch.thread.join(timeout=30)
     assert not watch.thread.is_alive() and ("scontrol", "requeue", "57") in node.commands
-    # Back in the queue it would wait for the 2 nodes it had (n1 is dead): it gets its range back.
-    assert node.commands[-1] == ("scontrol", "update", "JobId=57", "NumNodes=1-2", "NumTasks=2"), node.commands
-    assert events(run) == [("failure", "n1"), ("requeued", "failure")] and flag.received == 0
+    # n1, lost, is excluded (the partition holds the one node the job needs without it); back in the queue the job
+    # would wait for the 2 nodes it had: it gets its range back.
+    excluded, resized = ("JobId=57", "ExcNodeList=n1"), ("JobId=57", "NumNodes=1-2", "NumTasks=2")
+    assert {("scontrol", "update", *excluded), ("scontrol", "update", *resized)} == set(node.commands[-2:])
+    assert events(run) == [("failure", "n1"), ("excluded", "n1"), ("requeued", "failure")] and flag.received == 0
 
 
 def test_the_lost_batch_node_is_an_infrastructure_failure_that_requeues_the_job(tmp_path):
     run, slurm = run_dir(tmp_path, "slurm.spare_nodes=1"), Slurm()
     code = batch_node.requeue_after("n1", run.load_config().slurm, run, ENV, 40, slurm.gateway)
-    assert code == ExitCode.REQUEUED and slurm.asked() == [("scontrol", "requeue", "57")]
-    assert events(run) == [("failure", "n1"), ("requeued", "failure")]
+    assert code == ExitCode.REQUEUED  # n1, lost, is excluded: the partition n[1-3] holds a node and a spare without it
+    assert slurm.asked() == [("scontrol", "requeue", "57"), ("scontrol", "update", "JobId=57", "ExcNodeList=n1")]
+    assert events(run) == [("failure", "n1"), ("excluded", "n1"), ("requeued", "failure")]
     failure = run.events()[0]
     assert (failure["kind"], failure["step"]) == ("infrastructure", 40) and "batch node n1" in failure["error"]
     # Its budget spent, the job ends there with the reason, never requeued.

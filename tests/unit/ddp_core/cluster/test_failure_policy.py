@@ -67,37 +67,48 @@ def test_the_watcher_requeues_where_a_step_runs_again(tmp_path):
     assert events(run2) == [("failure", "n2")] and slurm2.asked() == []
 
 
-def test_a_second_failure_on_a_node_of_this_allocation_requeues_the_job_off_it_and_keeps_the_array_off(tmp_path):
-    run, slurm = run_dir(tmp_path), Slurm()
-    run.log_event("failure", **failure_event("57", "n2"))
+def test_a_failure_on_a_node_slurm_drained_requeues_the_job_off_it_and_keeps_the_array_off(tmp_path):
+    run, slurm = run_dir(tmp_path), Slurm(states={"n2": "MIXED+DRAIN"})
     decision = decide(run, slurm, can_run_again=True, here={"n1", "n2"}, array_job_id="50")
     assert decision.outcome is Outcome.REQUEUED
     assert events(run)[-3:] == [("failure", "n2"), ("excluded", "n2"), ("requeued", "failure")]
+    assert run.events()[-2]["reason"].startswith("Slurm says State=MIXED+DRAIN (Reason=bad DIMM")
     assert slurm.asked() == [("scontrol", "requeue", "57"), ("scontrol", "update", "JobId=57", "ExcNodeList=n2"),
                              ("scontrol", "update", "JobId=50", "ExcNodeList=n2")]  # fmt: skip
     # The node-loss check's case: the failed node is not this attempt's, which runs (the exclusion is kept).
-    run2, slurm2 = run_dir(tmp_path / "2"), Slurm()
-    run2.log_event("failure", **failure_event("57", "n2"))
+    run2, slurm2 = run_dir(tmp_path / "2"), Slurm(states={"n2": "DOWN*"})
     assert decide(run2, slurm2, can_run_again=True, here={"n1", "n3"}).outcome is Outcome.RUN_AGAIN
     assert events(run2)[-2:] == [("failure", "n2"), ("excluded", "n2")] and slurm2.asked() == []
 
 
+def test_kills_of_a_rank_on_a_healthy_node_exclude_nothing_however_many(tmp_path):
+    """The storm's case: rank 1 on n2 killed again and again; Slurm says n2 is fine, so each failure runs again here
+    (or requeues the job, once the attempt is over), within the budget, on the same nodes."""
+    run, slurm = run_dir(tmp_path, "slurm.max_failures=30"), Slurm("n[1-2]")
+    for _ in range(4):
+        assert decide(run, slurm, can_run_again=True, here={"n1", "n2"}).outcome is Outcome.RUN_AGAIN
+    assert decide(run, slurm).outcome is Outcome.REQUEUED
+    assert events(run) == [("failure", "n2")] * 5 + [("requeued", "failure")]
+    assert slurm.asked() == [("scontrol", "requeue", "57")]
+
+
 @pytest.mark.parametrize("can_run_again", [False, True])
-def test_an_exclusion_that_leaves_too_few_nodes_fails_the_job(tmp_path, can_run_again):
-    run, slurm = run_dir(tmp_path, "slurm.nodes=2"), Slurm("n[1-2]")
-    run.log_event("failure", **failure_event("57", "n2"))
+def test_a_bad_node_the_job_cannot_do_without_is_not_excluded_and_the_job_goes_on(tmp_path, can_run_again):
+    """Excluding drained n2 would leave the 2-node job's partition n[1-2] one node: it is not excluded (Slurm places
+    nothing new on a drained node, so a requeued job waits for one), and the job goes on within its budget."""
+    run, slurm = run_dir(tmp_path, "slurm.nodes=2"), Slurm("n[1-2]", states={"n2": "MIXED+DRAIN"})
     decision = decide(run, slurm, can_run_again=can_run_again, here={"n1", "n2"})
-    assert (decision.outcome, decision.code) == (Outcome.FAILED, ExitCode.FAILED)
-    assert events(run)[-2:] == [("failure", "n2"), ("failed", None)]
-    assert run.events()[-1]["reason"].startswith("excluding n2 would leave too few nodes for this job")
-    assert slurm.asked() == []
+    assert decision.outcome is (Outcome.RUN_AGAIN if can_run_again else Outcome.REQUEUED)
+    assert events(run)[:2] == [("failure", "n2"), ("not_excluded", "n2")]
+    assert "failed" not in [e["event"] for e in run.events()]
+    assert slurm.asked() == ([] if can_run_again else [("scontrol", "requeue", "57")])  # no ExcNodeList
 
 
 def test_the_budget_counts_this_jobs_failures_only(tmp_path):
     run, slurm = run_dir(tmp_path, "slurm.max_failures=1"), Slurm()
     run.log_event("failure", **failure_event("50", "n3"))  # another job's (an earlier submission, another worker)
     assert decide(run, slurm, can_run_again=True, here={"n1", "n2"}).outcome is Outcome.RUN_AGAIN
-    decision = decide(run, slurm, can_run_again=True, here={"n1", "n2"})  # this job's second: n2 excluded, too
+    decision = decide(run, slurm, can_run_again=True, here={"n1", "n2"})  # this job's second: over the budget
     assert (decision.outcome, decision.code) == (Outcome.STOPPED, ExitCode.BUDGET_SPENT)
     assert "after 2 failures (slurm.max_failures=1)" in run.events()[-1]["reason"]
     assert slurm.asked() == []
@@ -129,13 +140,14 @@ def test_a_trial_step_runs_again_within_its_workers_own_budget(tmp_path, worker)
     assert events(run)[-1] == ("failure", "n2") and slurm.asked() == []
 
 
-def test_a_trial_step_fails_when_excluding_its_node_leaves_too_few(tmp_path, worker):
-    """Before the policy was shared, the step requeued its worker off n2 into a partition that could not hold it."""
-    run, slurm = run_dir(tmp_path, "slurm.nodes=2"), Slurm("n[1-2]")
-    run.log_event("failure", **failure_event("57", "n2"))
-    assert run_step(run, slurm, tmp_path) == 137
-    assert events(run)[-2:] == [("failure", "n2"), ("failed", None)] and slurm.asked() == []
-    assert step.last_failure(run).startswith("excluding n2 would leave too few nodes for this job")
+def test_a_trial_step_runs_again_when_its_bad_node_cannot_be_excluded(tmp_path, worker):
+    """Before the policy was shared, the step requeued its worker off n2 into a partition that could not hold it;
+    then it failed the trial instead. Now the drained n2, which the 2-node partition cannot do without, is kept and
+    the step runs again (and succeeds)."""
+    run, slurm = run_dir(tmp_path, "slurm.nodes=2"), Slurm("n[1-2]", states={"n2": "IDLE+DRAIN"})
+    assert run_step(run, slurm, tmp_path) == 0
+    assert events(run)[-3:] == [("failure", "n2"), ("not_excluded", "n2"), ("restarted", "infrastructure")]
+    assert slurm.asked() == []
 
 
 def test_the_step_is_torch_free():

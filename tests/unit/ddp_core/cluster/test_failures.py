@@ -140,24 +140,36 @@ def failure_event(host, kind="infrastructure"):
     return {"event": "failure", "host": host, "kind": kind, "error": "killed by a signal (Killed)"}
 
 
-def test_a_node_is_excluded_after_a_failed_health_check_or_its_second_infrastructure_failure():
+def test_a_node_is_excluded_on_evidence_about_it_never_on_a_count_of_killed_processes():
+    """A rank killed twice on n2 (the OOM killer, a user's kill) says nothing about n2; a failed health check, a
+    device error, a node Slurm lost, or Slurm's DOWN/FAIL/drained state does."""
     from ddp_core.cluster.failures import Failure, excluded_hosts, to_exclude
 
     killed = Failure(Kind.infrastructure, 1, "n2", 40, "killed by a signal (Killed)")
-    assert to_exclude([failure_event("n2")], killed) == {}  # once may be bad luck
-    twice = [failure_event("n2"), failure_event("n1"), failure_event("n2")]
-    assert to_exclude(twice, killed) == {
-        "n2": "2 infrastructure failures in this run, the last: killed by a signal (Killed)"
+    many = [failure_event("n2")] * 5
+    assert to_exclude(many, killed) == {}
+    assert to_exclude(many, killed, {"NodeName": "n2", "State": "MIXED"}) == {}
+    assert to_exclude(many, killed, {"State": "IDLE*"}) == {}  # not responding alone: a slow network, a busy slurmd
+    assert to_exclude(many, killed, None) == {}  # Slurm could not say
+    drained = {"NodeName": "n2", "State": "MIXED+DRAIN", "Reason": "bad DIMM"}
+    assert to_exclude([], killed, drained) == {
+        "n2": "Slurm says State=MIXED+DRAIN (Reason=bad DIMM), after: killed by a signal (Killed)"
     }
-    taken_back = [failure_event("n2"), {"event": "included", "host": "n2"}, failure_event("n2")]
-    assert to_exclude(taken_back, killed) == {}  # counted again from `ddpjob resume --include-node n2`
+    assert to_exclude([], killed, {"State": "DOWN*"}) == {
+        "n2": "Slurm says State=DOWN*, after: killed by a signal (Killed)"
+    }
+    lost = Failure(Kind.infrastructure, None, "n1", 20, "node failure: n1 stopped responding", lost="NODE_FAIL")
+    assert to_exclude([], lost, {"State": "IDLE"}) == {"n1": "lost: NODE_FAIL"}  # back by now, but it was lost
+    xid = Failure(Kind.infrastructure, 0, "n3", 7, "RuntimeError: CUDA error: uncorrectable ECC error encountered")
+    assert to_exclude([], xid) == {"n3": f"a device error: {xid.error}"}
     sick = Failure(Kind.health, 0, "n3", None, "HealthCheckFailed: health check on n3: slurm.health_check failed: x")
     assert to_exclude([], sick) == {"n3": f"failed a health check: {sick.error}"}
-    assert to_exclude([], Failure(Kind.user, 1, "n2", 3, "ValueError: x")) == {}
+    assert to_exclude([], Failure(Kind.user, 1, "n2", 3, "ValueError: x"), drained) == {}
+    assert to_exclude([], Failure(Kind.storage, 0, "n2", 3, "OSError: [Errno 28] full"), drained) == {}
     events = [{"event": "excluded", "host": "n3", "reason": "r3"}, {"event": "excluded", "host": "n2", "reason": "r2"},
               {"event": "included", "host": "n3"}]  # fmt: skip
     assert excluded_hosts(events) == {"n2": "r2"}
-    assert to_exclude([*events, *twice], killed) == {}  # already excluded
+    assert to_exclude(events, killed, drained) == {}  # already excluded
 
 
 def test_health_check_of_a_node(tmp_path):
@@ -225,9 +237,13 @@ def test_a_node_failure_nobody_recorded_is_counted_before_the_next_attempt(tmp_p
     assert (failure["kind"], failure["host"], failure["rank"], failure["restart_count"]) == ("infrastructure", "n1",
                                                                                             None, 0)  # fmt: skip
     assert failure["error"] == "node failure: n1 stopped responding (Slurm ended the attempt: NODE_FAIL)"
+    # Lost with the attempt (NODE_FAIL, Slurm's word): excluded at once; this attempt, on n2 and n3, runs.
+    [excluded] = [e for e in run.events() if e["event"] == "excluded"]
+    assert (excluded["host"], excluded["reason"]) == ("n1", "lost: Slurm ended the attempt for it (NODE_FAIL)")
     assert node_loss.begin(run, second, "n[2-3]", SlurmConfig(), n1_gone) == node_loss.GO_ON  # decided already
     assert len([e for e in run.events() if e["event"] == "failure"]) == 1
-    # n1 dies again under attempt 1: its second infrastructure failure excludes it, and a budget of one is spent.
+    # n1 dies again under attempt 1 (taken back meanwhile): excluded again, and a budget of one is spent.
+    run.log_event("included", host="n1")
     run.log_event("start", job_id="57", restart_count=1)
     third = DistEnv(job_id="57", slurm_job_id="57", restart_count=2)
     assert node_loss.begin(run, third, "n[2-3]", SlurmConfig(max_failures=1), n1_gone) == ExitCode.BUDGET_SPENT

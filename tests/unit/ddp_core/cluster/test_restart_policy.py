@@ -19,7 +19,7 @@ from ddp_core.cluster.failures import Failure, Kind, attempt_events
 from ddp_core.cluster.policy import Allocation, Outcome
 from ddp_core.cluster.slurm import SlurmGateway
 from ddp_core.run import private
-from tests.support.policy import Slurm, decide, events, failure_event, run_dir
+from tests.support.policy import Slurm, decide, events, run_dir
 
 TWO_OF_THREE = Allocation(live=("n1", "n2", "n3"), step_nodes=2, fewest=2, restarts=0)
 
@@ -46,13 +46,12 @@ def test_max_restarts_zero_always_requeues(tmp_path):
     assert slurm.asked() == [("scontrol", "requeue", "57")]
 
 
-def test_a_dead_node_is_replaced_by_a_spare_and_a_node_failing_twice_by_another(tmp_path):
+def test_a_dead_node_is_replaced_by_a_spare_and_a_drained_node_by_another(tmp_path):
     run, slurm = run_dir(tmp_path, "slurm.spare_nodes=1"), Slurm()
     lost_n2 = Allocation(live=("n1", "n3"), step_nodes=2, fewest=2, restarts=0)
     assert decide(run, slurm, allocation=lost_n2).nodes == ("n1", "n3")
-    # A second infrastructure failure on n2 excludes it: the step runs on the live nodes the run does not exclude.
-    run2, slurm2 = run_dir(tmp_path / "2", "slurm.spare_nodes=1"), Slurm()
-    run2.log_event("failure", **failure_event("57", "n2"))
+    # n2, drained by Slurm, is excluded at its rank's failure: the step runs on the live nodes the run does not exclude.
+    run2, slurm2 = run_dir(tmp_path / "2", "slurm.spare_nodes=1"), Slurm(states={"n2": "MIXED+DRAIN"})
     decision = decide(run2, slurm2, allocation=TWO_OF_THREE)
     assert (decision.outcome, decision.nodes) == (Outcome.RUN_AGAIN, ("n1", "n3"))
     assert events(run2)[-3:] == [("failure", "n2"), ("excluded", "n2"), ("restarted", "infrastructure")]
