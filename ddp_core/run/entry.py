@@ -2,10 +2,11 @@
 ``FOLDER/<job id>_submitted.pkl`` and calls the function pickled there), behind the run's permission policy
 (``ddp_core.run.permissions``). First this process's umask is tightened, so the result submitit pickles is writable
 by no one else; then the pickled call is checked, with its folder up to the run directory (or the sweep's): a file
-another user owns or can write is refused in one line before submitit unpickles it (it would run their code as you).
+another user owns or can write is refused in one line before submitit unpickles it (it would run their code as you),
+and recorded as the rank's user error (``record_refusal``), so the job ends FAILED at once rather than requeued.
 
 ``python -m ddp_core.run.entry FOLDER`` (``jobs.submission.render``'s task command); standard library and submitit
-only, as submitit's own entry.
+only, as submitit's own entry, until a refusal is recorded.
 """
 
 from __future__ import annotations
@@ -54,7 +55,21 @@ def check(folder: Path) -> None:
         permissions.check_trusted([pickle] if pickle.exists() else [folder], top=folder.parent)
     except DdpJobError as err:
         print(f"ddpjob: error: {err}", file=sys.stderr, flush=True)
+        record_refusal(folder.parent, err)
         raise SystemExit(2) from None
+
+
+def record_refusal(run: Path, err: DdpJobError) -> None:
+    """The refusal as this rank's ``rank_failed`` event, a user error: the batch script's watcher then ends the job
+    FAILED at once with this line, where a requeue would only be refused again. A sweep's folder (no ``config.yaml``:
+    its trials' run directories are below it) records nothing; the watcher reads srun's exit there."""
+    if not (run / "config.yaml").is_file():
+        return
+    from ddp_core.cluster.env import DistEnv
+    from ddp_core.cluster.failures import record
+    from ddp_core.run.rundir import RunDir
+
+    record(RunDir(run), DistEnv.from_env(), err, None)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

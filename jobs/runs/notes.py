@@ -1,7 +1,7 @@
 """The lines under ``ddpjob status``'s table, one run at a time: its newest hang (the rank suspected and why,
 ``ddp_core.trainer.watchdog``), its newest failure (who, where, what, and whether it was retried,
-``ddp_core.cluster.failures``), a checkpoint a full filesystem refused, the nodes it excluded after failures, and a
-persistent straggler."""
+``ddp_core.cluster.failures``), a checkpoint a full filesystem refused, the nodes it excluded after failures (and
+the bad ones it could not do without), and a persistent straggler."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ def for_run(name: str, events: list[dict[str, Any]], straggler: Optional[dict[st
         )
     if excluded := excluded_hosts(events):
         notes.append(f"excluded in {name}: " + "; ".join(f"{host} ({why})" for host, why in excluded.items()))
+    kept = {str(e.get("host")): str(e.get("reason")) for e in events if e["event"] == "not_excluded"}
+    if kept := {host: why for host, why in kept.items() if host not in excluded}:
+        notes.append(f"bad but kept in {name} (too few nodes without it): "
+                     + "; ".join(f"{host} ({why})" for host, why in kept.items()))  # fmt: skip
     if straggler is not None:
         notes.append(straggler_note(name, straggler))
     return notes

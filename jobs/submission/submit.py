@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import shlex
 import shutil
 import sys
 import uuid
@@ -91,10 +92,16 @@ def submit(cfg: Config, request: SlurmRequest, run_dir: RunDir, local: bool = Fa
 
 
 def run_here(request: SlurmRequest, run_dir: RunDir, call: DelayedSubmission) -> Any:
-    """``--local``: the run's tasks as processes on this machine (submitit's ``LocalExecutor``), no Slurm."""
+    """``--local``: the run's tasks as processes on this machine (submitit's ``LocalExecutor``), no Slurm. Each task
+    runs ``ddp_core.run.entry``, as a batch script's do: the pickled call is checked before it is loaded."""
     import submitit
 
-    executor = submitit.LocalExecutor(folder=run_dir.slurm)
+    class CheckedLocalExecutor(submitit.LocalExecutor):
+        @property
+        def _submitit_command_str(self) -> str:  # submitit's hook for the task command (its _submit's, otherwise)
+            return " ".join([self.python, "-u -m ddp_core.run.entry", shlex.quote(str(self.folder))])
+
+    executor = CheckedLocalExecutor(folder=run_dir.slurm)
     executor.update_parameters(
         tasks_per_node=request.tasks_per_node, timeout_min=request.time_min, setup=list(request.environment)
     )

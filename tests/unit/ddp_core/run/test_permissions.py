@@ -158,6 +158,7 @@ def test_submitits_job_entry_refuses_a_pickled_call_another_user_could_have_writ
                             "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
                             "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "n1"})  # fmt: skip
     entry = [users.SYSTEM_PYTHON, "-m", "ddp_core.run.entry", str(folder)]
+    (folder.parent / "config.yaml").write_text("run: {}\n")  # a run directory: the refusal is recorded there
     for owner, mode, why in [(alice.uid, 0o664, "is writable by its group"), (users.ensure("mallory").uid, 0o644,
                              "is owned by ddpjob-mallory")]:  # fmt: skip
         os.chown(pkl, owner, alice.gid)
@@ -165,6 +166,10 @@ def test_submitits_job_entry_refuses_a_pickled_call_another_user_could_have_writ
         proc = users.run(alice, entry, cwd=project, env=env)
         assert proc.returncode == 2 and f"ddpjob: error: {pkl} {why}" in proc.stderr, proc.stderr
         assert not mark.exists()
+        # The rank's user error: the watcher ends the job FAILED with it (failures.diagnose), never requeued.
+        refused = RunDir(folder.parent).events()[-1]
+        assert (refused["event"], refused["kind"], refused["rank"]) == ("rank_failed", "user", 0), refused
+        assert refused["error"].startswith(f"DdpJobError: {pkl} {why}"), refused
     os.chown(pkl, alice.uid, alice.gid)
     folder.chmod(0o775)  # the folder, now: mallory could swap the file
     proc = users.run(alice, entry, cwd=project, env=env)
