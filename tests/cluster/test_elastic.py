@@ -9,11 +9,15 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.support.cli_runner import field, run_cli
 from tests.support.helpers import ROOT, digests, events, rank_logs, wait_for, wait_gone
 from tests.support.sample_logs import expected_steps, logged_steps, train_losses
 
-# Exclusive (no cluster_shared mark): a job holds a whole node (tests/support/cluster_guard.py)
+# Exclusive (no cluster_shared mark): a job holds a whole node (tests/support/cluster_guard.py); run as ddpjob-alice on
+# the site profile (the user pass): the holder and the elastic job are her QOS's two running jobs
+pytestmark = pytest.mark.cluster_user
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 STEPS, GLOBAL, MICRO, STOP_AT = 16, 64, 16, 12  # attempt 1: 2 ranks x 2 micro-batches a step, stopped at step 6
 
@@ -32,7 +36,11 @@ def hold_node(node: str) -> str:
     )  # fmt: skip
     job_id = out.stdout.strip().split(";")[0]
     running = lambda: subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)  # noqa: E731
-    wait_for(lambda: running().stdout.strip() == "RUNNING", 60, f"job {job_id} to hold {node}")
+    try:
+        wait_for(lambda: running().stdout.strip() == "RUNNING", 60, f"job {job_id} to hold {node}")
+    except AssertionError:  # never left for the next test: a shared test does not clean the queue first
+        subprocess.run(["scancel", job_id], timeout=30)
+        raise
     return job_id
 
 

@@ -25,7 +25,8 @@ from tests.support.helpers import (
     two_rank_reference,
 )
 
-pytestmark = [pytest.mark.cluster_shared("b")]  # 2-CPU jobs: see tests/support/cluster_guard.py
+# 2-CPU jobs (tests/support/cluster_guard.py), run as ddpjob-alice on the site profile (the user pass)
+pytestmark = [pytest.mark.cluster_shared("b"), pytest.mark.cluster_user]
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 CONFIG = ["train.max_steps=40", "checkpoint.every_steps=50", "train.log_every=5", "train.eval_every=0",
           "data.batch_size=16", "task.model.dropout=0.2", "wandb.mode=disabled"]  # fmt: skip

@@ -1,7 +1,12 @@
 """Recovery inside the allocation (docs/failures.md): a rank killed from outside, or a whole node lost, costs a new job
 step in the same allocation, never a trip through the queue, and the run still ends bitwise equal to an uninterrupted
 one; past slurm.max_restarts, and when the batch node itself dies, the queue is the fallback. Two nodes of partition
-"wide" (n1 and n2 on an idle cluster; n3 weighs more and is the spare); the module takes the cluster alone."""
+"wide" (n1 and n2 on an idle cluster; n3 weighs more and is the spare); the module takes the cluster alone. The tests
+marked cluster_user run as ddpjob-alice on the site profile (the user pass), the node deaths through the fault broker
+(tests/support/faults.py); three stay root's: the waiting job's --priority=TOP is an operator's, and on the site
+profile a node killed under a running step keeps that step's memory on the other nodes (Slurm 22.05: "unable to
+update job's core use information due to job resizing"), so the next step, on the spare or on the survivor alone, is
+refused ("Memory required by task is not available")."""
 
 from __future__ import annotations
 
@@ -75,6 +80,7 @@ def test_a_killed_rank_restarts_in_the_allocation_ahead_of_a_waiting_job(slurm_c
     assert "(infrastructure: restarted in the allocation on n1,n2)" in status.stdout, status.stdout
 
 
+@pytest.mark.cluster_user
 def test_a_spent_restart_budget_falls_back_to_the_queue(slurm_cluster, tmp_path, reference):
     """slurm.max_restarts=1: rank 1 (on n2) dies at its 25th batch of the first job step and again of the second.
     Two kills of a process are no evidence that its node is bad (Slurm says n2 is fine), so nothing is excluded: the
@@ -124,6 +130,7 @@ def test_a_dead_node_is_replaced_by_the_spare_without_a_requeue(slurm_cluster, t
     assert "resumed from step_00000020.pt" in logs[0] and digests(logs) == reference, logs
 
 
+@pytest.mark.cluster_user
 def test_a_taken_rendezvous_port_is_replaced_by_one_the_ranks_agree_on(slurm_cluster, tmp_path):
     """Another process listens on the port the job's ranks would meet on (here: the one its MASTER_PORT names, as a
     job sharing the node whose id maps to the same port would): rank 0 listens on a free port instead and publishes
@@ -142,6 +149,7 @@ def test_a_taken_rendezvous_port_is_replaced_by_one_the_ranks_agree_on(slurm_clu
     assert f"master n1:{taken}" in logs[1]  # its derived port, as logged before it read the published one
 
 
+@pytest.mark.cluster_user
 def test_a_dead_batch_node_sends_the_job_through_the_queue_without_losing_a_step(slurm_cluster, tmp_path, reference):
     """slurm.spare_nodes=1: the batch script (and its watcher) runs on n1, the spare, and the ranks on n2 and n3. n1
     dies at rank 0's 5th batch: frozen whole (scripts/slurm-local freeze-node), so its connections go silent as a dead
@@ -171,6 +179,7 @@ def test_a_dead_batch_node_sends_the_job_through_the_queue_without_losing_a_step
     assert digests(logs) == reference
 
 
+@pytest.mark.cluster_user
 def test_a_dead_batch_node_requeues_a_script_through_its_warning_signal(slurm_cluster, tmp_path):
     """Script mode, as above: a plain script with script.resume_args and spare nodes (tests/support/resume_script.py,
     a step every 2 s in its first attempt), its batch node n1 frozen after step 2. Rank 0's launcher sees Slurm mark n1
@@ -209,6 +218,7 @@ def elastic_reference(slurm_cluster, tmp_path_factory) -> set[str]:
     return found
 
 
+@pytest.mark.cluster_user
 def test_an_elastic_jobs_dead_batch_node_is_requeued_from_its_second_node(slurm_cluster, tmp_path, elastic_reference):
     """slurm.nodes=1-2, no spare: ranks 0 and 1 run on the batch node n1, ranks 2 and 3 on n2. n1 dies at rank 0's 5th
     batch (frozen, as above) and stays dead: ranks 0 and 1 and the batch script's watcher die with it, the job stays

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import subprocess
 import time
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 
 from ddp_core.run.rundir import RunDir
 from jobs.runs import logs, status, throughput
+from tests.support import faults
 from tests.support.cli_runner import field, run_cli
 from tests.support.helpers import ROOT, events, in_queue, wait_for, wait_gone
 
@@ -56,7 +56,9 @@ def test_status_logs_and_cancel_on_real_jobs(slurm_cluster, tmp_path):
     assert logs.cancel([str(slow_dir)]) == {}
 
 
-# exclusive: stopping slurmdbd is global to the cluster (tests/support/cluster_guard.py)
+# exclusive: stopping slurmdbd is global to the cluster (tests/support/cluster_guard.py); as alice, through the fault
+# broker (tests/support/faults.py)
+@pytest.mark.cluster_user
 def test_status_without_accounting_then_a_cancel_that_saves(slurm_cluster, tmp_path):
     """A site without the accounting client, then one whose slurmdbd is down: status still reads the running job's
     state, from the controller, and says in one line what it cannot know. Then ``ddpjob cancel`` (a plain
@@ -76,13 +78,15 @@ def test_status_without_accounting_then_a_cancel_that_saves(slurm_cluster, tmp_p
         bare = run_cli("status", str(run_dir), cwd=tmp_path, env={"PATH": str(clients)})
         assert bare.returncode == 0 and f"{job_id}  RUNNING" in bare.stdout, bare.stdout + bare.stderr
         assert "no accounting (sacct is not installed here): states come from the controller" in bare.stdout
-        subprocess.run([ROOT / "scripts" / "slurm-local", "stop-accounting"], check=True, capture_output=True)
+        stopped = faults.slurm_local("stop-accounting")
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         down = run_cli("status", str(run_dir), cwd=tmp_path)
         assert down.returncode == 0 and f"{job_id}  RUNNING" in down.stdout, down.stdout + down.stderr
         assert "no accounting (sacct: error: Problem talking to the database: Connection refused)" in down.stdout
     finally:
         logs.cancel([str(run_dir)])
-        subprocess.run([ROOT / "scripts" / "slurm-local", "start-accounting"], check=True, capture_output=True)
+        started = faults.slurm_local("start-accounting")
+        assert started.returncode == 0, started.stdout + started.stderr
         wait_for(lambda: not in_queue(job_id), 120, f"job {job_id} to leave the queue")
     # The controller told the ranks it was a cancel (accounting plays no part in that): saved, not requeued.
     (stop,) = events(run_dir, "interrupted")

@@ -7,11 +7,15 @@ user's job she can read (``PrivateData`` is unset, as on most sites); another us
 
 from __future__ import annotations
 
+import logging
 from typing import Iterator
 
 import pytest
 
+from ddp_core.cluster import policy, preemption
+from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.slurm import GATEWAY
+from ddp_core.config.schema import SlurmConfig
 from tests.support import users
 from tests.support.helpers import wait_for
 
@@ -92,3 +96,30 @@ def test_another_users_job_is_readable(slurm_cluster, alice, jobs):
     assert as_alice(alice, *sacct) == (0, [f"{root}|root|PENDING"])
     code, shown = as_alice(alice, "scontrol", "show", "job", root)
     assert code == 0 and shown[0].startswith(f"JobId={root} ") and "UserId=root(0)" in shown[1], shown
+
+
+def test_what_ddpjob_may_not_do_for_her_is_one_line_of_its_own(slurm_cluster, alice, jobs, caplog):
+    """ddpjob's own calls that need a privilege, made as her on a job not hers (root's): each is one line naming the
+    job, what it wanted and Slurm's reason, and none is retried (a requeue refused for good is not asked again).
+    Draining a node ddpjob never asks: it keeps a run off a node with the job's own ExcNodeList (above). A job id
+    not hers is not a run of hers either: status, logs and cancel say so in one line and touch nothing."""
+    root, gateway = jobs["root"], users.gateway_as(alice)
+    with caplog.at_level(logging.INFO):
+        policy.keep_off(gateway, root, ["n1"], tries=1)
+        preemption.elastic_again(root, SlurmConfig(nodes="1-2"), gateway, per_node=1)
+        refused = preemption.requeue(DistEnv(slurm_job_id=root), gateway, tries=3, pause_s=0)
+    denied, not_hers = f"Invalid user id for job {root}", f"Access/permission denied for job {root}"
+    assert refused is not None and refused.why == not_hers, refused
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("ERROR", f"job {root} could not exclude n1: {denied}"),
+        ("WARNING", f"job {root} will wait for the node count it had: giving it back 1-2 nodes failed: {denied}"),
+        ("ERROR", f"scontrol requeue {root} failed (try 1 of 3): {not_hers}"),
+    ]
+    for command in ("status", "logs", "cancel"):
+        proc = users.run(alice, [users.SYSTEM_PYTHON, "-m", "jobs", command, root], env=users.slurm_env())
+        assert (proc.returncode, proc.stdout) == (2, ""), proc
+        assert proc.stderr.splitlines() == [f"ddpjob: error: no run under 'runs' has job '{root}' (hint: pass the run "
+                                            "directory, or --root (there is no runs here))"]  # fmt: skip
+    assert (
+        queued_state(root) == "PENDING" and "ExcNodeList=(null)" in GATEWAY.run("scontrol", "show", "job", root).stdout
+    )

@@ -10,7 +10,10 @@ What she needs, and why each piece is here: Debian's python with the venv's site
 ``PYTHONPATH`` (``users.python_env``: the venv's own python lives under ``/root``); her own ``HOME``; pytest's
 ``--basetemp`` and cache in a folder she owns (``/var/tmp/ddpjob-pytest-<user>``: tmp_path, the cached reference
 runs); the cluster's ``SLURM_CONF``, ``DDPJOB_SLURM_HOME`` and ``PATH``; and the cluster guard's lock files beside the
-cluster's state opened for writing (``tests/support/cluster_guard.py``: root creates them, mode 0666).
+cluster's state opened for writing (``tests/support/cluster_guard.py``: root creates them, mode 0666). The faults the
+tests inject from outside (a killed or frozen node, a stopped slurmdbd) need root: before the exec a root fault broker
+is forked for her (``tests/support/faults.py``: a fixed set of ``scripts/slurm-local`` subcommands on a socket only
+she can reach), and its socket is in her environment.
 
 Slurm 22.05 (the host's commands) only: on 24.11 and 26.05 the client wrappers enter the release's root filesystem,
 which needs root (``unshare: unshare failed: Operation not permitted`` as her), and pytest would have to run inside
@@ -23,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-from tests.support import cluster_guard, users
+from tests.support import cluster_guard, faults, users
 from tests.support.helpers import ROOT
 
 # What the tests read from the caller's environment (scripts/test's and the cluster's); everything else is dropped.
@@ -43,8 +46,9 @@ def prepare(user: users.User) -> Path:
     return folder
 
 
-def environment(user: users.User) -> dict[str, str]:
+def environment(user: users.User, broker: Path) -> dict[str, str]:
     env = users.python_env({k: os.environ[k] for k in PASSED if k in os.environ})
+    env[faults.BROKER_ENV] = str(broker)
     slurm_bin = cluster_guard.HOME / "bin"  # a release's client wrappers (scripts/slurm-local env puts them first)
     if slurm_bin.is_dir():
         env["PATH"] = f"{slurm_bin}:{env['PATH']}"
@@ -62,7 +66,8 @@ def main(argv: list[str]) -> None:
               "-o", f"cache_dir={folder / 'cache'}", *argv]  # fmt: skip
     os.chdir(ROOT)
     cmd = users.command(user, pytest)
-    os.execvpe(cmd[0], cmd, environment(user))
+    broker, _ = faults.start_broker(user.uid, user.gid)  # root's, with the caller's cluster environment
+    os.execvpe(cmd[0], cmd, environment(user, broker))
 
 
 if __name__ == "__main__":

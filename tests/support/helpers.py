@@ -278,18 +278,20 @@ def submit_and_kill_node(overrides: Sequence[str], cwd: Path, node: str, halted:
     """``ddpjob submit --wait`` with ``overrides`` (a ``CrashingTask`` with ``error=HALT`` and ``halt_file=halted``):
     once a rank on ``node`` has halted at its chosen batch, the node dies whole from outside (``scripts/slurm-local
     kill-node``: its slurmd and every process on it), at that step rather than at a raced moment; the node is brought
-    back after the job ends, whatever happened. Returns the command's exit code, stdout and stderr."""
-    local = str(ROOT / "scripts" / "slurm-local")
+    back after the job ends, whatever happened. Returns the command's exit code, stdout and stderr. As root or as a
+    plain user (``tests.support.faults``)."""
+    from tests.support.faults import slurm_local  # it imports this module's ROOT
+
     cmd = [sys.executable, "-m", "jobs", "submit", *overrides]
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(halted.exists, 120, f"a rank on {node} to reach its chosen batch")
-        killed = subprocess.run([local, "kill-node", node], capture_output=True, text=True, timeout=60)
+        killed = slurm_local("kill-node", node)
         assert killed.returncode == 0, killed.stdout + killed.stderr
         out, err = proc.communicate(timeout=300)
     finally:
         proc.kill()
-        started = subprocess.run([local, "start-node", node], capture_output=True, text=True, timeout=120)
+        started = slurm_local("start-node", node)
     assert started.returncode == 0, started.stdout + started.stderr
     return proc.returncode, out, err
 
@@ -302,18 +304,19 @@ def submit_and_lose_batch_node(
     stopped, their connections open and silent); once the run recorded its requeue, the frozen processes are killed
     and the node comes back for the next attempt (``thaw=False``: it stays frozen, its processes' locks held, until
     the command ends). Whatever happens, a job left running is cancelled and the node is back at the end. Returns the
-    command's exit code, stdout and stderr."""
-    local = str(ROOT / "scripts" / "slurm-local")
+    command's exit code, stdout and stderr. As root or as a plain user (``tests.support.faults``)."""
+    from tests.support.faults import slurm_local  # it imports this module's ROOT
+
     cmd = [sys.executable, "-m", "jobs", "submit", "--wait", *args]
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(marked.exists, 120, "rank 0 to reach its chosen step")
-        frozen = subprocess.run([local, "freeze-node", node], capture_output=True, text=True, timeout=60)
+        frozen = slurm_local("freeze-node", node)
         assert frozen.returncode == 0, frozen.stdout + frozen.stderr
         run_dir = next((cwd / "runs").iterdir())
         wait_for(lambda: events(run_dir, "requeued"), 120, "the job to be requeued")
         for act in ("kill-node", "start-node") if thaw else ():
-            done = subprocess.run([local, act, node], capture_output=True, text=True, timeout=120)
+            done = slurm_local(act, node)
             assert done.returncode == 0, done.stdout + done.stderr
         out, err = proc.communicate(timeout=240)
     finally:
@@ -321,5 +324,5 @@ def submit_and_lose_batch_node(
         for script in cwd.glob("runs/*/slurm/*_submission.sh"):  # a job left running by a failed assertion
             subprocess.run(["scancel", script.name.split("_")[0]], capture_output=True, timeout=30)
         for act in ("kill-node", "start-node"):  # kill-node finds nothing left once the above ran
-            subprocess.run([local, act, node], capture_output=True, text=True, timeout=120)
+            slurm_local(act, node)
     return proc.returncode, out, err
