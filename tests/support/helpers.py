@@ -317,7 +317,7 @@ def submit_and_lose_batch_node(
         wait_for(lambda: events(run_dir, "requeued"), 120, "the job to be requeued")
         for act in ("kill-node", "start-node") if thaw else ():
             done = slurm_local(act, node)
-            assert done.returncode == 0, done.stdout + done.stderr
+            assert done.returncode == 0, f"slurm-local {act} {node}: exit {done.returncode}: {done.stdout}{done.stderr}"
         out, err = proc.communicate(timeout=240)
     finally:
         proc.kill()

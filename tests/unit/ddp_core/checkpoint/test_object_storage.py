@@ -3,7 +3,6 @@ mode, tests/support/s3.py): the same format as on disk, parts first and the mani
 
 import logging
 import signal
-import time
 
 import pytest
 import s3fs
@@ -169,9 +168,11 @@ def test_a_stalled_upload_at_the_warning_signal_is_left_and_the_run_resumes_befo
         # Resumed at step 4: the server stops at step 5 (nothing in flight); step 8's upload stalls; the signal
         # during step 10 stops the attempt after it.
         stall = {"DDPJOB_TEST_STALL": f"{proc.pid}:1", "DDPJOB_TEST_INTERRUPT": "signal:0:6"}
-        started = time.monotonic()
+        # The attempt ends while the server is still stopped (it is continued only below): the stop left the upload.
+        # No wall-clock bound: under load this process's start alone took 34 s once (run_trainer's timeout is the
+        # backstop for a stop that waited).
         log = run_trainer(DIGITS, run, in_s3, 1, stall, stopped=True)
-        assert time.monotonic() - started < 60 and "did not complete within 3 s of the signal" in log, log[-3000:]
+        assert "did not complete within 3 s of the signal" in log, log[-3000:]
         assert events(run, "interrupted")[-1]["step"] == 10
         proc.send_signal(signal.SIGCONT)
         assert checkpoint.steps(RunDir(run).recorded_checkpoints()) == [4]  # step 8: parts at most, no manifest
