@@ -62,6 +62,9 @@ def test_submit_follow_cancel_resume_and_report_from_a_laptop(laptop, tmp_path):
     reader = threading.Thread(target=lambda: lines.extend(follower.stdout), daemon=True)  # type: ignore[arg-type]
     reader.start()
     wait_for(lambda: sum("step" in line for line in lines) >= 2, 120, "the followed log's progress lines")
+    remote_run = tmp_path / "remote" / "runs" / os.path.basename(run_dir)
+    # A step in its metrics too, before the cancel below: the log's lines can come first (CI: none yet at the cancel).
+    wait_for(lambda: metric_steps(remote_run), 120, "a training step in the run's metrics")
     kill_master(laptop)
     shown = len(lines)
     wait_for(lambda: len(lines) > shown + 2, 60, "the log followed again after the lost connection")
@@ -73,10 +76,10 @@ def test_submit_follow_cancel_resume_and_report_from_a_laptop(laptop, tmp_path):
     whole = laptop.run([*host, "logs", run_dir])
     assert "".join(lines) == whole.stdout  # every line once, none lost, none twice
 
-    last = max(metric_steps(tmp_path / "remote" / "runs" / os.path.basename(run_dir)))
+    last = max(metric_steps(remote_run))
     resumed = laptop.run([*host, "resume", run_dir, f"train.max_steps={last + 40}", "--wait"], timeout=180)
     assert resumed.returncode == 0 and "COMPLETED" in resumed.stdout, resumed.stdout + resumed.stderr
-    assert events(tmp_path / "remote" / "runs" / os.path.basename(run_dir), "resume") or "job:" in resumed.stdout
+    assert events(remote_run, "resume") or "job:" in resumed.stdout
     status = laptop.run([*host, "status", run_dir])
     assert status.returncode == 0 and "COMPLETED" in status.stdout, status.stdout + status.stderr
 
