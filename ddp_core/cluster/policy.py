@@ -135,12 +135,11 @@ def decide_after(
     used = spent(failure, earlier, restarted)
     after = f"{failure.kind.value} failure of {failure.where} at step {failure.step} ({failure.error})"
     log.warning("%s%s", label, after)
-    events = run_dir.events()
-    new = to_exclude(events, failure, node_evidence(gateway, failure))
-    if new and not room_for(gateway, job, {**excluded_hosts(events), **new}, slurm.min_nodes + slurm.spare_nodes):
+    new, before = to_exclude(events, failure, node_evidence(gateway, failure)), excluded_hosts(events)
+    if new and not room_for(gateway, job, {**before, **new}, slurm.min_nodes + slurm.spare_nodes):
         keep_using(run_dir, env, new, label)
         new = {}
-    excluded = {**excluded_hosts(events), **new}
+    excluded = {**before, **new}
     if allocation is not None and allocation.restarts < slurm.max_restarts and (nodes := allocation.pick(excluded)):
         return restart(run_dir, env, failure, new, allocation, nodes, slurm.max_restarts)
     if can_run_again and used <= limit and not set(here) & set(excluded):

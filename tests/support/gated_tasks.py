@@ -27,13 +27,18 @@ class GatedDigitsTask(DigitsTask):
         self.batches += 1
         first = os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
         if first and self.batches in self.gates and (not dist.is_initialized() or dist.get_rank() == 0):
-            (self.gate_dir / f"at-{self.batches}").touch()
-            deadline = time.monotonic() + self.wait_s
-            while not (self.gate_dir / f"go-{self.batches}").exists():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"gate {self.batches}: no go from the test within {self.wait_s:g} s")
-                time.sleep(0.05)
+            wait_at(self.gate_dir, self.batches, self.wait_s, "gate", poll_s=0.05)
         return super().split(batch)
+
+
+def wait_at(gate_dir: Path, name: object, wait_s: float, label: str, poll_s: float) -> None:
+    """Rank 0 at gate ``name``: write ``at-NAME``, then wait for the test's ``go-NAME`` (at most ``wait_s``)."""
+    (gate_dir / f"at-{name}").touch()
+    deadline = time.monotonic() + wait_s
+    while not (gate_dir / f"go-{name}").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{label} {name}: no go from the test within {wait_s:g} s")
+        time.sleep(poll_s)
 
 
 SLOW_S = 1.0  # the storm task's pause a batch while a fault is held
@@ -69,13 +74,5 @@ class StormDigitsTask(DigitsTask):
             os.replace(self.gate_dir / "batches.new", counter)
             index = next((i for i in range(len(self.gates)) if not (self.gate_dir / f"go-{i}").exists()), None)
             if index is not None and count >= self.gates[index] and (self.gate_dir / f"arm-{index}").exists():
-                self.wait_at(index)
+                wait_at(self.gate_dir, index, self.wait_s, "storm gate", poll_s=0.02)
         return super().split(batch)
-
-    def wait_at(self, index: int) -> None:
-        (self.gate_dir / f"at-{index}").touch()
-        deadline = time.monotonic() + self.wait_s
-        while not (self.gate_dir / f"go-{index}").exists():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"storm gate {index}: no go from the test within {self.wait_s:g} s")
-            time.sleep(0.02)
