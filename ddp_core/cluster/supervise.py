@@ -116,8 +116,11 @@ def decide(
         # The next step's srun options, for the batch script's loop (its standard output; the logs go to stderr).
         # --overlap: a step that lost a node never completes there, and Slurm holds its CPUs on the others until
         # then ("Requested nodes are busy" for ever); its ranks are gone, so the new step shares nothing in use.
+        # --mem=0: where memory is a resource (the site profile), the lost step's memory stays held on the others
+        # too, and a step asking for its own is refused ("Memory required by task is not available"); with 0 it
+        # may use the job's memory on each node without taking any (docs/failures.md).
         print(f"--nodes={len(decision.nodes)} --ntasks={len(decision.nodes) * tasks_per_node()} "
-              f"--nodelist={','.join(decision.nodes)} --overlap")  # fmt: skip
+              f"--nodelist={','.join(decision.nodes)} --overlap --mem=0")  # fmt: skip
         return exits.ExitCode.RESTART
     return 0 if decision.outcome is Outcome.REQUEUED else status
 

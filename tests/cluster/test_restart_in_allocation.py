@@ -3,10 +3,10 @@ step in the same allocation, never a trip through the queue, and the run still e
 one; past slurm.max_restarts, and when the batch node itself dies, the queue is the fallback. Two nodes of partition
 "wide" (n1 and n2 on an idle cluster; n3 weighs more and is the spare); the module takes the cluster alone. The tests
 marked cluster_user run as ddpjob-alice on the site profile (the user pass), the node deaths through the fault broker
-(tests/support/faults.py); three stay root's: the waiting job's --priority=TOP is an operator's, and on the site
-profile a node killed under a running step keeps that step's memory on the other nodes (Slurm 22.05: "unable to
-update job's core use information due to job resizing"), so the next step, on the spare or on the survivor alone, is
-refused ("Memory required by task is not available")."""
+(tests/support/faults.py); one stays root's: the waiting job's --priority=TOP is an operator's. On the site profile
+a node killed under a running step keeps that step's memory on the other nodes (Slurm 22.05: "unable to update job's
+core use information due to job resizing"): the next step, on the spare or on the survivor alone, asks for none
+(--mem=0, ddp_core.cluster.supervise), or Slurm refuses it ("Memory required by task is not available")."""
 
 from __future__ import annotations
 
@@ -104,6 +104,7 @@ def test_a_spent_restart_budget_falls_back_to_the_queue(slurm_cluster, tmp_path,
     assert "resumed from step_00000040.pt" in logs[0] and digests(logs) == reference, logs
 
 
+@pytest.mark.cluster_user
 def test_a_dead_node_is_replaced_by_the_spare_without_a_requeue(slurm_cluster, tmp_path, reference):
     """slurm.spare_nodes=1: the job holds n1, n2 and n3; the batch script runs on n1, which is kept as the spare, and
     the ranks run on n2 and n3. n2 dies whole at its rank's 25th batch (its slurmd and every process on it killed from
@@ -248,6 +249,7 @@ def test_an_elastic_jobs_dead_batch_node_is_requeued_from_its_second_node(slurm_
     assert set(final.values()) == elastic_reference, (final, elastic_reference)
 
 
+@pytest.mark.cluster_user
 def test_an_elastic_job_goes_on_with_fewer_nodes_when_one_dies_and_keeps_the_bits(
     slurm_cluster, tmp_path, elastic_reference
 ):

@@ -102,7 +102,7 @@ def test_the_watcher_hands_the_loop_the_next_steps_nodes(tmp_path, batch, capsys
     env = DistEnv(job_id="57", slurm_job_id="57")
     code = supervise.decide(run, log, 1, env, SlurmGateway(slurm.answer), in_allocation=True)
     assert code == ExitCode.RESTART
-    assert capsys.readouterr().out.split() == ["--nodes=2", "--ntasks=2", "--nodelist=n1,n3", "--overlap"]
+    assert capsys.readouterr().out.split() == ["--nodes=2", "--ntasks=2", "--nodelist=n1,n3", "--overlap", "--mem=0"]
     [failure] = [e for e in run.events() if e["event"] == "failure"]
     assert (failure["kind"], failure["host"]) == ("infrastructure", "n2") and "n2 stopped responding" in failure[
         "error"
