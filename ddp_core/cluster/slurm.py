@@ -160,9 +160,21 @@ class SlurmGateway:
             raw=f,
         )
 
-    def show_config(self) -> Optional[dict[str, str]]:
+    def show_config(self, required: bool = False) -> Optional[dict[str, str]]:
+        """The controller's configuration; None when it does not answer, or (``required``) one line with what
+        scontrol said."""
         proc = self.run("scontrol", "show", "config")
-        return parse_config(proc.stdout) if proc.returncode == 0 else None
+        # scontrol ends the configuration with a ping of the controllers, which it does not retry when rate-limited:
+        # then "Slurmctld(primary) at H is DOWN" and exit 1 under a whole answer (26.05, as a user whose jobs spent
+        # her RPC budget). The answer is what counts.
+        if proc.returncode == 0 or proc.stdout.startswith("Configuration data as of"):
+            return parse_config(proc.stdout)
+        if required:
+            _answered(proc)
+            said = (proc.stderr or "").strip().splitlines()
+            why = said[-1] if said else f"exit status {proc.returncode}"
+            raise DdpJobError(f"scontrol show config failed: {why}", "is slurmctld up? (sinfo); run on a login node")
+        return None
 
     def show_partition(self, name: str) -> Optional[dict[str, str]]:
         proc = self.run("scontrol", "show", "partition", "-o", name)

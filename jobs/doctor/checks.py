@@ -70,9 +70,8 @@ class Exposure:
 
 
 def read_cluster(gateway: SlurmGateway, partition: Optional[str]) -> Cluster:
-    config = gateway.show_config()
-    if config is None:
-        raise DdpJobError("scontrol show config did not answer", "run on a Slurm login node; is slurmctld up? (sinfo)")
+    config = gateway.show_config(required=True)
+    assert config is not None  # required: it raises instead
     partitions = gateway.show_partitions()
     names = ", ".join(p.get("PartitionName", "?") for p in partitions) or "none"
     if partition is None:

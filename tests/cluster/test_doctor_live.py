@@ -65,3 +65,14 @@ def test_drill_interrupts_three_ways_and_cleans_up(slurm_cluster, tmp_path):
         "the warning signal (SIGUSR2)", "scontrol requeue (SIGTERM)", "preemption from high"
     ]  # fmt: skip
     assert list(tmp_path.iterdir()) == []  # its run directories are gone
+
+
+@pytest.mark.cluster_user  # as ddpjob-alice on the site profile: what a user may read, and her own limits
+@pytest.mark.slurm_interface
+def test_doctor_as_a_user_on_a_site_reads_her_limits_and_the_nodes(slurm_cluster, tmp_path):
+    f = _live("local", tmp_path)
+    assert f["accounting"]["level"] == "ok" and f["job_requeue"]["level"] == "ok"
+    assert f["max_submit_jobs"]["level"] == "warn" and f["max_submit_jobs"]["value"] == 6  # QOS site's MaxSubmitPU
+    assert "QOS site MaxSubmitPU" in f["max_submit_jobs"]["message"]
+    assert f["scontrol_on_nodes"]["value"] is True and f["sacct_on_nodes"]["value"] is True  # from her job on n1
+    assert not [k for k, v in f.items() if v["level"] == "problem"], f

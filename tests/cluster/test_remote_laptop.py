@@ -19,7 +19,8 @@ from tests.support import sshd
 from tests.support.cli_runner import field
 from tests.support.helpers import ROOT, events, metric_steps, wait_for, wait_gone
 
-pytestmark = pytest.mark.cluster_shared("b")  # one 2-rank job at a time on one node
+# one 2-rank job at a time on one node; as ddpjob-alice on the site profile (the user pass): her sshd, her logins
+pytestmark = [pytest.mark.cluster_shared("b"), pytest.mark.cluster_user]
 
 
 @pytest.fixture

@@ -105,6 +105,7 @@ def test_a_spent_restart_budget_falls_back_to_the_queue(slurm_cluster, tmp_path,
 
 
 @pytest.mark.cluster_user
+@pytest.mark.slurm_interface  # --no-kill, the resized job and the restart step's --overlap --mem=0: each release's own
 def test_a_dead_node_is_replaced_by_the_spare_without_a_requeue(slurm_cluster, tmp_path, reference):
     """slurm.spare_nodes=1: the job holds n1, n2 and n3; the batch script runs on n1, which is kept as the spare, and
     the ranks run on n2 and n3. n2 dies whole at its rank's 25th batch (its slurmd and every process on it killed from

@@ -108,6 +108,7 @@ def test_pruning_and_a_requeued_worker_resuming_its_trial(slurm_cluster, tmp_pat
 
 
 @pytest.mark.cluster_shared("b")  # one 1-CPU worker
+@pytest.mark.cluster_user  # as ddpjob-alice on the site profile (the user pass): her worker, her scancel
 def test_a_search_whose_workers_died_continues_and_extends(slurm_cluster, tmp_path):
     # One worker; its array is cancelled while trial 0 runs (after a checkpoint). The rerun binds the orphaned trial
     # to the new generation, which resumes it from that checkpoint; --more 1 adds one trial after the budget is spent.

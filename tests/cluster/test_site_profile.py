@@ -18,7 +18,7 @@ import pytest
 
 from ddp_core.cluster.slurm import GATEWAY
 from ddp_core.run.rundir import RunDir
-from tests.support import cluster_guard, users
+from tests.support import users
 from tests.support.digits import DIGITS
 from tests.support.helpers import digests, rank_logs, two_rank_reference, wait_gone
 
@@ -26,7 +26,6 @@ from tests.support.helpers import digests, rank_logs, two_rank_reference, wait_g
 # Every release's site pass runs them (slurm_interface): cgroups, limits and rate limiting differ between releases.
 pytestmark = [pytest.mark.cluster_profile("site"), pytest.mark.cluster_shared("a"), pytest.mark.slurm_interface]
 
-ENTER = cluster_guard.HOME / "bin" / ".enter"  # a release in a root filesystem: its commands run inside the tree
 QOS_REFUSAL = [
     "sbatch: error: QOSMaxSubmitJobPerUserLimit",
     "sbatch: error: Batch job submission failed: Job violates accounting/QOS policy (job submit limit, user's size"
@@ -67,7 +66,8 @@ def test_the_site_profile_is_configured_as_sites_are(slurm_cluster):
     assert ("rl_enable" in config.get("SlurmctldParameters", "")) == (release != ["22", "05"]), release
     limits = {r["Name"]: r for r in GATEWAY.qos_records(["Name", "MaxSubmitPU", "MaxJobsPU", "GrpTRES"]) or []}
     assert limits["site"] == {"Name": "site", "MaxSubmitPU": "6", "MaxJobsPU": "2", "GrpTRES": "cpu=8"}
-    for user, qos in (("root", "normal"), ("ddpjob-alice", "site"), ("ddpjob-mallory", "site")):
+    assert config["PreemptType"] == "preempt/qos"  # a scavenger QOS: "site" preempts "low"
+    for user, qos in (("root", "normal"), ("ddpjob-alice", "low,site"), ("ddpjob-mallory", "low,site")):
         assert [a["QOS"] for a in GATEWAY.associations(user, ["User", "QOS"]) or []] == [qos], user
 
 
@@ -118,7 +118,7 @@ def test_a_burst_of_rpcs_is_rate_limited(slurm_cluster, alice):
     # squeue costs ~3 RPCs and takes ~0.1 s: a user's bucket (30 RPCs, 2 more a second) is empty after ~10. The
     # client is told to back off and sleeps; only -v says so. Root (SlurmUser) is never limited.
     burst = "for i in $(seq 40); do squeue -v -h 2>&1 | grep -F -m1 'RPC rate limited' && exit 0; done; exit 1"
-    proc = users.shell(alice, burst, env=user_env(), enter=[str(ENTER)])
+    proc = users.shell(alice, burst, env=user_env())
     assert proc.returncode == 0 and proc.stdout.splitlines() == [RATE_LIMITED], proc.stdout + proc.stderr
 
 
@@ -127,17 +127,17 @@ def test_a_ddpjob_run_out_of_memory_fails_once_and_names_its_peak(slurm_cluster,
     kills it, and that is a row of the failure table (memory), not an infrastructure failure: no restart in the
     allocation, no requeue, no node excluded; the job ends FAILED, ``ddpjob status`` says OUT_OF_MEMORY with the
     step's peak and the limit, and the log says how to continue with more."""
-    enter = [str(ENTER)] if ENTER.exists() else []
     ddpjob = [users.SYSTEM_PYTHON, "-m", "jobs"]
     args = ["slurm.mem_gb=0.3", "slurm.nodes=1", "slurm.tasks_per_node=2", "wandb.mode=disabled",
             "train.max_steps=50", f"run.root={shared_dir / 'runs'}"]  # fmt: skip
-    sub = users.run(alice, [*ddpjob, "submit", str(DIGITS), *args, "--wait"], cwd=shared_dir, env=user_env(),
-                    enter=enter, timeout=180)  # fmt: skip
+    sub = users.run(
+        alice, [*ddpjob, "submit", str(DIGITS), *args, "--wait"], cwd=shared_dir, env=user_env(), timeout=180
+    )
     assert sub.returncode == 1, sub.stdout + sub.stderr
     (run,) = (shared_dir / "runs").iterdir()
     kinds = [(e["event"], e.get("kind")) for e in RunDir(run).events() if e["event"] != "rank_failed"]
     assert kinds == [("failure", "memory"), ("failed", None)], kinds
-    status = users.run(alice, [*ddpjob, "status", str(run)], cwd=shared_dir, env=user_env(), enter=enter)
+    status = users.run(alice, [*ddpjob, "status", str(run)], cwd=shared_dir, env=user_env())
     assert re.search(r"^\s+\d+\s+OUT_OF_MEMORY\s", status.stdout, re.M), status.stdout + status.stderr
     peak = r"out of memory: a task's peak [1-9]\d* MiB of the job's 308M \(slurm\.mem_gb=0\.3\)"
     assert re.search(peak, status.stdout), status.stdout
@@ -150,11 +150,10 @@ def test_ddpjob_names_the_qos_limit_that_refuses_a_job_and_refuses_a_sweep_over_
 ):
     """alice's QOS allows 6 queued jobs: with 6 held, ``ddpjob submit`` is one line naming the limit and its fix,
     with nothing left behind; a sweep whose trials would pass the limit is refused before anything is created."""
-    enter = [str(ENTER)] if ENTER.exists() else []
     ddpjob = [users.SYSTEM_PYTHON, "-m", "jobs"]
     root = f"run.root={shared_dir / 'runs'}"
     sweep = users.run(alice, [*ddpjob, "sweep", str(DIGITS), "optim.lr=1e-3,2e-3,3e-3,4e-3,5e-3,6e-3,7e-3", root],
-                      cwd=shared_dir, env=user_env(), enter=enter, timeout=180)  # fmt: skip
+                      cwd=shared_dir, env=user_env(), timeout=180)  # fmt: skip
     assert sweep.returncode == 2, sweep.stdout + sweep.stderr
     assert "the sweep would queue 7 jobs (each trial is one), but QOS site MaxSubmitPU allows 6 queued and 0 are " \
         "queued now: 6 more fit" in sweep.stderr, sweep.stderr  # fmt: skip
@@ -165,7 +164,7 @@ def test_ddpjob_names_the_qos_limit_that_refuses_a_job_and_refuses_a_sweep_over_
             job_id = gateway.sbatch_wrap(["--hold", "-o", "/dev/null"], "true")
             assert job_id, "a submission under the limit was refused"
             held.append(job_id)
-        sub = users.run(alice, [*ddpjob, "submit", str(DIGITS), root], cwd=shared_dir, env=user_env(), enter=enter)
+        sub = users.run(alice, [*ddpjob, "submit", str(DIGITS), root], cwd=shared_dir, env=user_env())
     finally:
         GATEWAY.cancel(held)
     lines = [line for line in sub.stderr.splitlines() if line.startswith("ddpjob: error:")]
@@ -188,11 +187,11 @@ def test_another_user_can_neither_plant_in_nor_read_a_users_job(slurm_cluster, a
     mallory = users.ensure("mallory")
     shared_dir.chmod(0o755)  # a project folder others may enter: the run's own privacy is what keeps them out
     reference = two_rank_reference(pytestconfig, tmp_path_factory, "site-tier", str(DIGITS), TIER)
-    enter = [str(ENTER)] if ENTER.exists() else []
     args = [*TIER, "checkpoint.local_every_steps=2", "checkpoint.local_path=/dev/shm", "run.private=true",
             f"run.root={shared_dir / 'runs'}", "slurm.additional.begin=now+12"]  # fmt: skip
-    sub = users.run(alice, [users.SYSTEM_PYTHON, "-m", "jobs", "submit", str(DIGITS), *args], cwd=shared_dir,
-                    env=user_env(), enter=enter)  # fmt: skip
+    sub = users.run(
+        alice, [users.SYSTEM_PYTHON, "-m", "jobs", "submit", str(DIGITS), *args], cwd=shared_dir, env=user_env()
+    )
     assert sub.returncode == 0, sub.stdout + sub.stderr
     job_id = next(line.split()[-1] for line in sub.stdout.splitlines() if line.startswith("job:"))
     (run,) = (shared_dir / "runs").iterdir()

@@ -62,17 +62,20 @@ def submit(cwd: Path, *extra: str) -> tuple[str, Path]:
     return field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
 
 
-def preempt(*how: str, hold_s: int = 2) -> str:
-    """Submit work that needs every CPU of both nodes, in the high partition or QOS: Slurm preempts the job."""
+def preempt(*how: str, hold_s: int = 2, cpus: int = 4) -> str:
+    """Submit work that needs every CPU of both nodes (``cpus`` each), in the high partition or QOS: Slurm preempts
+    the job."""
     out = subprocess.run(
-        ["sbatch", "--parsable", *how, "-N2", "--ntasks-per-node=1", "--cpus-per-task=4", "-o", "/dev/null",
+        ["sbatch", "--parsable", *how, "-N2", "--ntasks-per-node=1", f"--cpus-per-task={cpus}", "-o", "/dev/null",
          "--wrap", f"sleep {hold_s}"],
         capture_output=True, text=True, check=True, timeout=60,
     )  # fmt: skip
     return out.stdout.strip().split(";")[0]
 
 
-def preempt_times(job_id: str, run_dir: Path, times: int, how: list[str], save_at: int = -1) -> list[int]:
+def preempt_times(
+    job_id: str, run_dir: Path, times: int, how: list[str], save_at: int = -1, cpus: int = 4
+) -> list[int]:
     """Preempt the job ``times`` times at random steps (the ``save_at``-th time while a checkpoint is written);
     returns the steps it stopped at."""
     rng, stopped, ckpts = random.Random(), [0], run_dir / "checkpoints"
@@ -83,7 +86,7 @@ def preempt_times(job_id: str, run_dir: Path, times: int, how: list[str], save_a
                      poll=0.0005)  # fmt: skip
         else:
             time.sleep(rng.uniform(0.1, 1.0))
-        preempt(*how)
+        preempt(*how, cpus=cpus)
         wait_for(lambda n=i: len(events(run_dir, "interrupted")) > n, 60, f"preemption {i + 1}")
         stopped.append(events(run_dir, "interrupted")[-1]["step"])
     return stopped[1:]
@@ -135,10 +138,14 @@ def test_preempt_send_user_signal_counts_as_preemption(reference, tmp_path):
     assert "USR2" in rank_logs(run_dir, job_id)[0]
 
 
-@pytest.mark.cluster_profile("preempt-qos")
+@pytest.mark.cluster_profile("site")
+@pytest.mark.cluster_user
 @pytest.mark.slurm_interface
-def test_qos_preemption_requeues_and_resumes(reference, tmp_path):
+def test_a_users_scavenger_job_is_preempted_by_her_qos_and_resumes(reference, tmp_path):
+    """On the site profile, as ddpjob-alice (the user pass): her run under the scavenger QOS "low" is preempted by
+    work under her QOS "site" (2 CPUs a node there, and memory counted), requeued by its own rank 0 within the
+    QOS's GraceTime, and ends bitwise."""
     job_id, run_dir = submit(tmp_path, "slurm.qos=low")
-    stopped = preempt_times(job_id, run_dir, 1, ["--qos=high"])
+    stopped = preempt_times(job_id, run_dir, 1, ["--qos=site"], cpus=2)
     check_requeued_exactly(reference, job_id, run_dir, stopped)
     assert sacct_state(job_id) == "COMPLETED"

@@ -8,16 +8,16 @@ is needed only to get there; nothing runs as root after the exec, and she gets n
 
 What she needs, and why each piece is here: Debian's python with the venv's site-packages and the checkout on
 ``PYTHONPATH`` (``users.python_env``: the venv's own python lives under ``/root``); her own ``HOME``; pytest's
-``--basetemp`` and cache in a folder she owns (``/var/tmp/ddpjob-pytest-<user>``: tmp_path, the cached reference
-runs); the cluster's ``SLURM_CONF``, ``DDPJOB_SLURM_HOME`` and ``PATH``; and the cluster guard's lock files beside the
-cluster's state opened for writing (``tests/support/cluster_guard.py``: root creates them, mode 0666). The faults the
-tests inject from outside (a killed or frozen node, a stopped slurmdbd) need root: before the exec a root fault broker
-is forked for her (``tests/support/faults.py``: a fixed set of ``scripts/slurm-local`` subcommands on a socket only
-she can reach), and its socket is in her environment.
+``--basetemp`` and cache in a folder she owns (``/var/tmp/ddpjob-pytest-<user>-<instance>``: tmp_path, the cached
+reference runs); the cluster's ``SLURM_CONF``, ``DDPJOB_SLURM_HOME`` and ``PATH``; and the cluster guard's lock files
+beside the cluster's state opened for writing (``tests/support/cluster_guard.py``: root creates them, mode 0666). The
+faults the tests inject from outside (a killed or frozen node, a stopped slurmdbd) need root: before the exec a root
+fault broker is forked for her (``tests/support/faults.py``: a fixed set of ``scripts/slurm-local`` subcommands on a
+socket only she can reach), and its socket is in her environment.
 
-Slurm 22.05 (the host's commands) only: on 24.11 and 26.05 the client wrappers enter the release's root filesystem,
-which needs root (``unshare: unshare failed: Operation not permitted`` as her), and pytest would have to run inside
-that tree (docs/local-cluster.md, "Running the tests as a user").
+On 24.11 and 26.05 her pytest runs here as on 22.05: the release's client wrappers (first on her ``PATH``) enter its
+root filesystem in a user namespace of hers (scripts/slurm-enter), and her jobs' steps run there with Debian's python,
+which the site profile binds into the tree (docs/local-cluster.md, "Running the tests as a user").
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ PASSED = ("SLURM_CONF", "DDPJOB_SLURM_HOME", "DDPJOB_REQUIRE_SLURM", "DDPJOB_FUZ
 
 
 def prepare(user: users.User) -> Path:
-    """Her folder for pytest's temporary files and cache (emptied), and the cluster guard's files she must lock."""
-    folder = Path(f"/var/tmp/ddpjob-pytest-{user.name}")
+    """Her folder for pytest's temporary files and cache, one per cluster instance (scripts/test runs her passes of
+    several releases at once, and pytest empties its --basetemp at start), and the cluster guard's files she must
+    lock."""
+    folder = Path(f"/var/tmp/ddpjob-pytest-{user.name}-{cluster_guard.HOME.name}")
     folder.mkdir(mode=0o700, exist_ok=True)
     os.chown(folder, user.uid, user.gid)
     cluster_guard.HOME.mkdir(parents=True, exist_ok=True)
@@ -49,9 +51,7 @@ def prepare(user: users.User) -> Path:
 def environment(user: users.User, broker: Path) -> dict[str, str]:
     env = users.python_env({k: os.environ[k] for k in PASSED if k in os.environ})
     env[faults.BROKER_ENV] = str(broker)
-    slurm_bin = cluster_guard.HOME / "bin"  # a release's client wrappers (scripts/slurm-local env puts them first)
-    if slurm_bin.is_dir():
-        env["PATH"] = f"{slurm_bin}:{env['PATH']}"
+    env["PATH"] = users.slurm_path(env["PATH"])
     return users.user_environ(user, env)
 
 

@@ -13,6 +13,7 @@ has (python, ssh, rsync, the shell's tools), no Slurm command. ``run`` is ``ddpj
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -65,7 +66,8 @@ class SshServer:
             f.write(public_key.read_text())
 
     def start(self) -> SshServer:
-        Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege separation folder
+        if os.geteuid() == 0:  # root's sshd separates privileges there; a user's serves only her own logins
+            Path("/run/sshd").mkdir(exist_ok=True)
         keygen(self.folder / "host_key")
         (self.folder / "authorized_keys").touch()
         config = self.folder / "sshd_config"
@@ -117,8 +119,9 @@ class Laptop:
         if authorized:
             server.authorize(laptop.key.with_suffix(".pub"))
         (ssh_dir / "known_hosts").write_text(f"[127.0.0.1]:{server.port} {server.host_key_pub}\n")
+        user = pwd.getpwuid(os.getuid()).pw_name  # root, or the user pass's ddpjob-alice (her own sshd's only login)
         (ssh_dir / "config").write_text(
-            f"Host cluster\n  HostName 127.0.0.1\n  Port {server.port}\n  User root\n  IdentityFile {laptop.key}\n"
+            f"Host cluster\n  HostName 127.0.0.1\n  Port {server.port}\n  User {user}\n  IdentityFile {laptop.key}\n"
             f"  IdentitiesOnly yes\n  UserKnownHostsFile {ssh_dir / 'known_hosts'}\n  StrictHostKeyChecking yes\n"
         )
         bin_dir = home / "bin"  # the laptop's PATH: no sbatch, squeue, ...
@@ -132,7 +135,7 @@ class Laptop:
         laptop.env = {
             "HOME": str(home),
             "PATH": str(bin_dir),
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT)),  # a user's: the venv's site-packages too
             "DDPJOB_HOSTS": str(home / "hosts.yaml"),
             "DDPJOB_STATE_DIR": state,
             "OMP_NUM_THREADS": "1",
@@ -144,7 +147,7 @@ class Laptop:
 
     def cluster_entry(self, name: str = "cluster", **keys: object) -> str:
         """A hosts.yaml entry whose remote ddpjob is this checkout's, as the tests' login node runs it."""
-        setup = f"export PYTHONPATH={ROOT}" + (
+        setup = f"export PYTHONPATH={os.environ.get('PYTHONPATH', str(ROOT))}" + (
             f" SLURM_CONF={os.environ['SLURM_CONF']}" if "SLURM_CONF" in os.environ else ""
         )
         entry: dict[str, object] = {

@@ -111,21 +111,18 @@ def run(
     umask: int = 0o022,
     check: bool = False,
     timeout: float = 120,
-    enter: Sequence[str] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """``argv`` as ``user`` (real uid, gid and supplementary groups), with ``umask``, in ``cwd`` (default: the home).
-    ``enter``: a command that runs the rest as root first, the privileges dropped inside it (a Slurm release's root
-    filesystem, ``$DDPJOB_SLURM_HOME/bin/.enter``: entering it needs root)."""
+    """``argv`` as ``user`` (real uid, gid and supplementary groups), with ``umask``, in ``cwd`` (default: the home)."""
     return subprocess.run(
-        command(user, argv, umask=umask, enter=enter), cwd=cwd or user.home, env=user_environ(user, env),
+        command(user, argv, umask=umask), cwd=cwd or user.home, env=user_environ(user, env),
         capture_output=True, text=True, check=check, timeout=timeout,
     )  # fmt: skip
 
 
-def command(user: User, argv: Sequence[str], *, umask: int = 0o022, enter: Sequence[str] = ()) -> list[str]:
+def command(user: User, argv: Sequence[str], *, umask: int = 0o022) -> list[str]:
     """The command line that runs ``argv`` as ``user`` (see ``run``; ``tests.support.as_user`` execs it)."""
     return [
-        *enter, "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups", "--inh-caps=-all",
+        "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups", "--inh-caps=-all",
         "sh", "-c", f'umask {umask:03o} && exec "$@"', "sh", *argv,
     ]  # fmt: skip
 
@@ -140,15 +137,20 @@ def shell(user: User, script: str, **kwargs: object) -> subprocess.CompletedProc
     return run(user, ["sh", "-c", script], **kwargs)  # type: ignore[arg-type]
 
 
+def slurm_path(path: str) -> str:
+    """``path`` with the cluster's client commands first: a release's wrappers (``$DDPJOB_SLURM_HOME/bin``, which
+    ``scripts/slurm-local env`` puts first) enter its root filesystem, a user in a user namespace of her own
+    (scripts/slurm-enter); /usr/sbin for the entry's ``pivot_root``."""
+    wrappers = CLUSTER_HOME / "bin"
+    return f"{wrappers}:{path}:/usr/sbin:/sbin" if wrappers.is_dir() else path
+
+
 def slurm_env() -> dict[str, str]:
-    """``python_env`` with the cluster's ``SLURM_CONF``; /usr/sbin on PATH for a release tree's entry (pivot_root),
-    which runs as root before the privileges drop."""
+    """``python_env`` with the cluster's ``SLURM_CONF`` and client commands (``slurm_path``)."""
     conf = os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")
-    return python_env({"SLURM_CONF": conf, "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"})
+    return python_env({"SLURM_CONF": conf, "PATH": slurm_path("/usr/local/bin:/usr/bin:/bin")})
 
 
 def gateway_as(user: User) -> SlurmGateway:
-    """ddpjob's Slurm gateway, its commands run as ``user`` (inside the release's tree when it has one)."""
-    entry = CLUSTER_HOME / "bin" / ".enter"
-    enter = [str(entry)] if entry.exists() else []
-    return SlurmGateway(lambda cmd: run(user, cmd, env=slurm_env(), enter=enter, timeout=60))
+    """ddpjob's Slurm gateway, its commands run as ``user``."""
+    return SlurmGateway(lambda cmd: run(user, cmd, env=slurm_env(), timeout=60))

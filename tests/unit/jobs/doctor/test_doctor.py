@@ -372,6 +372,20 @@ def test_missing_client_and_stuck_controller(tmp_path):
     with pytest.raises(DdpJobError, match=r"squeue did not answer within 60 s \(hint: is the Slurm controller up"):
         job_attempts(["100"], runner=stuck.runner)  # ... to the controller, which does not answer either
     assert stuck.show_job("5") is None  # the trainer's calls never raise
+    refused = slurm.SlurmGateway(
+        lambda cmd: subprocess.CompletedProcess(
+            list(cmd), 1, "", "x\nslurm_load_ctl_conf error: Unable to contact slurm controller"
+        )
+    )
+    assert refused.show_config() is None
+    with pytest.raises(DdpJobError, match=r"^scontrol show config failed: slurm_load_ctl_conf error: Unable to conta"):
+        doctor.read_cluster(refused, None)  # doctor's one line says what scontrol said
+    # a whole answer whose closing ping was rate-limited (26.05, as a user): scontrol exits 1, the answer counts
+    answer = "Configuration data as of 2026-12-02T14:16:49\nKillWait                = 10 sec\n\n"
+    pinged = slurm.SlurmGateway(
+        lambda cmd: subprocess.CompletedProcess(list(cmd), 1, answer + "Slurmctld(primary) at vm is DOWN\n", "")
+    )
+    assert (pinged.show_config() or {}).get("KillWait") == "10 sec"
 
 
 def test_gateway_queries_parse_slurm_output():
