@@ -15,12 +15,15 @@ import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ddp_core.cluster.exits import ExitCode
 from ddp_core.cluster.failures import Failure, Kind
 from ddp_core.cluster.policy import Outcome
 from ddp_core.run.rundir import RunDir
 from ddp_core.search import step
+from tests.support.fuzz import fuzz
 from tests.support.helpers import ROOT
 from tests.support.policy import Slurm, decide, events, failure_event, run_dir
 
@@ -153,3 +156,35 @@ def test_a_trial_step_runs_again_when_its_bad_node_cannot_be_excluded(tmp_path, 
 def test_the_step_is_torch_free():
     code = "import sys, ddp_core.search.step, ddp_core.cluster.policy; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+@fuzz(40)
+@given(
+    budgets=st.tuples(st.integers(0, 3), st.integers(0, 2)),
+    storm=st.lists(
+        st.tuples(st.sampled_from([Kind.infrastructure, Kind.health]), st.sampled_from(["n1", "n2"])),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_a_mixed_storm_of_failures_stops_exactly_when_a_budget_is_spent_and_says_which(
+    tmp_path_factory, budgets, storm
+):
+    """Any sequence of killed ranks and failed health checks, on either node: each budget counts its own kind only,
+    the run goes on while every budget has room, and the failure that takes one over it stops the run with that
+    budget's key in the reason (issue 56: "a run that spends a budget ends with that reason, and only then")."""
+    limits = {Kind.infrastructure: ("failures", budgets[0]), Kind.health: ("health_failures", budgets[1])}
+    run = run_dir(tmp_path_factory.mktemp("storm"), *(f"slurm.max_{k}={v}" for k, v in limits.values()))
+    slurm, counts = Slurm(), {Kind.infrastructure: 0, Kind.health: 0}
+    for i, (kind, host) in enumerate(storm):
+        counts[kind] += 1
+        decision = decide(run, slurm, Failure(kind, 1, host, 10 * (i + 1), "x"), can_run_again=True, here={"n1", "n2"})
+        key, limit = limits[kind]
+        if counts[kind] <= limit:
+            assert decision.outcome is not Outcome.STOPPED, (i, storm, run.events()[-1])
+            continue
+        assert (decision.outcome, decision.code) == (Outcome.STOPPED, ExitCode.BUDGET_SPENT), (i, storm)
+        (spent,) = [e for e in run.events() if e["event"] == "budget_exhausted"]
+        assert spent["reason"].endswith(f"(slurm.max_{key}={limit})"), spent
+        return
+    assert "budget_exhausted" not in [e["event"] for e in run.events()]
