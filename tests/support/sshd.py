@@ -135,7 +135,7 @@ class Laptop:
         laptop.env = {
             "HOME": str(home),
             "PATH": str(bin_dir),
-            "PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT)),  # a user's: the venv's site-packages too
+            "PYTHONPATH": project_path(),
             "DDPJOB_HOSTS": str(home / "hosts.yaml"),
             "DDPJOB_STATE_DIR": state,
             "OMP_NUM_THREADS": "1",
@@ -147,7 +147,7 @@ class Laptop:
 
     def cluster_entry(self, name: str = "cluster", **keys: object) -> str:
         """A hosts.yaml entry whose remote ddpjob is this checkout's, as the tests' login node runs it."""
-        setup = f"export PYTHONPATH={os.environ.get('PYTHONPATH', str(ROOT))}" + (
+        setup = f"export PYTHONPATH={project_path()}" + (
             f" SLURM_CONF={os.environ['SLURM_CONF']}" if "SLURM_CONF" in os.environ else ""
         )
         entry: dict[str, object] = {
@@ -173,6 +173,12 @@ class Laptop:
         for sock in self.state.glob("*"):
             subprocess.run(["ssh", "-O", "exit", "-o", f"ControlPath={sock}", "x"], capture_output=True, timeout=10)
         shutil.rmtree(self.state, ignore_errors=True)
+
+
+def project_path() -> str:
+    """The ``PYTHONPATH`` the laptop's and the login node's ddpjob run with: the checkout, or a user's own (the user
+    pass's: the checkout and the venv's site-packages, tests/support/users.py python_env)."""
+    return os.environ.get("PYTHONPATH", str(ROOT))
 
 
 def start_server(folder: Path) -> SshServer:

@@ -142,13 +142,16 @@ def slurm_path(path: str) -> str:
     ``scripts/slurm-local env`` puts first) enter its root filesystem, a user in a user namespace of her own
     (scripts/slurm-enter); /usr/sbin for the entry's ``pivot_root``."""
     wrappers = CLUSTER_HOME / "bin"
-    return f"{wrappers}:{path}:/usr/sbin:/sbin" if wrappers.is_dir() else path
+    if not wrappers.is_dir():
+        return path
+    parts = path.split(":")
+    return ":".join([str(wrappers), *parts, *(d for d in ("/usr/sbin", "/sbin") if d not in parts)])
 
 
 def slurm_env() -> dict[str, str]:
     """``python_env`` with the cluster's ``SLURM_CONF`` and client commands (``slurm_path``)."""
     conf = os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")
-    return python_env({"SLURM_CONF": conf, "PATH": slurm_path("/usr/local/bin:/usr/bin:/bin")})
+    return python_env({"SLURM_CONF": conf, "PATH": slurm_path("/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin")})
 
 
 def gateway_as(user: User) -> SlurmGateway:
