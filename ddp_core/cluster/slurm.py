@@ -20,10 +20,10 @@ from ddp_core.cluster.slurm_text import (
     RATE_LIMITED,
     TIMED_OUT,
     accounting_failure,
+    config_answer,
     effective_preempt_mode,
     exit_text,
     first_word_state,
-    parse_config,
     parse_fields,
     parse_node,
     rate_limited,
@@ -161,20 +161,12 @@ class SlurmGateway:
         )
 
     def show_config(self, required: bool = False) -> Optional[dict[str, str]]:
-        """The controller's configuration; None when it does not answer, or (``required``) one line with what
-        scontrol said."""
+        """The controller's configuration (``config_answer``); None without one, or (``required``) one line why."""
         proc = self.run("scontrol", "show", "config")
-        # scontrol ends the configuration with a ping of the controllers, which it does not retry when rate-limited:
-        # then "Slurmctld(primary) at H is DOWN" and exit 1 under a whole answer (26.05, as a user whose jobs spent
-        # her RPC budget). The answer is what counts.
-        if proc.returncode == 0 or proc.stdout.startswith("Configuration data as of"):
-            return parse_config(proc.stdout)
-        if required:
-            _answered(proc)
-            said = (proc.stderr or "").strip().splitlines()
-            why = said[-1] if said else f"exit status {proc.returncode}"
-            raise DdpJobError(f"scontrol show config failed: {why}", "is slurmctld up? (sinfo); run on a login node")
-        return None
+        if (config := config_answer(proc)) is None and required:
+            said = (_answered(proc).stderr or "").strip().splitlines() or [f"exit status {proc.returncode}"]
+            raise DdpJobError(f"scontrol show config failed: {said[-1]}", "is slurmctld up? (sinfo)")
+        return config
 
     def show_partition(self, name: str) -> Optional[dict[str, str]]:
         proc = self.run("scontrol", "show", "partition", "-o", name)

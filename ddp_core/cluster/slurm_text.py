@@ -64,6 +64,15 @@ def parse_config(text: str) -> dict[str, str]:
     return out
 
 
+def config_answer(proc: subprocess.CompletedProcess[str]) -> Optional[dict[str, str]]:
+    """``scontrol show config``'s answer, None when there is none. A whole answer counts at exit 1 too: scontrol ends
+    it with a ping of the controllers, which it does not retry when rate-limited ("Slurmctld(primary) at H is DOWN"
+    under the configuration: 26.05, a user whose jobs spent her RPC budget)."""
+    if proc.returncode == 0 or proc.stdout.startswith("Configuration data as of"):
+        return parse_config(proc.stdout)
+    return None
+
+
 def duration_s(text: str) -> int:
     """Slurm's durations ("30", "10 sec", "00:00:30", "1-00:00:00") in seconds; 0 when empty or unlimited."""
     days, _, clock = text.strip().removesuffix("sec").strip().rpartition("-")

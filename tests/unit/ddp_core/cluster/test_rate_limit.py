@@ -66,3 +66,12 @@ def test_the_gateway_asks_again_after_the_back_off_never_reading_a_refusal_as_no
         stuck.squeue_ids(["5301"])
     # The trainer's calls never raise: a refused show_job is "cannot say" (None), as a controller that is down.
     assert slurm.SlurmGateway(Limited(99, ""), rate_limit_wait_s=0).show_job("5301") is None
+
+
+def test_a_whole_configuration_whose_closing_ping_was_rate_limited_is_an_answer():
+    """26.05, as a user whose jobs spent her RPC budget: ``scontrol show config`` prints the configuration, then its
+    ping of the controllers is rate-limited (not retried): "... is DOWN" and exit 1. The answer counts."""
+    config = "Configuration data as of 2026-12-02T14:16:49\nKillWait                = 10 sec\n\n"
+    pinged = slurm.SlurmGateway(lambda cmd: answer(1, out=config + "Slurmctld(primary) at vm is DOWN\n"))
+    assert (pinged.show_config(required=True) or {}).get("KillWait") == "10 sec"
+    assert slurm_text.config_answer(answer(1, out="", err="slurm_load_ctl_conf error: Unable to contact")) is None
