@@ -48,7 +48,7 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
         if env.is_main:
             lock = run_lock.hold(run_dir, env)  # the previous attempt may still be exiting, or dead
         # From before the rendezvous to the last step: a rank stuck anywhere in between is a hang.
-        folder = attempt_folder(run_dir.hangs, env.job_id, env.restart_count)
+        folder = attempt_folder(run_dir.hangs, env)
         on_hang = functools.partial(exits.after_hang, cfg, run_dir, env)
         watchdog = Watchdog(cfg.watchdog, folder, env.rank, env.world_size, on_hang).start()
         if env.slurm_job_id:

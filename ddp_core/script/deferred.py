@@ -182,7 +182,7 @@ class DeferredWarning:
         stall_s = min(self.cfg.watchdog.stall_s, self.cfg.slurm.signal_lead_s / 2)
         if self.watchdog is not None or stall_s <= 0:
             return
-        folder = attempt_folder(self.run_dir.hangs, self.env.job_id, self.env.restart_count)
+        folder = attempt_folder(self.run_dir.hangs, self.env)
         limits = WatchdogConfig(stall_s=stall_s, first_step_s=stall_s)
         self.watchdog = Watchdog(limits, folder, self.env.rank, self.env.world_size, self.on_hang).start()
         if self.steps:

@@ -43,6 +43,7 @@ import traceback
 from pathlib import Path
 from typing import IO, Any, Callable, Optional
 
+from ddp_core.cluster.env import DistEnv, process_started
 from ddp_core.cluster.exits import ExitCode, leave
 from ddp_core.config import WatchdogConfig
 from ddp_core.distributed import flight_recorder
@@ -290,7 +291,23 @@ def cause(summary: str) -> str:
     return summary.removeprefix(_HANG)
 
 
-def attempt_folder(hangs: Path, job_id: Optional[str], restart_count: int) -> Path:
-    """``RUN/hangs/<job>_<attempt>``: every rank of an attempt derives the same one without talking. A process
-    alone, with no launcher's job id, adds its pid (each start is another attempt)."""
-    return hangs / (f"{job_id}_{restart_count}" if job_id else f"single-{os.getpid()}")
+def attempt_folder(hangs: Path, env: DistEnv) -> Path:
+    """``RUN/hangs/<job>_<attempt>``: every rank of an attempt derives the same one without talking. Ranks started
+    by hand, with no launcher's job id, share only their rendezvous port: ``local-<port>-<n>``, the first ``n`` whose
+    folder is not an earlier attempt's (one whose hang was claimed before this process started). A process alone adds
+    its pid (each start is another attempt)."""
+    if env.job_id:
+        return hangs / f"{env.job_id}_{env.restart_count}"
+    if not env.distributed:
+        return hangs / f"single-{os.getpid()}"
+    started, n = process_started() or 0.0, 0
+    while _earlier(hangs / f"local-{env.master_port}-{n}", started):
+        n += 1
+    return hangs / f"local-{env.master_port}-{n}"
+
+
+def _earlier(folder: Path, started: float) -> bool:
+    try:
+        return (folder / COORDINATOR).stat().st_mtime < started
+    except FileNotFoundError:
+        return False

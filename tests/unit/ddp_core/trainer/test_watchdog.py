@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from ddp_core.cluster.env import DistEnv
 from ddp_core.config import WatchdogConfig
 from ddp_core.config.features import validate_watchdog as validate
 from ddp_core.distributed.straggler import persistent
 from ddp_core.errors import DdpJobError
-from ddp_core.trainer.watchdog import _suspects
+from ddp_core.trainer.watchdog import COORDINATOR, _suspects, attempt_folder
 from tests.support.hangs import HANGING, QUICK, hang_folder
 from tests.support.helpers import (
     ROOT,
@@ -28,6 +29,24 @@ from tests.support.helpers import (
 )
 
 DIGITS = str(ROOT / "configs" / "digits.yaml")
+
+
+def test_ranks_started_by_hand_share_one_hang_folder_per_attempt(tmp_path):
+    """No launcher's job id: every rank of an attempt names the same folder from the rendezvous port (two ranks that
+    each coordinated their own recorded the hang twice), and an earlier attempt's, whose hang was claimed before this
+    process started, is passed over for the next; a process alone keeps its own."""
+    ranks = [DistEnv(rank=r, world_size=2, master_port=29611) for r in (0, 1)]
+    assert {attempt_folder(tmp_path, env) for env in ranks} == {tmp_path / "local-29611-0"}
+    earlier = tmp_path / "local-29611-0"
+    earlier.mkdir()
+    (earlier / COORDINATOR).touch()
+    os.utime(earlier / COORDINATOR, (time.time() - 3600,) * 2)  # claimed an hour ago, by an attempt before this one
+    assert {attempt_folder(tmp_path, env) for env in ranks} == {tmp_path / "local-29611-1"}
+    (tmp_path / "local-29611-1").mkdir()
+    (tmp_path / "local-29611-1" / COORDINATOR).touch()  # claimed now: this attempt's hang, its ranks keep it
+    assert attempt_folder(tmp_path, ranks[1]) == tmp_path / "local-29611-1"
+    assert attempt_folder(tmp_path, DistEnv(job_id="77", restart_count=2)) == tmp_path / "77_2"
+    assert attempt_folder(tmp_path, DistEnv()) == tmp_path / f"single-{os.getpid()}"
 
 
 def test_watchdog_settings_are_checked_against_the_collective_timeout():
