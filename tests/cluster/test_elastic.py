@@ -52,7 +52,7 @@ def test_an_elastic_job_starts_on_one_node_and_resumes_on_two(slurm_cluster, tmp
     try:
         proc = run_cli(
             "submit", DIGITS, "slurm.partition=local", "slurm.nodes=1-2", "slurm.tasks_per_node=2", *TRAIN,
-            "task.target=tests.support.tasks:GatedSampleLogDigitsTask", f"task.data.log_dir={logs}",
+            "task.target=tests.support.metric_tasks:GatedSampleLogDigitsTask", f"task.data.log_dir={logs}",
             f"task.data.gate_dir={gate}", f"task.data.stop_at={STOP_AT}", cwd=tmp_path,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -89,7 +89,7 @@ def test_an_elastic_job_starts_on_one_node_and_resumes_on_two(slurm_cluster, tmp
     ref_logs = tmp_path / "uninterrupted"
     ref_logs.mkdir()
     ref = run_cli("submit", DIGITS, "slurm.partition=local", "slurm.nodes=1", "slurm.tasks_per_node=2", *TRAIN,
-                  "task.target=tests.support.tasks:SampleLogDigitsTask", f"task.data.log_dir={ref_logs}",
+                  "task.target=tests.support.metric_tasks:SampleLogDigitsTask", f"task.data.log_dir={ref_logs}",
                   cwd=tmp_path)  # fmt: skip
     assert ref.returncode == 0, ref.stdout + ref.stderr
     ref_job, ref_dir = field(ref.stdout, "job"), Path(field(ref.stdout, "run dir"))

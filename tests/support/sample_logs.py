@@ -1,5 +1,5 @@
-"""The samples each optimizer step trained, from the micro-batch logs of ``tests.support.tasks.SampleLogDigitsTask``
-(digits), and the global stream they must match."""
+"""The samples each optimizer step trained, from the micro-batch logs of
+``tests.support.metric_tasks.SampleLogDigitsTask`` (digits), and the global stream they must match."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ TRAIN_SIZE, SEED = 1438, 0  # digits: the training split's samples; train.seed (
 
 def logged_steps(log_dir: Path, attempt: str, batch: int, global_batch: int, stages: int = 1) -> list[set[int]]:
     """One attempt's optimizer steps as the sets of samples they trained, from every rank's log of its
-    micro-batches (tests.support.tasks.SampleLogDigitsTask): replica r's micro-batches k*A .. k*A+A-1 are its part of
-    step k. A pipeline's replica is ``stages`` consecutive ranks, which all see its batches."""
+    micro-batches (tests.support.metric_tasks.SampleLogDigitsTask): replica r's micro-batches k*A .. k*A+A-1 are its
+    part of step k. A pipeline's replica is ``stages`` consecutive ranks, which all see its batches."""
     logged = {}
     for path in sorted(log_dir.glob(f"{attempt}_*.jsonl")):
         logged[int(path.stem.split("_")[1])] = [json.loads(line) for line in path.read_text().splitlines()]

@@ -68,7 +68,7 @@ FLOW_BOMB = ", ".join(f"&a{i} [" + ", ".join([f"*a{i - 1}" if i else "1"] * 9) +
 
 
 def annotated(data: str) -> str:
-    return config_file(f"task: {{target: 'tests.support.tasks:AnnotatedTask', {data}}}")
+    return config_file(f"task: {{target: 'tests.support.metric_tasks:AnnotatedTask', {data}}}")
 
 
 ROWS: list[Row] = [

@@ -171,7 +171,7 @@ def test_units_of_a_hugging_face_model_and_activation_checkpointing():
 @pytest.mark.parametrize(
     ("config", "overrides", "needle"),
     [
-        ("hf-gpt2-pipeline.yaml", ["task.target=tests.support.tasks:HFGPT2NoBlocksTask"],
+        ("hf-gpt2-pipeline.yaml", ["task.target=tests.support.metric_tasks:HFGPT2NoBlocksTask"],
          "strategy.name='pipeline' needs an nn.Sequential model or a task whose pipeline_blocks(model) lists its "
          "blocks; GPT2LMHeadModel from HFGPT2NoBlocksTask is neither"),
         ("hf-gpt2-fsdp.yaml", ["strategy.wrap_classes=[GPT2Blok]"],
@@ -193,7 +193,7 @@ def test_login_node_refuses_a_model_the_strategy_cannot_cut(config, overrides, n
 
 def test_dry_run_refuses_an_unsplittable_model_in_one_line(tmp_path):
     proc = run_cli("submit", str(CONFIGS / "hf-gpt2-pipeline.yaml"), "--dry-run", *TINY,
-                   "task.target=tests.support.tasks:HFGPT2NoBlocksTask", cwd=tmp_path)  # fmt: skip
+                   "task.target=tests.support.metric_tasks:HFGPT2NoBlocksTask", cwd=tmp_path)  # fmt: skip
     assert proc.returncode != 0 and "#SBATCH" not in proc.stdout
     errors = [line for line in proc.stderr.splitlines() if "pipeline_blocks" in line]
     assert len(errors) == 1 and "is neither" in errors[0], proc.stderr

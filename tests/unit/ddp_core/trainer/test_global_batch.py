@@ -12,7 +12,7 @@ from tests.support.sample_logs import SEED, TRAIN_SIZE, expected_steps, logged_s
 
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 COMMON = ["train.eval_every=0", "optim.warmup_steps=5", "train.log_every=1", "checkpoint.every_steps=1000",
-          "wandb.mode=disabled", "task.target=tests.support.tasks:SampleLogDigitsTask", "data.batch_size=16",
+          "wandb.mode=disabled", "task.target=tests.support.metric_tasks:SampleLogDigitsTask", "data.batch_size=16",
           "task.model.dropout=0.0", "train.stop_check_ms=0"]  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from ddp_core.trainer import telemetry
 from ddp_core.trainer.peak_flops import from_table
 from tests.support.digits import trainer
 from tests.support.helpers import ROOT
-from tests.support.tasks import KnownFlopsDigitsTask
+from tests.support.metric_tasks import KnownFlopsDigitsTask
 
 BASE = ["train.eval_every=0", "checkpoint.every_steps=0", "wandb.mode=disabled", "train.log_every=10",
         "optim.warmup_steps=5"]  # fmt: skip
@@ -38,7 +38,7 @@ def test_mfu_tokens_and_a_profile_window_at_two_ranks(tmp_path):
     11-13) writes one trace per rank, marking exactly those steps; no other trace exists. GPU telemetry asked for on
     this CPU machine: a warning on each rank, and the run completes."""
     run = tmp_path / "run"
-    log = trainer(run, *BASE, "task.target=tests.support.tasks:KnownFlopsDigitsTask", "train.max_steps=40",
+    log = trainer(run, *BASE, "task.target=tests.support.metric_tasks:KnownFlopsDigitsTask", "train.max_steps=40",
                   "train.peak_tflops=0.5", "train.profile.start_step=10", "train.profile.steps=3",
                   "train.gpu_telemetry=true", nproc=2)  # fmt: skip
     assert "against 0.5 TFLOP/s per device x 2 (train.peak_tflops)" in log

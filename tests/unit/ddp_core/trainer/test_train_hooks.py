@@ -178,7 +178,7 @@ def test_train_sums_average_exactly_over_samples_and_survive_a_checkpoint():
 def test_train_metrics_and_grad_norm_are_logged_and_measuring_leaves_the_weights_alone(tmp_path):
     # One process: what is measured is the gradient the optimizer steps on, reduced or not (a pipeline's, whose
     # measurement differs, is the next test's).
-    common = [*BASE, "train.max_steps=20", "task.target=tests.support.tasks:TrainMetricsDigitsTask"]
+    common = [*BASE, "train.max_steps=20", "task.target=tests.support.metric_tasks:TrainMetricsDigitsTask"]
     plain = trainer(tmp_path / "plain", *common)
     assert "grad_norm" not in records(tmp_path / "plain", "train")[0]  # today's default: not measured
     measured = trainer(tmp_path / "measured", *common, "train.log_grad_norm=true")
@@ -195,8 +195,9 @@ def test_train_metrics_and_grad_norm_are_logged_and_measuring_leaves_the_weights
 def test_train_metrics_of_a_pipeline_come_from_its_micro_batches_only(tmp_path):
     """The pipeline schedule's first step also scores the whole batch on uninitialised outputs (shape inference):
     only the micro-batches' outputs count, so the logged metrics are finite and match the stage's own losses."""
-    trainer(tmp_path / "run", *BASE, "train.max_steps=20", "task.target=tests.support.tasks:TrainMetricsDigitsTask",
-            "strategy.name=pipeline", "optim.grad_clip=1.0", nproc=2)  # fmt: skip
+    trainer(tmp_path / "run", *BASE, "train.max_steps=20",
+            "task.target=tests.support.metric_tasks:TrainMetricsDigitsTask", "strategy.name=pipeline",
+            "optim.grad_clip=1.0", nproc=2)  # fmt: skip
     for r in records(tmp_path / "run", "train"):
         assert 0 <= r["accuracy"] <= 1 and r["grad_norm"] > 0
         # The task's loss sums over samples give the step losses' mean (equal micro-batches): no foreign term.
@@ -257,7 +258,7 @@ def test_the_best_checkpoint_survives_keep_last_pruning_and_resume(tmp_path):
 
 def test_early_stopping_ends_a_run_whose_metric_is_flat(tmp_path):
     run = tmp_path / "run"
-    log = trainer(run, *BASE, "task.target=tests.support.tasks:FlatMetricDigitsTask", "train.eval_every=5",
+    log = trainer(run, *BASE, "task.target=tests.support.metric_tasks:FlatMetricDigitsTask", "train.eval_every=5",
                   "checkpoint.monitor=min:eval/flat", "train.early_stop_patience=2", "train.max_steps=200",
                   nproc=2)  # fmt: skip
     assert "early stop at step 15" in log and "finished at step 15" in log
@@ -300,7 +301,7 @@ def test_a_streaming_dataset_resumes_mid_epoch_exactly(tmp_path, workers, nproc)
     2 ranks: the StatefulDataLoader's position is in the checkpoint, and a run cut mid-epoch (past the first epoch)
     resumes to the uninterrupted run's weights."""
     batch = 64 // nproc  # 1438 samples / 64 a step = 22 steps per epoch: step 25 is mid-epoch 1
-    common = [*BASE, "task.target=tests.support.tasks:StreamDigitsTask", f"data.batch_size={batch}",
+    common = [*BASE, "task.target=tests.support.metric_tasks:StreamDigitsTask", f"data.batch_size={batch}",
               "checkpoint.every_steps=5", "checkpoint.keep_last=20", "task.model.dropout=0.2", "train.max_steps=30",
               f"data.num_workers={workers}"]  # fmt: skip
     run = tmp_path / "run"
