@@ -1,6 +1,7 @@
-"""ddpjob doctor and the Slurm gateway: fabricated cluster setups (output formats captured from the local Slurm
-22.05 cluster with read-only commands) asserted on findings' keys, levels and values. (Against the live cluster, and
-the drill: tests/cluster/test_doctor_live.py.)"""
+"""ddpjob doctor on how jobs get preempted and whether a save fits the warning: fabricated cluster setups
+(tests/unit/jobs/doctor/fakes.py) asserted on findings' keys, levels and values. Limits, accounting, the clients, the
+release, the nodes and the Slurm gateway's queries: test_doctor_site.py. (Against the live cluster, and the drill:
+tests/cluster/test_doctor_live.py.)"""
 
 from __future__ import annotations
 
