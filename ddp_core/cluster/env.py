@@ -44,6 +44,8 @@ class DistEnv:
     # Which job step of this attempt the ranks are: 0, then one more per in-allocation restart (DDPJOB_LAUNCH, exported
     # by the batch script's loop of steps, ``jobs.submission.request``).
     launch: int = 0
+    # torchrun's restarts of its workers inside this attempt (TORCHELASTIC_RESTART_COUNT): each a new set of ranks.
+    elastic_restart: int = 0
     cpus_per_rank: int = 1
     source: str = "single"  # torchrun | slurm | submitit-local | single
     # torchrun's agent already serves the rendezvous store on master_port: rank 0 joins it as a client.
@@ -138,6 +140,7 @@ def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
         slurm_job_id=env.get("SLURM_JOB_ID"),  # torchrun inside an allocation can still requeue it
         restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
         launch=_int(env, LAUNCH_VAR, 0),
+        elastic_restart=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
         cpus_per_rank=_torchrun_cpus(env, local_world),
         source="torchrun",
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",

@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 SUMMARY = "summary.txt"
 _HANG = "hang: "  # how a summary's first line (also the `hang` event's summary) starts
+UNNAMED_RUN = "none"  # torchrun's run id when --rdzv-id is not given: not a job's identity
 COORDINATOR = ".coordinator"  # created exclusively by the rank that summarises a hang
 # How long the coordinator waits for the other ranks' dumps: they detect the same stall within one poll.
 COLLECT_S = 5.0
@@ -292,12 +293,14 @@ def cause(summary: str) -> str:
 
 
 def attempt_folder(hangs: Path, env: DistEnv) -> Path:
-    """``RUN/hangs/<job>_<attempt>``: every rank of an attempt derives the same one without talking. Ranks started
-    by hand, with no launcher's job id, share only their rendezvous port: ``local-<port>-<n>``, the first ``n`` whose
-    folder is not an earlier attempt's (one whose hang was claimed before this process started). A process alone adds
-    its pid (each start is another attempt)."""
-    if env.job_id:
-        return hangs / f"{env.job_id}_{env.restart_count}"
+    """``RUN/hangs/<job>_<attempt>``: every rank of an attempt derives the same one without talking (the attempt: the
+    requeue's count, then ``.<n>`` for torchrun's n-th restart of its workers inside it). Ranks started by hand, with
+    no launcher's job id (or torchrun's default run id, ``none``, the same for every run), share only their rendezvous
+    port: ``local-<port>-<n>``, the first ``n`` whose folder is not an earlier attempt's (one whose hang was claimed
+    before this process started). A process alone adds its pid (each start is another attempt)."""
+    if env.job_id and not (env.job_id == UNNAMED_RUN and not env.slurm_job_id):
+        again = f".{env.elastic_restart}" if env.elastic_restart else ""
+        return hangs / f"{env.job_id}_{env.restart_count}{again}"
     if not env.distributed:
         return hangs / f"single-{os.getpid()}"
     started, n = process_started() or 0.0, 0

@@ -49,6 +49,20 @@ def test_ranks_started_by_hand_share_one_hang_folder_per_attempt(tmp_path):
     assert attempt_folder(tmp_path, DistEnv()) == tmp_path / f"single-{os.getpid()}"
 
 
+def test_torchruns_restarted_workers_and_its_default_run_id_get_their_own_hang_folders(tmp_path):
+    """torchrun's restart of its workers (TORCHELASTIC_RESTART_COUNT) is another attempt inside the Slurm job's; its
+    default run id, "none", names no run (every run by hand has it): those ranks go by their port, as by hand."""
+    worker = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "n1", "MASTER_PORT": "29612"}
+    in_job = worker | {"TORCHELASTIC_RUN_ID": "41", "SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "1"}
+    assert attempt_folder(tmp_path, DistEnv.from_env(in_job)) == tmp_path / "41_1"
+    again = DistEnv.from_env(in_job | {"TORCHELASTIC_RESTART_COUNT": "2"})
+    assert attempt_folder(tmp_path, again) == tmp_path / "41_1.2"
+    by_hand = DistEnv.from_env(worker | {"TORCHELASTIC_RUN_ID": "none"})
+    assert attempt_folder(tmp_path, by_hand) == tmp_path / "local-29612-0"
+    named = DistEnv.from_env(worker | {"TORCHELASTIC_RUN_ID": "exp7", "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert attempt_folder(tmp_path, named) == tmp_path / "exp7_0.1"
+
+
 def test_watchdog_settings_are_checked_against_the_collective_timeout():
     validate(WatchdogConfig(stall_s=0), collective_timeout_s=10)  # off
     with pytest.raises(DdpJobError, match=r"'watchdog.stall_s' = 600 is invalid: must be below dist.timeout_s"):
