@@ -21,6 +21,7 @@ from tests.support.cli_runner import field, run_cli
 from tests.support.digits import DIGITS, TWO
 from tests.support.helpers import (
     ROOT,
+    SLURM_POLL_S,
     digests,
     events,
     rank_logs,
@@ -70,7 +71,12 @@ def test_a_killed_rank_restarts_in_the_allocation_ahead_of_a_waiting_job(slurm_c
     assert sacct(job_id, "State") == ["COMPLETED"], sacct(job_id, "State")
     shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
     assert "Restarts=0" in shown, shown
-    wait_for(lambda: sacct(competitor, "State") == ["COMPLETED"], 60, "the waiting job to run after the run")
+    wait_for(
+        lambda: sacct(competitor, "State") == ["COMPLETED"],
+        60,
+        "the waiting job to run after the run",
+        poll=SLURM_POLL_S,
+    )
     [run_end] = sacct(job_id, "End")
     [competitor_start] = sacct(competitor, "Start")
     assert competitor_start >= run_end, (competitor_start, run_end)
