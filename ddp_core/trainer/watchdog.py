@@ -20,6 +20,11 @@ A daemon thread in every rank, backed by faulthandler's C-level timer.
   disarms the backstop and pauses the checks, and at resume, which restarts the clock. A process stopped without
   that warning shows as a gap in the watchdog thread's own wake-ups, and its clock restarts too (the backstop,
   then armed, fires at continue if the stop outlasted its deadline).
+* A rank stopped during a long pause (the first step, a save), where its peers' own allowance is
+  ``first_step_s``: each watchdog thread touches its rank's ``rank<R>.txt`` every tenth of ``stall_s``, so a rank
+  that has waited in a collective for ``stall_s`` and finds a peer's beat that old declares the hang, that peer the
+  suspect (before, only ``dist.timeout_s`` ended it, charged to the rank that timed out). A peer still at its own
+  work (compiling, loading) keeps beating and is waited for.
 * Not a per-node sidecar or the batch script: they see processes, not Python frames, and py-spy needs ptrace
   rights that clusters often withhold. A thread reads its own process's frames for free.
 
@@ -86,6 +91,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._backstop: Optional[IO[str]] = None
+        self._beaten = 0.0  # when this thread last touched rank<R>.txt (monotonic)
 
     # --- the training loop's side: cheap ---------------------------------------------------------------------
 
@@ -160,11 +166,42 @@ class Watchdog:
                 self.progressed = max(self.progressed, now)
             stalled = now - self.progressed
             self._arm_backstop(self._limit() - stalled)
-            if stalled > self._limit() / 2:  # where it is, for the coordinator's summary if a hang follows
+            self._beat(now)
+            if stalled > min(self._limit(), self.cfg.stall_s) / 2:  # for the coordinator's summary if a hang follows
                 self._publish(stalled)
-            if stalled > self._limit():
+            if stalled > self._limit() or (stalled > self.cfg.stall_s and self._waits_on_silent_peer()):
                 self._hang(stalled)
                 return
+
+    def _beat(self, now: float) -> None:
+        """This rank's sign of life to its peers (``silent_peers``): its thread runs, so the process is not stopped."""
+        if now - self._beaten >= self.cfg.stall_s / 10:
+            self._beaten = now
+            try:
+                os.utime(self.folder / f"rank{self.rank}.txt")
+            except OSError:
+                pass  # a full or failing filesystem: no beat; peers then wait as before
+
+    def _waits_on_silent_peer(self) -> bool:
+        """In a long pause: this rank waits in torch (a collective) while a peer's beat is ``stall_s`` old."""
+        if not self.long_pause or not any(part in _main_frame() for part in _WAITING_IN):
+            return False
+        silent = self.silent_peers()
+        if silent:
+            log.error("ranks %s gave no sign of life for %g s while this rank waits for them", silent, self.cfg.stall_s)
+        return bool(silent)
+
+    def silent_peers(self) -> list[int]:
+        """Ranks whose beat (their ``rank<R>.txt``'s mtime) is older than ``stall_s``: their process is stopped or
+        stuck holding its GIL. A rank that has not started its watchdog yet has no file and is not counted."""
+        silent, now = [], time.time()
+        for r in range(self.world_size):
+            try:
+                if r != self.rank and now - (self.folder / f"rank{r}.txt").stat().st_mtime > self.cfg.stall_s:
+                    silent.append(r)
+            except OSError:
+                continue
+        return silent
 
     def _arm_backstop(self, left_s: float) -> None:
         """Fire ``left_s`` plus a margin from now. Re-armed at every poll, so it fires only when this thread stops
@@ -204,8 +241,12 @@ class Watchdog:
             self.folder / f"rank{self.rank}.txt",
         )
         if not self._claim():
-            # Another rank coordinates (it requeues or ends the job); leave if that does not end this process.
-            time.sleep(COLLECT_S + 120)
+            # Another rank coordinates (it requeues or ends the job); leave if that does not end this process. Alive
+            # meanwhile: its beat goes on, so the coordinator does not take it for the stopped one.
+            until = time.monotonic() + COLLECT_S + 120
+            while time.monotonic() < until:
+                self._beat(time.monotonic())
+                time.sleep(self.poll_s)
             leave(ExitCode.FAILED)
         time.sleep(COLLECT_S)
         summary = self._summarise()
@@ -232,7 +273,8 @@ class Watchdog:
                 ranks.append(json.loads((self.folder / f"rank{r}.json").read_text()))
             except (OSError, ValueError):
                 ranks.append({"rank": r, "host": "?", "step": None, "frame": "no report (process stuck or gone)"})
-        suspects = _suspects(ranks)
+        silent = self.silent_peers()  # a stopped rank publishes nothing: its stale beat names it
+        suspects = [ranks[r] for r in silent] if silent else _suspects(ranks)
         who = ", ".join(f"rank {r['rank']} on {r['host']}" for r in suspects)
         lines = [f"{_HANG}no progress for {self.cfg.stall_s:g} s; suspect {who} (stacks: {self.folder})"]
         for r in ranks:

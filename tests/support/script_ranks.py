@@ -67,10 +67,16 @@ def srun_task_env(rank: int, world: int, port: int, job_id: Optional[str]) -> di
 
 
 class Ranks:
-    """``python -m ddp_core.script RUN`` once per rank, each with its own log files."""
+    """``python -m ddp_core.script RUN`` (or ``command``) once per rank, each with its own log files."""
 
     def __init__(
-        self, run: Path, world: int, logs: Path, job_id: Optional[str] = None, extra: Optional[dict[str, str]] = None
+        self,
+        run: Path,
+        world: int,
+        logs: Path,
+        job_id: Optional[str] = None,
+        extra: Optional[dict[str, str]] = None,
+        command: Optional[Sequence[str]] = None,
     ) -> None:
         self.port = port = free_port()
         logs.mkdir(parents=True, exist_ok=True)
@@ -80,7 +86,7 @@ class Ranks:
         for r in range(world):
             with open(self.out[r], "w") as out, open(self.err[r], "w") as err:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "ddp_core.script", str(run)],
+                    list(command or [sys.executable, "-m", "ddp_core.script", str(run)]),
                     stdout=out, stderr=err, env=srun_task_env(r, world, port, job_id) | (extra or {}), cwd=ROOT,
                 ))  # fmt: skip
 

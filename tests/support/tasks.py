@@ -219,7 +219,8 @@ class HangingTask(DigitsTask):
     ``hang_in``: "step" (the rank sleeps in split() at batch ``hang_at``; the others then wait in the all-reduce),
     "collective" (the other ranks enter a collective at batch ``hang_at`` that this rank skips; it goes on into the
     gradient all-reduce, so every rank waits inside a collective), "datasets" (the rank sleeps while building
-    the datasets, before the first step) or "gil" (the rank runs a C call that never releases the GIL)."""
+    the datasets, before the first step), "gil" (the rank runs a C call that never releases the GIL) or "stopped" (the
+    rank SIGSTOPs itself: its process, watchdog thread included, stands still until someone continues or kills it)."""
 
     def __init__(self, once_file: str, hang_rank: int = 1, hang_at: int = 5, hang_in: str = "step",
                  **kwargs: object) -> None:  # fmt: skip
@@ -248,6 +249,9 @@ class HangingTask(DigitsTask):
         if self.batches == self.hang_at and self.armed:
             if self.hang_in == "step" and self._rank() == self.hang_rank:
                 self._hang_here()
+            if self.hang_in == "stopped" and self._rank() == self.hang_rank:
+                open(self.once_file, "w").close()
+                os.kill(os.getpid(), signal.SIGSTOP)
             if self.hang_in == "gil" and self._rank() == self.hang_rank:
                 open(self.once_file, "w").close()
                 re.fullmatch(r"(a|aa)+b", "a" * 64)  # years of backtracking in C, holding the GIL throughout
