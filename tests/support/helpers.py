@@ -154,8 +154,11 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, poll: floa
 
 def wait_gone(job_id: str, timeout: float = 300) -> str:
     wait_for(lambda: not in_queue(job_id), timeout, f"job {job_id} to leave the queue", poll=SLURM_POLL_S)
-    return wait_for(lambda: (s := sacct_state(job_id)) not in ("", "RUNNING", "COMPLETING", "PENDING") and s, 30,
-                    "sacct's final state", poll=SLURM_POLL_S)  # fmt: skip
+    # The last record's state: a job that lost a node has a RESIZING record before it, and after slurmdbd was down
+    # its last record says PENDING until the controller's held-back updates arrive (the storm's seed 5: RESIZING,
+    # then PENDING, read as the end of a job that had completed).
+    return wait_for(lambda: (s := sacct_state(job_id)) and s.split()[-1] not in ("RUNNING", "COMPLETING", "PENDING")
+                    and s, 60, "sacct's final state", poll=SLURM_POLL_S)  # fmt: skip
 
 
 def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
