@@ -184,7 +184,7 @@ class Watchdog:
 
     def _waits_on_silent_peer(self) -> bool:
         """In a long pause: this rank waits in torch (a collective) while a peer's beat is ``stall_s`` old."""
-        if not self.long_pause or not any(part in _main_frame() for part in _WAITING_IN):
+        if not self.long_pause or not _waiting(_main_frame()):
             return False
         silent = self.silent_peers()
         if silent:
@@ -296,9 +296,14 @@ class _Allowance:
             self.dog.beat(self.dog.step)
 
 
+def _waiting(frame: str) -> bool:
+    """Whether a rank's innermost frame waits for the other ranks (in torch's collectives or autograd)."""
+    return any(part in frame for part in _WAITING_IN)
+
+
 def _suspects(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Ranks stuck in their own code (or silent) when others wait in torch; else the ranks furthest behind."""
-    own = [r for r in ranks if not any(part in str(r.get("frame")) for part in _WAITING_IN)]
+    own = [r for r in ranks if not _waiting(str(r.get("frame")))]
     if own and len(own) < len(ranks):
         return own
     steps = [r["step"] for r in ranks if isinstance(r.get("step"), int)]
@@ -340,7 +345,7 @@ def attempt_folder(hangs: Path, env: DistEnv) -> Path:
     no launcher's job id (or torchrun's default run id, ``none``, the same for every run), share only their rendezvous
     port: ``local-<port>-<n>``, the first ``n`` whose folder is not an earlier attempt's (one whose hang was claimed
     before this process started). A process alone adds its pid (each start is another attempt)."""
-    if env.job_id and not (env.job_id == UNNAMED_RUN and not env.slurm_job_id):
+    if env.job_id and env.job_id != UNNAMED_RUN:
         again = f".{env.elastic_restart}" if env.elastic_restart else ""
         return hangs / f"{env.job_id}_{env.restart_count}{again}"
     if not env.distributed:

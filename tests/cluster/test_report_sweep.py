@@ -14,7 +14,7 @@ import pytest
 from ddp_core.run.rundir import RunDir
 from tests.support import browser
 from tests.support.cli_runner import field, run_cli
-from tests.support.helpers import ROOT, events, in_queue, wait_for
+from tests.support.helpers import ROOT, events, wait_for, wait_out_of_queue
 from tests.support.report_pages import figures, png_panels
 
 # 1-CPU trials, two at a time (slurm.array_parallelism): at most 2 CPUs per node, see tests/support/cluster_guard.py.
@@ -43,7 +43,7 @@ def test_report_of_a_real_sweep_in_headless_chromium(slurm_cluster, tmp_path):
         seen.add((cfg.optim.lr, cfg.task.model["hidden"]))
         assert cfg.train.max_steps == 30
     assert seen == {(lr, h) for lr in (1e-3, 3e-3, 1e-2, 3e-2) for h in (32, 64)}
-    wait_for(lambda: not in_queue(array), 60, "the array to leave the queue")
+    wait_out_of_queue(array, 60)
     status = run_cli("status", str(sweep_dir), cwd=tmp_path)
     rows = [line for line in status.stdout.splitlines() if f"{array}_" in line]
     assert status.returncode == 0 and len(rows) == 8 and all("COMPLETED" in r for r in rows), status.stdout

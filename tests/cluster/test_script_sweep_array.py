@@ -9,7 +9,7 @@ import pytest
 
 from ddp_core.run.rundir import RunDir
 from tests.support.cli_runner import field, run_cli
-from tests.support.helpers import SLURM_POLL_S, events, in_queue, wait_for
+from tests.support.helpers import events, wait_for, wait_out_of_queue
 from tests.support.report_pages import figures as report_figures
 from tests.support.script_sweeps import QUIET, TRAIN, trials_of
 
@@ -42,7 +42,7 @@ def test_script_sweep_runs_as_one_array(slurm_cluster, tmp_path):
         seen.add(run.load_config().script.args[-1])
         assert [r["step"] for r in run.metrics()] == list(range(5, 41, 5))
     assert seen == {f"--lr={lr}" for lr in ("0.05", "0.1", "0.2", "0.3")}
-    wait_for(lambda: not in_queue(arrays[0]), 60, "the array to leave the queue", poll=SLURM_POLL_S)
+    wait_out_of_queue(arrays[0], 60)
     shown = run_cli("status", str(sweep_dir), "--metric", "min:train/loss", cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     rows = [line for line in shown.stdout.splitlines() if f"{arrays[0]}_" in line]

@@ -15,7 +15,7 @@ from ddp_core.run.rundir import RunDir
 from jobs.runs import logs, status, throughput
 from tests.support import faults
 from tests.support.cli_runner import field, run_cli
-from tests.support.helpers import ROOT, SLURM_POLL_S, events, in_queue, wait_for, wait_gone
+from tests.support.helpers import ROOT, events, wait_for, wait_gone, wait_out_of_queue
 
 
 @pytest.mark.cluster_shared("b")  # one 2-rank job at a time on one node: see tests/support/cluster_guard.py
@@ -87,7 +87,7 @@ def test_status_without_accounting_then_a_cancel_that_saves(slurm_cluster, tmp_p
         logs.cancel([str(run_dir)])
         started = faults.slurm_local("start-accounting")
         assert started.returncode == 0, started.stdout + started.stderr
-        wait_for(lambda: not in_queue(job_id), 120, f"job {job_id} to leave the queue", poll=SLURM_POLL_S)
+        wait_out_of_queue(job_id, 120)
     # The controller told the ranks it was a cancel (accounting plays no part in that): saved, not requeued.
     (stop,) = events(run_dir, "interrupted")
     assert stop["kind"] == "cancelled" and not events(run_dir, "requeued")

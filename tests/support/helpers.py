@@ -152,8 +152,13 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, poll: floa
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def wait_gone(job_id: str, timeout: float = 300) -> str:
+def wait_out_of_queue(job_id: str, timeout: float = 300) -> None:
+    """Until the job (or array) is no longer queued or running, asking every ``SLURM_POLL_S``."""
     wait_for(lambda: not in_queue(job_id), timeout, f"job {job_id} to leave the queue", poll=SLURM_POLL_S)
+
+
+def wait_gone(job_id: str, timeout: float = 300) -> str:
+    wait_out_of_queue(job_id, timeout)
     # The last record's state: a job that lost a node has a RESIZING record before it, and after slurmdbd was down
     # its last record says PENDING until the controller's held-back updates arrive (the storm's seed 5: RESIZING,
     # then PENDING, read as the end of a job that had completed).
