@@ -1,7 +1,7 @@
 """The lines under ``ddpjob status``'s table, one run at a time: its newest hang (the rank suspected and why,
 ``ddp_core.trainer.watchdog``), its newest failure (who, where, what, and whether it was retried,
-``ddp_core.cluster.failures``), a checkpoint a full filesystem refused, the nodes it excluded after failures (and
-the bad ones it could not do without), and a persistent straggler."""
+``ddp_core.cluster.failures``), the budget a stopped run spent, a checkpoint a full filesystem refused, the nodes it
+excluded after failures (and the bad ones it could not do without), and a persistent straggler."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ def for_run(name: str, events: list[dict[str, Any]], straggler: Optional[dict[st
         notes.append(f"hang in {name} after step {hangs[-1].get('step')}: {cause(str(hangs[-1].get('summary', '')))}")
     if found := [i for i, e in enumerate(events) if e["event"] == "failure"]:
         notes.append(failure_note(name, events[found[-1]], events[found[-1] + 1 :]))
+    if (ended := [e for e in events if e["event"] != "rank_failed"]) and ended[-1]["event"] == "budget_exhausted":
+        e = ended[-1]
+        notes.append(f"stopped in {name} at step {e.get('step')}: {e.get('reason')}; `ddpjob resume` continues it, "
+                     "with budgets of its own")  # fmt: skip
     saves = [e for e in events if e["event"] in ("save_failed", "save_recovered")]
     if saves and saves[-1]["event"] == "save_failed":  # a full or failing filesystem (ddp_core.run.diskfull)
         e = saves[-1]
@@ -46,6 +50,8 @@ def failure_note(name: str, e: dict[str, Any], after: Sequence[dict[str, Any]] =
     first = next(decided, None)
     restarted = first if first is not None and first["event"] == "restarted" else None
     then = f"restarted in the allocation on {','.join(restarted.get('nodes') or [])}" if restarted else "requeued"
+    if first is not None and first["event"] == "budget_exhausted":
+        then = "not requeued: its budget is spent"
     retried = {"user": "a user error, not retried", "memory": "not retried: more memory with slurm.mem_gb"}.get(
         str(e.get("kind")), f"{e.get('kind')}: {then}"
     )

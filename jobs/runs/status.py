@@ -97,9 +97,10 @@ class Row:
         last_event = decided[-1]["event"] if decided else ""
         if self.attempts:
             last = self.attempts[-1]
-            if last_event == "preempted" and last.state not in ACTIVE_STATES:
-                # PreemptMode=CANCEL: the ranks left inside the grace time, so Slurm's record reads FAILED.
-                return "PREEMPTED"
+            if last_event in ("preempted", "budget_exhausted") and last.state not in ACTIVE_STATES:
+                # PreemptMode=CANCEL, or a spent budget: the ranks left (inside a preemption's grace time), so
+                # Slurm's record reads FAILED; the run's own record says why.
+                return EVENT_STATES[last_event]
             if last.state == "FAILED" and last_event == "failed" and failures.last_kind(decided) == "memory":
                 return "OUT_OF_MEMORY"  # a step's task over its limit; the batch script then ended FAILED
             return f"FAILED({last.exit_code.split(':')[0]})" if last.state == "FAILED" else last.state

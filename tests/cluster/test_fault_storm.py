@@ -4,7 +4,9 @@ restarts, a full filesystem and a stalled S3 server, each injected from outside 
 the first steps after a restart, during a save or while the job is requeued. The run must complete by itself within
 its budgets, bitwise equal to an uninterrupted run, with every failure of the right kind, no step lost beyond the
 newest complete checkpoint, and status and goodput telling what its events tell. A failure prints the seed and the
-schedule; ``DDPJOB_STORM_SEED=N`` replays that seed alone. (Each fault on its own: the other modules here; the
+schedule; ``DDPJOB_STORM_SEED=N`` replays that seed alone. With tight budgets (tests/support/storm_budgets.py,
+``DDPJOB_STORM_BUDGET_SEED=N``) the run must survive every fault until the one that spends a budget, and end there with
+that budget's reason. (Each fault on its own: the other modules here; the
 longer soak on the same harness: bench/storm.py.)"""
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pytest
 
 from ddp_core.run.rundir import RunDir
 from jobs.runs import goodput
-from tests.support import storm
+from tests.support import storm, storm_budgets
 from tests.support.cli_runner import field, run_cli
 from tests.support.digits import DIGITS
 from tests.support.helpers import digests, events, rank_logs, stop_server, two_rank_reference, wait_idle
@@ -30,6 +32,9 @@ pytestmark = pytest.mark.cluster_profile("preempt")  # preemption fills both nod
 REPLAY = os.environ.get("DDPJOB_STORM_SEED", "")  # N, or N,M,...: those seeds instead of CI's
 SEEDS = [int(seed) for seed in REPLAY.split(",")] if REPLAY else [12, 35]
 FAULTS = 4
+# With tight budgets (tests/support/storm_budgets.py): seed 5 is a kill restarted in the allocation (max_restarts=1),
+# a kill of rank 0 requeued (the one failure of max_failures=1), then a preemption with max_preemptions=0.
+BUDGET_SEEDS = [int(seed) for seed in os.environ.get("DDPJOB_STORM_BUDGET_SEED", "5").split(",")]
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +81,46 @@ def test_a_run_survives_a_seeded_storm_of_faults_and_ends_bitwise(seed, referenc
         problems = weather(schedule, world, job_id, run_dir, reference)
         assert not problems, f"{schedule.describe()}\n" + "\n".join(problems)
         check_status(run_dir, tmp_path, schedule)
+    finally:
+        world.repair()
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("seed", BUDGET_SEEDS)
+def test_a_run_that_spends_a_budget_in_a_storm_ends_with_that_reason_and_only_then(seed, reference, tmp_path):
+    """The run survives every fault until the one that takes a budget past its limit, ends there with
+    ``budget_exhausted`` naming that budget, has lost no step, and ``ddpjob resume`` finishes it bitwise."""
+    schedule, budgets, spent = storm_budgets.draw(seed, 5)
+    print(schedule.describe(), budgets)
+    assert spent is not None, "a budget seed whose schedule spends no budget"
+    root = storm.SMALL_FS / f"storm-{uuid.uuid4().hex[:8]}"
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    wait_idle()
+    overrides = [*storm_budgets.overrides(schedule, budgets), f"task.data.gate_dir={gate}", f"run.root={root}"]
+    proc = run_cli("submit", DIGITS, *overrides, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+    world = storm.Storm(job_id, run_dir, gate)
+    try:
+        problems = []
+        for fault in schedule.faults:
+            try:
+                problems += storm.check_recorded(world.inject(fault, ends=fault.index == spent.index))
+            except AssertionError as err:  # the run ended before its budget was spent, or never reached the gate
+                pytest.fail(f"{schedule.describe()} {budgets}\nfault {fault.index} ({fault.kind}): {err}")
+        assert not problems, f"{schedule.describe()}\n" + "\n".join(problems)
+        assert storm.final_state(job_id, 300) == "FAILED"
+        ended = [e for e in events(run_dir) if e["event"] in storm.ENDS]
+        assert [e["event"] for e in ended] == ["budget_exhausted"], ended
+        assert ended[0]["reason"] == f"requeue budget exhausted {spent.reason(budgets)}", (ended, schedule.describe())
+        assert not storm.lost_steps(run_dir), storm.lost_steps(run_dir)
+        status = run_cli("status", str(run_dir), cwd=tmp_path)
+        assert "BUDGET_EXHAUSTED" in status.stdout, status.stdout + status.stderr
+        resumed = run_cli("resume", str(run_dir), "--wait", cwd=tmp_path)
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        assert set(digests(rank_logs(run_dir, field(resumed.stdout, "job"))).values()) == {reference}
     finally:
         world.repair()
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30)

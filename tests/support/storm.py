@@ -96,11 +96,13 @@ class Schedule:
         return [*RUN, f"train.max_steps={self.steps}", *setting, *TASK, f"task.data.gates=[{gates}]"]
 
 
-def plan(seed: int, count: int, kinds: set[str] | None = None, steps: int = STEPS) -> Schedule:
-    """``count`` faults drawn from ``kinds`` (default: all), for a setting that can take most of them; the last gate
-    leaves two checkpoints' worth of steps, so every fault lands while the run still trains."""
+def plan(
+    seed: int, count: int, kinds: set[str] | None = None, steps: int = STEPS, settings: set[str] | None = None
+) -> Schedule:
+    """``count`` faults drawn from ``kinds`` (default: all), for one of ``settings`` (default: all) that can take most
+    of them; the last gate leaves two checkpoints' worth of steps, so every fault lands while the run still trains."""
     rng = random.Random(seed)
-    setting = rng.choice(sorted(SETTINGS))
+    setting = rng.choice(sorted(settings or SETTINGS))
     usable = sorted(k for k in (kinds or set(KINDS)) if setting in KINDS[k])
     room = steps - 2 * EVERY - 4
     gate, faults = rng.randint(4, 8), []
@@ -185,7 +187,9 @@ class Storm:
         for daemon in ("start-controller", "start-accounting"):
             subprocess.run([LOCAL, daemon], capture_output=True, timeout=120)
 
-    def inject(self, fault: Fault) -> Recorded:
+    def inject(self, fault: Fault, ends: bool = False) -> Recorded:
+        """``fault`` at its gate, then the run's recovery from it; ``ends``: the fault spends a budget, so the run's
+        ``budget_exhausted`` instead."""
         (self.gate_dir / f"arm-{fault.index}").touch()
         self.until((self.gate_dir / f"at-{fault.index}").exists, 240, f"gate {fault.index} (batch {fault.gate})")
         seen, starts = len(events(self.run_dir)), len(events(self.run_dir, "start"))
@@ -196,12 +200,14 @@ class Storm:
         if after is not None:
             after()
         (self.gate_dir / "slow").unlink()
-        if fault.kind in REQUEUES:  # Slurm requeues the job itself after an `scontrol requeue`: no requeued event
+        if ends:
+            wait_for(lambda: self.since(seen, "budget_exhausted"), 180, f"fault {fault.index}'s spent budget")
+        elif fault.kind in REQUEUES:  # Slurm requeues the job itself after an `scontrol requeue`: no requeued event
             queued = "interrupted" if fault.kind == "requeue" else "requeued"
             self.until(lambda: self.since(seen, queued), 180, f"fault {fault.index} ({fault.kind})'s requeue")
             if fault.then_controller:
                 self.controller_down(6)
-        if fault.kind in RESTARTS:
+        if fault.kind in RESTARTS and not ends:
             self.until(lambda: len(events(self.run_dir, "start")) > starts, 240, f"a launch after fault {fault.index}")
         record.events = events(self.run_dir)[seen:]
         return record
@@ -358,7 +364,8 @@ def final_state(job_id: str, timeout: float) -> str:
 def lost_steps(run_dir: Path) -> list[str]:
     """Each later launch's start step against the newest checkpoint complete before it (a checkpoint row of
     metrics.jsonl, or the step an interruption saved): a resume from anything older lost steps."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    logged = run_dir / "metrics.jsonl"  # none when no attempt got past its first log step's line
+    rows = [json.loads(line) for line in logged.read_text().splitlines() if line.strip()] if logged.exists() else []
     saved = [(r["time"], r["step"]) for r in rows if r.get("split") == "checkpoint"]
     problems = []
     for start in events(run_dir, "start")[1:]:

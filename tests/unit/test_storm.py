@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from tests.support import storm
+from tests.support import storm, storm_budgets
 from tests.support.gated_tasks import StormDigitsTask
 
 
@@ -63,3 +63,25 @@ def test_a_fault_must_record_its_kind_and_nothing_else():
     assert storm.check_recorded(recorded("usr2", {"event": "interrupted", "kind": "timeout"}))
     assert storm.check_recorded(recorded("stall_long", {"event": "hang"})) == []
     assert storm.check_recorded(recorded("stall_long"))
+
+
+def schedule_of(*kinds: str) -> storm.Schedule:
+    return storm.Schedule(0, "low", tuple(storm.Fault(i, k, 5 + 4 * i, 1) for i, k in enumerate(kinds)))
+
+
+def test_a_budget_is_spent_by_the_fault_that_takes_it_past_its_limit_and_only_by_it():
+    tight = storm_budgets.Budgets(restarts=1, failures=1, preemptions=0, hangs=1)
+    # A kill restarted in the allocation, one requeued (restarts spent), one restarted in the requeued attempt.
+    assert storm_budgets.spending(schedule_of("kill", "kill", "kill"), tight) is None
+    spent = storm_budgets.spending(schedule_of("kill", "kill", "kill", "kill"), tight)
+    assert spent == storm_budgets.Spent(3, "failure", 2)
+    assert spent.reason(tight) == "after 2 failures (slurm.max_failures=1)"
+    assert storm_budgets.spending(schedule_of("stall_long", "kill", "usr2"), tight) == storm_budgets.Spent(
+        2, "preemption", 1
+    )
+    assert storm_budgets.spending(schedule_of("stall_long", "stall_long"), tight) == storm_budgets.Spent(1, "hang", 2)
+    for seed in range(100):  # each seed's schedule ends at its spending fault, with the budgets in its overrides
+        schedule, budgets, spent = storm_budgets.draw(seed, 5)
+        assert spent is None or spent.index == schedule.faults[-1].index, schedule.describe()
+        given = storm_budgets.overrides(schedule, budgets)
+        assert f"slurm.max_failures={budgets.failures}" in given and "slurm.max_failures=30" not in given

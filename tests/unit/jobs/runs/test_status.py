@@ -382,17 +382,3 @@ def test_submit_wait_without_accounting_takes_the_controllers_state(monkeypatch,
     for i in range(2):
         (tmp_path / f"{i}_result.pkl").write_bytes(b"")
     assert submit.results_written(Killed(), "COMPLETED")
-
-
-def test_status_names_the_bad_nodes_a_run_excluded_and_those_it_could_not_do_without():
-    from jobs.runs import notes
-
-    events = [
-        {"event": "excluded", "host": "n3", "reason": "Slurm says State=DOWN*, after: killed by a signal (Killed)"},
-        {"event": "not_excluded", "host": "n2", "reason": "Slurm says State=MIXED+DRAIN (Reason=ECC)"},
-    ]
-    assert notes.for_run("r", events, None) == [
-        "excluded in r: n3 (Slurm says State=DOWN*, after: killed by a signal (Killed))",
-        "bad but kept in r (too few nodes without it): n2 (Slurm says State=MIXED+DRAIN (Reason=ECC))",
-    ]
-    assert notes.for_run("r", [*events, {"event": "excluded", "host": "n2", "reason": "x"}], None)[1:] == []

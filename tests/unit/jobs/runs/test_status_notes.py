@@ -1,0 +1,46 @@
+"""The lines under ``ddpjob status``'s table (jobs.runs.notes), and the state a run's own record gives a job Slurm
+recorded FAILED: fabricated events and sacct output. (On real runs: tests/cluster/test_status_real_jobs.py and the
+fault storms, tests/cluster/test_fault_storm.py.)"""
+
+from __future__ import annotations
+
+from jobs.runs import notes, status
+from tests.support.fake_slurm import FakeSlurm
+from tests.unit.jobs.runs.test_status import NOW, make_run
+
+
+def test_status_names_the_bad_nodes_a_run_excluded_and_those_it_could_not_do_without():
+    events = [
+        {"event": "excluded", "host": "n3", "reason": "Slurm says State=DOWN*, after: killed by a signal (Killed)"},
+        {"event": "not_excluded", "host": "n2", "reason": "Slurm says State=MIXED+DRAIN (Reason=ECC)"},
+    ]
+    assert notes.for_run("r", events, None) == [
+        "excluded in r: n3 (Slurm says State=DOWN*, after: killed by a signal (Killed))",
+        "bad but kept in r (too few nodes without it): n2 (Slurm says State=MIXED+DRAIN (Reason=ECC))",
+    ]
+    assert notes.for_run("r", [*events, {"event": "excluded", "host": "n2", "reason": "x"}], None)[1:] == []
+
+
+def test_a_run_that_spent_a_budget_reads_budget_exhausted_with_the_reason_and_how_to_go_on(tmp_path):
+    reason = "requeue budget exhausted after 1 preemption (slurm.max_preemptions=0)"
+    killed = {"event": "failure", "kind": "infrastructure", "rank": 1, "host": "n2", "step": 12, "error": "killed"}
+    events = [
+        {"event": "start", "job_id": "100", "restart_count": 0, "step": 0, "world_size": 2},
+        killed,
+        {"event": "budget_exhausted", "job_id": "100", "step": 12, "reason": reason},
+        {"event": "rank_failed", "job_id": "100", "rank": 1},  # a rank's own record after the decision
+    ]
+    run = make_run(tmp_path / "run", jobs=["100"], events=events)
+    (row,) = status.collect([run], "eval/accuracy", runner=FakeSlurm(sacct="100|100|FAILED|15:0|t0|t1\n"))
+    assert row.state(NOW) == "BUDGET_EXHAUSTED" and not row.active(NOW)
+    said = notes.for_run("r", events, None)
+    then = "infrastructure: not requeued: its budget is spent"
+    assert said[0] == f"failure in r at step 12: rank 1 on n2: killed ({then})"
+    assert said[1] == f"stopped in r at step 12: {reason}; `ddpjob resume` continues it, with budgets of its own"
+    requeued = [*events[:2], {"event": "requeued", "job_id": "100"}, {"event": "start", "job_id": "100", "step": 10}]
+    (row,) = status.collect(
+        [make_run(tmp_path / "again", jobs=["100"], events=requeued)], "eval/accuracy",
+        runner=FakeSlurm(sacct="100|100|REQUEUED|0:0|t0|t1\n100|100|FAILED|1:0|t2|t3\n"),
+    )  # fmt: skip
+    assert row.state(NOW) == "FAILED(1)"  # Slurm's own word where the run's record names no end
+    assert [n for n in notes.for_run("r", requeued, None) if n.startswith("stopped")] == []
