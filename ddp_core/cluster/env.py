@@ -24,6 +24,7 @@ PORT_SPAN = 12000
 _PORT_STRIDE = 1009
 _TORCH_DEFAULT_PORT = 29500
 LAUNCH_VAR = "DDPJOB_LAUNCH"  # the batch script's count of this attempt's job steps (see DistEnv.launch)
+PACKED_VAR = "DDPJOB_PACK_SLOT"  # a packed sweep's slot (ddp_core.search.slots): its worker makes the requeues
 # Slurm's own cap on the hosts one hostlist expression may name.
 _MAX_HOSTS = 65536
 
@@ -50,6 +51,8 @@ class DistEnv:
     source: str = "single"  # torchrun | slurm | submitit-local | single
     # torchrun's agent already serves the rendezvous store on master_port: rank 0 joins it as a client.
     agent_store: bool = False
+    # A trial of a packed sweep (PACKED_VAR): its slot's worker requeues the allocation once every slot has saved.
+    packed: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -171,6 +174,7 @@ def _from_slurm(env: Mapping[str, str]) -> DistEnv:
         launch=_int(env, LAUNCH_VAR, 0),
         cpus_per_rank=_cpus(env, local_world),
         source="slurm",
+        packed=PACKED_VAR in env,
     )
 
 

@@ -136,12 +136,17 @@ def requeue_within(
     budget; records what happened and returns the exit code. ``defer``: a rank inside the job's step, whose batch
     script's watcher can requeue the job for it when this process has no scontrol (a container image): it records
     ``requeue_deferred`` and exits ``REQUEUE_DEFERRED``, and the watcher does the rest (``requeue_deferred``).
-    ``gateway``: the caller's, through which it asks Slurm."""
+    ``gateway``: the caller's, through which it asks Slurm. A packed sweep's trial (``DistEnv.packed``) defers every
+    requeue it may defer to its worker (``search.pack``)."""
     if spent > limit:
         reason = f"requeue budget exhausted after {spent} {kind}{'' if spent == 1 else 's'} (slurm.max_{kind}s={limit})"
         run_dir.log_event("budget_exhausted", reason=reason, job_id=env.job_id, step=step)
         log.error("%s; %scontinue with: ddpjob resume %s", reason, read, run_dir.path)
         return ExitCode.BUDGET_SPENT
+    if defer and env.packed:  # the pack's worker requeues the allocation once, after every slot's trial has saved
+        run_dir.log_event("requeue_deferred", kind=kind, job_id=env.job_id, step=step, error="packed")
+        log.info("a packed trial: its allocation is requeued once every slot's trial has saved")
+        return ExitCode.REQUEUE_DEFERRED
     # Recorded before asking: once Slurm accepts, it may end this step before a line written after scontrol returns
     # (seen in CI under load: a requeued attempt without its event). A refusal is recorded after this one.
     run_dir.log_event("requeued", kind=kind, job_id=env.job_id, step=step, count=spent)

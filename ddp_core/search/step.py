@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from ddp_core.cluster import exits
 from ddp_core.cluster.env import LAUNCH_VAR, DistEnv
@@ -37,14 +37,15 @@ from ddp_core.cluster.failures import DECIDED, diagnose, srun_step_error, srun_t
 from ddp_core.cluster.policy import Allocation, Outcome, decide_after, nodes_of
 from ddp_core.cluster.slurm import NODE_GATEWAY, JobInfo, SlurmGateway
 from ddp_core.run.rundir import RunDir
+from ddp_core.search.slots import Slot
 
 log = logging.getLogger("ddp_core")
 
 
-def call(command: Sequence[str], launch: int = 0) -> tuple[int, list[str]]:
-    """Run the srun step (the trial's ``launch``-th in this attempt: ``DistEnv.launch``); its stderr passes through to
-    the worker's, and is kept for srun's report of its tasks."""
-    environ = {**os.environ, LAUNCH_VAR: str(launch)}
+def call(command: Sequence[str], launch: int = 0, extra: Mapping[str, str] = {}) -> tuple[int, list[str]]:
+    """Run the srun step (the trial's ``launch``-th in this attempt: ``DistEnv.launch``; ``extra``: more of its
+    environment); its stderr passes through to the worker's, and is kept for srun's report of its tasks."""
+    environ = {**os.environ, **extra, LAUNCH_VAR: str(launch)}
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, errors="replace", env=environ)
     assert proc.stderr is not None
     lines = []
@@ -54,15 +55,24 @@ def call(command: Sequence[str], launch: int = 0) -> tuple[int, list[str]]:
     return proc.wait(), lines
 
 
-def run(command: Sequence[str], run_dir: RunDir, ending: threading.Event, gateway: SlurmGateway = NODE_GATEWAY) -> int:
-    """Run the trial's step, again after each failure the module docstring retries here; returns the last code."""
+def run(
+    command: Sequence[str],
+    run_dir: RunDir,
+    ending: threading.Event,
+    gateway: SlurmGateway = NODE_GATEWAY,
+    slot: Optional[Slot] = None,
+) -> int:
+    """Run the trial's step, again after each failure the module docstring retries here; returns the last code.
+    ``slot``: a packed sweep's slot (``search.pack``), whose node the step runs on and whose worker makes the requeue
+    that the step's rank 0 deferred to it (``REQUEUE_DEFERRED`` is returned)."""
     env, launch = DistEnv.from_env(), 0
     while True:
         before = len(run_dir.events())
-        code, stderr = call(command, launch)
+        code, stderr = call(command, launch, slot.environment() if slot is not None else {})
         new = run_dir.events()[before:]
         # Rank 0 decided a requeue inside a container image without scontrol: this worker, outside it, makes it.
-        if not ending.is_set() and (made := exits.requeue_deferred(run_dir, env, new, code, gateway)) is not None:
+        deferred = exits.requeue_deferred if slot is None else None
+        if not ending.is_set() and deferred and (made := deferred(run_dir, env, new, code, gateway)) is not None:
             return made
         if code == 0 or ending.is_set() or any(e["event"] in DECIDED for e in new):
             return code
@@ -70,7 +80,7 @@ def run(command: Sequence[str], run_dir: RunDir, ending: threading.Event, gatewa
         ranks = [e for e in new if e["event"] == "rank_failed"]
         last = max(steps) if steps else None
         failure = diagnose(ranks, srun_task_ends(stderr), code, last, srun_step_error(stderr))
-        here = tuple(sorted(nodes_of(os.environ.get("SLURM_JOB_NODELIST", ""))))
+        here = (slot.node,) if slot is not None else tuple(sorted(nodes_of(os.environ.get("SLURM_JOB_NODELIST", ""))))
         # The trial's steps take the whole allocation: a restart runs on all of it or not at all.
         allocation = Allocation(here, len(here), len(here), restarts=launch)
         step_env = replace(env, launch=launch)  # the failed step's: its events, and the restart's count

@@ -144,25 +144,35 @@ def excluded_by_trials(plans: list[TrialPlan]) -> dict[str, str]:
     return hosts
 
 
-def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int, request: SlurmRequest) -> list[str]:
-    """Initialise every trial to run and submit them as arrays of ``request`` (``check_sweep``'s); returns the array
-    job ids."""
-    from submitit.core.utils import DelayedSubmission
-
+def initialise(sweep: Sweep, plans: list[TrialPlan]) -> list[TrialPlan]:
+    """The run directory of every trial to run (``submit`` or ``resume``), which it returns, and the sweep's folder of
+    Slurm files; new trials share the sweep's one code snapshot, resumed ones keep theirs."""
     todo = [p for p in plans if p.action in ("submit", "resume")]
     if not todo:
         return []
-    run = task_function(sweep.configs[0])  # one function for the whole array: check_sweep made sure it fits all
     root = sweep_dir(sweep)
-    # Sized before anything exists; new trials share the sweep's one snapshot, resumed ones keep theirs.
+    # Sized before anything exists.
     code = None if (root / CODE_RECORD).exists() else snapshot.plan_sweep(sweep.configs)
-    folder = root / "slurm"
-    folder.mkdir(parents=True, exist_ok=True)
+    (root / "slurm").mkdir(parents=True, exist_ok=True)
     shared = snapshot.take_shared(code, root)
     for p in todo:
         p.run_dir.initialize(p.cfg)
         if shared is not None and p.action == "submit" and p.cfg.snapshot.enabled:
             snapshot.write_record(p.run_dir.path, shared)
+    return todo
+
+
+def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int, request: SlurmRequest) -> list[str]:
+    """Initialise every trial to run and submit them as arrays of ``request`` (``check_sweep``'s); returns the array
+    job ids."""
+    from submitit.core.utils import DelayedSubmission
+
+    todo = initialise(sweep, plans)
+    if not todo:
+        return []
+    run = task_function(sweep.configs[0])  # one function for the whole array: check_sweep made sure it fits all
+    root = sweep_dir(sweep)
+    folder = root / "slurm"
     if excluded := excluded_by_trials(plans):
         # The nodes a trial excluded after its failures: the trials submitted now stay off them as well.
         for host, why in excluded.items():
@@ -185,11 +195,12 @@ def submit_sweep(sweep: Sweep, plans: list[TrialPlan], parallelism: int, request
         arrays.append(array_id)
         for p, job in zip(chunk, jobs, strict=True):
             p.run_dir.record_job(str(job.job_id), "array", log_dir=str(folder))
-        _record_array(root, sweep, array_id, [p.trial.trial_id for p in chunk])
+        record_jobs(root, sweep, "arrays", {"job_id": array_id, "trials": [p.trial.trial_id for p in chunk]})
     return arrays
 
 
-def _record_array(root: Path, sweep: Sweep, array_id: str, trial_ids: list[str]) -> None:
+def record_jobs(root: Path, sweep: Sweep, kind: str, entry: dict[str, Any]) -> None:
+    """``entry`` (a job's id and what it runs) appended to sweep.json's ``kind`` (``arrays``, ``packs``)."""
     path = root / SWEEP_FILE
     meta: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     base = str(sweep.base_config.resolve()) if sweep.base_config is not None else None
@@ -198,9 +209,7 @@ def _record_array(root: Path, sweep: Sweep, array_id: str, trial_ids: list[str])
     # What a report plots each trial at (the loaded values: 1e-3 and 0.001 alike) and each key's axis scale.
     meta.setdefault("params", {t.trial_id: t.params for t in sweep.trials})
     meta.setdefault("scales", sweep.scales)
-    meta.setdefault("arrays", []).append(
-        {"job_id": array_id, "trials": trial_ids, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    )
+    meta.setdefault(kind, []).append({**entry, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S")})
     atomic_write_text(path, json.dumps(meta, indent=1) + "\n")
 
 

@@ -40,6 +40,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--trials", type=int, help="random search: number of draws (sweep YAML with random:)")
     p.add_argument("--seed", type=int, help="random search: seed (same seed, same trials)")
     p.add_argument("--dry-run", action="store_true", help="list the trials and print the array script only")
+    p.add_argument(
+        "--pack",
+        nargs="?",
+        type=int,
+        const=0,
+        metavar="N",
+        help="grid or random sweep: run the trials side by side in N allocations of whole nodes, one trial per slot "
+        "(default N: enough for slurm.array_parallelism trials at once)",
+    )
     p.add_argument("--no-snapshot", action="store_true", help="do not copy the code into the sweep (snapshot.enabled)")
     p.add_argument("--no-cluster-check", action="store_true", help="skip checking the request against sinfo")
     p.add_argument(
@@ -66,6 +75,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     request = sw.check_sweep(spec, local_check=not (args.no_cluster_check or no_sinfo))
     plans = sw.plan(spec)
     parallelism = spec.configs[0].slurm.array_parallelism
+    if args.pack is not None:
+        return _cmd_pack(args, spec, request, plans, started)
     if args.dry_run:
         for p in plans:
             print(f"{p.trial.index:5d}  {p.trial.trial_id}  {p.action:9s}  {shlex.join(p.trial.overrides)}")
@@ -83,6 +94,42 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     limits.check_room(todo, spec.configs[0].slurm.qos, spec.configs[0].slurm.partition or "")  # every task counts
     arrays = sw.submit_sweep(spec, plans, parallelism, request)
     print(sw.summary(spec, plans, arrays, sw.max_array_size() if arrays else None))
+    print(f"took:    {time.monotonic() - started:.1f} s")
+    return 0
+
+
+def _cmd_pack(args: argparse.Namespace, spec: Sweep, request: Any, plans: list[Any], started: float) -> int:
+    """``ddpjob sweep --pack [N]``: the sweep's trials in a few allocations of slots (``jobs.sweeps.pack``)."""
+    from jobs.submission import partitions
+    from jobs.sweeps import arrays as sw
+    from jobs.sweeps import pack
+
+    cfg = spec.configs[0]
+    if shutil.which("sinfo") is None:
+        raise DdpJobError("--pack sizes its slots by the partition's nodes: sinfo is not here", "run it on the cluster")
+    part = partitions.pick_partition(partitions.query_partitions(), cfg.slurm.partition)
+    todo = [p for p in plans if p.action in ("submit", "resume")]
+    packing = pack.plan_pack(request, cfg.slurm.mem_gb, part, len(todo), cfg.slurm.array_parallelism, args.pack)
+    size = packing.size
+    lines = [
+        f"pack:    {packing.allocations} allocations of 1 node ({part.name}), {packing.per_node} slots each: "
+        f"{size.tasks} tasks x {size.cpus} CPUs" + (f", {size.gpus} GPUs" if size.gpus else "") + " per slot",
+    ]
+    if args.dry_run:
+        slots = packing.allocations * packing.per_node
+        for i, p in enumerate(todo):
+            where = f"slot {i % slots}" if i < slots else "the next free slot"
+            keys = shlex.join(p.trial.overrides)
+            print(f"{p.trial.index:5d}  {p.trial.trial_id}  {p.action:9s}  {where:18s}  {keys}")
+        print("\n".join(lines))
+        print(f"# pack script for {packing.allocations} allocations (nothing submitted): each runs its slots' pool")
+        print(pack.render_pack_script(spec, packing))
+        return 0
+    limits.check_room(packing.allocations, cfg.slurm.qos, cfg.slurm.partition or "")
+    array = pack.submit_pack(spec, plans, packing)
+    print(sw.summary(spec, plans, []))
+    print("\n".join(lines))
+    print(f"arrays:  {array or 'none submitted (nothing left to run)'}")
     print(f"took:    {time.monotonic() - started:.1f} s")
     return 0
 

@@ -1,0 +1,149 @@
+"""One allocation of a packed grid or random sweep: a pool of slots that run the sweep's trials side by side.
+
+What submitit calls in the batch step of each of the pack's allocations (``run``, as a search's worker). The
+allocation holds whole nodes; ``search.slots`` cuts them into slots of one trial's size. Each slot takes the next trial
+from the sweep's queue (``search.queue``, under the search's ask-lock) and runs it as a job step of its own on its
+node (``search.step``: the trial's failures are retried there as a search's are, within the trial's budgets), marks it
+ended, and takes the next, until the queue is empty. Every trial is a normal run directory.
+
+Interruptions. The allocation's warning signal (or a preemption's) reaches every running step; each trial's rank 0
+saves and, being packed, defers its requeue to the pool (``requeue_deferred``). The first deferral stops the pool:
+no slot starts another trial, the signal is sent again to steps that started after it, and once every slot's step has
+ended the pool requeues the allocation once (``requeued_by_batch`` in each deferred trial). The requeued allocation
+(the same job id) takes those trials back first and resumes each from its checkpoint. A trial's hang is that trial's
+alone: it runs again in its slot (within ``slurm.max_hangs``). SIGTERM (a cancel, the time limit) ends the pool: the
+running trials stay claimed by this job, and a rerun of the sweep frees them for the next allocation.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from ddp_core.cluster import exits, preemption
+from ddp_core.cluster.env import DistEnv
+from ddp_core.cluster.slurm import NODE_GATEWAY
+from ddp_core.run.rundir import RunDir
+from ddp_core.search import queue, step
+from ddp_core.search.slots import Slot, SlotSize, slots_here
+
+log = logging.getLogger("ddp_core")
+RESIGNAL_S = 10  # while the pool stops, how often steps that started after the warning signal get it again
+REQUEUE_WAIT_S = 300  # Slurm ends a requeued job's batch step within seconds; past this the requeue did not happen
+
+
+def outcome(run: RunDir) -> str:
+    """How the trial's step left it: ``deferred`` (a requeue for the pool to make), ``hang`` (deferred after a hang),
+    ``completed``, or ``failed``."""
+    events = [e for e in run.events() if e["event"] != "rank_failed"]
+    last = events[-1] if events else {}
+    if last.get("event") == "requeue_deferred":
+        return "hang" if last.get("kind") == "hang" else "deferred"
+    return "completed" if last.get("event") == "completed" else "failed"
+
+
+class Pool:
+    """The allocation's slots and what they share: the queue, the stop, the trials whose requeue it makes."""
+
+    def __init__(self, sweep: Path, pack: Mapping[str, Any], environ: Mapping[str, str]) -> None:
+        self.sweep, self.pack, self.env = sweep, pack, DistEnv.from_env(environ)
+        self.job = str(environ.get("SLURM_JOB_ID", ""))
+        self.slots = slots_here(SlotSize.of(pack["slot"]), int(pack["per_node"]), environ)
+        self.ending = threading.Event()  # SIGTERM: the job ends
+        self.stopping = threading.Event()  # a trial deferred its requeue: no new trials, then one requeue
+        self.lock = threading.Lock()
+        self.held: set[str] = set()  # trials a slot of this allocation runs now
+        self.busy: dict[int, bool] = {}
+        self.deferred: list[RunDir] = []
+        self.counts: dict[str, int] = {}
+
+    def take(self) -> Optional[str]:
+        with self.lock:
+            if self.ending.is_set() or self.stopping.is_set():
+                return None
+            trial = queue.claim(self.sweep, self.job, self.held)
+            if trial is not None:
+                self.held.add(trial)
+            return trial
+
+    def command(self, slot: Slot, run: RunDir) -> list[str]:
+        logs = [f"--output={run.slurm}/%j_%t_log.out", f"--error={run.slurm}/%j_%t_log.err", "--open-mode=append"]
+        return [*slot.srun(list(self.pack["step"]["srun"])), *logs, *self.pack["step"]["command"], str(run.path)]
+
+    def serve(self, slot: Slot) -> None:
+        """One slot's loop: the next trial, its step (again after its own hang), its end in the queue."""
+        while (trial := self.take()) is not None:
+            run = RunDir(Path(trial))
+            if self.job not in {str(j["job_id"]) for j in run.jobs()}:
+                run.record_job(self.job, "pack", log_dir=str(run.slurm), slot=slot.index)
+            ended = "hang"
+            while ended == "hang" and not self.ending.is_set():
+                log.info("%s: trial %s", slot.name, run.name)
+                self.busy[slot.index] = True
+                step.run(self.command(slot, run), run, self.ending, slot=slot)
+                self.busy[slot.index] = False
+                ended = outcome(run)
+            if ended == "deferred":
+                with self.lock:
+                    self.deferred.append(run)
+                self.stop(f"trial {run.name} deferred its requeue to the pack")
+            elif not self.ending.is_set() and ended in queue.ENDED:
+                queue.finish(self.sweep, trial, ended)
+                with self.lock:
+                    self.held.discard(trial)
+                    self.counts[ended] = self.counts.get(ended, 0) + 1
+            log.info("%s: trial %s %s", slot.name, run.name, ended)
+
+    def stop(self, why: str) -> None:
+        if not self.stopping.is_set():
+            log.info("stopping the pack: %s; the allocation is requeued once every slot's trial has saved", why)
+            self.stopping.set()
+            threading.Thread(target=self.resignal, daemon=True).start()
+
+    def resignal(self) -> None:
+        """The warning signal again, every ``RESIGNAL_S``, to steps that may have started after it, until every slot is
+        idle: a trial that saved and deferred its requeue ignores it."""
+        warning = str(self.pack.get("warning", "USR2"))
+        while any(self.busy.values()) and not self.ending.is_set():
+            time.sleep(RESIGNAL_S)
+            if any(self.busy.values()):
+                subprocess.run(["scancel", f"--signal={warning}", self.job], capture_output=True, timeout=60)
+
+    def requeue(self) -> None:
+        """The one requeue of the allocation the deferred trials asked for, recorded in each of them."""
+        refused = preemption.requeue(self.env, NODE_GATEWAY)
+        for run in self.deferred:
+            last = run.events()[-1]
+            kind, at = last.get("kind"), last.get("step")
+            if refused is None:
+                run.log_event("requeued_by_batch", kind=kind, job_id=self.env.job_id, step=at)
+            else:
+                exits.requeue_refused(run, self.env, kind, at, refused.why, "the pack could not requeue its allocation")
+        if refused is None:
+            time.sleep(REQUEUE_WAIT_S)  # Slurm ends this batch step; the requeued allocation starts the pool again
+            raise RuntimeError(f"job {self.job} asked for its requeue, but Slurm did not requeue it")
+
+
+def run(sweep_dir: str, generation: int = 0) -> dict[str, int]:
+    """The allocation's batch step: every slot serves the queue until it is empty, or the pack stops."""
+    import os
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s pack %(message)s")
+    sweep = Path(sweep_dir)
+    pool = Pool(sweep, queue.read_pack(sweep), os.environ)
+    signal.signal(signal.SIGTERM, lambda *_: pool.ending.set())  # replaces submitit's, which only logs it
+    log.info("job %s (generation %d): %d slots of %s", pool.job, generation, len(pool.slots), pool.slots[0].size)
+    threads = [threading.Thread(target=pool.serve, args=(slot,), name=slot.name) for slot in pool.slots]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if pool.deferred and not pool.ending.is_set():
+        pool.requeue()
+    log.info("job %s: %s", pool.job, pool.counts or "nothing left to run")
+    return pool.counts
