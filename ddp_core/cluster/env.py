@@ -82,6 +82,7 @@ class DistEnv:
             launch=_int(env, LAUNCH_VAR, 0),
             cpus_per_rank=_cpus(env, 1),
             source="single",
+            packed=PACKED_VAR in env,
         )
 
 

@@ -104,8 +104,10 @@ def submit_pack(sweep: Sweep, plans: list[TrialPlan], packing: Packing) -> Optio
     root = sweep_dir(sweep)
     folder = root / "slurm"
     packs = recorded_packs(root)
-    alive = {job.partition("_")[0] for job, _ in GATEWAY.squeue_ids(packs)} if packs else set()
-    queue.release(root, lambda job: job.partition("_")[0] in alive, {str(p.run_dir.path) for p in todo})
+    # An allocation still queued or running keeps its trials (by its own job id, as its claims name it); squeue
+    # failing refuses the submission: a trial must never run twice.
+    alive = {job for pair in GATEWAY.squeue_ids(packs, strict=True) for job in pair} if packs else set()
+    queue.release(root, lambda job: job in alive, {str(p.run_dir.path) for p in todo})
     queue.add_trials(root, [str(p.run_dir.path) for p in todo], pack_spec(packing, sweep.configs[0].slurm.warning))
     hint = "fix the cause and rerun the same `ddpjob sweep --pack` command: it queues only the trials not yet done"
     with submitted_or_withdrawn(folder, "packed sweep submission", hint, unit="array"):

@@ -1,0 +1,94 @@
+"""Packed sweeps on the local cluster (``ddpjob sweep --pack``, docs/sweeps.md): trials side by side in the slots of
+one allocation of a whole node, interrupted and failing from inside a trial at a chosen batch.
+
+- The allocation's warning signal mid-trial: every running trial saves and defers its requeue to the pack, the
+  allocation is requeued once, and every trial, those interrupted and the one that had not started, ends bitwise on
+  its single run's reference.
+- A trial that SIGKILLs itself beside healthy ones (no restart or failure budget): only it fails, the others complete,
+  and its slot runs the next trial.
+(The queue, the slots' steps and the pack's sizing without a cluster: tests/unit/ddp_core/search/test_pack.py.)"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from tests.support.cli_runner import field, run_cli
+from tests.support.digits import DIGITS
+from tests.support.helpers import digests, events, rank_logs, two_rank_reference, wait_gone
+
+RATES = ["0.01", "0.02", "0.05"]
+SIGNALLED = ["task.target=tests.support.pack_tasks:PackSignalDigitsTask", "task.data.signal_at=15"]
+RUN = ["train.max_steps=40", "checkpoint.every_steps=10", "train.eval_every=0", "wandb.mode=disabled"]
+
+
+def sweep(tmp_path: Path, *args: str) -> tuple[Path, str]:
+    """``ddpjob sweep ARGS`` submitted: (the sweep directory, the pack's array job id)."""
+    proc = run_cli("sweep", DIGITS, *args, "--name", "packed", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return Path(field(proc.stdout, "dir")), field(proc.stdout, "arrays")
+
+
+def trials(root: Path) -> dict[str, dict]:
+    """Each trial's run directory name -> its claim (allocation job, state)."""
+    return {Path(t).name: c for t, c in json.loads((root / "claims.json").read_text()).items()}
+
+
+def served(root: Path, array: str) -> dict[str, str]:
+    """Each trial's run directory name -> the slot that ran it, from the pack's own log ("slot I (NODE): trial T")."""
+    text = (root / "slurm" / f"{array}_0_0_log.err").read_text()
+    return {m[2]: m[1] for m in re.finditer(r"pack (slot \d+) \(\S+\): trial (\S+)$", text, re.M)}
+
+
+def test_the_allocations_warning_signal_requeues_it_once_and_every_trial_ends_on_its_single_runs_bits(
+    pytestconfig, tmp_path_factory, tmp_path
+):
+    made = tmp_path_factory
+    refs = {
+        lr: two_rank_reference(pytestconfig, made, f"pack-{lr}", DIGITS, [*SIGNALLED, *RUN, f"optim.lr={lr}"])
+        for lr in RATES
+    }  # fmt: skip
+    root, array = sweep(tmp_path, *SIGNALLED, *RUN, f"optim.lr={','.join(RATES)}", "--pack", "1")
+    assert wait_gone(f"{array}_0", 600) == "COMPLETED"
+    claims = trials(root)
+    assert len(claims) == 3 and {c["state"] for c in claims.values()} == {"completed"}, claims
+    deferred = 0
+    for name in claims:
+        run = root / name
+        config = (run / "config.yaml").read_text()
+        lr = next(r for r in RATES if re.search(rf"\blr: {r}\b", config))
+        recorded = events(run)
+        kinds = [e["event"] for e in recorded]
+        if "interrupted" in kinds:  # the two that ran when the signal came: saved, deferred, requeued by the pack
+            deferred += 1
+            assert ["interrupted", "requeue_deferred", "requeued_by_batch"] == [
+                k for k in kinds if k in ("interrupted", "requeue_deferred", "requeued_by_batch")
+            ], recorded
+        assert kinds[-1] == "completed" and "failure" not in kinds, recorded
+        job = str(json.loads((run / "run.json").read_text())["jobs"][-1]["job_id"])
+        assert set(digests(rank_logs(run, job)).values()) == {refs[lr]}, (name, lr)
+    assert deferred == 2  # the allocation's two slots, each running a trial
+    requeues = [e for name in claims for e in events(root / name, "requeued_by_batch")]
+    assert len({e["job_id"] for e in requeues}) == 1  # one allocation, requeued once for both
+
+
+def test_a_trial_that_kills_itself_fails_alone_and_its_slot_runs_the_next_trial(tmp_path):
+    crash = ["task.target=tests.support.tasks:CrashingTask", "task.data.crash_rank=0", "task.data.error=SIGKILL"]
+    budgets = ["slurm.max_restarts=0", "slurm.max_failures=0", "slurm.tasks_per_node=1"]
+    at = "task.data.crash_at=6,1000,1001,1002,1003"  # the first trial kills itself at its 6th batch; the rest never
+    root, array = sweep(tmp_path, *crash, *budgets, *RUN, at, "--pack", "1")
+    assert wait_gone(f"{array}_0", 600) == "COMPLETED"
+    claims = trials(root)
+    states = {name: c["state"] for name, c in claims.items()}
+    crashed = [name for name in claims if "crash_at: 6\n" in (root / name / "config.yaml").read_text()]
+    assert len(crashed) == 1 and states.pop(crashed[0]) == "failed", claims
+    assert set(states.values()) == {"completed"} and len(states) == 4, claims
+    (failure,) = events(root / crashed[0], "failure")
+    assert (failure["kind"], failure["rank"]) == ("infrastructure", 0), failure
+    assert events(root / crashed[0])[-1]["event"] == "budget_exhausted"
+    for name in states:  # the healthy ones: no failure of theirs, whatever their neighbour did
+        assert not events(root / name, "failure") and events(root / name)[-1]["event"] == "completed"
+    slots = served(root, array)
+    after = [name for name, slot in slots.items() if slot == slots[crashed[0]] and name != crashed[0]]
+    assert after, f"the crashed trial's {slots[crashed[0]]} ran nothing after it: {slots}"
