@@ -320,7 +320,7 @@ def status_text(
 ) -> tuple[str, bool]:
     """One refresh: (the table, whether any row is still active). ``metric`` None: an adaptive sweep's own, else
     eval/accuracy. ``poll``: ``--watch``'s, which asks accounting only on its back-off."""
-    from jobs.sweeps import search
+    from jobs.sweeps import pack, search
 
     # is_search is False for None; the check is spelled out for the type checker (Path(None) is an error)
     study = search.summary(Path(path)) if path is not None and search.is_search(path) else None
@@ -330,9 +330,9 @@ def status_text(
     metric_key = ranking_metric(metric).key
     paths, is_sweep = runs_to_show(path, limit)
     rows, now = collect(paths, metric_key, runner, poll), time.time()
-    if study:
-        for row in rows:
-            row.trial_state = study["states"].get(row.run.name)
+    packed = pack.summary(Path(path)) if path is not None and not study else None
+    for row in rows:  # a trial's state is its study's, or its queue's, not its worker's or allocation's job's
+        row.trial_state = (study or packed or {}).get("states", {}).get(row.run.name)
     best = None
     if is_sweep:
         rows, best = sort_by_metric(rows, metric)
@@ -347,6 +347,9 @@ def status_text(
             text += f"\n{measured.line()}"
     if best is not None:
         text += f"\n* best by {metric}: {shown_path(best.run.path)} = {best.metric:.6g}"
+    if packed is not None:
+        text = "\n".join([*pack.status_lines(packed), text])
+        return text, packed["counts"]["pending"] + packed["counts"]["running"] > 0
     if study is not None:
         text = "\n".join([*search.status_lines(study), text])
         return text, study["counts"]["running"] > 0 or len(study["trials"]) < study["spec"]["budget"]

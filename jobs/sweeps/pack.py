@@ -127,3 +127,35 @@ def recorded_packs(root: Path) -> list[str]:
 
     path = root / SWEEP_FILE
     return [str(p["job_id"]) for p in json.loads(path.read_text()).get("packs", [])] if path.exists() else []
+
+
+def summary(root: Path) -> Optional[dict[str, Any]]:
+    """A packed sweep's queue as ``ddpjob status`` shows it (None: the sweep is not packed): each trial's state by
+    run directory name (PENDING until a slot takes it, then as its run records, COMPLETED or FAILED once ended),
+    the counts, the allocations and the trials completed per hour."""
+    import time
+
+    if not (root / queue.PACK_FILE).exists():
+        return None
+    spec, claims = queue.read_pack(root), queue.read_claims(root)
+    states = {Path(t).name: "PENDING" for t in spec["trials"] if t not in claims}
+    states |= {Path(t).name: c["state"].upper() for t, c in claims.items() if c["state"] in queue.ENDED}
+    counts = {
+        "pending": sum(1 for t in spec["trials"] if t not in claims),
+        "running": sum(1 for c in claims.values() if c["state"] == "running"),
+        **{s: sum(1 for c in claims.values() if c["state"] == s) for s in queue.ENDED},
+    }
+    ended = [(Path(t) / "attempts.jsonl").stat().st_mtime for t, c in claims.items() if c["state"] == "completed"]
+    started = min(((Path(t) / "run.json").stat().st_mtime for t in claims), default=time.time())
+    hours = (max(ended, default=started) - started) / 3600
+    per_hour = len(ended) / hours if hours > 0 else 0.0
+    return {"spec": spec, "states": states, "counts": counts, "packs": recorded_packs(root), "per_hour": per_hour}
+
+
+def status_lines(info: dict[str, Any]) -> list[str]:
+    spec, counts = info["spec"], info["counts"]
+    packs = ", ".join(info["packs"]) or "none"
+    return [
+        f"pack:    arrays {packs}, {spec['per_node']} slots a node; {counts['running']} slots busy",
+        "trials:  " + ", ".join(f"{n} {s}" for s, n in counts.items()) + f"; {info['per_hour']:.0f} completed an hour",
+    ]

@@ -16,16 +16,20 @@ from pathlib import Path
 
 from tests.support.cli_runner import field, run_cli
 from tests.support.digits import DIGITS
-from tests.support.helpers import digests, events, rank_logs, two_rank_reference, wait_gone
+from tests.support.helpers import digests, events, rank_logs, two_rank_reference, wait_for, wait_gone
 
 RATES = ["0.01", "0.02", "0.05"]
-SIGNALLED = ["task.target=tests.support.pack_tasks:PackSignalDigitsTask", "task.data.signal_at=15"]
+SIGNALLED = [
+    "task.target=tests.support.pack_tasks:PackSignalDigitsTask",
+    "task.data.signal_at=15",
+    "train.stop_check_ms=0",
+]
 RUN = ["train.max_steps=40", "checkpoint.every_steps=10", "train.eval_every=0", "wandb.mode=disabled"]
 
 
-def sweep(tmp_path: Path, *args: str) -> tuple[Path, str]:
+def sweep(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[Path, str]:
     """``ddpjob sweep ARGS`` submitted: (the sweep directory, the pack's array job id)."""
-    proc = run_cli("sweep", DIGITS, *args, "--name", "packed", cwd=tmp_path)
+    proc = run_cli("sweep", DIGITS, *args, "--name", "packed", cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return Path(field(proc.stdout, "dir")), field(proc.stdout, "arrays")
 
@@ -37,7 +41,8 @@ def trials(root: Path) -> dict[str, dict]:
 
 def served(root: Path, array: str) -> dict[str, str]:
     """Each trial's run directory name -> the slot that ran it, from the pack's own log ("slot I (NODE): trial T")."""
-    text = (root / "slurm" / f"{array}_0_0_log.err").read_text()
+    log = root / "slurm" / f"{array}_0_0_log.err"
+    text = log.read_text() if log.exists() else ""
     return {m[2]: m[1] for m in re.finditer(r"pack (slot \d+) \(\S+\): trial (\S+)$", text, re.M)}
 
 
@@ -60,7 +65,8 @@ def test_the_allocations_warning_signal_requeues_it_once_and_every_trial_ends_on
         lr = next(r for r in RATES if re.search(rf"\blr: {r}\b", config))
         recorded = events(run)
         kinds = [e["event"] for e in recorded]
-        if "interrupted" in kinds:  # the two that ran when the signal came: saved, deferred, requeued by the pack
+        if "interrupted" in kinds:  # the two that ran when the signal came (each flags it every step): saved,
+            # deferred, requeued by the pack
             deferred += 1
             assert ["interrupted", "requeue_deferred", "requeued_by_batch"] == [
                 k for k in kinds if k in ("interrupted", "requeue_deferred", "requeued_by_batch")
@@ -74,10 +80,16 @@ def test_the_allocations_warning_signal_requeues_it_once_and_every_trial_ends_on
 
 
 def test_a_trial_that_kills_itself_fails_alone_and_its_slot_runs_the_next_trial(tmp_path):
-    crash = ["task.target=tests.support.tasks:CrashingTask", "task.data.crash_rank=0", "task.data.error=SIGKILL"]
-    budgets = ["slurm.max_restarts=0", "slurm.max_failures=0", "slurm.tasks_per_node=1"]
-    at = "task.data.crash_at=6,1000,1001,1002,1003"  # the first trial kills itself at its 6th batch; the rest never
-    root, array = sweep(tmp_path, *crash, *budgets, *RUN, at, "--pack", "1")
+    """Four slots (trials of one task on a 4-CPU node), five trials: the first kills itself at its 6th batch, the
+    others hold at their 10th until the test has seen the killed trial's slot take the fifth trial."""
+    crash = ["task.target=tests.support.pack_tasks:HeldCrashingTask", "task.data.crash_rank=0", "task.data.hold_at=10"]
+    budgets = ["slurm.max_restarts=0", "slurm.max_failures=0", "slurm.tasks_per_node=1", "task.data.error=SIGKILL"]
+    at = "task.data.crash_at=6,1000,1001,1002,1003"
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    root, array = sweep(tmp_path, *crash, *budgets, *RUN, at, "--pack", "1", env={"DDPJOB_TEST_PACK_GATE": str(gate)})
+    wait_for(lambda: len(served(root, array)) == 5, 300, "a slot taking the fifth trial")
+    (gate / "go-hold").touch()
     assert wait_gone(f"{array}_0", 600) == "COMPLETED"
     claims = trials(root)
     states = {name: c["state"] for name, c in claims.items()}
@@ -89,6 +101,10 @@ def test_a_trial_that_kills_itself_fails_alone_and_its_slot_runs_the_next_trial(
     assert events(root / crashed[0])[-1]["event"] == "budget_exhausted"
     for name in states:  # the healthy ones: no failure of theirs, whatever their neighbour did
         assert not events(root / name, "failure") and events(root / name)[-1]["event"] == "completed"
+    shown = run_cli("status", str(root), cwd=tmp_path)  # each trial's own state, not its allocation's
+    assert f"pack:    arrays {array}, 4 slots a node; 0 slots busy" in shown.stdout, shown.stdout + shown.stderr
+    assert "trials:  0 pending, 0 running, 4 completed, 1 failed" in shown.stdout, shown.stdout
+    assert re.search(rf"FAILED .*{crashed[0]}", shown.stdout), shown.stdout
     slots = served(root, array)
     after = [name for name, slot in slots.items() if slot == slots[crashed[0]] and name != crashed[0]]
     assert after, f"the crashed trial's {slots[crashed[0]]} ran nothing after it: {slots}"
