@@ -1,10 +1,11 @@
-"""One allocation of a packed grid or random sweep: a pool of slots that run the sweep's trials side by side.
+"""One allocation of a packed sweep: a pool of slots that run the sweep's trials side by side.
 
-What submitit calls in the batch step of each of the pack's allocations (``run``, as a search's worker). The
-allocation holds whole nodes; ``search.slots`` cuts them into slots of one trial's size. Each slot takes the next trial
-from the sweep's queue (``search.queue``, under the search's ask-lock) and runs it as a job step of its own on its
-node (``search.step``: the trial's failures are retried there as a search's are, within the trial's budgets), marks it
-ended, and takes the next, until the queue is empty. Every trial is a normal run directory.
+What submitit calls in the batch step of each of the pack's allocations: ``run`` for a grid or random sweep,
+``run_search`` for an adaptive search. The allocation holds whole nodes; ``search.slots`` cuts them into slots of one
+trial's size. Each slot takes the next trial from its source (``search.sources``: the sweep's queue, or the study,
+each slot one of the search's workers, both under the search's ask-lock), runs it as a job step of its own on its node
+(``search.step``: the trial's failures are retried there as a search's are, within the trial's budgets), tells the
+source how it ended, and takes the next, until the source has no more. Every trial is a normal run directory.
 
 Interruptions. The allocation's warning signal (or a preemption's) reaches every running step; each trial's rank 0
 saves and, being packed, defers its requeue to the pool (``requeue_deferred``). The first deferral stops the pool:
@@ -18,6 +19,7 @@ running trials stay claimed by this job, and a rerun of the sweep frees them for
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import threading
@@ -31,6 +33,7 @@ from ddp_core.cluster.slurm import NODE_GATEWAY
 from ddp_core.run.rundir import RunDir
 from ddp_core.search import queue, step
 from ddp_core.search.slots import Slot, SlotSize, slots_here
+from ddp_core.search.sources import QueueSource, Source, StudySource, Trial
 
 log = logging.getLogger("ddp_core")
 RESIGNAL_S = 10  # while the pool stops, how often steps that started after the warning signal get it again
@@ -39,19 +42,20 @@ REQUEUE_WAIT_S = 300  # Slurm ends a requeued job's batch step within seconds; p
 
 def outcome(run: RunDir) -> str:
     """How the trial's step left it: ``deferred`` (a requeue for the pool to make), ``hang`` (deferred after a hang),
-    ``completed``, or ``failed``."""
+    ``completed``, ``pruned`` or ``failed``."""
     events = [e for e in run.events() if e["event"] != "rank_failed"]
     last = events[-1] if events else {}
     if last.get("event") == "requeue_deferred":
         return "hang" if last.get("kind") == "hang" else "deferred"
-    return "completed" if last.get("event") == "completed" else "failed"
+    return str(last["event"]) if last.get("event") in ("completed", "pruned") else "failed"
 
 
 class Pool:
-    """The allocation's slots and what they share: the queue, the stop, the trials whose requeue it makes."""
+    """The allocation's slots and what they share: where trials come from, the stop, the trials whose requeue it
+    makes."""
 
-    def __init__(self, sweep: Path, pack: Mapping[str, Any], environ: Mapping[str, str]) -> None:
-        self.sweep, self.pack, self.env = sweep, pack, DistEnv.from_env(environ)
+    def __init__(self, pack: Mapping[str, Any], source: Source, environ: Mapping[str, str]) -> None:
+        self.pack, self.source, self.env = pack, source, DistEnv.from_env(environ)
         self.job = str(environ.get("SLURM_JOB_ID", ""))
         self.slots = slots_here(SlotSize.of(pack["slot"]), int(pack["per_node"]), environ)
         self.ending = threading.Event()  # SIGTERM: the job ends
@@ -62,13 +66,13 @@ class Pool:
         self.deferred: list[RunDir] = []
         self.counts: dict[str, int] = {}
 
-    def take(self) -> Optional[str]:
+    def take(self, slot: Slot) -> Optional[Trial]:
         with self.lock:
             if self.ending.is_set() or self.stopping.is_set():
                 return None
-            trial = queue.claim(self.sweep, self.job, self.held)
+            trial = self.source.take(slot, self.held)
             if trial is not None:
-                self.held.add(trial)
+                self.held.add(trial.key)
             return trial
 
     def command(self, slot: Slot, run: RunDir) -> list[str]:
@@ -76,26 +80,26 @@ class Pool:
         return [*slot.srun(list(self.pack["step"]["srun"])), *logs, *self.pack["step"]["command"], str(run.path)]
 
     def serve(self, slot: Slot) -> None:
-        """One slot's loop: the next trial, its step (again after its own hang), its end in the queue."""
-        while (trial := self.take()) is not None:
-            run = RunDir(Path(trial))
+        """One slot's loop: the next trial, its step (again after its own hang), its end told to the source."""
+        while (trial := self.take(slot)) is not None:
+            run = trial.run
             if self.job not in {str(j["job_id"]) for j in run.jobs()}:
                 run.record_job(self.job, "pack", log_dir=str(run.slurm), slot=slot.index)
-            ended = "hang"
+            ended, code = "hang", 0
             while ended == "hang" and not self.ending.is_set():
                 log.info("%s: trial %s", slot.name, run.name)
                 self.busy[slot.index] = True
-                step.run(self.command(slot, run), run, self.ending, slot=slot)
+                code = step.run(self.command(slot, run), run, self.ending, slot=slot)
                 self.busy[slot.index] = False
                 ended = outcome(run)
             if ended == "deferred":
                 with self.lock:
                     self.deferred.append(run)
                 self.stop(f"trial {run.name} deferred its requeue to the pack")
-            elif not self.ending.is_set() and ended in queue.ENDED:
-                queue.finish(self.sweep, trial, ended)
+            elif not self.ending.is_set():
+                self.source.settle(slot, trial, ended, code)
                 with self.lock:
-                    self.held.discard(trial)
+                    self.held.discard(trial.key)
                     self.counts[ended] = self.counts.get(ended, 0) + 1
             log.info("%s: trial %s %s", slot.name, run.name, ended)
 
@@ -130,12 +134,24 @@ class Pool:
 
 
 def run(sweep_dir: str, generation: int = 0) -> dict[str, int]:
-    """The allocation's batch step: every slot serves the queue until it is empty, or the pack stops."""
-    import os
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s pack %(message)s")
+    """A packed grid or random sweep's allocation (its batch step): every slot serves the sweep's queue."""
     sweep = Path(sweep_dir)
-    pool = Pool(sweep, queue.read_pack(sweep), os.environ)
+    return serve(queue.read_pack(sweep), QueueSource(sweep, os.environ.get("SLURM_JOB_ID", "")), generation)
+
+
+def run_search(sweep_dir: str, generation: int) -> dict[str, int]:
+    """A packed adaptive search's allocation: every slot is one of the search's workers."""
+    from ddp_core.search.study import read_spec
+
+    sweep, task = Path(sweep_dir), int(os.environ.get("SLURM_ARRAY_TASK_ID", "0"))
+    spec = read_spec(sweep)
+    return serve({**spec["pack"], "step": spec["step"]}, StudySource(sweep, generation, task), generation)
+
+
+def serve(pack: Mapping[str, Any], source: Source, generation: int) -> dict[str, int]:
+    """The pool's slots until the source has no more for them, or the pack stops; then the one requeue, if any."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s pack %(message)s")
+    pool = Pool(pack, source, os.environ)
     signal.signal(signal.SIGTERM, lambda *_: pool.ending.set())  # replaces submitit's, which only logs it
     log.info("job %s (generation %d): %d slots of %s", pool.job, generation, len(pool.slots), pool.slots[0].size)
     threads = [threading.Thread(target=pool.serve, args=(slot,), name=slot.name) for slot in pool.slots]

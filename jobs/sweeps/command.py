@@ -100,21 +100,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def _cmd_pack(args: argparse.Namespace, spec: Sweep, request: Any, plans: list[Any], started: float) -> int:
     """``ddpjob sweep --pack [N]``: the sweep's trials in a few allocations of slots (``jobs.sweeps.pack``)."""
-    from jobs.submission import partitions
     from jobs.sweeps import arrays as sw
     from jobs.sweeps import pack
 
     cfg = spec.configs[0]
-    if shutil.which("sinfo") is None:
-        raise DdpJobError("--pack sizes its slots by the partition's nodes: sinfo is not here", "run it on the cluster")
-    part = partitions.pick_partition(partitions.query_partitions(), cfg.slurm.partition)
     todo = [p for p in plans if p.action in ("submit", "resume")]
-    packing = pack.plan_pack(request, cfg.slurm.mem_gb, part, len(todo), cfg.slurm.array_parallelism, args.pack)
-    size = packing.size
-    lines = [
-        f"pack:    {packing.allocations} allocations of 1 node ({part.name}), {packing.per_node} slots each: "
-        f"{size.tasks} tasks x {size.cpus} CPUs" + (f", {size.gpus} GPUs" if size.gpus else "") + " per slot",
-    ]
+    packing, lines = _packing(cfg, request, len(todo), cfg.slurm.array_parallelism, args.pack)
     if args.dry_run:
         slots = packing.allocations * packing.per_node
         for i, p in enumerate(todo):
@@ -132,6 +123,23 @@ def _cmd_pack(args: argparse.Namespace, spec: Sweep, request: Any, plans: list[A
     print(f"arrays:  {array or 'none submitted (nothing left to run)'}")
     print(f"took:    {time.monotonic() - started:.1f} s")
     return 0
+
+
+def _packing(cfg: Any, request: Any, trials: int, parallelism: int, allocations: int) -> tuple[Any, list[str]]:
+    """The pack of ``trials`` trials (``jobs.sweeps.pack.plan_pack``) on the config's partition, and its line."""
+    from jobs.submission import partitions
+    from jobs.sweeps import pack
+
+    if shutil.which("sinfo") is None:
+        raise DdpJobError("--pack sizes its slots by the partition's nodes: sinfo is not here", "run it on the cluster")
+    part = partitions.pick_partition(partitions.query_partitions(), cfg.slurm.partition)
+    packing = pack.plan_pack(request, cfg.slurm.mem_gb, part, trials, parallelism, allocations)
+    size, gpus = packing.size, f", {packing.size.gpus} GPUs" if packing.size.gpus else ""
+    line = (
+        f"pack:    {packing.allocations} allocations of 1 node ({part.name}), {packing.per_node} slots each: "
+        f"{size.tasks} tasks x {size.cpus} CPUs{gpus} per slot"
+    )
+    return packing, [line]
 
 
 def is_search(args: argparse.Namespace) -> bool:
@@ -179,7 +187,7 @@ def _has_search(path: Path) -> bool:
 
 def _cmd_search(args: argparse.Namespace, started: float) -> int:
     """``ddpjob sweep`` of an adaptive search: a new one, the same one again, or ``SWEEP_DIR --more N``."""
-    from jobs.sweeps import search
+    from jobs.sweeps import pack, search
     from jobs.sweeps.search_spec import load_search_file, parse_cli_search
 
     if search.is_search(args.config):
@@ -208,6 +216,10 @@ def _cmd_search(args: argparse.Namespace, started: float) -> int:
         else:
             spec = parse_cli_search(Path(args.config), overrides, name=args.name, **flags)
         cfg, request = search.check(spec, local_check=not (args.no_cluster_check or args.dry_run))
+        packed, lines = None, list[str]()
+        if args.pack is not None:  # the workers are the slots of packed allocations
+            packing, lines = _packing(cfg, request, spec.trials, spec.parallelism, args.pack)
+            packed = pack.pack_spec(packing, cfg.slurm.warning)
         if args.dry_run:
             print(
                 f"search:  {spec.sampler} {spec.direction} {spec.metric}, {spec.trials} trials, "
@@ -215,10 +227,11 @@ def _cmd_search(args: argparse.Namespace, started: float) -> int:
             )
             for key, dist in spec.params.items():
                 print(f"param:   {key} {json.dumps(dist)}")
-            line = search.step(request)
+            line = pack.step(request)
             print(f"step:    {shlex.join([*line['srun'], *line['command'], 'RUN_DIR'])}")
+            print("\n".join(lines))
             return 0
-        root, array = search.start(spec, cfg, request)
+        root, array = search.start(spec, cfg, request, packed)
     print("\n".join(search.start_lines(root, array)))
     print(f"took:    {time.monotonic() - started:.1f} s")
     return 0

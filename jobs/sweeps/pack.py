@@ -25,7 +25,6 @@ from jobs.submission.render import Layout, render
 from jobs.submission.request import SlurmRequest, mem_option
 from jobs.submission.submit import queue as submit_queue
 from jobs.submission.submit import submitted_or_withdrawn
-from jobs.sweeps import search
 from jobs.sweeps.arrays import TrialPlan, initialise, record_jobs, sweep_dir
 from jobs.sweeps.spec import Sweep
 
@@ -38,6 +37,12 @@ class Packing:
     per_node: int
     allocations: int
     request: SlurmRequest
+
+
+def step(request: SlurmRequest) -> dict[str, list[str]]:
+    """The srun line each trial runs as a job step of a worker's or a pack's allocation (a search's, with the
+    search's one request; a pack's slot adds its own options: ``search.slots``)."""
+    return {"srun": ["srun", *request.srun_args], "command": request.task_command()}
 
 
 def slot_of(request: SlurmRequest, mem_gb: Optional[float]) -> SlotSize:
@@ -69,21 +74,25 @@ def plan_pack(
     if allocations < 0:
         raise DdpJobError(f"--pack {allocations} is invalid", "give the number of allocations, e.g. --pack 4")
     wanted = allocations or math.ceil(min(trials, parallelism or trials) / per_node)
-    pack_request = dataclasses.replace(
+    return Packing(size, per_node, max(1, min(wanted, trials)), allocation(request, size, per_node, mem_gb))
+
+
+def allocation(request: SlurmRequest, size: SlotSize, per_node: int, mem_gb: Optional[float]) -> SlurmRequest:
+    """The request of one allocation of the pack: a whole node of ``per_node`` slots of ``size``."""
+    return dataclasses.replace(
         request,
         tasks_per_node=per_node * size.tasks,
         gpus={"gpus_per_node": per_node * size.gpus} if size.gpus else {},
         where={**request.where, **({"mem": str(mem_option(mem_gb * per_node))} if mem_gb else {})},
         additional={**request.additional, "exclusive": True},
     )
-    return Packing(size, per_node, max(1, min(wanted, trials)), pack_request)
 
 
 def pack_spec(packing: Packing, warning: str) -> dict[str, Any]:
-    """What the queue file holds beside its trials: each slot's srun line and size, and the warning signal."""
-    size = dataclasses.asdict(packing.size)
-    slot = {"tasks": size["tasks"], "cpus": size["cpus"], "gpus": size["gpus"], "mem_mb": size["mem_mb"]}
-    return {"step": search.step(packing.request), "slot": slot, "per_node": packing.per_node, "warning": warning}
+    """What the queue file (or a search's spec) holds of the pack: each slot's srun line and size, the slots a node,
+    and the warning signal."""
+    slot = dataclasses.asdict(packing.size)
+    return {"step": step(packing.request), "slot": slot, "per_node": packing.per_node, "warning": warning}
 
 
 def render_pack_script(sweep: Sweep, packing: Packing) -> str:

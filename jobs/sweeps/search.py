@@ -19,6 +19,8 @@ from typing import Any, Optional, cast
 from ddp_core.cluster.slurm import GATEWAY
 from ddp_core.config import Config, to_yaml
 from ddp_core.errors import DdpJobError
+from ddp_core.search import pack as pack_worker
+from ddp_core.search.slots import SlotSize
 from ddp_core.search.study import (
     BASE_CONFIG,
     FAIL_ATTR,
@@ -39,6 +41,7 @@ from jobs.submission import checks, snapshot
 from jobs.submission.render import Layout
 from jobs.submission.request import SlurmRequest
 from jobs.submission.submit import queue, submitted_or_withdrawn
+from jobs.sweeps.pack import allocation, step
 from jobs.sweeps.search_spec import SearchSpec
 
 
@@ -68,13 +71,11 @@ def recorded(root: Path) -> tuple[Config, SlurmRequest]:
     return cfg, checks.resolve(cfg)
 
 
-def step(request: SlurmRequest) -> dict[str, list[str]]:
-    """The srun line each trial runs: the search's one request (its worker starts it as a step of its allocation)."""
-    return {"srun": ["srun", *request.srun_args], "command": request.task_command()}
-
-
-def start(spec: SearchSpec, cfg: Config, request: SlurmRequest) -> tuple[Path, Optional[str]]:
-    """Create the search (or continue the same one) and submit its workers: (sweep dir, array id or None)."""
+def start(
+    spec: SearchSpec, cfg: Config, request: SlurmRequest, pack: Optional[dict[str, Any]] = None
+) -> tuple[Path, Optional[str]]:
+    """Create the search (or continue the same one) and submit its workers: (sweep dir, array id or None). ``pack``:
+    its workers are the slots of packed allocations (``jobs.sweeps.pack.pack_spec``)."""
     root = sweep_root(spec)
     wanted = spec.study_spec()
     if is_search(root):
@@ -91,7 +92,10 @@ def start(spec: SearchSpec, cfg: Config, request: SlurmRequest) -> tuple[Path, O
     (root / BASE_CONFIG).write_text(to_yaml(cfg))
     snapshot.take_shared(snapshot.plan_sweep([cfg]), root)
     base = str(spec.base.resolve())
-    write_spec(root, wanted | {"step": step(request), "generations": [], "base_config": base, "fixed": spec.fixed})
+    packed = {"pack": {k: v for k, v in pack.items() if k != "step"}} if pack else {}
+    write_spec(
+        root, wanted | {"step": step(request), "generations": [], "base_config": base, "fixed": spec.fixed} | packed
+    )
     from ddp_core.search.study import open_storage
 
     create_study(open_storage(str(root / JOURNAL_FILE)), wanted)
@@ -141,14 +145,21 @@ def submit_workers(root: Path, cfg: Config, request: SlurmRequest) -> Optional[s
             for t in trials
             if t.state in (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)
         }
-        orphans = sum(1 for worker in running.values() if worker not in alive)
+        packed = spec.get("pack")  # a packed search's workers are the slots of its allocations: gen:task/slot
+        per = int(packed["per_node"]) if packed else 1
+        orphans = sum(1 for worker in running.values() if worker.split("/")[0] not in alive)
         unasked = max(0, spec["budget"] - len(trials))
-        tasks = min(max(0, spec["parallelism"] - len(alive)), orphans + unasked)
-        tasks = max(tasks, 1 if orphans else 0)
-        if tasks == 0:
+        workers = min(max(0, spec["parallelism"] - len(alive) * per), orphans + unasked)
+        workers = max(workers, 1 if orphans else 0)
+        if workers == 0:
             return None
+        tasks = -(-workers // per)  # allocations of ``per`` slots each
         generation = len(spec["generations"]) + 1
-        moved = reassign(running, lambda w: w in alive, generation, tasks)
+        moved = reassign(running, lambda w: w.split("/")[0] in alive, generation, tasks * per)
+        if packed:  # worker k of the generation is slot k % per of its allocation k // per
+            moved = {
+                n: f"{generation}:{int(w.split(':')[1]) // per}/{int(w.split(':')[1]) % per}" for n, w in moved.items()
+            }
         study_id = storage.get_study_id_from_name(study.study_name)
         for number, worker in moved.items():
             trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, number)
@@ -157,9 +168,13 @@ def submit_workers(root: Path, cfg: Config, request: SlurmRequest) -> Optional[s
         folder.mkdir(parents=True, exist_ok=True)
         # Each trial's srun line is search.json's step: the worker runs it, inside its own batch step.
         request = dataclasses.replace(request, job_name=cfg.slurm.job_name or spec["name"])
+        run = search_worker.run
+        if packed:  # whole nodes of slots, each allocation a pool of the search's workers
+            request = allocation(request, SlotSize.of(packed["slot"]), per, cfg.slurm.mem_gb)
+            run = pack_worker.run_search
         hint = "fix the cause and rerun the same command: the study continues"
         with submitted_or_withdrawn(folder, "search submission", hint, unit="array"):
-            calls = [DelayedSubmission(search_worker.run, str(root), generation) for _ in range(tasks)]
+            calls = [DelayedSubmission(run, str(root), generation) for _ in range(tasks)]
             jobs = queue(request, Layout.workers(folder, tasks), calls)
         array = str(jobs[0].job_id).split("_")[0]
         entry = {

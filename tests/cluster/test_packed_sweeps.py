@@ -108,3 +108,30 @@ def test_a_trial_that_kills_itself_fails_alone_and_its_slot_runs_the_next_trial(
     slots = served(root, array)
     after = [name for name, slot in slots.items() if slot == slots[crashed[0]] and name != crashed[0]]
     assert after, f"the crashed trial's {slots[crashed[0]]} ran nothing after it: {slots}"
+
+
+def test_a_packed_adaptive_search_honours_its_budget_exactly_and_prunes(tmp_path):
+    """A random search of 7 trials with the median pruner, its workers the 4 slots of one allocation (trials of one
+    task on a 4-CPU node): exactly 7 trials, each run once in a run directory of its own, the diverging ones pruned,
+    every one told to the study, and no slot asked past the budget."""
+    import optuna
+
+    from ddp_core.search.study import open_study
+
+    space = ["--search", "random", "--pruner", "median", "--trials", "7", "--parallel", "4", "--seed", "3",
+             "optim.lr=choice(0.003,0.01,30.0,80.0)", "train.stop_on_nan=false", "slurm.tasks_per_node=1",
+             "train.max_steps=40", "train.eval_every=10", "train.log_every=10", "wandb.mode=disabled"]  # fmt: skip
+    root, array = sweep(tmp_path, *space, "--pack", "1")
+    assert wait_gone(f"{array}_0", 600) == "COMPLETED"
+    trials = open_study(root)[1].get_trials()
+    assert [t.number for t in trials] == list(range(7)), trials  # the budget: neither more nor fewer
+    assert all(t.state.is_finished() for t in trials), [(t.number, t.state) for t in trials]
+    assert sorted(p.name for p in root.glob("t*") if (p / "config.yaml").exists()) == [f"t{i:04d}" for i in range(7)]
+    workers = {t.user_attrs["worker"] for t in trials}
+    assert workers <= {f"1:0/{slot}" for slot in range(4)} and len(workers) > 1, workers  # the slots, side by side
+    states = {t.state for t in trials}
+    assert optuna.trial.TrialState.COMPLETE in states and optuna.trial.TrialState.PRUNED in states, states
+    for t in trials:  # one start per trial: none ran twice
+        assert len(events(Path(t.user_attrs["run_dir"]), "start")) == 1, t.number
+    shown = run_cli("status", str(root), cwd=tmp_path)
+    assert "7/7 trials asked" in shown.stdout, shown.stdout + shown.stderr
