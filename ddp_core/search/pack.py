@@ -19,15 +19,17 @@ running trials stay claimed by this job, and a rerun of the sweep frees them for
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
+import statistics
 import subprocess
 import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from ddp_core.cluster import exits, preemption
+from ddp_core.cluster import deadline, exits, preemption
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.slurm import NODE_GATEWAY
 from ddp_core.run.rundir import RunDir
@@ -36,6 +38,7 @@ from ddp_core.search.slots import Slot, SlotSize, slots_here
 from ddp_core.search.sources import QueueSource, Source, StudySource, Trial
 
 log = logging.getLogger("ddp_core")
+MARGIN_S = 60  # a trial is started only if it ends, by the median one's length, this long before the allocation
 RESIGNAL_S = 10  # while the pool stops, how often steps that started after the warning signal get it again
 REQUEUE_WAIT_S = 300  # Slurm ends a requeued job's batch step within seconds; past this the requeue did not happen
 
@@ -56,7 +59,7 @@ class Pool:
 
     def __init__(self, pack: Mapping[str, Any], source: Source, environ: Mapping[str, str]) -> None:
         self.pack, self.source, self.env = pack, source, DistEnv.from_env(environ)
-        self.job = str(environ.get("SLURM_JOB_ID", ""))
+        self.job, self.env_end = str(environ.get("SLURM_JOB_ID", "")), environ.get(deadline.END_VAR)
         self.slots = slots_here(SlotSize.of(pack["slot"]), int(pack["per_node"]), environ)
         self.ending = threading.Event()  # SIGTERM: the job ends
         self.stopping = threading.Event()  # a trial deferred its requeue: no new trials, then one requeue
@@ -65,10 +68,29 @@ class Pool:
         self.busy: dict[int, bool] = {}
         self.deferred: list[RunDir] = []
         self.counts: dict[str, int] = {}
+        self.lengths: list[float] = []  # the completed trials' run times here, seconds
+        self.end: Optional[float] = None  # the allocation's scheduled end (read once, at the first trial that ended)
+        self.out_of_time = False  # a slot left a trial that would not fit: the allocation is requeued for it
+
+    def fits(self, now: float) -> bool:
+        """Whether a trial started now ends, by the median length of the trials completed here, ``MARGIN_S`` before
+        the allocation's end (unknown without one completed, or without an end: it fits). One that does not is left
+        for the requeued allocation."""
+        if not self.lengths:
+            return True
+        if self.end is None:
+            job = None if self.env_end else NODE_GATEWAY.show_job(self.job)  # Slurm before 23.02: its EndTime
+            self.end = deadline.job_end(job, self.env_end) or math.inf
+        return now + statistics.median(self.lengths) + MARGIN_S < self.end
 
     def take(self, slot: Slot) -> Optional[Trial]:
         with self.lock:
             if self.ending.is_set() or self.stopping.is_set():
+                return None
+            if not self.fits(time.time()):
+                if not self.out_of_time:
+                    log.info("the next trial would not end before the allocation does: it is left for the requeue")
+                self.out_of_time = True
                 return None
             trial = self.source.take(slot, self.held)
             if trial is not None:
@@ -85,7 +107,7 @@ class Pool:
             run = trial.run
             if self.job not in {str(j["job_id"]) for j in run.jobs()}:
                 run.record_job(self.job, "pack", log_dir=str(run.slurm), slot=slot.index)
-            ended, code = "hang", 0
+            ended, code, began = "hang", 0, time.time()
             while ended == "hang" and not self.ending.is_set():
                 log.info("%s: trial %s", slot.name, run.name)
                 self.busy[slot.index] = True
@@ -101,6 +123,7 @@ class Pool:
                 with self.lock:
                     self.held.discard(trial.key)
                     self.counts[ended] = self.counts.get(ended, 0) + 1
+                    self.lengths += [time.time() - began] if ended == "completed" else []
             log.info("%s: trial %s %s", slot.name, run.name, ended)
 
     def stop(self, why: str) -> None:
@@ -159,7 +182,7 @@ def serve(pack: Mapping[str, Any], source: Source, generation: int) -> dict[str,
         thread.start()
     for thread in threads:
         thread.join()
-    if pool.deferred and not pool.ending.is_set():
+    if (pool.deferred or (pool.out_of_time and source.pending(pool.job))) and not pool.ending.is_set():
         pool.requeue()
     log.info("job %s: %s", pool.job, pool.counts or "nothing left to run")
     return pool.counts

@@ -38,6 +38,8 @@ class Source(Protocol):
 
     def settle(self, slot: Slot, trial: Trial, ended: str, code: int) -> None: ...
 
+    def pending(self, job: str) -> bool: ...
+
 
 class QueueSource:
     def __init__(self, sweep: Path, job: str) -> None:
@@ -49,6 +51,11 @@ class QueueSource:
 
     def settle(self, slot: Slot, trial: Trial, ended: str, code: int) -> None:
         queue.finish(self.sweep, trial.key, "completed" if ended == "completed" else "failed")
+
+    def pending(self, job: str) -> bool:
+        """Whether the queue holds trials for allocation ``job`` still: unclaimed, or its own and unfinished."""
+        trials, claims = queue.read_pack(self.sweep)["trials"], queue.read_claims(self.sweep)
+        return any(t not in claims or (claims[t]["job"] == job and claims[t]["state"] == "running") for t in trials)
 
 
 class StudySource:
@@ -88,6 +95,12 @@ class StudySource:
                 log.warning("trial %d: sampled config is invalid: %s", asked.number, err)
                 asked.set_user_attr(FAIL_ATTR, f"invalid config: {err}")
                 study.tell(asked, state=optuna.trial.TrialState.FAIL)
+
+    def pending(self, job: str) -> bool:
+        """Whether the study's budget has trials left to ask."""
+        from ddp_core.search.study import open_study, read_spec
+
+        return len(open_study(self.sweep)[1].get_trials(deepcopy=False)) < int(read_spec(self.sweep)["budget"])
 
     def settle(self, slot: Slot, trial: Trial, ended: str, code: int) -> None:
         from ddp_core.search.study import read_spec

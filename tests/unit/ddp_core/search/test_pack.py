@@ -15,6 +15,7 @@ from ddp_core.errors import DdpJobError
 from ddp_core.run.rundir import RunDir
 from ddp_core.search import pack, queue
 from ddp_core.search.slots import SlotSize, slots_here
+from ddp_core.search.sources import QueueSource
 from jobs.submission.partitions import Partition
 from jobs.submission.request import SlurmRequest
 from jobs.sweeps.pack import plan_pack
@@ -123,3 +124,18 @@ def test_the_pack_is_sized_by_whole_nodes_and_refused_in_one_line_when_a_trial_c
         plan_pack(request(nodes=2), None, node, trials=2, parallelism=2)
     with pytest.raises(DdpJobError, match="--pack -1 is invalid"):
         plan_pack(request(), None, node, trials=2, parallelism=2, allocations=-1)
+
+
+def test_a_slot_starts_no_trial_that_would_not_end_before_the_allocation(tmp_path):
+    pack_spec = {"slot": {"tasks": 1, "cpus": 1}, "per_node": 2, "step": {"srun": ["srun"], "command": []}}
+    environ = {"SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "77", "SLURM_JOB_END_TIME": "10000"}
+    pool = pack.Pool(pack_spec, QueueSource(tmp_path, "77"), environ)
+    assert pool.fits(9990)  # nothing completed here yet: nothing to measure a trial by
+    pool.lengths = [100.0, 300.0, 120.0]  # median 120 s, and the margin
+    assert pool.fits(10000 - 120 - pack.MARGIN_S - 1) and not pool.fits(10000 - 120 - pack.MARGIN_S + 1)
+    queue.add_trials(tmp_path, TRIALS[:2], pack_spec)
+    assert pool.take(pool.slots[0]) is None and pool.out_of_time  # late: left for the requeued allocation
+    assert pool.source.pending("77")
+    unlimited = pack.Pool(pack_spec, QueueSource(tmp_path, "78"), {**environ, "SLURM_JOB_END_TIME": "0"})
+    unlimited.lengths = [1e9]
+    assert unlimited.fits(5e9) and unlimited.end == float("inf")  # no time limit: every trial fits
