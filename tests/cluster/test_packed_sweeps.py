@@ -105,6 +105,10 @@ def test_a_trial_that_kills_itself_fails_alone_and_its_slot_runs_the_next_trial(
     assert f"pack:    arrays {array}, 4 slots a node; 0 slots busy" in shown.stdout, shown.stdout + shown.stderr
     assert "trials:  0 pending, 0 running, 4 completed, 1 failed" in shown.stdout, shown.stdout
     assert re.search(rf"FAILED .*{crashed[0]}", shown.stdout), shown.stdout
+    logs = run_cli("logs", str(root / crashed[0]), cwd=tmp_path)  # a trial's own ranks' logs, as any run's
+    assert logs.returncode == 0 and re.search(r"slurm on n\d: rank 0/1 ", logs.stdout), logs.stdout + logs.stderr
+    report = run_cli("report", str(root), "--metric", "min:train/loss", cwd=tmp_path)
+    assert report.returncode == 0 and Path(field(report.stdout, "html")).exists(), report.stdout + report.stderr
     slots = served(root, array)
     after = [name for name, slot in slots.items() if slot == slots[crashed[0]] and name != crashed[0]]
     assert after, f"the crashed trial's {slots[crashed[0]]} ran nothing after it: {slots}"
