@@ -202,11 +202,23 @@ def cmd_logs(args: argparse.Namespace) -> int:
 def cancel(paths: Sequence[str], runner: Optional[Runner] = None) -> dict[str, RunDir]:
     """scancel every queued or running job of the runs under ``paths`` (one call); returns what it cancelled."""
     active = active_jobs([RunDir(p) for path in paths for p in runs_to_show(path)[0]], runner)
+    active |= packs_queued(paths, runner)
     if active:
         proc = gateway_for(runner).cancel(list(active))
         if proc.returncode != 0:
             raise DdpJobError(f"scancel failed: {proc.stderr.strip()}", "check the job ids with squeue")
     return active
+
+
+def packs_queued(paths: Sequence[str], runner: Optional[Runner] = None) -> dict[str, RunDir]:
+    """The allocations of the packed sweeps among ``paths`` still queued or running, by array id: those that took
+    no trial yet are no trial's job."""
+    from jobs.sweeps.pack import recorded_packs
+
+    sweeps = {Path(p).resolve(): recorded_packs(Path(p)) for p in paths if Path(p).is_dir()}
+    packs = {job: root for root, jobs in sweeps.items() for job in jobs}
+    listed = gateway_for(runner).squeue_ids(sorted(packs)) if packs else []
+    return {job: RunDir(packs[job]) for job in packs if any(i.partition("_")[0] == job for i, _ in listed)}
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ import json
 import re
 from pathlib import Path
 
+from tests.support import storm
 from tests.support.cli_runner import field, run_cli
 from tests.support.digits import DIGITS
 from tests.support.helpers import digests, events, rank_logs, two_rank_reference, wait_for, wait_gone
@@ -139,3 +140,30 @@ def test_a_packed_adaptive_search_honours_its_budget_exactly_and_prunes(tmp_path
         assert len(events(Path(t.user_attrs["run_dir"]), "start")) == 1, t.number
     shown = run_cli("status", str(root), cwd=tmp_path)
     assert "7/7 trials asked" in shown.stdout, shown.stdout + shown.stderr
+
+
+def test_cancelling_a_packed_sweep_ends_every_allocation_and_a_rerun_finishes_its_trials(tmp_path):
+    """Three trials in three allocations of one slot (trials of 4 CPUs on 4-CPU nodes, two nodes: one allocation
+    pending): ``ddpjob cancel SWEEP`` ends all three, the running trials saving as a cancelled run does; running the
+    same sweep again frees the claims of the cancelled allocations, and every trial completes, the cancelled ones from
+    their saves."""
+    held = ["task.target=tests.support.pack_tasks:HeldCrashingTask", "task.data.crash_at=1000", "task.data.hold_at=10"]
+    args = [*held, *RUN, "slurm.tasks_per_node=2", "slurm.cpus_per_task=2", "optim.lr=0.01,0.02,0.05"]
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    env = {"DDPJOB_TEST_PACK_GATE": str(gate)}
+    root, array = sweep(tmp_path, *args, "--pack", "3", env=env)
+    wait_for(lambda: (gate / "at-hold").exists(), 300, "a trial at its 10th batch")
+    cancel = run_cli("cancel", str(root), cwd=tmp_path)
+    assert cancel.returncode == 0 and f"cancelled {array}" in cancel.stdout, cancel.stdout + cancel.stderr
+    (gate / "go-hold").touch()  # the held ranks go on to the cancel's stop
+    for task in range(3):
+        assert wait_gone(f"{array}_{task}", 300).startswith("CANCELLED")
+    cancelled = {name for name in trials(root) if events(root / name, "interrupted")}
+    assert cancelled and all(events(root / n, "interrupted")[-1]["kind"] == "cancelled" for n in cancelled)
+    again, second = sweep(tmp_path, *args, "--pack", "1", env=env)
+    assert second != array
+    assert wait_gone(f"{second}_0", 600) == "COMPLETED"
+    assert {c["state"] for c in trials(again).values()} == {"completed"}, trials(again)
+    for name in cancelled:  # resumed from the newest checkpoint before the rerun (the cancel's save, if it made one)
+        assert len(events(again / name, "start")) == 2 and not storm.lost_steps(again / name), events(again / name)
