@@ -1,5 +1,6 @@
 """Packed sweeps on the local cluster (``ddpjob sweep --pack``, docs/sweeps.md): trials side by side in the slots of
-one allocation of a whole node, interrupted and failing from inside a trial at a chosen batch.
+one allocation of a whole node, interrupted and failing from inside a trial at a chosen batch. The slot counts below
+are those of the first pass's cluster (partition "local": two nodes of 4 CPUs); the site profile's nodes have 2.
 
 - The allocation's warning signal mid-trial: every running trial saves and defers its requeue to the pack, the
   allocation is requeued once, and every trial, those interrupted and the one that had not started, ends bitwise on
