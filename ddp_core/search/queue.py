@@ -72,9 +72,13 @@ def release(sweep: Path, alive: Callable[[str], bool], again: Collection[str] = 
     of the sweep runs its failed trials again); returns the trials freed. The caller holds no lock."""
     with ask_lock(sweep):
         claims = read_claims(sweep)
-        gone = [t for t, c in claims.items() if c.get("state") == "running" and not alive(str(c.get("job")))]
-        freed = [*gone, *(t for t, c in claims.items() if t in again and t not in gone and c.get("state") in ENDED)]
-        freed = [t for t in freed if claims[t].get("state") != "completed"]
+
+        def freed_one(trial: str, c: dict[str, Any]) -> bool:
+            if c.get("state") == "running":
+                return not alive(str(c.get("job")))
+            return c.get("state") == "failed" and trial in again
+
+        freed = [t for t, c in claims.items() if freed_one(t, c)]
         for t in freed:
             del claims[t]
         write_claims(sweep, claims)

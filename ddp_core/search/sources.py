@@ -77,11 +77,9 @@ class StudySource:
             return self.studies[slot.index]
 
     def take(self, slot: Slot, held: set[str]) -> Optional[Trial]:
-        import optuna
-
         from ddp_core.search.pruning import bound_trial
-        from ddp_core.search.study import FAIL_ATTR, ask, bound_running, read_spec
-        from ddp_core.search.worker import materialise
+        from ddp_core.search.study import ask, bound_running, read_spec
+        from ddp_core.search.worker import materialise, refuse
 
         storage, study = self.study(slot)
         while True:
@@ -92,9 +90,7 @@ class StudySource:
             try:
                 return Trial(str(asked.number), materialise(self.sweep, read_spec(self.sweep), asked), asked)
             except DdpJobError as err:  # an invalid sample: told FAIL, and the slot asks again
-                log.warning("trial %d: sampled config is invalid: %s", asked.number, err)
-                asked.set_user_attr(FAIL_ATTR, f"invalid config: {err}")
-                study.tell(asked, state=optuna.trial.TrialState.FAIL)
+                refuse(study, asked, err)
 
     def pending(self, job: str) -> bool:
         """Whether the study's budget has trials left to ask."""

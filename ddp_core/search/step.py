@@ -70,9 +70,10 @@ def run(
         before = len(run_dir.events())
         code, stderr = call(command, launch, slot.environment() if slot is not None else {})
         new = run_dir.events()[before:]
-        # Rank 0 decided a requeue inside a container image without scontrol: this worker, outside it, makes it.
-        deferred = exits.requeue_deferred if slot is None else None
-        if not ending.is_set() and deferred and (made := deferred(run_dir, env, new, code, gateway)) is not None:
+        # Rank 0 decided a requeue inside a container image without scontrol: this worker, outside it, makes it (a
+        # packed trial's is its pool's to make, once for all its slots).
+        made = None if slot is not None or ending.is_set() else exits.requeue_deferred(run_dir, env, new, code, gateway)
+        if made is not None:
             return made
         if code == 0 or ending.is_set() or any(e["event"] in DECIDED for e in new):
             return code

@@ -118,15 +118,20 @@ def settle(study: optuna.Study, trial: optuna.Trial, run: RunDir, metric: str, c
     return "fail"
 
 
-def run_trial(sweep: Path, spec: Mapping[str, Any], study: optuna.Study, trial: optuna.Trial) -> str:
+def refuse(study: optuna.Study, trial: optuna.Trial, err: DdpJobError) -> None:
+    """A sampled config that does not validate: the trial told FAIL with the reason (the worker then asks again)."""
     import optuna
 
+    log.warning("trial %d: sampled config is invalid: %s", trial.number, err)
+    trial.set_user_attr(FAIL_ATTR, f"invalid config: {err}")
+    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+
+def run_trial(sweep: Path, spec: Mapping[str, Any], study: optuna.Study, trial: optuna.Trial) -> str:
     try:
         run = materialise(sweep, spec, trial)
     except DdpJobError as err:
-        log.warning("trial %d: sampled config is invalid: %s", trial.number, err)
-        trial.set_user_attr(FAIL_ATTR, f"invalid config: {err}")
-        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        refuse(study, trial, err)
         return "fail"
     job = os.environ.get("SLURM_JOB_ID")
     if job and job not in {str(j["job_id"]) for j in run.jobs()}:

@@ -144,10 +144,15 @@ def excluded_by_trials(plans: list[TrialPlan]) -> dict[str, str]:
     return hosts
 
 
+def to_run(plans: list[TrialPlan]) -> list[TrialPlan]:
+    """The trials a submission runs: new ones and those to resume (neither completed nor queued or running)."""
+    return [p for p in plans if p.action in ("submit", "resume")]
+
+
 def initialise(sweep: Sweep, plans: list[TrialPlan]) -> list[TrialPlan]:
-    """The run directory of every trial to run (``submit`` or ``resume``), which it returns, and the sweep's folder of
-    Slurm files; new trials share the sweep's one code snapshot, resumed ones keep theirs."""
-    todo = [p for p in plans if p.action in ("submit", "resume")]
+    """The run directory of every trial to run (``to_run``), which it returns, and the sweep's folder of Slurm files;
+    new trials share the sweep's one code snapshot, resumed ones keep theirs."""
+    todo = to_run(plans)
     if not todo:
         return []
     root = sweep_dir(sweep)

@@ -82,7 +82,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             print(f"{p.trial.index:5d}  {p.trial.trial_id}  {p.action:9s}  {shlex.join(p.trial.overrides)}")
             if p.cfg.script.enabled:  # what this trial's ranks run, exactly
                 print(f"{'':18}runs: {shlex.join(p.cfg.script.command())}")
-        count = sum(1 for p in plans if p.action in ("submit", "resume"))
+        count = len(sw.to_run(plans))
         entry = entry_module(spec.configs[0])
         print(
             f"# array script for {count} trials (nothing submitted); each task runs {entry}.run(RUN_DIR) on its "
@@ -90,7 +90,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         )
         print(sw.render_array_script(spec, request, max(1, count), parallelism))
         return 0
-    todo = sum(1 for p in plans if p.action in ("submit", "resume"))
+    todo = len(sw.to_run(plans))
     limits.check_room(todo, spec.configs[0].slurm.qos, spec.configs[0].slurm.partition or "")  # every task counts
     arrays = sw.submit_sweep(spec, plans, parallelism, request)
     print(sw.summary(spec, plans, arrays, sw.max_array_size() if arrays else None))
@@ -104,7 +104,7 @@ def _cmd_pack(args: argparse.Namespace, spec: Sweep, request: Any, plans: list[A
     from jobs.sweeps import pack
 
     cfg = spec.configs[0]
-    todo = [p for p in plans if p.action in ("submit", "resume")]
+    todo = sw.to_run(plans)
     packing, lines = _packing(cfg, request, len(todo), cfg.slurm.array_parallelism, args.pack)
     if args.dry_run:
         slots = packing.allocations * packing.per_node
