@@ -16,10 +16,12 @@ a rank that dies by a signal records nothing, and srun's own line (``srun: error
 - **health**, the node excluded and the job requeued: a failed health check (``cluster.health``), within
   ``slurm.max_health_failures``.
 - **memory**, fails at once, no node excluded: a task the step's memory limit killed (srun's ``task 0: Out Of
-  Memory``, the cgroup's OOM handler: ``slurm.mem_gb``, or the cluster's default memory per CPU). The same request
-  runs out again on any node: the job ends FAILED naming the step's peak and the limit, and ``ddpjob resume RUN
-  slurm.mem_gb=...`` continues it. (Where nothing limits memory, the kernel's OOM killer SIGKILLs a task: that reads
-  as a signal, infrastructure.)
+  Memory``, the cgroup's OOM handler: ``slurm.mem_gb``, or the cluster's default memory per CPU), or an allocator
+  that ran out in a rank (``torch.OutOfMemoryError``: the device's; the CPU allocator's ``can't allocate memory``,
+  Python's ``MemoryError``: the host's) that ``data.batch_size=auto`` could not survive (``trainer.memory``). The
+  same request runs out again on any node: the job ends FAILED naming the peak and the limit, host or device, and
+  the keys that fix it; ``ddpjob resume RUN KEY=...`` continues it. (Where nothing limits memory, the kernel's OOM
+  killer SIGKILLs a task: that reads as a signal, infrastructure.)
 - **unknown**, requeued once: anything else (an unrecognised RuntimeError, an attempt that ended with no record);
   the same failure at the same step again is a user error.
 
@@ -54,7 +56,7 @@ class Kind(str, enum.Enum):
     infrastructure = "infrastructure"
     storage = "storage"  # the run directory's filesystem is full or failing (``run.diskfull``): no node excluded
     health = "health"  # a failed health check (``cluster.health``): the node is excluded
-    memory = "memory"  # the step's memory limit killed a task: the same next time, not retried
+    memory = "memory"  # a memory limit killed a task, or an allocator ran out: the same next time, not retried
     user = "user"
     unknown = "unknown"
 
@@ -99,11 +101,43 @@ _INFRA_WORDS = re.compile(
 )
 
 
+# An allocator's own words: torch's CPU allocator raises a plain RuntimeError ("[enforce fail at alloc_cpu.cpp]
+# DefaultCPUAllocator: can't allocate memory: you tried to allocate 4294967296 bytes"); a device's raises
+# torch.OutOfMemoryError ("CUDA out of memory. Tried to allocate ..."). A loader worker SIGKILLed mid-epoch is the
+# kernel's OOM killer at work on the host ("DataLoader worker (pid 4242) is killed by signal: Killed.").
+_MEMORY_WORDS = re.compile(
+    r"CPUAllocator: (?:can't allocate memory|not enough memory)|\bout of memory\b"
+    r"|DataLoader worker \(pids?\(?s?\)? [\d, ]+\) is killed by signal: Killed",
+    re.I,
+)
+LIMIT_KILLED = "out of memory (the step's memory limit)"  # srun's report of a task its cgroup's OOM handler killed
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """An allocator ran out: the device's (``torch.OutOfMemoryError``), the host's (the CPU allocator's
+    RuntimeError, Python's MemoryError), or ddpjob's own ``OutOfMemory`` (``trainer.memory``: no smaller micro-batch
+    fits)."""
+    names = {t.__name__ for t in type(err).__mro__}
+    if names & {"OutOfMemoryError", "OutOfMemory", "MemoryError"}:
+        return True
+    return isinstance(err, RuntimeError) and bool(_MEMORY_WORDS.search(str(err)))
+
+
+def memory_side(error: str) -> str:
+    """Whose memory a memory failure's text says ran out: ``host`` (RAM: the CPU allocator, a memory limit's kill,
+    a loader worker, a full state dict on rank 0) or ``device`` (an accelerator's)."""
+    device = re.search(r"\b(?:cuda|gpu|device|xpu|mps)\b|OutOfMemoryError", error, re.I)
+    host = re.search(r"CPUAllocator|\bMemoryError|memory limit|\bhost\b|DataLoader worker", error)
+    return "device" if device and not host else "host"
+
+
 def classify(err: BaseException) -> Kind:
     """The kind of a failure a rank raised (the table in the module docstring)."""
     names = {t.__name__ for t in type(err).__mro__}
     if "HealthCheckFailed" in names:
         return Kind.health
+    if out_of_memory(err):  # before the user's types: ddpjob's OutOfMemory is a DdpJobError, with its fix
+        return Kind.memory
     if "StorageFailing" in names or (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)):
         return Kind.storage
     if names & _INFRA_TYPES or (isinstance(err, OSError) and err.errno in _INFRA_ERRNOS):
@@ -233,11 +267,11 @@ def diagnose(
     by_time = sorted(rank_failures, key=lambda e: e.get("t", 0))
     steps = [e["step"] for e in by_time if isinstance(e.get("step"), int)]
     step = max(steps) if steps else last_step
-    for kind in (Kind.health, Kind.user):
+    for kind in (Kind.health, Kind.user, Kind.memory):
         if found := [e for e in by_time if e.get("kind") == kind.value]:
             return Failure.of_rank(kind, found[0])
     if oom := [e for e in ends if e.out_of_memory]:  # the others' errors (a peer gone) follow from it
-        return Failure(Kind.memory, oom[0].rank, oom[0].host, step, "out of memory (the step's memory limit)")
+        return Failure(Kind.memory, oom[0].rank, oom[0].host, step, LIMIT_KILLED)
     killed = [e for e in ends if e.by_signal]
     if killed:
         end = killed[0]

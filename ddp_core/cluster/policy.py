@@ -41,12 +41,14 @@ from typing import Collection, Optional
 from ddp_core.cluster import exits
 from ddp_core.cluster.env import DistEnv, expand_nodelist
 from ddp_core.cluster.failures import (
+    LIMIT_KILLED,
     NOT_STARTED,
     Failure,
     Kind,
     as_repeated,
     budget,
     excluded_hosts,
+    memory_side,
     spent,
     to_exclude,
 )
@@ -119,7 +121,7 @@ def decide_after(
     earlier = [e for e in events if e["event"] == "failure" and e.get("job_id") == env.job_id]
     restarted = [e for e in events if e["event"] == "restarted" and e.get("job_id") == env.job_id]
     failure = as_repeated(failure, earlier)
-    if failure.kind is Kind.memory and env.slurm_job_id:
+    if failure.kind is Kind.memory and failure.error == LIMIT_KILLED and env.slurm_job_id:
         failure = dataclasses.replace(failure, error=memory_error(gateway.memory_use(env.slurm_job_id), slurm))
     ended = env.restart_count if attempt is None else attempt
     run_dir.log_event("failure", job_id=env.job_id, restart_count=ended, **failure.fields())
@@ -127,10 +129,12 @@ def decide_after(
         reason = f"{failure.where} failed at step {failure.step}: {failure.error}"
         return failed(run_dir, env, failure, reason, "a user error, not retried: fix it, then continue with", label)
     if failure.kind is Kind.memory:
-        reason = f"{failure.where} ran {failure.error} at step {failure.step}"
+        side = memory_side(failure.error)
+        where = f" on {failure.host} (rank {failure.rank})" if failure.rank is not None else ""
+        detail = failure.error.removeprefix("out of memory: ")
+        reason = f"out of {side} memory{where} at step {failure.step}: {detail}"
         then = "not retried, the same request runs out again on any node: give it more, then continue with"
-        more = f"slurm.mem_gb={2 * slurm.mem_gb:g}" if slurm.mem_gb else "slurm.mem_gb=N"
-        return failed(run_dir, env, failure, reason, then, label, more)
+        return failed(run_dir, env, failure, reason, then, label, memory_fix(side, slurm))
     name, limit = budget(failure, slurm)  # a health check's own: its node is excluded each time
     used = spent(failure, earlier, restarted)
     after = f"{failure.kind.value} failure of {failure.where} at step {failure.step} ({failure.error})"
@@ -197,6 +201,14 @@ def failed(
     resume = f"ddpjob resume {run_dir.path}" + (f" {resume_args}" if resume_args else "")
     log.error("%s%s; %s: %s", label, reason, then, resume)
     return Decision(Outcome.FAILED, failure, exits.ExitCode.FAILED)
+
+
+def memory_fix(side: str, slurm: SlurmConfig) -> str:
+    """The ``ddpjob resume`` arguments that give a run out of ``side`` memory more room: the host's is the job's
+    memory request; a device's is the micro-batch (fitted: auto) or the activations."""
+    if side == "host":
+        return f"slurm.mem_gb={2 * slurm.mem_gb:g}" if slurm.mem_gb else "slurm.mem_gb=N"
+    return "data.batch_size=auto (or smaller), or strategy.activation_checkpointing=true"
 
 
 def memory_error(use: Optional[tuple[str, str]], slurm: SlurmConfig) -> str:

@@ -13,12 +13,93 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ddp_core.config.problems import require
 from ddp_core.config.schema import SINGLE_PROCESS_STRATEGIES, DataConfig, StrategyName, TrainConfig
 from ddp_core.config.tree import Config, ranks_per_node
 from ddp_core.errors import DdpJobError
 
 KEY = "data.global_batch_size"
 MAX_GLOBAL_BATCH = 1 << 30  # past it a value is a typo
+AUTO = "auto"  # data.batch_size: each attempt fits the micro-batch to its memory (``trainer.memory``)
+# The strategies whose forward and backward hold no collective of another process: one rank's out-of-memory there
+# can be agreed on after its micro-batches (ddp reduces the gradients itself then). fsdp gathers parameters inside
+# the forward and a pipeline sends activations: a rank that stops there leaves its peers waiting in a collective.
+AUTO_STRATEGIES = (StrategyName.ddp, *SINGLE_PROCESS_STRATEGIES)
+
+
+def is_auto(data: DataConfig) -> bool:
+    return data.batch_size == AUTO
+
+
+def fixed_micro(data: DataConfig) -> int:
+    """``data.batch_size`` where it is a number: never auto there (resolved per attempt, or refused before)."""
+    assert isinstance(data.batch_size, int), data.batch_size
+    return data.batch_size
+
+
+def is_auto_value(key: str, value: Any) -> bool:
+    """``value`` is ``data.batch_size``'s "auto" (the range checks skip it: ``check_micro_batch`` checked it)."""
+    return key == "data.batch_size" and value == AUTO
+
+
+def check_micro_batch(data: DataConfig) -> None:
+    """``data.batch_size``: a number, or the word "auto"; ``data.batch_headroom`` in [0, 4]."""
+    value = data.batch_size
+    if isinstance(value, str) and value != AUTO:
+        raise DdpJobError(
+            f"config key 'data.batch_size' = {value!r} is invalid: must be a number of samples, or {AUTO!r}",
+            "fix it in the YAML or with data.batch_size=... (auto: fitted to memory, with data.global_batch_size)",
+        )
+    require(0 <= data.batch_headroom <= 4, "data.batch_headroom", data.batch_headroom, "must be in [0, 4]")
+
+
+def per_replica(data: DataConfig, data_world: int, where: str = "the job") -> int:
+    """``data.batch_size=auto``: each replica's samples per step, ``data.global_batch_size / data_world``, which the
+    micro-batch divides (``micro_batch_candidates``)."""
+    assert data.global_batch_size is not None  # validate_auto's check
+    share, rest = divmod(data.global_batch_size, data_world)
+    if rest or not share:
+        plural = "s" if data_world != 1 else ""
+        raise DdpJobError(
+            f"config key '{KEY}' = {data.global_batch_size} is invalid with data.batch_size=auto: {where} has "
+            f"{data_world} data-parallel replica{plural}, and the global batch must be a multiple of them",
+            f"set {KEY} to a multiple of {data_world} (e.g. {max(1, share) * data_world})",
+        )
+    return share
+
+
+def micro_batch_candidates(share: int) -> list[int]:
+    """The micro-batches a replica with ``share`` samples per step may take, smallest first: the divisors of
+    ``share`` (accumulation makes up the step exactly)."""
+    return [n for n in range(1, share + 1) if share % n == 0]
+
+
+def validate_auto(cfg: Config) -> None:
+    """``data.batch_size=auto``: a fixed global batch, a strategy whose ranks can agree on an out-of-memory, and not
+    ``train.invariant``, whose micro-batch is the leaf of its summation tree and so decides the bits."""
+    if not is_auto(cfg.data):
+        return
+    if cfg.data.global_batch_size is None:
+        raise DdpJobError(
+            "config key 'data.batch_size' = 'auto' needs data.global_batch_size: the micro-batch is fitted to memory "
+            "and accumulation makes up a global batch that must not change with it",
+            f"set {KEY} (the samples of one optimizer step), or give data.batch_size a number",
+        )
+    if cfg.train.invariant:
+        raise DdpJobError(
+            "config key 'data.batch_size' = 'auto' is invalid with train.invariant=true: the micro-batch is the leaf "
+            "of the fixed summation tree, and a weight gradient summed over 8 samples in one kernel is not bitwise "
+            "the tree of two over 4",
+            "give data.batch_size the number that fits (a run without train.invariant can probe it: auto), or set "
+            "train.invariant=false",
+        )
+    if cfg.strategy.name not in AUTO_STRATEGIES:
+        names = ", ".join(s.value for s in AUTO_STRATEGIES)
+        raise DdpJobError(
+            f"config key 'data.batch_size' = 'auto' is invalid with strategy.name={cfg.strategy.name.value!r}: its "
+            "ranks meet in collectives inside the forward, where one rank's out-of-memory cannot be agreed on",
+            f"give data.batch_size a number (the largest that fits), or use one of: {names}",
+        )
 
 
 def replicas(strategy: str, stages: int, world_size: int) -> int:
@@ -49,6 +130,7 @@ def grad_accum(data: DataConfig, train: TrainConfig, data_world: int, where: str
     ``data.global_batch_size`` is not a multiple of ``data.batch_size x data_world`` (``where``: whose replicas)."""
     if data.global_batch_size is None:
         return train.grad_accum
+    assert isinstance(data.batch_size, int), data.batch_size  # auto: resolved per attempt (trainer.memory)
     if train.invariant:  # first: its rules are stricter than the multiple below, and its hint is right for it
         check_invariant_shards(data, data_world, where)
     per_micro = data.batch_size * data_world
@@ -73,7 +155,7 @@ def check_invariant_shards(data: DataConfig, data_world: int, where: str) -> Non
     """``train.invariant``: the global batch is ``S = global / micro-batch`` shards, summed by one fixed binary tree
     whose subtrees the ranks take (``S / replicas`` leaves each): S must be a power of two, the replicas divide it."""
     assert data.global_batch_size is not None  # validate_invariant's check
-    shards, rest = divmod(data.global_batch_size, data.batch_size)
+    shards, rest = divmod(data.global_batch_size, fixed_micro(data))
     if rest or not power_of_two(shards):
         low = 1 << max(0, shards.bit_length() - 1)
         raise DdpJobError(
@@ -115,6 +197,17 @@ def validate_batches(cfg: Config) -> None:
     ``data.global_batch_size`` (a range, train.grad_accum left to it, a multiple of the micro-batch times the replicas
     of every world size the job may run at: an elastic job's each node count)."""
     s = cfg.strategy
+    validate_auto(cfg)
+    if is_auto(cfg.data):
+        assert cfg.data.global_batch_size is not None  # validate_auto's check
+        require(
+            0 < cfg.data.global_batch_size <= MAX_GLOBAL_BATCH, KEY, cfg.data.global_batch_size,
+            f"must be in [1, {MAX_GLOBAL_BATCH}]",
+        )  # fmt: skip
+        for world, data_world in zip(job_world_sizes(cfg), job_replicas(cfg), strict=True):
+            where = f"the job at {world // ranks_per_node(cfg)} node(s)" if cfg.slurm.elastic else "the job"
+            per_replica(cfg.data, data_world, where)
+        return
     if s.name is StrategyName.pipeline and s.microbatches >= 1 and cfg.data.batch_size % s.microbatches:
         raise DdpJobError(
             f"config key 'strategy.microbatches' = {s.microbatches!r} is invalid: must divide data.batch_size "
@@ -146,14 +239,14 @@ def validate_batches(cfg: Config) -> None:
 def _validate_elastic(cfg: Config, value: int) -> None:
     """An elastic job's global batch: a multiple of the micro-batch times the replicas at every node count of the
     range. The error names the first world size that cannot divide it, and a value that every one divides."""
-    per_micro = [cfg.data.batch_size * r for r in job_replicas(cfg)]
+    per_micro = [fixed_micro(cfg.data) * r for r in job_replicas(cfg)]
     every = math.lcm(*per_micro)
     if value % every == 0:
         return
     world, data_world = next(
         (w, r)
         for w, r in zip(job_world_sizes(cfg), job_replicas(cfg), strict=True)
-        if value % (cfg.data.batch_size * r)
+        if value % (fixed_micro(cfg.data) * r)
     )
     nodes = world // ranks_per_node(cfg)
     suggest = max(every, value // every * every)

@@ -101,8 +101,13 @@ class DataConfig:
     """The training and evaluation data loaders."""
 
     # Per data-parallel replica (per rank for DDP; per node for dp): global batch = batch_size x ranks x
-    # train.grad_accum. With data.global_batch_size set, the micro-batch: the samples of one forward on one replica.
-    batch_size: int = 64
+    # train.grad_accum. With data.global_batch_size set, the micro-batch: the samples of one forward on one replica;
+    # "auto" (needs data.global_batch_size): each attempt probes the largest that fits in memory before its first
+    # step, and halves it when a step runs out of memory (docs/memory.md).
+    batch_size: Union[int, str] = 64
+    # data.batch_size=auto: the probe takes a micro-batch only if one this much larger fits too (0.25: 25% more
+    # samples), room for a longer batch later and for the allocator's fragmentation.
+    batch_headroom: float = 0.25
     # Samples per optimizer step, all replicas together; null: data.batch_size x replicas x train.grad_accum. Set,
     # it fixes the training whatever the world size: each attempt accumulates global_batch_size / (data.batch_size x
     # its replicas) micro-batches per replica (train.grad_accum is derived, leave it at 1), so it must be a multiple

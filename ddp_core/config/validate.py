@@ -9,7 +9,7 @@ import math
 import re
 from typing import Any, Optional
 
-from ddp_core.config.batch import validate_batches
+from ddp_core.config.batch import check_micro_batch, fixed_micro, is_auto, is_auto_value, validate_batches
 from ddp_core.config.checkpoint_dir import validate_checkpoint_dir
 from ddp_core.config.container import validate_container
 from ddp_core.config.features import validate_script, validate_snapshot, validate_trial, validate_watchdog
@@ -102,10 +102,11 @@ def _validate_ranges(cfg: Config) -> None:
     """Every number finite and within its range; the Slurm keys' values among those Slurm takes."""
     for key, value in _floats(cfg):
         require(math.isfinite(value), key, value, "must be a finite number")
+    check_micro_batch(cfg.data)  # first: "auto" is the one word data.batch_size may be, checked below as a number
     for key, limit in _AT_MOST.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        if value is not None:
+        if value is not None and not is_auto_value(key, value):
             require(value <= limit, key, value, f"must be at most {limit}")
     require(0 <= cfg.train.seed < 2**63, "train.seed", cfg.train.seed, "must be in [0, 2**63)")
     require(0 <= cfg.optim.momentum < 1, "optim.momentum", cfg.optim.momentum, "must be in [0, 1)")
@@ -118,7 +119,7 @@ def _validate_ranges(cfg: Config) -> None:
     if cfg.slurm.mem_gb is not None:
         require(cfg.slurm.mem_gb > 0, "slurm.mem_gb", cfg.slurm.mem_gb, "must be > 0, or null for the default")
     positive = {
-        "data.batch_size": cfg.data.batch_size,
+        "data.batch_size": 1 if is_auto(cfg.data) else fixed_micro(cfg.data),  # auto: check_micro_batch
         "data.eval_batch_size": cfg.data.eval_batch_size,
         "train.max_steps": cfg.train.max_steps,
         "train.grad_accum": cfg.train.grad_accum,

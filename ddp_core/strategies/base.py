@@ -66,6 +66,16 @@ class Strategy(ABC):
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return loss.detach()
 
+    def local_model(self, model: nn.Module) -> nn.Module:
+        """The module whose forward and backward hold no collective of another process, for steps that must be able
+        to stop in any micro-batch (``trainer.memory``): the model itself unless its wrapper communicates."""
+        return model
+
+    def reduce_gradients(self, model: nn.Module) -> None:
+        """After micro-batches ran on ``local_model``: every replica's gradients the mean over the replicas. Nothing
+        to do where one process sees every sample."""
+        return None
+
     def begin_step(self, step: int) -> None:
         """Called before each optimizer step's micro-batches with the step's number (0-based, counted over the
         run): ``train.invariant`` seeds each micro-batch shard from it."""

@@ -15,6 +15,11 @@ from ddp_core.strategies.units import candidate_units, checkpoint_activations
 from ddp_core.tasks.base import Task
 
 
+def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
+    """The parameters' gradients in one flat buffer (zeros for a parameter this backward did not reach)."""
+    return torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params])
+
+
 class DDPStrategy(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
@@ -29,6 +34,24 @@ class DDPStrategy(Strategy):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def local_model(self, model: nn.Module) -> nn.Module:
+        return self.unwrap(model)  # DDP's forward may broadcast buffers; its backward hooks stay idle without it
+
+    def reduce_gradients(self, model: nn.Module) -> None:
+        """DDP's arithmetic, without its buckets: each gradient divided by the replicas, then summed over them, in one
+        flat all-reduce (at 2 ranks the same bits as DDP's: a sum of two is the same in either order)."""
+        if not dist.is_initialized() or self.data_world == 1:
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        flat = flat_grads(params).div_(self.data_world)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        self.set_grads(params, flat)
+
+    @staticmethod
+    def set_grads(params: list[nn.Parameter], flat: torch.Tensor) -> None:
+        for p, part in zip(params, torch.split(flat, [p.numel() for p in params]), strict=True):
+            p.grad = part.view_as(p).to(p.dtype)
 
     def no_sync(self, model: nn.Module) -> ContextManager[Any]:
         if isinstance(model, DistributedDataParallel):

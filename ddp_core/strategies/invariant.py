@@ -25,15 +25,19 @@ No DDP wrapper: DDP's bucketed all-reduce would add the ranks' gradients in an o
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_core.strategies.ddp import DDPStrategy
+from ddp_core.config import Config
+from ddp_core.strategies.ddp import DDPStrategy, flat_grads
 from ddp_core.strategies.units import candidate_units, checkpoint_activations
 from ddp_core.tasks.base import Task
+
+log = logging.getLogger(__name__)
 
 
 def shard_seed(seed: int, step: int, shard: int) -> int:
@@ -70,11 +74,6 @@ class PairwiseSum:
     def pop_root(self) -> torch.Tensor:
         assert len(self.stack) == 1, [h for h, _ in self.stack]  # a power of two of leaves: one complete tree
         return self.stack.pop()[1]
-
-
-def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
-    """The parameters' gradients in one flat buffer (zeros for a parameter this backward did not reach)."""
-    return torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params])
 
 
 class InvariantDDPStrategy(DDPStrategy):
@@ -170,11 +169,6 @@ class InvariantDDPStrategy(DDPStrategy):
         dist.all_gather(chunks, tree.pop_root().contiguous())
         return torch.cat(chunks)[:size]
 
-    @staticmethod
-    def set_grads(params: list[nn.Parameter], flat: torch.Tensor) -> None:
-        for p, part in zip(params, torch.split(flat, [p.numel() for p in params]), strict=True):
-            p.grad = part.view_as(p).to(p.dtype)
-
 
 def invariance_warnings(
     model: nn.Module, precision: str, compile_: bool, num_workers: int, deterministic: bool, device: torch.device
@@ -197,3 +191,21 @@ def invariance_warnings(
             "running mean and variance, in the weights digest) depend on the world size; parameters do not"
         )
     return [w for w in found if w is not None]
+
+
+def log_invariance(cfg: Config, strategy: Any, model: nn.Module, step_samples: int, grad_accum: int) -> None:
+    """Rank 0, at start: what train.invariant holds to, and what in this run may break it (warnings)."""
+    assert isinstance(strategy, InvariantDDPStrategy)
+    received, ring = strategy.exchange_bytes(model)
+    assert isinstance(cfg.data.batch_size, int)  # validate_auto: never auto under train.invariant
+    log.info(
+        "train.invariant: %d shards of %d samples, %d per rank, %d intra-op threads per rank (weights match only "
+        "across runs with the same count); gradient exchange %d bytes per rank per step (a ring all-reduce: %d)",
+        step_samples // cfg.data.batch_size, cfg.data.batch_size, grad_accum, torch.get_num_threads(), received, ring,
+    )  # fmt: skip
+    train = cfg.train
+    found = invariance_warnings(
+        model, train.precision.value, train.compile, cfg.data.num_workers, train.deterministic, strategy.device
+    )
+    for warning in found:
+        log.warning("train.invariant: %s", warning)

@@ -94,6 +94,7 @@ def train_loader(
     # Its own generator: otherwise the iterator draws a base seed from the global RNG, and a resumed run's
     # stream would shift (worker seeds, random transforms).
     generator = torch.Generator().manual_seed(seed)
+    assert isinstance(cfg.batch_size, int), cfg.batch_size  # auto: the trainer gives each replica's share
     return DataLoader(
         dataset,
         batch_size=cfg.batch_size,
@@ -180,6 +181,7 @@ class TrainData:
         collate_fn: Optional[Callable[[list[Any]], Any]],
         blocks: bool = False,
     ) -> None:
+        assert isinstance(cfg.batch_size, int), cfg.batch_size  # auto: the trainer gives each replica's share
         self.batch_size, self.grad_accum = cfg.batch_size, grad_accum
         self.step_samples = cfg.batch_size * grad_accum * world
         self.streaming = isinstance(dataset, IterableDataset)

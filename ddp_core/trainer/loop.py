@@ -17,6 +17,7 @@ and on an exception alike, and holds no collective: a failed rank's peers may be
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import signal
@@ -31,12 +32,14 @@ from ddp_core.cluster import batch_node, deadline, failures, health, rendezvous
 from ddp_core.cluster.env import DistEnv, process_started
 from ddp_core.cluster.preemption import StopFlag
 from ddp_core.config import Config, Precision, to_dict
-from ddp_core.config.batch import grad_accum
+from ddp_core.config.batch import grad_accum, is_auto, per_replica
 from ddp_core.distributed import groups, rng
 from ddp_core.run.rundir import RunDir
 from ddp_core.search import pruning
 from ddp_core.strategies import build_strategy
+from ddp_core.strategies.invariant import log_invariance
 from ddp_core.tasks.base import Task, load_task
+from ddp_core.trainer import memory
 from ddp_core.trainer.data import TrainData, eval_loader
 from ddp_core.trainer.metrics import RunningLoss, TrainSums
 from ddp_core.trainer.monitor import Monitor
@@ -115,7 +118,10 @@ class Trainer:
         self.optimizer = optimizer = build_optimizer(cfg.optim, model, task)
         scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps, task)
         # Micro-batches per replica per step: with data.global_batch_size, this attempt's share of the fixed batch.
-        self.grad_accum = grad_accum(cfg.data, cfg.train, strategy.data_world, "this attempt")
+        # data.batch_size=auto: the share is loaded whole, and cut into the micro-batch that fits (trainer.memory).
+        share = per_replica(cfg.data, strategy.data_world, "this attempt") if is_auto(cfg.data) else None
+        data_cfg = cfg.data if share is None else dataclasses.replace(cfg.data, batch_size=share)
+        self.grad_accum = grad_accum(data_cfg, cfg.train, strategy.data_world, "this attempt")
         train_set, eval_set = task.build_datasets()
         pin = device.type == "cuda"  # page-locked host batches: the copy to the GPU runs without blocking the host
         collate = task.collate_fn if type(task).collate_fn is not Task.collate_fn else None  # None: the loader's own
@@ -123,7 +129,7 @@ class Trainer:
             train_set,
             strategy.data_rank,
             strategy.data_world,
-            cfg.data,
+            data_cfg,
             self.grad_accum,
             cfg.train.seed,
             pin,
@@ -153,6 +159,12 @@ class Trainer:
         self.state = TrainState(scheduler, self.log_loss, carried, to_dict(cfg))
         self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir, env, strategy, model, optimizer)
         self.trial = pruning.reporter(cfg.trial, env.is_main)  # rank 0 of an adaptive sweep's trial; None otherwise
+        if share is None:
+            self.fitted: Optional[memory.FittedStep] = None
+        else:  # collective, before the checkpoint is loaded: the micro-batch that fits this attempt's memory
+            record = self.run_dir.log_event if env.is_main else None
+            parts = (task, strategy, model, optimizer, self.train_sums, self.amp, record)
+            self.fitted = memory.fitted(parts, train_set, collate, share, cfg.data.batch_headroom)
 
     def resume(self) -> None:
         """Collective: continue from the newest checkpoint every rank verified, if there is one."""
@@ -173,20 +185,20 @@ class Trainer:
                 world_size=self.env.world_size,
                 nodes=self.env.num_nodes,  # what Slurm gave this attempt: an elastic job's varies (slurm.nodes MIN-MAX)
                 global_batch=self.data.step_samples,
-                grad_accum=self.grad_accum,
+                grad_accum=self.grad_accum if self.fitted is None else self.fitted.fit.accumulation,
+                **({} if self.fitted is None else self.fitted.fit.fields()),
                 launched=process_started(),  # this rank's process began: the launch's start-up is from here
                 # where this attempt's state came from: "durable" (RUN/checkpoints) or "local" (a node-local copy)
                 **({"tier": self.restored.tier} if self.restored else {}),
             )
+            fit = self.fitted.fit if self.fitted is not None else memory.Fit(self.grad_accum, 1)
             log.info(
-                "global batch %d = %d samples x %d micro-batches x %d replicas",
-                self.data.step_samples,
-                self.cfg.data.batch_size,
-                self.grad_accum,
-                self.strategy.data_world,
-            )
+                "global batch %d = %d samples x %d micro-batches x %d replicas%s",
+                self.data.step_samples, self.cfg.data.batch_size if self.fitted is None else fit.micro,
+                fit.accumulation, self.strategy.data_world, fit.said(),
+            )  # fmt: skip
             if self.cfg.train.invariant:
-                self.log_invariance()
+                log_invariance(self.cfg, self.strategy, self.model, self.data.step_samples, self.grad_accum)
         self.records = Records(self.cfg, self.run_dir, self.env, step)
         scheduler = self.state.scheduler
         self.lines = ProgressLines(
@@ -241,9 +253,21 @@ class Trainer:
         return self.finished(pruned, last_eval)
 
     def step(self, group: list[Any]) -> None:
-        """One optimizer step over a group of ``grad_accum`` micro-batches per replica: a global batch."""
-        pos, amp = self.state.pos, self.amp
+        """One optimizer step over a group of ``grad_accum`` micro-batches per replica: a global batch (under
+        data.batch_size=auto one share, which ``trainer.memory.FittedStep`` cuts and does again if it runs out)."""
+        pos = self.state.pos
         self.strategy.begin_step(pos.step)
+        losses = self.micro_steps(group) if self.fitted is None else self.fitted(group[0], pos.step)
+        for i, loss in enumerate(losses):
+            self.log_loss.add(loss, counts=self.strategy.reports_loss and i == 0)
+        self.step_optimizer()
+        pos.step += 1
+        pos.samples_in_epoch += self.data.step_samples  # a group is whole: micro_batches drops a short tail
+        self.watchdog.beat(pos.step)
+
+    def micro_steps(self, group: list[Any]) -> list[Any]:
+        """The group's micro-batches, forward and backward; the gradients communicated on the last one."""
+        amp, losses = self.amp, []
         if not self.primed:  # this attempt's first step: every attempt's steps run alike
             with amp:
                 self.strategy.prime(self.task, self.model, to_device(group[0], self.device))
@@ -251,39 +275,12 @@ class Trainer:
         for i, batch in enumerate(group):
             with amp:
                 sync = i == len(group) - 1  # gradients are communicated on the last micro-batch only
-                loss = self.strategy.forward_backward(
-                    self.task, self.model, to_device(batch, self.device), self.grad_accum, sync
+                losses.append(
+                    self.strategy.forward_backward(
+                        self.task, self.model, to_device(batch, self.device), self.grad_accum, sync
+                    )
                 )
-            self.log_loss.add(loss, counts=self.strategy.reports_loss and i == 0)
-        self.step_optimizer()
-        pos.step += 1
-        pos.samples_in_epoch += self.data.step_samples  # a group is whole: micro_batches drops a short tail
-        self.watchdog.beat(pos.step)
-
-    def log_invariance(self) -> None:
-        """Rank 0, at start: what train.invariant holds to, and what in this run may break it (warnings)."""
-        from ddp_core.strategies.invariant import InvariantDDPStrategy, invariance_warnings
-
-        cfg, strategy = self.cfg, self.strategy
-        assert isinstance(strategy, InvariantDDPStrategy)
-        received, ring = strategy.exchange_bytes(self.model)
-        log.info(
-            "train.invariant: %d shards of %d samples, %d per rank, %d intra-op threads per rank (weights match "
-            "only across runs with the same count); gradient exchange %d bytes per rank per step (a ring "
-            "all-reduce: %d)",
-            self.data.step_samples // cfg.data.batch_size,
-            cfg.data.batch_size,
-            self.grad_accum,
-            torch.get_num_threads(),
-            received,
-            ring,
-        )
-        train = cfg.train
-        found = invariance_warnings(
-            self.model, train.precision.value, train.compile, cfg.data.num_workers, train.deterministic, self.device
-        )
-        for warning in found:
-            log.warning("train.invariant: %s", warning)
+        return losses
 
     def done(self) -> bool:
         return self.state.pos.step >= self.cfg.train.max_steps or self.monitor.should_stop

@@ -33,6 +33,15 @@ class TrainSums:
             for key, value in out.sums.items():
                 self.pending.setdefault(key, []).append(value.detach())
 
+    def mark(self) -> tuple[int, dict[str, int]]:
+        """Where the sums are now, for ``rollback``: a step done again (``trainer.memory``) counts once."""
+        return self.count, {key: len(values) for key, values in self.pending.items()}
+
+    def rollback(self, mark: tuple[int, dict[str, int]]) -> None:
+        self.count, lengths = mark
+        for key in list(self.pending):
+            del self.pending[key][lengths.get(key, 0) :]
+
     def add_grad_norm(self, norm: torch.Tensor) -> None:
         self.norms.append(norm.detach())
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from ddp_core.cluster import failures, node_loss, supervise
@@ -26,6 +27,7 @@ from ddp_core.run.rundir import RunDir
 from jobs.submission.request import SlurmRequest
 from tests.support.helpers import ROOT
 
+CPU_OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 4294967296 bytes. Error code 12"
 GLOO_PEER = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.1.2]:29500"
 
 
@@ -43,11 +45,25 @@ GLOO_PEER = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection clo
         (OSError(errno.EIO, "Input/output error"), Kind.infrastructure),
         (RuntimeError("CUDA error: uncorrectable ECC error encountered"), Kind.infrastructure),
         (RuntimeError("something odd in a C++ extension"), Kind.unknown),
-        (MemoryError(), Kind.unknown),
+        (MemoryError(), Kind.memory),  # Python's own: the host's
+        (RuntimeError(f"[enforce fail at alloc_cpu.cpp:127] err == 0. {CPU_OOM}"), Kind.memory),
+        (RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. "), Kind.memory),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), Kind.memory),
     ],
 )
 def test_classify(err, kind):
     assert classify(err) is kind
+
+
+def test_a_memory_failure_says_whose_memory_ran_out():
+    """Host memory (the CPU allocator, a loader worker, a memory limit's kill) told apart from a device's."""
+    from ddp_core.cluster.failures import LIMIT_KILLED, memory_side
+
+    host = ["RuntimeError: DefaultCPUAllocator: can't allocate memory", "MemoryError", LIMIT_KILLED,
+            "RuntimeError: DataLoader worker (pid 4242) is killed by signal: Killed.",
+            "out of memory: a task's peak 150 MiB of the job's 308M (slurm.mem_gb=0.3)"]  # fmt: skip
+    device = ["OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 39.4 GiB total capacity)"]
+    assert [memory_side(e) for e in host + device] == ["host"] * len(host) + ["device"] * len(device)
 
 
 def test_describe_keeps_the_first_line_and_cuts_long_messages():

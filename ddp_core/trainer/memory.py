@@ -1,0 +1,357 @@
+"""The micro-batch fitted to memory (``data.batch_size: auto``): a probe before each attempt's first step, and a step
+that runs out of memory done again at half the micro-batch. The global batch never changes: each replica's share of
+it (``config.batch.per_replica``) is loaded whole, and cut into micro-batches that accumulation adds up.
+
+**The probe** (``probe``), on every rank, before the checkpoint is loaded: real steps of the real model (its
+strategy's local module, activation checkpointing, autocast) with the optimizer's step, so that its state is
+allocated too, on a batch of the training set's first samples. A micro-batch ``m`` is taken only if a step of
+``m x (1 + data.batch_headroom)`` samples fits: room for a longer batch later and for fragmentation. The
+candidates are the divisors of the share, searched largest first, then by bisection (memory grows with the
+micro-batch). The weights and the optimizer are put back bitwise (a copy on the host), the random streams are
+untouched, and the ranks agree on the smallest answer: the one collective.
+
+**A step** (``FittedStep``): the micro-batches run forward and backward on the local module (``Strategy.local_model``:
+no collective inside, so a rank that runs out stops there and waits for nothing), then every rank says whether it ran
+out, in one all-reduce. If any did, every rank drops the step's gradients, puts back its random streams and its
+training sums, halves the micro-batch (``shrink``: the largest divisor of the share at most half of it), records it
+(``micro_batch_shrunk``), and does the step again from its start; otherwise the gradients are reduced
+(``Strategy.reduce_gradients``) and the optimizer steps. At a micro-batch of one there is nothing left to halve:
+``OutOfMemory``, a user error that names the memory used, the memory there is and the keys to change.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import re
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from ddp_core.cluster.failures import memory_side, out_of_memory
+from ddp_core.config.batch import micro_batch_candidates
+from ddp_core.distributed import collectives, rng
+from ddp_core.errors import DdpJobError
+from ddp_core.strategies import Strategy
+from ddp_core.tasks.base import Task
+from ddp_core.trainer.metrics import TrainSums
+from ddp_core.trainer.steps import to_device
+
+log = logging.getLogger(__name__)
+FIX = (
+    "give it more memory (slurm.mem_gb: the host's), let less of it be needed (strategy.activation_checkpointing=true, "
+    "a smaller data.global_batch_size), or share the model over the ranks (strategy.name=fsdp)"
+)
+
+
+class OutOfMemory(DdpJobError):
+    """Not even a micro-batch of one fits: the failure table's memory kind (``failures.out_of_memory``)."""
+
+
+def rows(batch: Any) -> int:
+    """The samples in a batch: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    parts = list(batch.values()) if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []
+    for part in parts:
+        if (n := rows(part)) >= 0:
+            return n
+    return -1
+
+
+def cut(batch: Any, start: int, stop: int) -> Any:
+    """Samples ``start:stop`` of a batch: every tensor in it (in tuples, lists, dicts) sliced on its first dimension,
+    anything else kept."""
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop]
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(cut(b, start, stop) for b in batch)
+    if isinstance(batch, dict):
+        return {k: cut(v, start, stop) for k, v in batch.items()}
+    return batch
+
+
+def split(batch: Any, micro: int) -> list[Any]:
+    """A replica's share of a step cut into micro-batches of ``micro`` samples, in order."""
+    n = rows(batch)
+    return [cut(batch, i, i + micro) for i in range(0, n, micro)]
+
+
+def repeat(batch: Any, n: int) -> Any:
+    """A batch of ``n`` samples: the batch's own, repeated as often as needed."""
+    have = rows(batch)
+    if have >= n:
+        return cut(batch, 0, n)
+    times = -(-n // have)
+    if isinstance(batch, torch.Tensor):
+        return torch.cat([batch] * times)[:n]
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(repeat(b, n) for b in batch)
+    if isinstance(batch, dict):
+        return {k: repeat(v, n) for k, v in batch.items()}
+    return batch
+
+
+def search(candidates: list[int], fits: Callable[[int], bool]) -> tuple[Optional[int], list[tuple[int, bool]]]:
+    """The largest of ``candidates`` (ascending) that ``fits``, assuming that what fits is a prefix: the largest
+    first (most runs fit whole), then bisection. Returns it (None: not even the smallest) and what was tried."""
+    tried: list[tuple[int, bool]] = []
+
+    def attempt(i: int) -> bool:
+        ok = fits(candidates[i])
+        tried.append((candidates[i], ok))
+        return ok
+
+    if attempt(len(candidates) - 1):
+        return candidates[-1], tried
+    lo, hi, best = 0, len(candidates) - 2, None
+    while lo <= hi:
+        mid = (lo + hi + 1) // 2
+        if attempt(mid):
+            best, lo = candidates[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best, tried
+
+
+def first_samples(dataset: Dataset, n: int, collate: Optional[Callable[[list[Any]], Any]]) -> Any:
+    """The training set's first ``n`` samples as one batch (fewer if it has fewer): what the probe runs on."""
+    # Its own generator: an iterator otherwise draws its base seed from the training's random stream.
+    loader = DataLoader(dataset, batch_size=n, shuffle=False, collate_fn=collate, generator=torch.Generator())
+    return next(iter(loader))
+
+
+def ranks_out(ran_out: bool) -> list[int]:
+    """Collective: the ranks that ran out of memory (every rank says, in one all-reduce)."""
+    if collectives.alone():
+        return [0] if ran_out else []
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    flags = torch.zeros(world)
+    flags[rank] = float(ran_out)
+    return [r for r, flag in enumerate(collectives.all_reduce_sum(flags).tolist()) if flag]
+
+
+def free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _status_kib(key: str) -> Optional[int]:
+    text = Path("/proc/self/status").read_text() if Path("/proc/self/status").exists() else ""
+    found = re.search(rf"^{key}:\s+(\d+) kB", text, re.M)
+    return int(found[1]) if found else None
+
+
+def _cgroup_limit() -> Optional[int]:
+    """This process's cgroup memory limit in bytes (v2 ``memory.max``, v1 ``memory.limit_in_bytes``), if any."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidate = Path(f"/sys/fs/cgroup{path}/memory.max")
+        elif "memory" in controllers.split(","):
+            candidate = Path(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")
+        else:
+            continue
+        try:
+            value = candidate.read_text().strip()
+        except OSError:
+            continue
+        if value.isdigit() and int(value) < 1 << 60:
+            return int(value)
+    return None
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def memory_report(device: torch.device) -> str:
+    """What this rank used at its peak and what it has: the device's for a GPU; the host's address space against
+    ``ulimit -v``, or resident memory against the cgroup's limit (Slurm's) or the node's."""
+    if device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+        return f"{device}: peak {gib(torch.cuda.max_memory_reserved(device))} reserved of {gib(total)}"
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft != resource.RLIM_INFINITY:
+        return f"host: address space at peak {gib((_status_kib('VmPeak') or 0) * 1024)} of ulimit -v {gib(soft)}"
+    peak = gib((_status_kib("VmHWM") or 0) * 1024)
+    if (limit := _cgroup_limit()) is not None:
+        return f"host: resident at peak {peak} of the job's memory limit {gib(limit)}"
+    node = re.search(r"^MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
+    return f"host: resident at peak {peak} of the node's {gib(int(node[1]) * 1024) if node else '?'}"
+
+
+def out_of_memory_error(step: int, micro: int, device: torch.device, what: str) -> OutOfMemory:
+    side = "host" if device.type == "cpu" else memory_side(what)
+    return OutOfMemory(
+        f"out of {side} memory at step {step} with a micro-batch of {micro}, the smallest ({memory_report(device)}): "
+        f"{what}",
+        FIX,
+    )
+
+
+@dataclass
+class Fit:
+    """The attempt's micro-batch (``data.batch_size=auto``): this replica's share of a step, the micro-batch it is
+    cut into now, and how the probe chose it."""
+
+    share: int
+    micro: int
+    probe_s: float = 0.0
+    tried: list[tuple[int, bool]] = field(default_factory=list)
+
+    @property
+    def accumulation(self) -> int:
+        return self.share // self.micro
+
+    def fields(self) -> dict[str, Any]:
+        """The start event's record: the micro-batch chosen, what the probe tried (micro-batch, fits), its time."""
+        return {"micro_batch": self.micro, "probe_s": round(self.probe_s, 3), "probed": [list(t) for t in self.tried]}
+
+    def said(self) -> str:
+        """The start log line's note of a probe ('' without one)."""
+        return f" (data.batch_size=auto, probed in {self.probe_s:.2f} s)" if self.tried else ""
+
+    def shrink(self, step: int, device: torch.device, what: str) -> int:
+        """Half the micro-batch (the largest divisor of the share at most half of it); ``OutOfMemory`` at one."""
+        smaller = [n for n in micro_batch_candidates(self.share) if n <= self.micro // 2]
+        if not smaller:
+            raise out_of_memory_error(step, self.micro, device, what)
+        self.micro = smaller[-1]
+        return self.micro
+
+
+def probe(
+    task: Task,
+    strategy: Strategy,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    share: int,
+    headroom: float,
+    amp: ContextManager[Any],
+) -> Fit:
+    """Collective: the attempt's micro-batch (module docstring). ``batch``: the training set's first samples, at
+    least ``share x (1 + headroom)`` (``first_samples``; repeated if the set is smaller)."""
+    started, device, local = time.perf_counter(), strategy.device, strategy.local_model(model)
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in local.state_dict().items()}
+    saved = copy.deepcopy(optimizer.state_dict())  # before the first step: its hyperparameters, no state yet
+
+    def fits(micro: int) -> bool:
+        sample = to_device(repeat(batch, math.ceil(micro * (1 + headroom))), device)
+        try:
+            with amp:
+                loss = task.compute(local, sample).loss
+            loss.backward()
+            optimizer.step()  # its state (AdamW's two moments) is allocated here, at the first step
+            return True
+        except Exception as err:  # only an allocator's failure means "does not fit"
+            if not out_of_memory(err):
+                raise
+            return False
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+            free(device)
+
+    with rng.rng_untouched():
+        best, tried = search(micro_batch_candidates(share), fits)
+    local.load_state_dict(weights)
+    optimizer.load_state_dict(saved)
+    optimizer.state.clear()  # load_state_dict keeps state it was not given
+    free(device)
+    agreed = agree_min(best or 0)
+    if not agreed:
+        raise out_of_memory_error(0, 1, device, f"the probe's step of {tried[-1][0]} sample(s) did not fit")
+    return Fit(share, agreed, time.perf_counter() - started, tried)
+
+
+def agree_min(value: int) -> int:
+    """Collective: the smallest ``value`` of all ranks."""
+    if collectives.alone():
+        return value
+    found = torch.tensor([value], dtype=torch.int64)
+    torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MIN)
+    return int(found.item())
+
+
+def fitted(parts: tuple[Any, ...], train_set: Dataset, collate: Any, share: int, headroom: float) -> FittedStep:
+    """Collective: the attempt's probe (``probe``, on the training set's first samples) and the steps that cut each
+    share into the micro-batch it chose. ``parts``: the task, strategy, model, optimizer, training sums, autocast
+    context and rank 0's event writer."""
+    task, strategy, model, optimizer, sums, amp, record = parts
+    batch = first_samples(train_set, int(share * (1 + headroom)) + 1, collate)
+    fit = probe(task, strategy, model, optimizer, batch, share, headroom, amp)
+    return FittedStep(fit, task, strategy, model, sums, amp, record)
+
+
+class FittedStep:
+    """One optimizer step's forward and backward under ``data.batch_size=auto`` (module docstring); the trainer's
+    optimizer step follows. ``record``: rank 0's event writer (None on the others)."""
+
+    def __init__(
+        self,
+        fit: Fit,
+        task: Task,
+        strategy: Strategy,
+        model: nn.Module,
+        sums: TrainSums,
+        amp: ContextManager[Any],
+        record: Optional[Callable[..., None]],
+    ) -> None:
+        self.fit, self.task, self.strategy, self.amp = fit, task, strategy, amp
+        self.model, self.local, self.sums, self.record = model, strategy.local_model(model), sums, record
+
+    def __call__(self, share: Any, step: int) -> list[torch.Tensor]:
+        streams, mark = rng.rng_state(), self.sums.mark()
+        while True:
+            losses, what = self.run(share)
+            ran_out = ranks_out(what is not None)
+            if not ran_out:
+                break
+            self.model.zero_grad(set_to_none=True)
+            rng.set_rng_state(streams)
+            self.sums.rollback(mark)
+            was = self.fit.micro
+            why = what or f"rank {ran_out[0]} ran out of memory"
+            self.fit.shrink(step, self.strategy.device, why)
+            log.warning(
+                "out of memory at step %d on rank(s) %s with a micro-batch of %d: the step again with %d x %d (%s)",
+                step, ",".join(map(str, ran_out)), was, self.fit.micro, self.fit.accumulation, why,
+            )  # fmt: skip
+            if self.record is not None:
+                self.record(
+                    "micro_batch_shrunk", step=step, was=was, micro_batch=self.fit.micro,
+                    grad_accum=self.fit.accumulation, ranks=ran_out, error=why,
+                )  # fmt: skip
+        self.strategy.reduce_gradients(self.local)
+        return losses
+
+    def run(self, share: Any) -> tuple[list[torch.Tensor], Optional[str]]:
+        """This rank's micro-batches; the allocator's message if it ran out (the references to the failed step's
+        tensors dropped with the exception)."""
+        losses: list[torch.Tensor] = []
+        parts, what = split(share, self.fit.micro), None
+        try:
+            for part in parts:
+                with self.amp:
+                    batch = to_device(part, self.strategy.device)
+                    losses.append(self.strategy.forward_backward(self.task, self.local, batch, len(parts), True))
+        except Exception as err:  # an allocator's failure is agreed on; the rest is raised
+            if not out_of_memory(err):
+                raise
+            what = str(err).strip().splitlines()[0][:300]
+        if what is not None:  # the exception, and the step's tensors its frames held, are gone here
+            free(self.strategy.device)
+            return [], what
+        return losses, None
