@@ -134,7 +134,7 @@ def decide_after(
         detail = failure.error.removeprefix("out of memory: ")
         reason = f"out of {side} memory{where} at step {failure.step}: {detail}"
         then = "not retried, the same request runs out again on any node: give it more, then continue with"
-        return failed(run_dir, env, failure, reason, then, label, memory_fix(side, slurm))
+        return failed(run_dir, env, failure, reason, then, label, memory_fix(side, slurm.mem_gb))
     name, limit = budget(failure, slurm)  # a health check's own: its node is excluded each time
     used = spent(failure, earlier, restarted)
     after = f"{failure.kind.value} failure of {failure.where} at step {failure.step} ({failure.error})"
@@ -203,11 +203,12 @@ def failed(
     return Decision(Outcome.FAILED, failure, exits.ExitCode.FAILED)
 
 
-def memory_fix(side: str, slurm: SlurmConfig) -> str:
+def memory_fix(side: str, mem_gb: Optional[float]) -> str:
     """The ``ddpjob resume`` arguments that give a run out of ``side`` memory more room: the host's is the job's
-    memory request; a device's is the micro-batch (fitted: auto) or the activations."""
+    memory request (``mem_gb``: slurm.mem_gb, None where unknown or unset); a device's is the micro-batch (fitted:
+    auto) or the activations."""
     if side == "host":
-        return f"slurm.mem_gb={2 * slurm.mem_gb:g}" if slurm.mem_gb else "slurm.mem_gb=N"
+        return f"slurm.mem_gb={2 * mem_gb:g}" if mem_gb else "slurm.mem_gb=N"
     return "data.batch_size=auto (or smaller), or strategy.activation_checkpointing=true"
 
 

@@ -360,6 +360,7 @@ class Trainer:
         peak = groups.peak_memory_gb(self.device)
         if peak is not None:
             log.info("peak GPU memory on %s: %.2f GB allocated by tensors", self.device, peak)
+        log.info("peak host memory of this rank: %s", memory.host_peak())
         # Every rank logs its own digest: replicas that drifted apart show up as different lines.
         log.info("final weights sha256 %s", weights_digest(self.strategy.full_model_state(self.model)))
         return Outcome(step=step, final=final, pruned=pruned, early_stopped=self.monitor.should_stop)

@@ -51,6 +51,9 @@ FIX = (
 )
 
 
+ENFORCE = re.compile(r"^\[enforce fail at [^\]]*\] err == 0\. ")  # the CPU allocator's message starts so
+
+
 class OutOfMemory(DdpJobError):
     """Not even a micro-batch of one fits: the failure table's memory kind (``failures.out_of_memory``)."""
 
@@ -172,6 +175,13 @@ def _cgroup_limit() -> Optional[int]:
     return None
 
 
+def host_peak() -> str:
+    """This process's peak host memory, as the final log line says it: resident (what a cgroup's limit counts) and
+    address space (what ``ulimit -v`` counts)."""
+    resident, space = _status_kib("VmHWM"), _status_kib("VmPeak")
+    return f"resident {(resident or 0) // 1024} MiB, address space {(space or 0) // 1024} MiB"
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -195,8 +205,8 @@ def memory_report(device: torch.device) -> str:
 def out_of_memory_error(step: int, micro: int, device: torch.device, what: str) -> OutOfMemory:
     side = "host" if device.type == "cpu" else memory_side(what)
     return OutOfMemory(
-        f"out of {side} memory at step {step} with a micro-batch of {micro}, the smallest ({memory_report(device)}): "
-        f"{what}",
+        f"{side} memory: a micro-batch of {micro}, the smallest, does not fit at step {step} "
+        f"({memory_report(device)}): {what}",
         FIX,
     )
 
@@ -272,7 +282,7 @@ def probe(
     free(device)
     agreed = agree_min(best or 0)
     if not agreed:
-        raise out_of_memory_error(0, 1, device, f"the probe's step of {tried[-1][0]} sample(s) did not fit")
+        raise out_of_memory_error(0, 1, device, f"the probe's step of {math.ceil(1 + headroom)} sample(s) did not fit")
     return Fit(share, agreed, time.perf_counter() - started, tried)
 
 
@@ -322,8 +332,8 @@ class FittedStep:
             self.model.zero_grad(set_to_none=True)
             rng.set_rng_state(streams)
             self.sums.rollback(mark)
-            was = self.fit.micro
-            why = what or f"rank {ran_out[0]} ran out of memory"
+            was, said = self.fit.micro, collectives.gather_to_all(what)  # each rank's word: the first that ran out
+            why = f"rank {ran_out[0]}: {said[ran_out[0]]}"
             self.fit.shrink(step, self.strategy.device, why)
             log.warning(
                 "out of memory at step %d on rank(s) %s with a micro-batch of %d: the step again with %d x %d (%s)",
@@ -350,7 +360,7 @@ class FittedStep:
         except Exception as err:  # an allocator's failure is agreed on; the rest is raised
             if not out_of_memory(err):
                 raise
-            what = str(err).strip().splitlines()[0][:300]
+            what = ENFORCE.sub("", str(err).strip().splitlines()[0])[:300]
         if what is not None:  # the exception, and the step's tensors its frames held, are gone here
             free(self.strategy.device)
             return [], what

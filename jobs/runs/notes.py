@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from ddp_core.cluster.failures import excluded_hosts
+from ddp_core.cluster.failures import excluded_hosts, memory_side
+from ddp_core.cluster.policy import memory_fix
 from ddp_core.run.diskfull import MAX_FAILED_SAVES
 from ddp_core.trainer.watchdog import cause
 
@@ -37,7 +38,23 @@ def for_run(name: str, events: list[dict[str, Any]], straggler: Optional[dict[st
                      + "; ".join(f"{host} ({why})" for host, why in kept.items()))  # fmt: skip
     if straggler is not None:
         notes.append(straggler_note(name, straggler))
+    if (fitted := micro_batch_note(name, events)) is not None:
+        notes.append(fitted)
     return notes
+
+
+def micro_batch_note(name: str, events: list[dict[str, Any]]) -> Optional[str]:
+    """``data.batch_size=auto``: the micro-batch the newest attempt's probe chose, and each halving after it
+    (``ddp_core.trainer.memory``); None for a run with a fixed micro-batch."""
+    starts = [i for i, e in enumerate(events) if e["event"] == "start"]
+    if not starts or "micro_batch" not in (start := events[starts[-1]]):
+        return None
+    note = (f"micro-batch in {name}: {start['micro_batch']} x {start.get('grad_accum')} a replica (data.batch_size="
+            f"auto, probed in {start.get('probe_s', 0):.2f} s at step {start.get('step')})")  # fmt: skip
+    for e in events[starts[-1] :]:
+        if e["event"] == "micro_batch_shrunk":
+            note += f"; halved to {e.get('micro_batch')} at step {e.get('step')}, out of memory on {e.get('error')}"
+    return note
 
 
 def failure_note(name: str, e: dict[str, Any], after: Sequence[dict[str, Any]] = ()) -> str:
@@ -52,9 +69,12 @@ def failure_note(name: str, e: dict[str, Any], after: Sequence[dict[str, Any]] =
     then = f"restarted in the allocation on {','.join(restarted.get('nodes') or [])}" if restarted else "requeued"
     if first is not None and first["event"] == "budget_exhausted":
         then = "not requeued: its budget is spent"
-    retried = {"user": "a user error, not retried", "memory": "not retried: more memory with slurm.mem_gb"}.get(
-        str(e.get("kind")), f"{e.get('kind')}: {then}"
-    )
+    if e.get("kind") == "memory":
+        side, what = memory_side(str(e.get("error"))), str(e.get("error")).removeprefix("out of memory: ")
+        where = f"on {e.get('host')} (rank {e.get('rank')})" if e.get("rank") is not None else f"in {who}"
+        fix = memory_fix(side, None)
+        return f"out of {side} memory in {name} at step {e.get('step')} {where}: {what} (not retried: give it {fix})"
+    retried = "a user error, not retried" if e.get("kind") == "user" else f"{e.get('kind')}: {then}"
     return f"failure in {name} at step {e.get('step')}: {who}: {e.get('error')} ({retried})"
 
 
