@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ddp_core.cluster.failures import memory_side, out_of_memory
+from ddp_core.cluster.failures import out_of_memory
 from ddp_core.config.batch import micro_batch_candidates
 from ddp_core.distributed import collectives, rng
 from ddp_core.errors import DdpJobError
@@ -45,10 +45,7 @@ from ddp_core.trainer.metrics import TrainSums
 from ddp_core.trainer.steps import to_device
 
 log = logging.getLogger(__name__)
-FIX = (
-    "give it more memory (slurm.mem_gb: the host's), let less of it be needed (strategy.activation_checkpointing=true, "
-    "a smaller data.global_batch_size), or share the model over the ranks (strategy.name=fsdp)"
-)
+FIX = "more memory (slurm.mem_gb), strategy.activation_checkpointing=true, a smaller data.global_batch_size, or fsdp"
 
 
 ENFORCE = re.compile(r"^\[enforce fail at [^\]]*\] err == 0\. ")  # the CPU allocator's message starts so
@@ -203,12 +200,10 @@ def memory_report(device: torch.device) -> str:
 
 
 def out_of_memory_error(step: int, micro: int, device: torch.device, what: str) -> OutOfMemory:
-    side = "host" if device.type == "cpu" else memory_side(what)
-    return OutOfMemory(
-        f"{side} memory: a micro-batch of {micro}, the smallest, does not fit at step {step} "
-        f"({memory_report(device)}): {what}",
-        FIX,
-    )
+    """Not even a micro-batch of ``micro`` (one, or the probe's smallest) fits: one line, the memory used and the
+    memory there is (``memory_report``), and the keys to change."""
+    said = f": {what}" if what else ""
+    return OutOfMemory(f"a micro-batch of {micro} does not fit at step {step} ({memory_report(device)}){said}", FIX)
 
 
 @dataclass
@@ -282,7 +277,7 @@ def probe(
     free(device)
     agreed = agree_min(best or 0)
     if not agreed:
-        raise out_of_memory_error(0, 1, device, f"the probe's step of {math.ceil(1 + headroom)} sample(s) did not fit")
+        raise out_of_memory_error(0, 1, device, "")
     return Fit(share, agreed, time.perf_counter() - started, tried)
 
 

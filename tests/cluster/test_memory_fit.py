@@ -1,0 +1,91 @@
+"""``data.batch_size: auto`` on the local cluster, under a real memory limit (``ulimit -v`` in ``slurm.setup``: the
+CPU allocator itself fails, as a GPU's does at its capacity), never an exception raised in its place
+(``ddp_core.trainer.memory``).
+
+The limit is set from what a run at a fixed micro-batch of 4 took (its ranks' peak address space, which the trainer
+logs) plus 128 MiB: a micro-batch of 4 fits with the probe's headroom (5 samples: 48 MiB more), 8 and 16 do not
+(10 samples: 288 MiB more). The task (``WideDigitsTask``) holds about 48 MiB a sample during its backward, twice that
+for the samples of step 6 that rank 1 holds, a longer batch than the probe saw. ``MALLOC_MMAP_THRESHOLD_`` fixed:
+glibc's adaptive threshold otherwise moves allocations of up to 32 MiB onto a heap that keeps its address space,
+and the limit would be met where the task's own memory does not reach it (a fragmentation this test is not about).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.support.cli_runner import field, run_cli
+from tests.support.helpers import ROOT, digests, events, final_digests, rank_logs, run_trainer, wait_gone
+
+pytestmark = [pytest.mark.cluster_shared("a")]  # 2 ranks of one CPU on one node
+DIGITS = str(ROOT / "configs" / "digits.yaml")
+GLOBAL, HEAVY_STEP = 32, 6
+# Rank 1's samples of step 6 (unshuffled, sample i of the stream goes to rank i % 2: trainer.data).
+HEAVY = list(range(HEAVY_STEP * GLOBAL + 1, (HEAVY_STEP + 1) * GLOBAL, 2))
+WIDE = [
+    "task.target=tests.support.memory_tasks:WideDigitsTask", "task.data.width=400000", f"task.data.heavy={HEAVY}",
+    f"data.global_batch_size={GLOBAL}", "data.shuffle=false", "optim.schedule=constant", "optim.warmup_steps=0",
+    "train.eval_every=0", "train.max_steps=12", "wandb.mode=disabled", "slurm.nodes=1", "slurm.tasks_per_node=2",
+]  # fmt: skip
+MARGIN_MIB = 128
+ADDRESS_SPACE = re.compile(r"peak host memory of this rank: resident \d+ MiB, address space (\d+) MiB")
+
+
+def limited(kib: int) -> str:
+    return f"slurm.setup=['ulimit -v {kib}', 'export MALLOC_MMAP_THRESHOLD_=65536']"
+
+
+def test_auto_fits_the_micro_batch_under_a_memory_limit_and_survives_a_larger_batch(slurm_cluster, tmp_path):
+    """The probe takes 4 (16 and 8 do not fit); at step 6 rank 1 runs out with its longer samples, rank 0 does not:
+    both do the step again with 2 x 8, and the run completes, bitwise equal to the run at a fixed micro-batch of 4 to
+    step 6 continued at 2: the probe and the failed step left nothing behind. Then a limit under what a micro-batch
+    of one needs: the job fails at once, as out of memory, with the one line that says what to change."""
+    ref = tmp_path / "reference"
+    before = run_trainer(DIGITS, ref, [*WIDE, "data.batch_size=4", "train.max_steps=6"], nproc=2)
+    peak_mib = max(int(n) for n in ADDRESS_SPACE.findall(before))
+    (reference,) = set(final_digests(run_trainer(DIGITS, ref, [*WIDE, "data.batch_size=2"], nproc=2)))
+
+    proc = run_cli("submit", DIGITS, *WIDE, "data.batch_size=auto", limited((peak_mib + MARGIN_MIB) * 1024),
+                   cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+    assert wait_gone(job_id, 240) == "COMPLETED", rank_logs(run_dir, job_id)
+    (start,) = events(run_dir, "start")
+    assert (start["micro_batch"], start["grad_accum"]) == (4, 4), start
+    assert dict(map(tuple, start["probed"])) == {16: False, 8: False, 4: True}, start
+    (shrunk,) = events(run_dir, "micro_batch_shrunk")
+    assert (shrunk["step"], shrunk["was"], shrunk["micro_batch"], shrunk["grad_accum"], shrunk["ranks"]) == (
+        HEAVY_STEP,
+        4,
+        2,
+        8,
+        [1],
+    ), shrunk
+    assert "can't allocate memory" in shrunk["error"], shrunk
+    assert not events(run_dir, "failure") and not events(run_dir, "rank_failed")
+    assert set(digests(rank_logs(run_dir, job_id)).values()) == {reference}
+    status = run_cli("status", str(run_dir), cwd=tmp_path)
+    assert f"micro-batch in {run_dir.name}: 4 x 4 a replica (data.batch_size=auto" in status.stdout, status.stdout
+    assert f"halved to 2 at step {HEAVY_STEP}, out of memory on rank 1:" in status.stdout, status.stdout
+
+    # Below a micro-batch of one (2 samples with the headroom, 96 MiB over the reference's peak less its 4 samples'
+    # 192): refused by the probe, a memory failure, not retried.
+    proc = run_cli("submit", DIGITS, *WIDE, "data.batch_size=auto", limited((peak_mib - 150) * 1024), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+    assert wait_gone(job_id, 240) == "FAILED", rank_logs(run_dir, job_id)
+    assert [(e["event"], e.get("kind")) for e in events(run_dir) if e["event"] != "rank_failed"] == [
+        ("failure", "memory"), ("failed", None)
+    ]  # fmt: skip
+    (failed,) = events(run_dir, "failed")
+    assert re.match(
+        r"out of host memory on n\d \(rank \d\) at step 0: OutOfMemory: a micro-batch of 1 does not fit at step 0 "
+        r"\(host: address space at peak [\d.]+ GiB of ulimit -v [\d.]+ GiB\) \(hint: more memory \(slurm.mem_gb\)",
+        failed["reason"],
+    ), failed
+    assert "strategy.activation_checkpointing=true" in failed["reason"], failed
+    status = run_cli("status", str(run_dir), cwd=tmp_path)
+    assert re.search(r"^\s+\d+\s+OUT_OF_MEMORY\s", status.stdout, re.M), status.stdout
