@@ -89,3 +89,32 @@ def test_auto_fits_the_micro_batch_under_a_memory_limit_and_survives_a_larger_ba
     assert "strategy.activation_checkpointing=true" in failed["reason"], failed
     status = run_cli("status", str(run_dir), cwd=tmp_path)
     assert re.search(r"^\s+\d+\s+OUT_OF_MEMORY\s", status.stdout, re.M), status.stdout
+
+
+def test_a_script_that_runs_out_of_host_memory_is_reported_as_out_of_memory_and_not_retried(slurm_cluster, tmp_path):
+    """Script mode: a user's script whose rank 1 asks the CPU allocator for more than ``ulimit -v`` leaves (its
+    RuntimeError is the memory kind, host): the job fails once, no restart in the allocation, no requeue, and status
+    says OUT_OF_MEMORY with the rank, the host and the fix."""
+    script = tmp_path / "grows.py"
+    script.write_text(
+        "import torch\n"
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "if dist.get_rank() == 1:\n"
+        "    torch.empty(8 << 30, dtype=torch.uint8)  # 8 GiB, past the limit\n"
+        "dist.barrier()\n"
+    )
+    args = ["slurm.tasks_per_node=2", "slurm.max_restarts=2", "slurm.max_failures=2", limited(4 << 20)]  # 4 GiB
+    proc = run_cli("submit", "--script", str(script), *args, "--wait", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    run_dir = Path(field(proc.stdout, "run dir"))
+    assert [(e["event"], e.get("kind")) for e in events(run_dir) if e["event"] != "rank_failed"] == [
+        ("start", None), ("failure", "memory"), ("failed", None)
+    ]  # fmt: skip
+    (failed,) = events(run_dir, "failed")
+    assert re.match(r"out of host memory on n\d \(rank 1\) at step None: RuntimeError: .*DefaultCPUAllocator: can't "
+                    r"allocate memory", failed["reason"]), failed  # fmt: skip
+    status = run_cli("status", str(run_dir), cwd=tmp_path)
+    assert re.search(r"^\s+\d+\s+OUT_OF_MEMORY\s", status.stdout, re.M), status.stdout
+    assert re.search(r"out of host memory in \S+ at step None on n\d \(rank 1\): RuntimeError: .*can't allocate memory"
+                     r".* \(not retried: give it slurm.mem_gb=N\)", status.stdout), status.stdout  # fmt: skip

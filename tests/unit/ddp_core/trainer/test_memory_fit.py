@@ -1,0 +1,85 @@
+"""``data.batch_size=auto``'s pieces without a cluster (``ddp_core.trainer.memory``, ``ddp_core.config.batch``): the
+probe's search, the halving, cutting a replica's share into micro-batches, a step's sums put back, and the one-line
+refusals at submission. The real memory limits are tests/cluster/test_memory_fit.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddp_core.cluster.failures import Kind, classify
+from ddp_core.config import load_config
+from ddp_core.config.batch import micro_batch_candidates
+from ddp_core.errors import DdpJobError
+from ddp_core.task import Output
+from ddp_core.trainer.memory import Fit, OutOfMemory, repeat, rows, search, split
+from ddp_core.trainer.metrics import TrainSums
+from tests.support.digits import DIGITS
+
+
+@pytest.mark.parametrize("limit", [0, 1, 5, 12, 13, 47, 48, 100])
+def test_the_probe_finds_the_largest_micro_batch_that_fits_trying_the_largest_first(limit):
+    candidates = micro_batch_candidates(48)
+    assert candidates == [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
+    best, tried = search(candidates, lambda n: n <= limit)
+    assert best == max((c for c in candidates if c <= limit), default=None)
+    assert tried[0] == (48, limit >= 48) and len(tried) <= 1 + 4  # the largest, then bisection of the other nine
+    assert all(ok == (n <= limit) for n, ok in tried)
+
+
+def test_a_step_that_runs_out_halves_the_micro_batch_to_a_divisor_of_the_share_down_to_one():
+    fit, seen = Fit(share=12, micro=12), []
+    while True:
+        try:
+            seen.append((fit.shrink(7, torch.device("cpu"), "rank 1: can't allocate memory"), fit.accumulation))
+        except OutOfMemory as err:
+            assert classify(err) is Kind.memory  # the failure table's row: not retried, with its fix
+            assert str(err).startswith("a micro-batch of 1 does not fit at step 7 (host: ")
+            assert "rank 1: can't allocate memory (hint: more memory (slurm.mem_gb)" in str(err)
+            break
+    assert seen == [(6, 2), (3, 4), (1, 12)]
+
+
+def test_a_share_is_cut_into_micro_batches_in_order_and_a_probe_batch_repeats_what_the_set_has():
+    share = (torch.arange(12).reshape(6, 2), {"y": torch.arange(6), "name": "digits"})
+    parts = split(share, 2)
+    assert len(parts) == 3 and all(rows(p) == 2 for p in parts)
+    assert torch.equal(torch.cat([p[0] for p in parts]), share[0]) and parts[1][1]["name"] == "digits"
+    assert torch.equal(torch.cat([p[1]["y"] for p in parts]), share[1]["y"])
+    big = repeat(share, 14)
+    assert rows(big) == 14 and torch.equal(big[1]["y"], torch.arange(6).repeat(3)[:14])
+    assert rows(repeat(share, 4)) == 4
+
+
+def test_a_step_done_again_counts_its_sums_once():
+    sums = TrainSums()
+    sums.add(Output(loss=torch.tensor(0.0), count=2, sums={"correct": torch.tensor(1.0)}))
+    mark = sums.mark()
+    for _ in range(3):  # the micro-batches of a step that then ran out
+        sums.add(
+            Output(loss=torch.tensor(0.0), count=2, sums={"correct": torch.tensor(2.0), "extra": torch.tensor(1.0)})
+        )
+    sums.rollback(mark)
+    assert sums.count == 2 and [len(v) for v in sums.pending.values()] == [1, 0]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (["data.batch_size=auto"], "config key 'data.batch_size' = 'auto' needs data.global_batch_size"),
+        (["data.batch_size=auto", "data.global_batch_size=64", "train.invariant=true"],
+         "is invalid with train.invariant=true: the micro-batch is the leaf"),
+        (["data.batch_size=auto", "data.global_batch_size=64", "strategy.name=fsdp"],
+         "is invalid with strategy.name='fsdp': its ranks meet in collectives inside the forward"),
+        (["data.batch_size=auto", "data.global_batch_size=63"],
+         "= 63 is invalid with data.batch_size=auto: the job has 2 data-parallel replicas"),
+        (["data.batch_size=most"], "config key 'data.batch_size' = 'most' is invalid: must be a number of samples"),
+        (["data.batch_size=auto", "data.global_batch_size=64", "data.batch_headroom=-1"],
+         "config key 'data.batch_headroom' = -1"),
+    ],
+)  # fmt: skip
+def test_auto_is_refused_in_one_line_where_it_cannot_work(overrides, says):
+    with pytest.raises(DdpJobError) as err:
+        load_config(DIGITS, overrides)
+    assert says in str(err.value) and "\n" not in str(err.value)
+    assert load_config(DIGITS, ["data.batch_size=auto", "data.global_batch_size=64"]).data.batch_size == "auto"
