@@ -13,7 +13,7 @@ from ddp_core.run.rundir import RunDir
 from jobs.report import figures
 from jobs.report.table import fmt, label, metric_keys, rerun_command, resume_command, value_text
 from jobs.report.trials import NO_METRICS, Sweep, Trial
-from jobs.runs import goodput, throughput
+from jobs.runs import goodput, notes, throughput
 
 TOP_K = 10
 CSS = """body{font:14px system-ui,sans-serif;margin:1.5em;color:#222;max-width:1400px}
@@ -134,6 +134,16 @@ def _throughput(sweep: Sweep) -> str:
     return f'<h2>Throughput</h2><p class="throughput">{html.escape(line)}</p>' if line else ""
 
 
+def _micro_batch(sweep: Sweep) -> str:
+    """A run with ``data.batch_size=auto``: the micro-batch its probe chose and each halving (``jobs.runs.notes``);
+    empty otherwise."""
+    if sweep.kind != "run" or not sweep.trials:
+        return ""
+    run = RunDir(sweep.trials[0].path)
+    note = notes.micro_batch_note(run.path.name, run.events())
+    return f'<h2>Micro-batch</h2><p class="micro-batch">{html.escape(note)}</p>' if note else ""
+
+
 def render(sweep: Sweep, title: str, search_lines: list[str]) -> str:
     from plotly.offline import get_plotlyjs  # plotly.js, inlined: the page works offline
 
@@ -157,7 +167,13 @@ def render(sweep: Sweep, title: str, search_lines: list[str]) -> str:
     every = _table(sweep, ranked, best, False)
     if sweep.keys:
         every = f"<details><summary>all {len(ranked)} trials</summary>{every}</details>"
-    parts += ["<h2>Every trial</h2>" if sweep.kind != "run" else "", every, _throughput(sweep), _goodput(sweep)]
+    parts += [
+        "<h2>Every trial</h2>" if sweep.kind != "run" else "",
+        every,
+        _throughput(sweep),
+        _micro_batch(sweep),
+        _goodput(sweep),
+    ]
     body = "\n".join(p for p in parts if p)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title><style>{CSS}</style>

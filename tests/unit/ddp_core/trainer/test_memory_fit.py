@@ -83,3 +83,21 @@ def test_auto_is_refused_in_one_line_where_it_cannot_work(overrides, says):
         load_config(DIGITS, overrides)
     assert says in str(err.value) and "\n" not in str(err.value)
     assert load_config(DIGITS, ["data.batch_size=auto", "data.global_batch_size=64"]).data.batch_size == "auto"
+
+
+def test_every_attempt_probes_again_and_the_run_goes_on_as_if_uninterrupted(tmp_path):
+    """A resumed attempt probes anew (its start event says so) before it loads the checkpoint, with the same global
+    batch and schedule: the run ends bitwise equal to an uninterrupted one at the micro-batch both probes chose."""
+    from tests.support.helpers import events, final_digests, run_trainer
+
+    common = ["data.global_batch_size=64", "slurm.tasks_per_node=1", "optim.schedule=constant", "optim.warmup_steps=0",
+              "train.eval_every=0", "wandb.mode=disabled"]  # fmt: skip
+    run = tmp_path / "auto"
+    run_trainer(DIGITS, run, [*common, "data.batch_size=auto", "train.max_steps=6"])
+    resumed = run_trainer(DIGITS, run, [*common, "data.batch_size=auto", "train.max_steps=12"])
+    starts = events(run, "start")
+    assert [(e["step"], e["micro_batch"], e["global_batch"], e["probed"]) for e in starts] == [
+        (0, 64, 64, [[64, True]]), (6, 64, 64, [[64, True]])
+    ]  # fmt: skip
+    uninterrupted = run_trainer(DIGITS, tmp_path / "fixed", [*common, "data.batch_size=64", "train.max_steps=12"])
+    assert set(final_digests(resumed)) == set(final_digests(uninterrupted)) and len(final_digests(resumed)) == 1
