@@ -199,6 +199,8 @@ def validate_batches(cfg: Config) -> None:
     s = cfg.strategy
     validate_auto(cfg)
     if is_auto(cfg.data):
+        why = "must stay 1 with data.batch_size=auto: the accumulation is the share over the micro-batch that fits"
+        require(cfg.train.grad_accum == 1, "train.grad_accum", cfg.train.grad_accum, why)
         assert cfg.data.global_batch_size is not None  # validate_auto's check
         require(
             0 < cfg.data.global_batch_size <= MAX_GLOBAL_BATCH, KEY, cfg.data.global_batch_size,

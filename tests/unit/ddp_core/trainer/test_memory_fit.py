@@ -73,6 +73,8 @@ def test_a_step_done_again_counts_its_sums_once():
          "is invalid with strategy.name='fsdp': its ranks meet in collectives inside the forward"),
         (["data.batch_size=auto", "data.global_batch_size=63"],
          "= 63 is invalid with data.batch_size=auto: the job has 2 data-parallel replicas"),
+        (["data.batch_size=auto", "data.global_batch_size=64", "train.grad_accum=2"],
+         "config key 'train.grad_accum' = 2 is invalid: must stay 1 with data.batch_size=auto"),
         (["data.batch_size=most"], "config key 'data.batch_size' = 'most' is invalid: must be a number of samples"),
         (["data.batch_size=auto", "data.global_batch_size=64", "data.batch_headroom=-1"],
          "config key 'data.batch_headroom' = -1"),
