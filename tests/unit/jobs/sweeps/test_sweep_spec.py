@@ -189,7 +189,7 @@ def test_failing_trial_is_named_with_its_overrides():
         ("grid:\n  optim.lr: 0.1", "sweep key 'grid.optim.lr' must be a non-empty list"),
         ("grid: {}", "sweep key 'grid' is empty"),
         ("grid:\n  optim.lrr: [1, 2]", "unknown config key 'optim.lrr'"),
-        ("grid:\n  data.batch_size: [64, wide]", "config key 'data.batch_size' = 'wide' is invalid: must be a number of samples, or 'auto'"),
+        ("grid:\n  data.batch_size: [64, wide]", "'data.batch_size' = 'wide' is invalid: must be a number of samples"),
         ("grid:\n  optim.lr: [1, 2]\noverrides: {optim.lr: 3}", "sweep key 'optim.lr' is given twice"),
         ("grid:\n  optim.lr: [1, 2]\nsweeep: 1", "sweep key 'sweeep' is not a sweep file key"),
         ("grid:\n  optim.lr: [1, 2]\nname: a/b", "sweep key 'name'"),
