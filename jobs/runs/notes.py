@@ -73,7 +73,8 @@ def failure_note(name: str, e: dict[str, Any], after: Sequence[dict[str, Any]] =
         side, what = memory_side(str(e.get("error"))), str(e.get("error")).removeprefix("out of memory: ")
         where = f"on {e.get('host')} (rank {e.get('rank')})" if e.get("rank") is not None else f"in {who}"
         fix = memory_fix(side, None)
-        return f"out of {side} memory in {name} at step {e.get('step')} {where}: {what} (not retried: give it {fix})"
+        when = f"at step {e['step']}" if e.get("step") is not None else "before its first step"
+        return f"out of {side} memory in {name} {when} {where}: {what} (not retried: give it {fix})"
     retried = "a user error, not retried" if e.get("kind") == "user" else f"{e.get('kind')}: {then}"
     return f"failure in {name} at step {e.get('step')}: {who}: {e.get('error')} ({retried})"
 

@@ -139,7 +139,7 @@ def test_a_ddpjob_run_out_of_memory_fails_once_and_names_its_peak(slurm_cluster,
     assert kinds == [("failure", "memory"), ("failed", None)], kinds
     status = users.run(alice, [*ddpjob, "status", str(run)], cwd=shared_dir, env=user_env())
     assert re.search(r"^\s+\d+\s+OUT_OF_MEMORY\s", status.stdout, re.M), status.stdout + status.stderr
-    where = r"out of host memory on n\d \(rank \d\) at step \d+: "
+    where = r"out of host memory in \S+ (?:at step \d+|before its first step) on n\d \(rank \d\): "
     peak = where + r"a task's peak [1-9]\d* MiB of the job's 308M \(slurm\.mem_gb=0\.3\)"
     assert re.search(peak, status.stdout), status.stdout
     log = "".join(p.read_text() for p in (run / "slurm").glob("*_0_log.err"))

@@ -56,7 +56,8 @@ def test_a_task_over_its_memory_limit_fails_the_job_naming_its_peak_and_excludes
         assert (decision.outcome, decision.code) == (Outcome.FAILED, ExitCode.FAILED)
     assert events(run) == [("failure", "n1"), ("failed", None)] * 2 and slurm.asked() == []
     assert run.events()[-1]["reason"] == (
-        "out of host memory on n1 (rank 0) at step None: a task's peak 150 MiB of the job's 308M (slurm.mem_gb=0.3)"
+        "out of host memory on n1 (rank 0) before its first step: "
+        "a task's peak 150 MiB of the job's 308M (slurm.mem_gb=0.3)"
     )
 
 
