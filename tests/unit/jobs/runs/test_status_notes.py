@@ -44,3 +44,33 @@ def test_a_run_that_spent_a_budget_reads_budget_exhausted_with_the_reason_and_ho
     )  # fmt: skip
     assert row.state(NOW) == "FAILED(1)"  # Slurm's own word where the run's record names no end
     assert [n for n in notes.for_run("r", requeued, None) if n.startswith("stopped")] == []
+
+
+def test_a_memory_failure_says_whose_memory_where_and_the_fix_for_that_side():
+    """Host memory (a limit's kill, with accounting's peak) told apart from a device's (a GPU's allocator)."""
+    host = {"event": "failure", "kind": "memory", "rank": 3, "host": "n2", "step": 40,
+            "error": "out of memory: a task's peak 1990 MiB of the job's 2G (slurm.mem_gb=2)"}  # fmt: skip
+    device = host | {"step": None, "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+    assert notes.for_run("r", [host], None) == [
+        "out of host memory in r at step 40 on n2 (rank 3): a task's peak 1990 MiB of the job's 2G (slurm.mem_gb=2) "
+        "(not retried: give it slurm.mem_gb=N)"
+    ]
+    assert notes.for_run("r", [device], None) == [
+        "out of device memory in r before its first step on n2 (rank 3): OutOfMemoryError: CUDA out of memory. Tried "
+        "to allocate 2.00 GiB (not retried: give it data.batch_size=auto (or smaller), or "
+        "strategy.activation_checkpointing=true)"
+    ]
+
+
+def test_a_fitted_micro_batch_is_noted_with_each_halving_of_the_newest_attempt():
+    first = {"event": "start", "step": 0, "micro_batch": 8, "grad_accum": 2, "probe_s": 0.5}
+    shrunk = {"event": "micro_batch_shrunk", "step": 6, "micro_batch": 4, "error": "rank 1: can't allocate memory"}
+    again = {"event": "start", "step": 10, "micro_batch": 16, "grad_accum": 1, "probe_s": 0.25}
+    assert notes.micro_batch_note("r", [first, shrunk]) == (
+        "micro-batch in r: 8 x 2 a replica (data.batch_size=auto, probed in 0.50 s at step 0); halved to 4 at step 6, "
+        "out of memory on rank 1: can't allocate memory"
+    )
+    assert notes.micro_batch_note("r", [first, shrunk, again]) == (
+        "micro-batch in r: 16 x 1 a replica (data.batch_size=auto, probed in 0.25 s at step 10)"
+    )  # another attempt, on other hardware: probed anew
+    assert notes.micro_batch_note("r", [{"event": "start", "step": 0}]) is None  # a fixed micro-batch
