@@ -71,6 +71,11 @@ class Strategy(ABC):
         to stop in any micro-batch (``trainer.memory``): the model itself unless its wrapper communicates."""
         return model
 
+    def sync_buffers(self, model: nn.Module) -> None:
+        """Before a step on ``local_model``: the buffers (batch-norm statistics) as the wrapper's forward would make
+        them (ddp: rank 0's). Nothing to do where one process holds them."""
+        return None
+
     def reduce_gradients(self, model: nn.Module) -> None:
         """After micro-batches ran on ``local_model``: every replica's gradients the mean over the replicas. Nothing
         to do where one process sees every sample."""

@@ -38,6 +38,12 @@ class DDPStrategy(Strategy):
     def local_model(self, model: nn.Module) -> nn.Module:
         return self.unwrap(model)  # DDP's forward may broadcast buffers; its backward hooks stay idle without it
 
+    def sync_buffers(self, model: nn.Module) -> None:
+        """DDP's forward broadcasts rank 0's buffers (``broadcast_buffers``): the same before each step, once."""
+        if isinstance(model, DistributedDataParallel) and model.broadcast_buffers:
+            for buffer in model.module.buffers():
+                dist.broadcast(buffer, src=0)
+
     def reduce_gradients(self, model: nn.Module) -> None:
         """DDP's arithmetic, without its buckets: each gradient divided by the replicas, then summed over them, in one
         flat all-reduce (at 2 ranks the same bits as DDP's: a sum of two is the same in either order)."""

@@ -318,6 +318,7 @@ class FittedStep:
         self.model, self.local, self.sums, self.record = model, strategy.local_model(model), sums, record
 
     def __call__(self, share: Any, step: int) -> list[torch.Tensor]:
+        self.strategy.sync_buffers(self.model)  # before any micro-batch: no rank can have run out yet
         streams, mark = rng.rng_state(), self.sums.mark()
         while True:
             losses, what = self.run(share)
