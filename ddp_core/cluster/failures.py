@@ -18,7 +18,7 @@ a rank that dies by a signal records nothing, and srun's own line (``srun: error
 - **memory**, fails at once, no node excluded: a task the step's memory limit killed (srun's ``task 0: Out Of
   Memory``, the cgroup's OOM handler: ``slurm.mem_gb``, or the cluster's default memory per CPU), or an allocator
   that ran out in a rank (``torch.OutOfMemoryError``: the device's; the CPU allocator's ``can't allocate memory``,
-  Python's ``MemoryError``: the host's) that ``data.batch_size=auto`` could not survive (``trainer.memory``). The
+  ``MemoryError``, ``ENOMEM``: the host's) that ``data.batch_size=auto`` could not survive (``trainer.memory``). The
   same request runs out again on any node: the job ends FAILED naming the peak and the limit, host or device, and
   the keys that fix it; ``ddpjob resume RUN KEY=...`` continues it. (Where nothing limits memory, the kernel's OOM
   killer SIGKILLs a task: that reads as a signal, infrastructure.)
@@ -120,6 +120,8 @@ def out_of_memory(err: BaseException) -> bool:
     names = {t.__name__ for t in type(err).__mro__}
     if names & {"OutOfMemoryError", "OutOfMemory", "MemoryError"}:
         return True
+    if isinstance(err, OSError) and err.errno == errno.ENOMEM:  # a fork or mmap refused: a loader's worker
+        return True
     return isinstance(err, RuntimeError) and bool(_MEMORY_WORDS.search(str(err)))
 
 
@@ -127,7 +129,7 @@ def memory_side(error: str) -> str:
     """Whose memory a memory failure's text says ran out: ``host`` (RAM: the CPU allocator, a memory limit's kill,
     a loader worker, a full state dict on rank 0) or ``device`` (an accelerator's)."""
     device = re.search(r"\b(?:cuda|gpu|device|xpu|mps)\b|OutOfMemoryError", error, re.I)
-    host = re.search(r"CPUAllocator|\bMemoryError|memory limit|\bhost\b|DataLoader worker", error)
+    host = re.search(r"CPUAllocator|\bMemoryError|memory limit|\bhost\b|DataLoader worker|Cannot allocate", error)
     return "device" if device and not host else "host"
 
 

@@ -48,6 +48,7 @@ GLOO_PEER = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection clo
         (MemoryError(), Kind.memory),  # Python's own: the host's
         (RuntimeError(f"[enforce fail at alloc_cpu.cpp:127] err == 0. {CPU_OOM}"), Kind.memory),
         (RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. "), Kind.memory),
+        (OSError(errno.ENOMEM, "Cannot allocate memory"), Kind.memory),  # a worker's fork refused
         (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), Kind.memory),
     ],
 )
