@@ -71,9 +71,10 @@ def test_auto_fits_the_micro_batch_under_a_memory_limit_and_survives_a_larger_ba
     assert f"micro-batch in {run_dir.name}: 4 x 4 a replica (data.batch_size=auto" in status.stdout, status.stdout
     assert f"halved to 2 at step {HEAVY_STEP}, out of memory on rank 1:" in status.stdout, status.stdout
 
-    # Below a micro-batch of one (2 samples with the headroom, 96 MiB over the reference's peak less its 4 samples'
-    # 192): refused by the probe, a memory failure, not retried.
-    proc = run_cli("submit", DIGITS, *WIDE, "data.batch_size=auto", limited((peak_mib - 150) * 1024), cwd=tmp_path)
+    # Below a micro-batch of one: 2 samples with the headroom, 96 MiB over the start-up's address space, which is the
+    # reference's peak less its 4 samples' 192 MiB; 130 MiB under that peak leaves the start-up 62 MiB and the probe's
+    # step 34 MiB short. Refused by the probe: a memory failure, not retried.
+    proc = run_cli("submit", DIGITS, *WIDE, "data.batch_size=auto", limited((peak_mib - 130) * 1024), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
     assert wait_gone(job_id, 240) == "FAILED", rank_logs(run_dir, job_id)
