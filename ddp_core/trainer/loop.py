@@ -59,6 +59,7 @@ from ddp_core.trainer.telemetry import Telemetry
 from ddp_core.trainer.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
+FINAL = (failures.Kind.user, failures.Kind.memory)  # failures after which no attempt of the job runs again
 
 
 class Trainer:
@@ -86,6 +87,9 @@ class Trainer:
             outcome = self.train()
         except BaseException as err:
             error = err
+            if failures.out_of_memory(err) and not isinstance(err, memory.OutOfMemory):  # said with the numbers
+                error = memory.ran_out(err, self.at_step(), getattr(self, "device", torch.device("cpu")))
+                raise error from err
             raise
         finally:
             self.close(error)
@@ -368,7 +372,7 @@ class Trainer:
     def close(self, error: Optional[BaseException]) -> None:
         """This rank's teardown, whatever happened: no collective (a failed rank's peers may be gone). After a
         success or a signal's stop the writers are closed already (``finished``, ``stopped``). After a user error
-        no attempt of this job will run again: this node's local copies go."""
+        or an out-of-memory no attempt of this job will run again: this node's local copies go."""
         failed = error is not None
         if self.batch_watch is not None:
             self.batch_watch.stop()
@@ -380,7 +384,7 @@ class Trainer:
                 raise
             log.exception("closing the checkpoint writers after the failure")  # the failure itself is logged next
         finally:
-            if self.checkpoints and isinstance(error, Exception) and failures.classify(error) is failures.Kind.user:
+            if self.checkpoints and isinstance(error, Exception) and failures.classify(error) in FINAL:
                 self.checkpoints.discard_local(collective=False)
             if self.profiler is not None:
                 self.profiler.close(self.at_step())

@@ -206,6 +206,15 @@ def out_of_memory_error(step: int, micro: int, device: torch.device, what: str) 
     return OutOfMemory(f"a micro-batch of {micro} does not fit at step {step} ({memory_report(device)}){said}", FIX)
 
 
+def ran_out(err: BaseException, step: Optional[int], device: torch.device) -> OutOfMemory:
+    """An allocator's failure this attempt did not survive (a fixed micro-batch, an evaluation, a checkpoint's full
+    state dict): the same, said with the memory used and there."""
+    what = ENFORCE.sub("", (str(err).strip().splitlines() or [type(err).__name__])[0])
+    when = f"at step {step}" if step is not None else "before the first step"
+    hint = "data.batch_size=auto fits the micro-batch to memory, the global batch kept; or " + FIX
+    return OutOfMemory(f"ran out {when} ({memory_report(device)}): {what}", hint)
+
+
 @dataclass
 class Fit:
     """The attempt's micro-batch (``data.batch_size=auto``): this replica's share of a step, the micro-batch it is

@@ -91,6 +91,19 @@ def test_auto_fits_the_micro_batch_under_a_memory_limit_and_survives_a_larger_ba
     status = run_cli("status", str(run_dir), cwd=tmp_path)
     assert re.search(r"^\s+\d+\s+OUT_OF_MEMORY\s", status.stdout, re.M), status.stdout
 
+    # A fixed micro-batch of 8 under the first limit: the allocator's failure, said with the memory used and there.
+    proc = run_cli("submit", DIGITS, *WIDE, "data.batch_size=8", limited((peak_mib + MARGIN_MIB) * 1024), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+    assert wait_gone(job_id, 240) == "FAILED", rank_logs(run_dir, job_id)
+    (failed,) = events(run_dir, "failed")
+    assert re.match(
+        r"out of host memory on n\d \(rank \d\) at step 0: OutOfMemory: ran out at step 0 \(host: address space at "
+        r"peak [\d.]+ GiB of ulimit -v [\d.]+ GiB\): DefaultCPUAllocator: can't allocate memory",
+        failed["reason"],
+    ), failed
+    assert not events(run_dir, "requeued") and not events(run_dir, "restarted")
+
 
 def test_a_script_that_runs_out_of_host_memory_is_reported_as_out_of_memory_and_not_retried(slurm_cluster, tmp_path):
     """Script mode: a user's script whose rank 1 asks the CPU allocator for more than ``ulimit -v`` leaves (its

@@ -103,3 +103,14 @@ def test_every_attempt_probes_again_and_the_run_goes_on_as_if_uninterrupted(tmp_
     ]  # fmt: skip
     uninterrupted = run_trainer(DIGITS, tmp_path / "fixed", [*common, "data.batch_size=64", "train.max_steps=12"])
     assert set(final_digests(resumed)) == set(final_digests(uninterrupted)) and len(final_digests(resumed)) == 1
+
+
+def test_an_out_of_memory_the_attempt_did_not_survive_is_said_with_the_memory_used_and_there():
+    from ddp_core.trainer.memory import ran_out
+
+    raw = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory")
+    said = ran_out(raw, 5, torch.device("cpu"))
+    assert classify(said) is Kind.memory
+    assert str(said).startswith("ran out at step 5 (host: ") and "): DefaultCPUAllocator: can't allocate" in str(said)
+    assert said.hint.startswith("data.batch_size=auto fits the micro-batch to memory")
+    assert str(ran_out(MemoryError(), None, torch.device("cpu"))).startswith("ran out before the first step (host: ")
