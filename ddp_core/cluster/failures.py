@@ -125,6 +125,11 @@ def out_of_memory(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and bool(_MEMORY_WORDS.search(str(err)))
 
 
+def when(step: Optional[int]) -> str:
+    """A failure's step as its lines say it: ``at step 40``, or ``before its first step``."""
+    return f"at step {step}" if step is not None else "before its first step"
+
+
 def memory_side(error: str) -> str:
     """Whose memory a memory failure's text says ran out: ``host`` (RAM: the CPU allocator, a memory limit's kill,
     a loader worker, a full state dict on rank 0) or ``device`` (an accelerator's)."""

@@ -51,6 +51,7 @@ from ddp_core.cluster.failures import (
     memory_side,
     spent,
     to_exclude,
+    when,
 )
 from ddp_core.cluster.slurm import JobInfo, SlurmGateway
 from ddp_core.cluster.slurm_text import rss_bytes
@@ -132,8 +133,7 @@ def decide_after(
         side = memory_side(failure.error)
         where = f" on {failure.host} (rank {failure.rank})" if failure.rank is not None else ""
         detail = failure.error.removeprefix("out of memory: ")
-        when = f"at step {failure.step}" if failure.step is not None else "before its first step"
-        reason = f"out of {side} memory{where} {when}: {detail}"
+        reason = f"out of {side} memory{where} {when(failure.step)}: {detail}"
         then = "not retried, the same request runs out again on any node: give it more, then continue with"
         return failed(run_dir, env, failure, reason, then, label, memory_fix(side, slurm.mem_gb))
     name, limit = budget(failure, slurm)  # a health check's own: its node is excluded each time

@@ -197,20 +197,9 @@ def validate_batches(cfg: Config) -> None:
     ``data.global_batch_size`` (a range, train.grad_accum left to it, a multiple of the micro-batch times the replicas
     of every world size the job may run at: an elastic job's each node count)."""
     s = cfg.strategy
-    validate_auto(cfg)
-    if is_auto(cfg.data):
-        why = "must stay 1 with data.batch_size=auto: the accumulation is the share over the micro-batch that fits"
-        require(cfg.train.grad_accum == 1, "train.grad_accum", cfg.train.grad_accum, why)
-        assert cfg.data.global_batch_size is not None  # validate_auto's check
-        require(
-            0 < cfg.data.global_batch_size <= MAX_GLOBAL_BATCH, KEY, cfg.data.global_batch_size,
-            f"must be in [1, {MAX_GLOBAL_BATCH}]",
-        )  # fmt: skip
-        for world, data_world in zip(job_world_sizes(cfg), job_replicas(cfg), strict=True):
-            where = f"the job at {world // ranks_per_node(cfg)} node(s)" if cfg.slurm.elastic else "the job"
-            per_replica(cfg.data, data_world, where)
-        return
-    if s.name is StrategyName.pipeline and s.microbatches >= 1 and cfg.data.batch_size % s.microbatches:
+    validate_auto(cfg)  # auto: with a global batch, a strategy that can agree on an out-of-memory, no invariant
+    auto = is_auto(cfg.data)
+    if not auto and s.name is StrategyName.pipeline and s.microbatches >= 1 and fixed_micro(cfg.data) % s.microbatches:
         raise DdpJobError(
             f"config key 'strategy.microbatches' = {s.microbatches!r} is invalid: must divide data.batch_size "
             f"({cfg.data.batch_size}): every micro-batch has the same shape",
@@ -231,11 +220,15 @@ def validate_batches(cfg: Config) -> None:
             "accumulation is derived from each attempt's world size",
             "drop train.grad_accum (or set data.global_batch_size=null to choose the accumulation yourself)",
         )
-    if cfg.slurm.elastic and not cfg.train.invariant:  # invariant mode's shard rules come first, with their hint
+    # Invariant mode's shard rules come first, with their hint; auto's shares are checked below.
+    if cfg.slurm.elastic and not cfg.train.invariant and not auto:
         _validate_elastic(cfg, value)
     for world, data_world in zip(job_world_sizes(cfg), job_replicas(cfg), strict=True):
         where = f"the job at {world // ranks_per_node(cfg)} node(s)" if cfg.slurm.elastic else "the job"
-        grad_accum(cfg.data, cfg.train, data_world, where)  # and train.invariant's shards, at every world size
+        if auto:  # each replica's share, which the fitted micro-batch divides
+            per_replica(cfg.data, data_world, where)
+        else:  # and train.invariant's shards, at every world size
+            grad_accum(cfg.data, cfg.train, data_world, where)
 
 
 def _validate_elastic(cfg: Config, value: int) -> None:

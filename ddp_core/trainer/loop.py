@@ -180,6 +180,8 @@ class Trainer:
         """The attempt's start event, its records and progress lines, and rank 0's deadline stop."""
         step = self.state.pos.step
         if self.env.is_main:
+            fit = self.fitted.fit if self.fitted is not None else None  # data.batch_size=auto: the probe's choice
+            micro, accum = (fit.micro, fit.accumulation) if fit else (self.cfg.data.batch_size, self.grad_accum)
             self.run_dir.log_event(
                 "start",
                 job_id=self.env.job_id,
@@ -189,17 +191,15 @@ class Trainer:
                 world_size=self.env.world_size,
                 nodes=self.env.num_nodes,  # what Slurm gave this attempt: an elastic job's varies (slurm.nodes MIN-MAX)
                 global_batch=self.data.step_samples,
-                grad_accum=self.grad_accum if self.fitted is None else self.fitted.fit.accumulation,
-                **({} if self.fitted is None else self.fitted.fit.fields()),
+                grad_accum=accum,
+                **(fit.fields() if fit else {}),
                 launched=process_started(),  # this rank's process began: the launch's start-up is from here
                 # where this attempt's state came from: "durable" (RUN/checkpoints) or "local" (a node-local copy)
                 **({"tier": self.restored.tier} if self.restored else {}),
             )
-            fit = self.fitted.fit if self.fitted is not None else memory.Fit(self.grad_accum, 1)
             log.info(
-                "global batch %d = %d samples x %d micro-batches x %d replicas%s",
-                self.data.step_samples, self.cfg.data.batch_size if self.fitted is None else fit.micro,
-                fit.accumulation, self.strategy.data_world, fit.said(),
+                "global batch %d = %s samples x %d micro-batches x %d replicas%s",
+                self.data.step_samples, micro, accum, self.strategy.data_world, fit.said() if fit else "",
             )  # fmt: skip
             if self.cfg.train.invariant:
                 log_invariance(self.cfg, self.strategy, self.model, self.data.step_samples, self.grad_accum)

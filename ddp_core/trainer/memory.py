@@ -42,7 +42,7 @@ from ddp_core.errors import DdpJobError
 from ddp_core.strategies import Strategy
 from ddp_core.tasks.base import Task
 from ddp_core.trainer.metrics import TrainSums
-from ddp_core.trainer.steps import to_device
+from ddp_core.trainer.steps import map_tensors, to_device
 
 log = logging.getLogger(__name__)
 FIX = "more memory (slurm.mem_gb), strategy.activation_checkpointing=true, a smaller data.global_batch_size, or fsdp"
@@ -67,15 +67,8 @@ def rows(batch: Any) -> int:
 
 
 def cut(batch: Any, start: int, stop: int) -> Any:
-    """Samples ``start:stop`` of a batch: every tensor in it (in tuples, lists, dicts) sliced on its first dimension,
-    anything else kept."""
-    if isinstance(batch, torch.Tensor):
-        return batch[start:stop]
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(cut(b, start, stop) for b in batch)
-    if isinstance(batch, dict):
-        return {k: cut(v, start, stop) for k, v in batch.items()}
-    return batch
+    """Samples ``start:stop`` of a batch: every tensor in it sliced on its first dimension, anything else kept."""
+    return map_tensors(batch, lambda t: t[start:stop])
 
 
 def split(batch: Any, micro: int) -> list[Any]:
@@ -90,13 +83,7 @@ def repeat(batch: Any, n: int) -> Any:
     if have >= n:
         return cut(batch, 0, n)
     times = -(-n // have)
-    if isinstance(batch, torch.Tensor):
-        return torch.cat([batch] * times)[:n]
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(repeat(b, n) for b in batch)
-    if isinstance(batch, dict):
-        return {k: repeat(v, n) for k, v in batch.items()}
-    return batch
+    return map_tensors(batch, lambda t: torch.cat([t] * times)[:n])
 
 
 def search(candidates: list[int], fits: Callable[[int], bool]) -> tuple[Optional[int], list[tuple[int, bool]]]:
@@ -206,10 +193,15 @@ def out_of_memory_error(step: int, micro: int, device: torch.device, what: str) 
     return OutOfMemory(f"a micro-batch of {micro} does not fit at step {step} ({memory_report(device)}){said}", FIX)
 
 
+def allocator_words(err: BaseException) -> str:
+    """An allocator's failure in its first line, without the CPU allocator's ``[enforce fail ...]`` prefix."""
+    return ENFORCE.sub("", (str(err).strip().splitlines() or [type(err).__name__])[0])
+
+
 def ran_out(err: BaseException, step: Optional[int], device: torch.device) -> OutOfMemory:
     """An allocator's failure this attempt did not survive (a fixed micro-batch, an evaluation, a checkpoint's full
     state dict): the same, said with the memory used and there."""
-    what = ENFORCE.sub("", (str(err).strip().splitlines() or [type(err).__name__])[0])
+    what = allocator_words(err)
     when = f"at step {step}" if step is not None else "before the first step"
     hint = "data.batch_size=auto fits the micro-batch to memory, the global batch kept; or " + FIX
     return OutOfMemory(f"ran out {when} ({memory_report(device)}): {what}", hint)
@@ -234,8 +226,8 @@ class Fit:
         return {"micro_batch": self.micro, "probe_s": round(self.probe_s, 3), "probed": [list(t) for t in self.tried]}
 
     def said(self) -> str:
-        """The start log line's note of a probe ('' without one)."""
-        return f" (data.batch_size=auto, probed in {self.probe_s:.2f} s)" if self.tried else ""
+        """The start log line's note of the probe."""
+        return f" (data.batch_size=auto, probed in {self.probe_s:.2f} s)"
 
     def shrink(self, step: int, device: torch.device, what: str) -> int:
         """Half the micro-batch (the largest divisor of the share at most half of it); ``OutOfMemory`` at one."""
@@ -365,7 +357,7 @@ class FittedStep:
         except Exception as err:  # an allocator's failure is agreed on; the rest is raised
             if not out_of_memory(err):
                 raise
-            what = ENFORCE.sub("", str(err).strip().splitlines()[0])[:300]
+            what = allocator_words(err)[:300]
         if what is not None:  # the exception, and the step's tensors its frames held, are gone here
             free(self.strategy.device)
             return [], what

@@ -11,7 +11,7 @@ import itertools
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -34,16 +34,21 @@ class Outcome:
     early_stopped: bool = False  # finished before max_steps: checkpoint.monitor stopped improving
 
 
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` applied to every tensor of a batch (in tuples, lists and dicts), anything else kept."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_tensors(b, fn) for b in batch)
+    if isinstance(batch, dict):
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
+    return batch
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     if device.type == "cpu":
         return batch  # the loader's batches are on the CPU already: .to() would return each tensor itself
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
 
 
 def autocast(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager[Any]:

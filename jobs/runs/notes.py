@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from ddp_core.cluster.failures import excluded_hosts, memory_side
+from ddp_core.cluster.failures import excluded_hosts, memory_side, when
 from ddp_core.cluster.policy import memory_fix
 from ddp_core.run.diskfull import MAX_FAILED_SAVES
 from ddp_core.trainer.watchdog import cause
@@ -73,8 +73,7 @@ def failure_note(name: str, e: dict[str, Any], after: Sequence[dict[str, Any]] =
         side, what = memory_side(str(e.get("error"))), str(e.get("error")).removeprefix("out of memory: ")
         where = f"on {e.get('host')} (rank {e.get('rank')})" if e.get("rank") is not None else f"in {who}"
         fix = memory_fix(side, None)
-        when = f"at step {e['step']}" if e.get("step") is not None else "before its first step"
-        return f"out of {side} memory in {name} {when} {where}: {what} (not retried: give it {fix})"
+        return f"out of {side} memory in {name} {when(e.get('step'))} {where}: {what} (not retried: give it {fix})"
     retried = "a user error, not retried" if e.get("kind") == "user" else f"{e.get('kind')}: {then}"
     return f"failure in {name} at step {e.get('step')}: {who}: {e.get('error')} ({retried})"
 

@@ -74,7 +74,7 @@ def test_a_step_done_again_counts_its_sums_once():
         (["data.batch_size=auto", "data.global_batch_size=63"],
          "= 63 is invalid with data.batch_size=auto: the job has 2 data-parallel replicas"),
         (["data.batch_size=auto", "data.global_batch_size=64", "train.grad_accum=2"],
-         "config key 'train.grad_accum' = 2 is invalid: must stay 1 with data.batch_size=auto"),
+         "config key 'train.grad_accum' = 2 is set, but with data.global_batch_size = 64 the accumulation is derived"),
         (["data.batch_size=most"], "config key 'data.batch_size' = 'most' is invalid: must be a number of samples"),
         (["data.batch_size=auto", "data.global_batch_size=64", "data.batch_headroom=-1"],
          "config key 'data.batch_headroom' = -1"),
