@@ -38,20 +38,32 @@ def limited(kib: int) -> str:
     return f"slurm.setup=['ulimit -v {kib}', 'export MALLOC_MMAP_THRESHOLD_=65536']"
 
 
+def submitted(cwd: Path, *args: str) -> tuple[str, Path]:
+    """``ddpjob submit DIGITS WIDE ARGS``: the job and its run directory."""
+    proc = run_cli("submit", DIGITS, *WIDE, *args, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+
+
+def failed_event(job_id: str, run_dir: Path) -> dict:
+    """The job, once gone, FAILED; its run's one ``failed`` event."""
+    assert wait_gone(job_id, 240) == "FAILED", rank_logs(run_dir, job_id)
+    (failed,) = events(run_dir, "failed")
+    return failed
+
+
 def test_auto_fits_the_micro_batch_under_a_memory_limit_and_survives_a_larger_batch(slurm_cluster, tmp_path):
     """The probe takes 4 (16 and 8 do not fit); at step 6 rank 1 runs out with its longer samples, rank 0 does not:
     both do the step again with 2 x 8, and the run completes, bitwise equal to the run at a fixed micro-batch of 4 to
-    step 6 continued at 2: the probe and the failed step left nothing behind. Then a limit under what a micro-batch
-    of one needs: the job fails at once, as out of memory, with the one line that says what to change."""
+    step 6 continued at 2: the probe and the failed step left nothing behind. Then a task whose micro-batch of one
+    needs more than the limit: the job fails at once, as out of memory, with the one line that says what to change."""
     ref = tmp_path / "reference"
     before = run_trainer(DIGITS, ref, [*WIDE, "data.batch_size=4", "train.max_steps=6"], nproc=2)
     peak_mib = max(int(n) for n in ADDRESS_SPACE.findall(before))
     (reference,) = set(final_digests(run_trainer(DIGITS, ref, [*WIDE, "data.batch_size=2"], nproc=2)))
 
-    proc = run_cli("submit", DIGITS, *WIDE, "data.batch_size=auto", limited((peak_mib + MARGIN_MIB) * 1024),
-                   cwd=tmp_path)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+    limit = limited((peak_mib + MARGIN_MIB) * 1024)
+    job_id, run_dir = submitted(tmp_path, "data.batch_size=auto", limit)
     assert wait_gone(job_id, 240) == "COMPLETED", rank_logs(run_dir, job_id)
     (start,) = events(run_dir, "start")
     assert (start["micro_batch"], start["grad_accum"]) == (4, 4), start
@@ -71,17 +83,15 @@ def test_auto_fits_the_micro_batch_under_a_memory_limit_and_survives_a_larger_ba
     assert f"micro-batch in {run_dir.name}: 4 x 4 a replica (data.batch_size=auto" in status.stdout, status.stdout
     assert f"halved to 2 at step {HEAVY_STEP}, out of memory on rank 1:" in status.stdout, status.stdout
 
-    # Below a micro-batch of one: 2 samples with the headroom, 96 MiB over the start-up's address space, which is the
-    # reference's peak less its 4 samples' 192 MiB; 130 MiB under that peak leaves the start-up 62 MiB and the probe's
-    # step 34 MiB short. Refused by the probe: a memory failure, not retried.
-    proc = run_cli("submit", DIGITS, *WIDE, "data.batch_size=auto", limited((peak_mib - 130) * 1024), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
-    assert wait_gone(job_id, 240) == "FAILED", rank_logs(run_dir, job_id)
+    # Below a micro-batch of one: ten times the columns (about 480 MiB a sample in the backward) under the same limit,
+    # whose 128 MiB over the reference's peak a probe step of 2 samples passes by some 700 MiB, and which the start-up
+    # (the reference's, its activations aside) stays under by as much. Refused by the probe: a memory failure, not
+    # retried. (A limit under the reference's peak, by a guess of its activations, left the start-up too little.)
+    job_id, run_dir = submitted(tmp_path, "data.batch_size=auto", "task.data.width=4000000", limit)
+    failed = failed_event(job_id, run_dir)
     assert [(e["event"], e.get("kind")) for e in events(run_dir) if e["event"] != "rank_failed"] == [
         ("failure", "memory"), ("failed", None)
     ]  # fmt: skip
-    (failed,) = events(run_dir, "failed")
     assert re.match(
         r"out of host memory on n\d \(rank \d\) at step 0: OutOfMemory: a micro-batch of 1 does not fit at step 0 "
         r"\(host: address space at peak [\d.]+ GiB of ulimit -v [\d.]+ GiB\) \(hint: more memory \(slurm.mem_gb\)",
@@ -92,11 +102,8 @@ def test_auto_fits_the_micro_batch_under_a_memory_limit_and_survives_a_larger_ba
     assert re.search(r"^\s+\d+\s+OUT_OF_MEMORY\s", status.stdout, re.M), status.stdout
 
     # A fixed micro-batch of 8 under the first limit: the allocator's failure, said with the memory used and there.
-    proc = run_cli("submit", DIGITS, *WIDE, "data.batch_size=8", limited((peak_mib + MARGIN_MIB) * 1024), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
-    assert wait_gone(job_id, 240) == "FAILED", rank_logs(run_dir, job_id)
-    (failed,) = events(run_dir, "failed")
+    job_id, run_dir = submitted(tmp_path, "data.batch_size=8", limit)
+    failed = failed_event(job_id, run_dir)
     assert re.match(
         r"out of host memory on n\d \(rank \d\) at step 0: OutOfMemory: ran out at step 0 \(host: address space at "
         r"peak [\d.]+ GiB of ulimit -v [\d.]+ GiB\): DefaultCPUAllocator: can't allocate memory",
