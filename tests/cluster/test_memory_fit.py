@@ -5,9 +5,11 @@ CPU allocator itself fails, as a GPU's does at its capacity), never an exception
 The limit is set from what a run at a fixed micro-batch of 4 took (its ranks' peak address space, which the trainer
 logs) plus 128 MiB: a micro-batch of 4 fits with the probe's headroom (5 samples: 48 MiB more), 8 and 16 do not
 (10 samples: 288 MiB more). The task (``WideDigitsTask``) holds about 48 MiB a sample during its backward, twice that
-for the samples of step 6 that rank 1 holds, a longer batch than the probe saw. ``MALLOC_MMAP_THRESHOLD_`` fixed:
-glibc's adaptive threshold otherwise moves allocations of up to 32 MiB onto a heap that keeps its address space,
-and the limit would be met where the task's own memory does not reach it (a fragmentation this test is not about).
+for the samples of step 6 that rank 1 holds, a longer batch than the probe saw. glibc's malloc is fixed in both runs
+(``MALLOC``): its adaptive mmap threshold otherwise moves allocations of up to 32 MiB onto a heap that keeps its
+address space, and each thread that meets a locked arena reserves one of its own, 64 MiB of address space, as a
+machine's load decides (measured: rank 0 of a Slurm job 56 MiB over the same run outside Slurm, one CI run's probe
+then refused 4). With one arena the two runs' ranks agree within 10 MiB.
 """
 
 from __future__ import annotations
@@ -34,8 +36,12 @@ MARGIN_MIB = 128
 ADDRESS_SPACE = re.compile(r"peak host memory of this rank: resident \d+ MiB, address space (\d+) MiB")
 
 
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
+
+
 def limited(kib: int) -> str:
-    return f"slurm.setup=['ulimit -v {kib}', 'export MALLOC_MMAP_THRESHOLD_=65536']"
+    exports = ", ".join(f"'export {k}={v}'" for k, v in MALLOC.items())
+    return f"slurm.setup=['ulimit -v {kib}', {exports}]"
 
 
 def submitted(cwd: Path, *args: str) -> tuple[str, Path]:
@@ -58,7 +64,7 @@ def test_auto_fits_the_micro_batch_under_a_memory_limit_and_survives_a_larger_ba
     step 6 continued at 2: the probe and the failed step left nothing behind. Then a task whose micro-batch of one
     needs more than the limit: the job fails at once, as out of memory, with the one line that says what to change."""
     ref = tmp_path / "reference"
-    before = run_trainer(DIGITS, ref, [*WIDE, "data.batch_size=4", "train.max_steps=6"], nproc=2)
+    before = run_trainer(DIGITS, ref, [*WIDE, "data.batch_size=4", "train.max_steps=6"], nproc=2, env=MALLOC)
     peak_mib = max(int(n) for n in ADDRESS_SPACE.findall(before))
     (reference,) = set(final_digests(run_trainer(DIGITS, ref, [*WIDE, "data.batch_size=2"], nproc=2)))
 
