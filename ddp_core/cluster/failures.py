@@ -156,8 +156,9 @@ def classify(err: BaseException) -> Kind:
     return Kind.unknown
 
 
-def describe(err: BaseException, limit: int = 300) -> str:
-    """``Type: message``, the message's first line, cut to ``limit`` characters."""
+def describe(err: BaseException, limit: int = 400) -> str:
+    """``Type: message``, the message's first line, cut to ``limit`` characters (room for a user error's hint after
+    an out-of-memory's numbers and the allocator's words)."""
     text = str(err).strip().splitlines()
     first = text[0] if text else ""
     line = f"{type(err).__name__}: {first}" if first else type(err).__name__

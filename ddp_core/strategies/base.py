@@ -81,6 +81,12 @@ class Strategy(ABC):
         to do where one process sees every sample."""
         return None
 
+    def recompute_activations(self, model: nn.Module) -> bool:
+        """From now on, recompute the units' activations of ``model`` (``local_model``) in the backward instead of
+        keeping them: activation checkpointing turned on in a running attempt, the lever against an out-of-memory
+        that keeps every bit (``trainer.redo``). False where they already are, or where this strategy does not."""
+        return False
+
     def begin_step(self, step: int) -> None:
         """Called before each optimizer step's micro-batches with the step's number (0-based, counted over the
         run): ``train.invariant`` seeds each micro-batch shard from it."""

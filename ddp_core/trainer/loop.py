@@ -32,14 +32,14 @@ from ddp_core.cluster import batch_node, deadline, failures, health, rendezvous
 from ddp_core.cluster.env import DistEnv, process_started
 from ddp_core.cluster.preemption import StopFlag
 from ddp_core.config import Config, Precision, to_dict
-from ddp_core.config.batch import grad_accum, is_auto, per_replica
+from ddp_core.config.batch import fixed_micro, grad_accum, is_auto, per_replica
 from ddp_core.distributed import groups, rng
 from ddp_core.run.rundir import RunDir
 from ddp_core.search import pruning
 from ddp_core.strategies import build_strategy
 from ddp_core.strategies.invariant import log_invariance
 from ddp_core.tasks.base import Task, load_task
-from ddp_core.trainer import memory
+from ddp_core.trainer import memory, redo
 from ddp_core.trainer.data import TrainData, eval_loader
 from ddp_core.trainer.metrics import RunningLoss, TrainSums
 from ddp_core.trainer.monitor import Monitor
@@ -163,12 +163,15 @@ class Trainer:
         self.state = TrainState(scheduler, self.log_loss, carried, to_dict(cfg))
         self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir, env, strategy, model, optimizer)
         self.trial = pruning.reporter(cfg.trial, env.is_main)  # rank 0 of an adaptive sweep's trial; None otherwise
-        if share is None:
-            self.fitted: Optional[memory.FittedStep] = None
-        else:  # collective, before the checkpoint is loaded: the micro-batch that fits this attempt's memory
-            record = self.run_dir.log_event if env.is_main else None
-            parts = (task, strategy, model, optimizer, self.train_sums, self.amp, record)
-            self.fitted = memory.fitted(parts, train_set, collate, share, cfg.data.batch_headroom)
+        # A step that runs out of memory, done again (trainer.redo): data.batch_size=auto at half the micro-batch
+        # it probes for here (collective, before the checkpoint is loaded), train.invariant recomputing activations.
+        record = self.run_dir.log_event if env.is_main else None
+        parts = (task, strategy, model, optimizer, self.train_sums, self.amp, record)
+        self.redo: Optional[redo.RedoneStep] = None
+        if share is not None:
+            self.redo = redo.fitted(parts, train_set, collate, share, cfg.data.batch_headroom)
+        elif cfg.train.invariant:
+            self.redo = redo.recomputing(parts, fixed_micro(cfg.data))
 
     def resume(self) -> None:
         """Collective: continue from the newest checkpoint every rank verified, if there is one."""
@@ -180,7 +183,7 @@ class Trainer:
         """The attempt's start event, its records and progress lines, and rank 0's deadline stop."""
         step = self.state.pos.step
         if self.env.is_main:
-            fit = self.fitted.fit if self.fitted is not None else None  # data.batch_size=auto: the probe's choice
+            fit = self.redo.fit if self.redo is not None else None  # data.batch_size=auto: the probe's choice
             micro, accum = (fit.micro, fit.accumulation) if fit else (self.cfg.data.batch_size, self.grad_accum)
             self.run_dir.log_event(
                 "start",
@@ -258,10 +261,10 @@ class Trainer:
 
     def step(self, group: list[Any]) -> None:
         """One optimizer step over a group of ``grad_accum`` micro-batches per replica: a global batch (under
-        data.batch_size=auto one share, which ``trainer.memory.FittedStep`` cuts and does again if it runs out)."""
+        data.batch_size=auto one share, which ``trainer.redo`` cuts and does again if it runs out)."""
         pos = self.state.pos
         self.strategy.begin_step(pos.step)
-        losses = self.micro_steps(group) if self.fitted is None else self.fitted(group[0], pos.step)
+        losses = self.micro_steps(group) if self.redo is None else self.redo(group, pos.step)
         for i, loss in enumerate(losses):
             self.log_loss.add(loss, counts=self.strategy.reports_loss and i == 0)
         self.step_optimizer()

@@ -10,12 +10,8 @@ candidates are the divisors of the share, searched largest first, then by bisect
 micro-batch). The weights and the optimizer are put back bitwise (a copy on the host), the random streams are
 untouched, and the ranks agree on the smallest answer: the one collective.
 
-**A step** (``FittedStep``): the micro-batches run forward and backward on the local module (``Strategy.local_model``:
-no collective inside, so a rank that runs out stops there and waits for nothing), then every rank says whether it ran
-out, in one all-reduce. If any did, every rank drops the step's gradients, puts back its random streams and its
-training sums, halves the micro-batch (``shrink``: the largest divisor of the share at most half of it), records it
-(``micro_batch_shrunk``), and does the step again from its start; otherwise the gradients are reduced
-(``Strategy.reduce_gradients``) and the optimizer steps. At a micro-batch of one there is nothing left to halve:
+**A step** that runs out of memory is done again (``trainer.redo``): at half the micro-batch (``Fit.shrink``: the
+largest divisor of the share at most half of it). At a micro-batch of one there is nothing left to halve:
 ``OutOfMemory``, a user error that names the memory used, the memory there is and the keys to change.
 """
 
@@ -41,7 +37,6 @@ from ddp_core.distributed import collectives, rng
 from ddp_core.errors import DdpJobError
 from ddp_core.strategies import Strategy
 from ddp_core.tasks.base import Task
-from ddp_core.trainer.metrics import TrainSums
 from ddp_core.trainer.steps import map_tensors, to_device
 
 log = logging.getLogger(__name__)
@@ -49,6 +44,7 @@ FIX = "more memory (slurm.mem_gb), strategy.activation_checkpointing=true, a sma
 
 
 ENFORCE = re.compile(r"^\[enforce fail at [^\]]*\] err == 0\. ")  # the CPU allocator's message starts so
+ERRNO = re.compile(r"\. Error code \d+ \([^)]*\)$")  # and ends so: its errno's words, said once already
 
 
 class OutOfMemory(DdpJobError):
@@ -186,16 +182,18 @@ def memory_report(device: torch.device) -> str:
     return f"host: resident at peak {peak} of the node's {gib(int(node[1]) * 1024) if node else '?'}"
 
 
-def out_of_memory_error(step: int, micro: int, device: torch.device, what: str) -> OutOfMemory:
-    """Not even a micro-batch of ``micro`` (one, or the probe's smallest) fits: one line, the memory used and the
-    memory there is (``memory_report``), and the keys to change."""
+def out_of_memory_error(
+    step: int, micro: int, device: torch.device, what: str, unit: str = "a micro-batch", how: str = "", fix: str = FIX
+) -> OutOfMemory:
+    """Not even a micro-batch of ``micro`` (one, or the probe's smallest; under train.invariant a shard, ``how``
+    it ran) fits: one line, the memory used and the memory there is (``memory_report``), and the keys to change."""
     said = f": {what}" if what else ""
-    return OutOfMemory(f"a micro-batch of {micro} does not fit at step {step} ({memory_report(device)}){said}", FIX)
+    return OutOfMemory(f"{unit} of {micro} does not fit at step {step}{how} ({memory_report(device)}){said}", fix)
 
 
 def allocator_words(err: BaseException) -> str:
     """An allocator's failure in its first line, without the CPU allocator's ``[enforce fail ...]`` prefix."""
-    return ENFORCE.sub("", (str(err).strip().splitlines() or [type(err).__name__])[0])
+    return ERRNO.sub("", ENFORCE.sub("", (str(err).strip().splitlines() or [type(err).__name__])[0]))
 
 
 def ran_out(err: BaseException, step: Optional[int], device: torch.device) -> OutOfMemory:
@@ -289,76 +287,3 @@ def agree_min(value: int) -> int:
     found = torch.tensor([value], dtype=torch.int64)
     torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MIN)
     return int(found.item())
-
-
-def fitted(parts: tuple[Any, ...], train_set: Dataset, collate: Any, share: int, headroom: float) -> FittedStep:
-    """Collective: the attempt's probe (``probe``, on the training set's first samples) and the steps that cut each
-    share into the micro-batch it chose. ``parts``: the task, strategy, model, optimizer, training sums, autocast
-    context and rank 0's event writer."""
-    task, strategy, model, optimizer, sums, amp, record = parts
-    batch = first_samples(train_set, int(share * (1 + headroom)) + 1, collate)
-    fit = probe(task, strategy, model, optimizer, batch, share, headroom, amp)
-    return FittedStep(fit, task, strategy, model, sums, amp, record)
-
-
-class FittedStep:
-    """One optimizer step's forward and backward under ``data.batch_size=auto`` (module docstring); the trainer's
-    optimizer step follows. ``record``: rank 0's event writer (None on the others)."""
-
-    def __init__(
-        self,
-        fit: Fit,
-        task: Task,
-        strategy: Strategy,
-        model: nn.Module,
-        sums: TrainSums,
-        amp: ContextManager[Any],
-        record: Optional[Callable[..., None]],
-    ) -> None:
-        self.fit, self.task, self.strategy, self.amp = fit, task, strategy, amp
-        self.model, self.local, self.sums, self.record = model, strategy.local_model(model), sums, record
-
-    def __call__(self, share: Any, step: int) -> list[torch.Tensor]:
-        self.strategy.sync_buffers(self.model)  # before any micro-batch: no rank can have run out yet
-        streams, mark = rng.rng_state(), self.sums.mark()
-        while True:
-            losses, what = self.run(share)
-            ran_out = ranks_out(what is not None)
-            if not ran_out:
-                break
-            self.model.zero_grad(set_to_none=True)
-            rng.set_rng_state(streams)
-            self.sums.rollback(mark)
-            was, said = self.fit.micro, collectives.gather_to_all(what)  # each rank's word: the first that ran out
-            why = f"rank {ran_out[0]}: {said[ran_out[0]]}"
-            self.fit.shrink(step, self.strategy.device, why)
-            log.warning(
-                "out of memory at step %d on rank(s) %s with a micro-batch of %d: the step again with %d x %d (%s)",
-                step, ",".join(map(str, ran_out)), was, self.fit.micro, self.fit.accumulation, why,
-            )  # fmt: skip
-            if self.record is not None:
-                self.record(
-                    "micro_batch_shrunk", step=step, was=was, micro_batch=self.fit.micro,
-                    grad_accum=self.fit.accumulation, ranks=ran_out, error=why,
-                )  # fmt: skip
-        self.strategy.reduce_gradients(self.local)
-        return losses
-
-    def run(self, share: Any) -> tuple[list[torch.Tensor], Optional[str]]:
-        """This rank's micro-batches; the allocator's message if it ran out (the references to the failed step's
-        tensors dropped with the exception)."""
-        losses: list[torch.Tensor] = []
-        parts, what = split(share, self.fit.micro), None
-        try:
-            for part in parts:
-                with self.amp:
-                    batch = to_device(part, self.strategy.device)
-                    losses.append(self.strategy.forward_backward(self.task, self.local, batch, len(parts), True))
-        except Exception as err:  # an allocator's failure is agreed on; the rest is raised
-            if not out_of_memory(err):
-                raise
-            what = allocator_words(err)[:300]
-        if what is not None:  # the exception, and the step's tensors its frames held, are gone here
-            free(self.strategy.device)
-            return [], what
-        return losses, None

@@ -44,14 +44,21 @@ def for_run(name: str, events: list[dict[str, Any]], straggler: Optional[dict[st
 
 
 def micro_batch_note(name: str, events: list[dict[str, Any]]) -> Optional[str]:
-    """``data.batch_size=auto``: the micro-batch the newest attempt's probe chose, and each halving after it
-    (``ddp_core.trainer.memory``); None for a run with a fixed micro-batch."""
+    """What the newest attempt did about memory (``ddp_core.trainer.redo``): under ``data.batch_size=auto`` the
+    micro-batch its probe chose and each halving after it; under ``train.invariant`` the step from which it
+    recomputed activations. None for a run that did neither."""
     starts = [i for i, e in enumerate(events) if e["event"] == "start"]
-    if not starts or "micro_batch" not in (start := events[starts[-1]]):
+    if not starts:
         return None
+    start, after = events[starts[-1]], events[starts[-1] :]
+    if "micro_batch" not in start:
+        again = next((e for e in after if e["event"] == "activations_recomputed"), None)
+        if again is None:
+            return None
+        return f"activations recomputed from step {again.get('step')} in {name}, out of memory on {again.get('error')}"
     note = (f"micro-batch in {name}: {start['micro_batch']} x {start.get('grad_accum')} a replica (data.batch_size="
             f"auto, probed in {start.get('probe_s', 0):.2f} s at step {start.get('step')})")  # fmt: skip
-    for e in events[starts[-1] :]:
+    for e in after:
         if e["event"] == "micro_batch_shrunk":
             note += f"; halved to {e.get('micro_batch')} at step {e.get('step')}, out of memory on {e.get('error')}"
     return note

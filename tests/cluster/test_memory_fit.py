@@ -145,3 +145,54 @@ def test_a_script_that_runs_out_of_host_memory_is_reported_as_out_of_memory_and_
     assert re.search(r"^\s+\d+\s+OUT_OF_MEMORY\s", status.stdout, re.M), status.stdout
     noted = r"out of host memory in \S+ before its first step on n\d \(rank 1\): RuntimeError: .*can't allocate"
     assert re.search(noted + r" memory.* \(not retried: give it slurm.mem_gb=N\)", status.stdout), status.stdout
+
+
+# train.invariant: 4 shards of 4 samples a step, 2 a rank, through 6 Spread units that each keep about 24 MiB a shard
+# for the backward (48 for rank 1's samples of step 3), which activation checkpointing recomputes one unit at a time.
+# Measured (2 ranks, one arena): the heavy step peaks about 190 MiB over the plain steps without it, 45 under with it.
+INV_STEP = 3
+INVARIANT = [
+    "task.target=tests.support.memory_tasks:WideDigitsTask", "task.data.width=150000", "task.data.blocks=6",
+    f"task.data.heavy={list(range(INV_STEP * 16 + 8, (INV_STEP + 1) * 16))}", "train.invariant=true",
+    "data.global_batch_size=16", "data.batch_size=4", "data.shuffle=false", "optim.schedule=constant",
+    "optim.warmup_steps=0", "train.eval_every=0", "train.max_steps=6", "wandb.mode=disabled", "slurm.nodes=1",
+    "slurm.tasks_per_node=2",
+]  # fmt: skip
+INV_MARGIN_MIB = 72
+
+
+def test_invariant_survives_an_out_of_memory_by_recomputing_activations_with_the_same_bits(slurm_cluster, tmp_path):
+    """Under ``train.invariant`` the micro-batch is the summation tree's leaf, never cut: rank 1's longer samples of
+    step 3 run it out of memory under the limit (the plain steps' peak + 72 MiB), both ranks do the step again with
+    activation checkpointing on, and the run completes bitwise equal to the same run without a limit (no
+    checkpointing, resumed from step 3 on: a resume keeps the bits). With activations recomputed from the start
+    and samples eight times as long, there is nothing left to give: the job fails at step 3, out of memory, in one
+    line."""
+    ref = tmp_path / "reference"
+    before = run_trainer(DIGITS, ref, [*INVARIANT, f"train.max_steps={INV_STEP}"], nproc=2, env=MALLOC)
+    peak_mib = max(int(n) for n in ADDRESS_SPACE.findall(before))
+    (reference,) = set(final_digests(run_trainer(DIGITS, ref, INVARIANT, nproc=2, env=MALLOC)))
+
+    limit = limited((peak_mib + INV_MARGIN_MIB) * 1024)
+    proc = run_cli("submit", DIGITS, *INVARIANT, limit, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+    assert wait_gone(job_id, 240) == "COMPLETED", rank_logs(run_dir, job_id)
+    (again,) = events(run_dir, "activations_recomputed")
+    assert (again["step"], again["ranks"]) == (INV_STEP, [1]) and "can't allocate memory" in again["error"], again
+    assert not events(run_dir, "failure") and not events(run_dir, "rank_failed")
+    assert set(digests(rank_logs(run_dir, job_id)).values()) == {reference}
+    status = run_cli("status", str(run_dir), cwd=tmp_path)
+    assert f"activations recomputed from step {INV_STEP} in {run_dir.name}, out of memory on rank 1:" in status.stdout
+
+    spent = [*INVARIANT, "task.data.heavy_factor=8", "strategy.activation_checkpointing=true", limit]
+    proc = run_cli("submit", DIGITS, *spent, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    failed = failed_event(field(proc.stdout, "job"), Path(field(proc.stdout, "run dir")))
+    assert re.match(
+        rf"out of host memory on n\d \(rank 1\) at step {INV_STEP}: OutOfMemory: a train.invariant shard of 4 does "
+        rf"not fit at step {INV_STEP} even recomputing its activations \(host: address space at peak [\d.]+ GiB of "
+        r"ulimit -v [\d.]+ GiB\): DefaultCPUAllocator: can't allocate memory: you tried to allocate \d+ bytes "
+        r"\(hint: more memory \(slurm.mem_gb\), or a smaller data.batch_size",
+        failed["reason"],
+    ), failed

@@ -1,0 +1,176 @@
+"""A step that runs out of memory on any rank, done again by every rank with less memory, the global batch kept.
+
+The step's micro-batches run forward and backward on the strategy's local module (``Strategy.local_model``: no
+collective inside, so a rank that runs out stops there and waits for nothing), then every rank says whether it ran
+out, in one all-reduce (``memory.ranks_out``). If any did, every rank drops the step's gradients, puts back its
+random streams and its training sums, takes the relief, records it, and does the step again from its start;
+otherwise the gradients are reduced (``Strategy.reduce_gradients``) and the trainer's optimizer step follows.
+
+Two reliefs, one per mode:
+
+- ``data.batch_size=auto`` (``Halve``): half the micro-batch, twice the accumulation (``memory.Fit.shrink``), the
+  event ``micro_batch_shrunk``. The bits are those of the smaller micro-batch.
+- ``train.invariant`` (``Recompute``): its micro-batch is the leaf of the fixed summation tree, so it is never cut.
+  Activation checkpointing is turned on for the rest of the attempt instead (``Strategy.recompute_activations``):
+  the units' activations are recomputed in the backward from the same inputs, with the same random streams, so
+  the step's gradients are bitwise what they would have been; the event ``activations_recomputed``.
+
+Where the relief is spent (a micro-batch of one; activations already recomputed) the step raises ``OutOfMemory``:
+one line with the memory used, the memory there is and the keys to change.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ddp_core.cluster.failures import out_of_memory
+from ddp_core.distributed import collectives, rng
+from ddp_core.strategies import Strategy
+from ddp_core.tasks.base import Task
+from ddp_core.trainer.memory import (
+    Fit,
+    OutOfMemory,
+    allocator_words,
+    first_samples,
+    free,
+    out_of_memory_error,
+    probe,
+    ranks_out,
+    split,
+)
+from ddp_core.trainer.metrics import TrainSums
+from ddp_core.trainer.steps import to_device
+
+log = logging.getLogger(__name__)
+INVARIANT_FIX = "more memory (slurm.mem_gb), or a smaller data.batch_size (other shards, other bits)"
+
+
+class StepAbandoned(RuntimeError):
+    """Raised by the ranks that did not run out when a step cannot be done again: the rank that did raises
+    ``OutOfMemory``, and the job's failure is its (``failures.diagnose`` takes a memory error before this one)."""
+
+
+class Halve:
+    """``data.batch_size=auto``: each replica's share of a step cut into the fitted micro-batch, halved when a rank
+    runs out."""
+
+    def __init__(self, fit: Fit) -> None:
+        self.fit = fit
+
+    def cut(self, group: list[Any]) -> list[Any]:
+        return split(group[0], self.fit.micro)  # the loader gives the share whole: one "micro-batch" of it
+
+    def relieve(self, step: int, device: torch.device, words: str) -> tuple[str, dict[str, Any], str]:
+        was = self.fit.micro
+        self.fit.shrink(step, device, words)
+        fields = {"was": was, "micro_batch": self.fit.micro, "grad_accum": self.fit.accumulation}
+        again = f"with a micro-batch of {was}: the step again with {self.fit.micro} x {self.fit.accumulation}"
+        return "micro_batch_shrunk", fields, again
+
+
+class Recompute:
+    """``train.invariant``: the loader's micro-batches (the tree's shards) as they are; activations recomputed from
+    the first out-of-memory on."""
+
+    fit: Optional[Fit] = None
+
+    def __init__(self, strategy: Strategy, model: nn.Module, micro: int) -> None:
+        self.strategy, self.model, self.micro = strategy, model, micro
+
+    def cut(self, group: list[Any]) -> list[Any]:
+        return group
+
+    def relieve(self, step: int, device: torch.device, words: str) -> tuple[str, dict[str, Any], str]:
+        if not self.strategy.recompute_activations(self.model):
+            how = " even recomputing its activations"
+            raise out_of_memory_error(step, self.micro, device, words, "a train.invariant shard", how, INVARIANT_FIX)
+        return "activations_recomputed", {}, "the step again, its activations recomputed (the same bits)"
+
+
+class RedoneStep:
+    """One optimizer step's forward and backward, done again while a rank runs out of memory (module docstring).
+    ``record``: rank 0's event writer (None on the others)."""
+
+    def __init__(
+        self,
+        relief: Halve | Recompute,
+        task: Task,
+        strategy: Strategy,
+        model: nn.Module,
+        sums: TrainSums,
+        amp: ContextManager[Any],
+        record: Optional[Callable[..., None]],
+    ) -> None:
+        self.relief, self.task, self.strategy, self.amp = relief, task, strategy, amp
+        self.model, self.local, self.sums, self.record = model, strategy.local_model(model), sums, record
+
+    @property
+    def fit(self) -> Optional[Fit]:
+        """The probe's choice under ``data.batch_size=auto``; None under ``train.invariant``."""
+        return self.relief.fit
+
+    def __call__(self, group: list[Any], step: int) -> list[torch.Tensor]:
+        self.strategy.sync_buffers(self.model)  # before any micro-batch: no rank can have run out yet
+        streams, mark = rng.rng_state(), self.sums.mark()
+        while True:
+            losses, what = self.run(self.relief.cut(group))
+            ran_out = ranks_out(what is not None)
+            if not ran_out:
+                break
+            self.model.zero_grad(set_to_none=True)
+            rng.set_rng_state(streams)
+            self.sums.rollback(mark)
+            self.strategy.begin_step(step)
+            why = f"rank {ran_out[0]}: {collectives.gather_to_all(what)[ran_out[0]]}"  # the first rank's words
+            try:  # a rank that ran out says its own words and memory
+                event, fields, again = self.relief.relieve(step, self.strategy.device, what or why)
+            except OutOfMemory:
+                if what is None:
+                    raise StepAbandoned(f"step {step} abandoned: rank {ran_out[0]} could not fit it") from None
+                raise
+            ranks = ",".join(map(str, ran_out))
+            log.warning("out of memory at step %d on rank(s) %s %s (%s)", step, ranks, again, why)
+            if self.record is not None:
+                self.record(event, step=step, **fields, ranks=ran_out, error=why)
+        self.strategy.reduce_gradients(self.local)
+        return losses
+
+    def run(self, parts: list[Any]) -> tuple[list[torch.Tensor], Optional[str]]:
+        """This rank's micro-batches; the allocator's message if it ran out (the references to the failed step's
+        tensors dropped with the exception)."""
+        losses: list[torch.Tensor] = []
+        what = None
+        try:
+            for part in parts:
+                with self.amp:
+                    batch = to_device(part, self.strategy.device)
+                    losses.append(self.strategy.forward_backward(self.task, self.local, batch, len(parts), False))
+        except Exception as err:  # an allocator's failure is agreed on; the rest is raised
+            if not out_of_memory(err):
+                raise
+            what = allocator_words(err)[:300]
+        if what is not None:  # the exception, and the step's tensors its frames held, are gone here
+            free(self.strategy.device)
+            return [], what
+        return losses, None
+
+
+def fitted(parts: tuple[Any, ...], train_set: Dataset, collate: Any, share: int, headroom: float) -> RedoneStep:
+    """Collective, ``data.batch_size=auto``: the attempt's probe (``memory.probe``, on the training set's first
+    samples) and the steps that cut each share into the micro-batch it chose. ``parts``: the task, strategy,
+    model, optimizer, training sums, autocast context and rank 0's event writer."""
+    task, strategy, model, optimizer, sums, amp, record = parts
+    batch = first_samples(train_set, int(share * (1 + headroom)) + 1, collate)
+    fit = probe(task, strategy, model, optimizer, batch, share, headroom, amp)
+    return RedoneStep(Halve(fit), task, strategy, model, sums, amp, record)
+
+
+def recomputing(parts: tuple[Any, ...], micro: int) -> RedoneStep:
+    """``train.invariant``: the steps whose out-of-memory is survived by recomputing activations."""
+    task, strategy, model, _, sums, amp, record = parts
+    return RedoneStep(Recompute(strategy, strategy.local_model(model), micro), task, strategy, model, sums, amp, record)
