@@ -135,13 +135,14 @@ def _throughput(sweep: Sweep) -> str:
 
 
 def _micro_batch(sweep: Sweep) -> str:
-    """A run with ``data.batch_size=auto``: the micro-batch its probe chose and each halving (``jobs.runs.notes``);
-    empty otherwise."""
+    """What a run did about memory (``jobs.runs.notes.memory_note``): under ``data.batch_size=auto`` the micro-batch
+    its probe chose and each halving, under ``train.invariant`` the step it began recomputing activations; empty
+    otherwise."""
     if sweep.kind != "run" or not sweep.trials:
         return ""
     run = RunDir(sweep.trials[0].path)
-    note = notes.micro_batch_note(run.path.name, run.events())
-    return f'<h2>Micro-batch</h2><p class="micro-batch">{html.escape(note)}</p>' if note else ""
+    note = notes.memory_note(run.path.name, run.events())
+    return f'<h2>Memory</h2><p class="memory">{html.escape(note)}</p>' if note else ""
 
 
 def render(sweep: Sweep, title: str, search_lines: list[str]) -> str:
@@ -171,7 +172,7 @@ def render(sweep: Sweep, title: str, search_lines: list[str]) -> str:
         "<h2>Every trial</h2>" if sweep.kind != "run" else "",
         every,
         _throughput(sweep),
-        _micro_batch(sweep),
+        _memory(sweep),
         _goodput(sweep),
     ]
     body = "\n".join(p for p in parts if p)

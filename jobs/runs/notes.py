@@ -38,12 +38,12 @@ def for_run(name: str, events: list[dict[str, Any]], straggler: Optional[dict[st
                      + "; ".join(f"{host} ({why})" for host, why in kept.items()))  # fmt: skip
     if straggler is not None:
         notes.append(straggler_note(name, straggler))
-    if (fitted := micro_batch_note(name, events)) is not None:
+    if (fitted := memory_note(name, events)) is not None:
         notes.append(fitted)
     return notes
 
 
-def micro_batch_note(name: str, events: list[dict[str, Any]]) -> Optional[str]:
+def memory_note(name: str, events: list[dict[str, Any]]) -> Optional[str]:
     """What the newest attempt did about memory (``ddp_core.trainer.redo``): under ``data.batch_size=auto`` the
     micro-batch its probe chose and each halving after it; under ``train.invariant`` the step from which it
     recomputed activations. None for a run that did neither."""

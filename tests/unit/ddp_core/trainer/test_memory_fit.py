@@ -114,3 +114,35 @@ def test_an_out_of_memory_the_attempt_did_not_survive_is_said_with_the_memory_us
     assert str(said).startswith("ran out at step 5 (host: ") and "): DefaultCPUAllocator: can't allocate" in str(said)
     assert said.hint.startswith("data.batch_size=auto fits the micro-batch to memory")
     assert str(ran_out(MemoryError(), None, torch.device("cpu"))).startswith("ran out before the first step (host: ")
+
+
+def test_under_invariant_the_relief_is_recomputing_activations_once_then_an_out_of_memory():
+    """``train.invariant``'s relief never cuts its shard: it turns activation checkpointing on (the units' forward
+    wrapped in place, the state dict's names kept), and when it already is, the step cannot be done again."""
+    from ddp_core.cluster.env import DistEnv
+    from ddp_core.config import StrategyConfig
+    from ddp_core.strategies import build_strategy
+    from ddp_core.trainer.redo import Recompute
+
+    strategy = build_strategy(StrategyConfig(), DistEnv(), torch.device("cpu"), None, 0)
+    model = strategy.wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)))
+    names, relief = list(model.state_dict()), Recompute(strategy, strategy.local_model(model), 4)
+    event, fields, again = relief.relieve(3, torch.device("cpu"), "can't allocate memory")
+    assert (event, fields) == ("activations_recomputed", {}) and "the same bits" in again
+    assert "recomputed" in model[0].forward.__name__ and list(model.state_dict()) == names
+    with pytest.raises(OutOfMemory) as err:
+        relief.relieve(5, torch.device("cpu"), "can't allocate memory")
+    assert str(err.value).startswith("a train.invariant shard of 4 does not fit at step 5 even recomputing its ")
+    assert err.value.hint.startswith("more memory (slurm.mem_gb), or a smaller data.batch_size")
+
+
+def test_recomputed_activations_keep_an_invariant_runs_bits_dropout_included(tmp_path):
+    """What the relief rests on: the same invariant run (digits' MLP, dropout 0.1) with and without activation
+    checkpointing ends bitwise equal."""
+    from tests.support.helpers import final_digests, run_trainer
+
+    common = ["train.invariant=true", "data.global_batch_size=64", "data.batch_size=16", "train.max_steps=4", "optim.warmup_steps=0",
+              "train.eval_every=0", "wandb.mode=disabled"]  # fmt: skip
+    plain = run_trainer(DIGITS, tmp_path / "plain", common)
+    recomputed = run_trainer(DIGITS, tmp_path / "ckpt", [*common, "strategy.activation_checkpointing=true"])
+    assert len(set(final_digests(plain))) == 1 and set(final_digests(plain)) == set(final_digests(recomputed))

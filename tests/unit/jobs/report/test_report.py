@@ -201,13 +201,12 @@ def test_single_run_report_says_the_micro_batch_its_probe_chose_and_each_halving
               "grad_accum": 4, "ranks": [1], "error": "rank 1: DefaultCPUAllocator: can't allocate memory"}  # fmt: skip
     run = write_run(tmp_path / "run", [*events, shrunk], rows)
     page = write_report(run)[1].read_text()
-    note = re.findall(r'<p class="micro-batch">([^<]*)</p>', page)
+    note = re.findall(r'<p class="memory">([^<]*)</p>', page)
     assert note == [f"micro-batch in run: 8 x 2 a replica (data.batch_size=auto, probed in 0.40 s at step "
                     f"{events[starts[-1]]['step']}); halved to 4 at step 30, out of memory on rank 1: "
                     "DefaultCPUAllocator: can&#x27;t allocate memory"]  # fmt: skip
     assert (
-        "<h2>Micro-batch</h2>"
-        not in write_report(write_run(tmp_path / "fixed", *restarted_in_allocation()))[1].read_text()
+        "<h2>Memory</h2>" not in write_report(write_run(tmp_path / "fixed", *restarted_in_allocation()))[1].read_text()
     )
 
 

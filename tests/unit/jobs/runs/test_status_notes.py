@@ -66,11 +66,19 @@ def test_a_fitted_micro_batch_is_noted_with_each_halving_of_the_newest_attempt()
     first = {"event": "start", "step": 0, "micro_batch": 8, "grad_accum": 2, "probe_s": 0.5}
     shrunk = {"event": "micro_batch_shrunk", "step": 6, "micro_batch": 4, "error": "rank 1: can't allocate memory"}
     again = {"event": "start", "step": 10, "micro_batch": 16, "grad_accum": 1, "probe_s": 0.25}
-    assert notes.micro_batch_note("r", [first, shrunk]) == (
+    assert notes.memory_note("r", [first, shrunk]) == (
         "micro-batch in r: 8 x 2 a replica (data.batch_size=auto, probed in 0.50 s at step 0); halved to 4 at step 6, "
         "out of memory on rank 1: can't allocate memory"
     )
-    assert notes.micro_batch_note("r", [first, shrunk, again]) == (
+    assert notes.memory_note("r", [first, shrunk, again]) == (
         "micro-batch in r: 16 x 1 a replica (data.batch_size=auto, probed in 0.25 s at step 10)"
     )  # another attempt, on other hardware: probed anew
-    assert notes.micro_batch_note("r", [{"event": "start", "step": 0}]) is None  # a fixed micro-batch
+    assert notes.memory_note("r", [{"event": "start", "step": 0}]) is None  # a fixed micro-batch
+
+
+def test_activations_recomputed_under_invariant_are_noted_for_the_newest_attempt():
+    start = {"event": "start", "step": 0, "grad_accum": 2}
+    again = {"event": "activations_recomputed", "step": 3, "ranks": [1], "error": "rank 1: can't allocate memory"}
+    said = "activations recomputed from step 3 in r, out of memory on rank 1: can't allocate memory"
+    assert notes.memory_note("r", [start, again]) == said
+    assert notes.memory_note("r", [start, again, {"event": "start", "step": 4}]) is None  # a new attempt: off again
