@@ -134,7 +134,7 @@ def _throughput(sweep: Sweep) -> str:
     return f'<h2>Throughput</h2><p class="throughput">{html.escape(line)}</p>' if line else ""
 
 
-def _micro_batch(sweep: Sweep) -> str:
+def _memory(sweep: Sweep) -> str:
     """What a run did about memory (``jobs.runs.notes.memory_note``): under ``data.batch_size=auto`` the micro-batch
     its probe chose and each halving, under ``train.invariant`` the step it began recomputing activations; empty
     otherwise."""

@@ -141,8 +141,8 @@ def test_recomputed_activations_keep_an_invariant_runs_bits_dropout_included(tmp
     checkpointing ends bitwise equal."""
     from tests.support.helpers import final_digests, run_trainer
 
-    common = ["train.invariant=true", "data.global_batch_size=64", "data.batch_size=16", "train.max_steps=4", "optim.warmup_steps=0",
-              "train.eval_every=0", "wandb.mode=disabled"]  # fmt: skip
+    common = ["train.invariant=true", "data.global_batch_size=64", "data.batch_size=16", "train.max_steps=4",
+              "optim.warmup_steps=0", "train.eval_every=0", "wandb.mode=disabled"]  # fmt: skip
     plain = run_trainer(DIGITS, tmp_path / "plain", common)
     recomputed = run_trainer(DIGITS, tmp_path / "ckpt", [*common, "strategy.activation_checkpointing=true"])
     assert len(set(final_digests(plain))) == 1 and set(final_digests(plain)) == set(final_digests(recomputed))
