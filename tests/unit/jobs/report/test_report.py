@@ -191,25 +191,6 @@ def test_single_run_report_says_its_goodput(sweep: Path, tmp_path: Path):
     assert "<h2>Goodput</h2>" not in write_report(sweep)[1].read_text()  # a folder of runs: each run has its own
 
 
-def test_single_run_report_says_the_micro_batch_its_probe_chose_and_each_halving(tmp_path: Path):
-    """data.batch_size=auto: the newest attempt's probe (its start event) and what followed it."""
-    events, rows = restarted_in_allocation()
-    probed = {"micro_batch": 8, "grad_accum": 2, "probe_s": 0.4, "probed": [[16, False], [8, True]]}
-    starts = [i for i, e in enumerate(events) if e["event"] == "start"]
-    events[starts[-1]] |= probed
-    shrunk = {"event": "micro_batch_shrunk", "t": events[-1]["t"], "step": 30, "was": 8, "micro_batch": 4,
-              "grad_accum": 4, "ranks": [1], "error": "rank 1: DefaultCPUAllocator: can't allocate memory"}  # fmt: skip
-    run = write_run(tmp_path / "run", [*events, shrunk], rows)
-    page = write_report(run)[1].read_text()
-    note = re.findall(r'<p class="memory">([^<]*)</p>', page)
-    assert note == [f"micro-batch in run: 8 x 2 a replica (data.batch_size=auto, probed in 0.40 s at step "
-                    f"{events[starts[-1]]['step']}); halved to 4 at step 30, out of memory on rank 1: "
-                    "DefaultCPUAllocator: can&#x27;t allocate memory"]  # fmt: skip
-    assert (
-        "<h2>Memory</h2>" not in write_report(write_run(tmp_path / "fixed", *restarted_in_allocation()))[1].read_text()
-    )
-
-
 def test_empty_run_still_reports(sweep: Path):
     png, page_path = write_report(sweep / "lr-3e-2")
     assert png_size(png) == PNG_SIZE
