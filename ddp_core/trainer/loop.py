@@ -59,7 +59,6 @@ from ddp_core.trainer.telemetry import Telemetry
 from ddp_core.trainer.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
-FINAL = (failures.Kind.user, failures.Kind.memory)  # failures after which no attempt of the job runs again
 
 
 class Trainer:
@@ -387,7 +386,7 @@ class Trainer:
                 raise
             log.exception("closing the checkpoint writers after the failure")  # the failure itself is logged next
         finally:
-            if self.checkpoints and isinstance(error, Exception) and failures.classify(error) in FINAL:
+            if self.checkpoints and isinstance(error, Exception) and redo.ends_the_job(error):
                 self.checkpoints.discard_local(collective=False)
             if self.profiler is not None:
                 self.profiler.close(self.at_step())

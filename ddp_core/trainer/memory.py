@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ddp_core.cluster.failures import out_of_memory
+from ddp_core.cluster.failures import out_of_memory, when
 from ddp_core.config.batch import micro_batch_candidates
 from ddp_core.distributed import collectives, rng
 from ddp_core.errors import DdpJobError
@@ -199,10 +199,8 @@ def allocator_words(err: BaseException) -> str:
 def ran_out(err: BaseException, step: Optional[int], device: torch.device) -> OutOfMemory:
     """An allocator's failure this attempt did not survive (a fixed micro-batch, an evaluation, a checkpoint's full
     state dict): the same, said with the memory used and there."""
-    what = allocator_words(err)
-    when = f"at step {step}" if step is not None else "before the first step"
     hint = "data.batch_size=auto fits the micro-batch to memory, the global batch kept; or " + FIX
-    return OutOfMemory(f"ran out {when} ({memory_report(device)}): {what}", hint)
+    return OutOfMemory(f"ran out {when(step)} ({memory_report(device)}): {allocator_words(err)}", hint)
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddp_core.cluster.failures import out_of_memory
+from ddp_core.cluster.failures import Kind, classify, out_of_memory
 from ddp_core.distributed import collectives, rng
 from ddp_core.strategies import Strategy
 from ddp_core.tasks.base import Task
@@ -53,6 +53,12 @@ INVARIANT_FIX = "more memory (slurm.mem_gb), or a smaller data.batch_size (other
 class StepAbandoned(RuntimeError):
     """Raised by the ranks that did not run out when a step cannot be done again: the rank that did raises
     ``OutOfMemory``, and the job's failure is its (``failures.diagnose`` takes a memory error before this one)."""
+
+
+def ends_the_job(error: Exception) -> bool:
+    """Whether no attempt of this job runs again after this rank's ``error``: a user error, an out-of-memory, or a
+    peer's out-of-memory that a step could not survive (``StepAbandoned``, which the peer's error decides)."""
+    return isinstance(error, StepAbandoned) or classify(error) in (Kind.user, Kind.memory)
 
 
 class Halve:

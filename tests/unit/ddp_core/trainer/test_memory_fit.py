@@ -113,7 +113,7 @@ def test_an_out_of_memory_the_attempt_did_not_survive_is_said_with_the_memory_us
     assert classify(said) is Kind.memory
     assert str(said).startswith("ran out at step 5 (host: ") and "): DefaultCPUAllocator: can't allocate" in str(said)
     assert said.hint.startswith("data.batch_size=auto fits the micro-batch to memory")
-    assert str(ran_out(MemoryError(), None, torch.device("cpu"))).startswith("ran out before the first step (host: ")
+    assert str(ran_out(MemoryError(), None, torch.device("cpu"))).startswith("ran out before its first step (host: ")
 
 
 def test_under_invariant_the_relief_is_recomputing_activations_once_then_an_out_of_memory():
@@ -146,3 +146,13 @@ def test_recomputed_activations_keep_an_invariant_runs_bits_dropout_included(tmp
     plain = run_trainer(DIGITS, tmp_path / "plain", common)
     recomputed = run_trainer(DIGITS, tmp_path / "ckpt", [*common, "strategy.activation_checkpointing=true"])
     assert len(set(final_digests(plain))) == 1 and set(final_digests(plain)) == set(final_digests(recomputed))
+
+
+def test_a_peers_out_of_memory_a_step_could_not_survive_ends_the_job_on_every_rank():
+    """The ranks that did not run out leave with ``StepAbandoned``; like the rank that did (``OutOfMemory``), they
+    treat it as the job's end (their node-local copies go), which a failure of unknown kind is not."""
+    from ddp_core.trainer.redo import StepAbandoned, ends_the_job
+
+    assert classify(StepAbandoned("step 3 abandoned: rank 1 could not fit it")) is Kind.unknown  # rank 1's decides
+    assert ends_the_job(StepAbandoned("step 3 abandoned")) and ends_the_job(OutOfMemory("no fit", "more memory"))
+    assert not ends_the_job(RuntimeError("a peer's socket closed"))
