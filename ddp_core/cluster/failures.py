@@ -20,8 +20,10 @@ a rank that dies by a signal records nothing, and srun's own line (``srun: error
   that ran out in a rank (``torch.OutOfMemoryError``: the device's; the CPU allocator's ``can't allocate memory``,
   ``MemoryError``, ``ENOMEM``: the host's) that ``data.batch_size=auto`` could not survive (``trainer.memory``). The
   same request runs out again on any node: the job ends FAILED naming the peak and the limit, host or device, and
-  the keys that fix it; ``ddpjob resume RUN KEY=...`` continues it. (Where nothing limits memory, the kernel's OOM
-  killer SIGKILLs a task: that reads as a signal, infrastructure.)
+  the keys that fix it; ``ddpjob resume RUN KEY=...`` continues it. One exception: under ``data.batch_size=auto``
+  a strategy whose steps communicate (fsdp) cannot survive it inside the step, so its rank's event carries the
+  micro-batch that ran out, and the allocation runs the attempt again at half of it (``cluster.policy``). (Where
+  nothing limits memory, the kernel's OOM killer SIGKILLs a task: that reads as a signal, infrastructure.)
 - **unknown**, requeued once: anything else (an unrecognised RuntimeError, an attempt that ended with no record);
   the same failure at the same step again is a user error.
 
@@ -179,6 +181,9 @@ def record(run_dir: RunDir, env: DistEnv, err: BaseException, step: Optional[int
             step=step,
             kind=classify(err).value,
             error=describe(err),
+            # a micro-batch that ran out where the strategy's steps communicate (trainer.memory.RanOut): the
+            # allocation runs the attempt again under half of it
+            **({"micro_batch": micro} if isinstance(micro := getattr(err, "micro_batch", None), int) else {}),
         )
     except OSError:
         pass
@@ -243,6 +248,7 @@ class Failure:
     step: Optional[int]
     error: str
     lost: str = ""  # Slurm's word that ``host`` was lost (NODE_FAIL, gone from the allocation): evidence it is bad
+    micro_batch: Optional[int] = None  # memory: the micro-batch that ran out, which the next attempt halves
 
     @property
     def where(self) -> str:
@@ -251,10 +257,13 @@ class Failure:
     @classmethod
     def of_rank(cls, kind: Kind, event: dict[str, Any]) -> Failure:
         """The failure a rank's ``rank_failed`` event tells."""
-        return cls(kind, event.get("rank"), event.get("host"), event.get("step"), str(event.get("error")))
+        micro = event.get("micro_batch") if kind is Kind.memory else None
+        return cls(kind, event.get("rank"), event.get("host"), event.get("step"), str(event.get("error")), "", micro)
 
     def fields(self) -> dict[str, Any]:
-        return {"kind": self.kind.value, "rank": self.rank, "host": self.host, "step": self.step, "error": self.error}
+        shrink = {"micro_batch": self.micro_batch} if self.micro_batch else {}
+        return {"kind": self.kind.value, "rank": self.rank, "host": self.host, "step": self.step, "error": self.error,
+                **shrink}  # fmt: skip
 
     def same_as(self, event: dict[str, Any]) -> bool:
         """The same failure as an earlier attempt's ``failure`` event: same error, same step."""

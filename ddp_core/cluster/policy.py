@@ -19,8 +19,9 @@ One policy, three callers, which differ only by parameters:
    the job's partition too few (``room_for``) is not excluded (``not_excluded`` recorded): the job goes on within its
    budget, never FAILED for that alone;
 4. a restart inside the allocation (``Allocation``, within ``slurm.max_restarts``) on its live nodes the run does not
-   exclude; else ``RUN_AGAIN`` when the caller can run again here, within the failure's budget (``failures.budget``),
-   and none of ``here`` is excluded;
+   exclude (a memory failure's own, outside that budget, where the micro-batch that ran out can halve:
+   ``run_smaller``); else ``RUN_AGAIN`` when the caller can run again here, within the failure's budget
+   (``failures.budget``), and none of ``here`` is excluded;
 5. else the job is requeued off its excluded nodes within the budget (``exits.requeue_within``); a spent budget or a
    refused requeue is ``STOPPED`` with ``requeue_within``'s code. Once ``REQUEUED``, the job's ``ExcNodeList`` holds
    every excluded node, and a new one is kept off the array's pending tasks too (a sweep's later trials, a search's
@@ -130,6 +131,8 @@ def decide_after(
         reason = f"{failure.where} failed at step {failure.step}: {failure.error}"
         return failed(run_dir, env, failure, reason, "a user error, not retried: fix it, then continue with", label)
     if failure.kind is Kind.memory:
+        if failure.micro_batch and (smaller := run_smaller(run_dir, env, failure, allocation, can_run_again, label)):
+            return smaller
         side = memory_side(failure.error)
         where = f" on {failure.host} (rank {failure.rank})" if failure.rank is not None else ""
         detail = failure.error.removeprefix("out of memory: ")
@@ -192,6 +195,36 @@ def restart(
         ",".join(nodes), f", spare {','.join(spared)} taking over" if spared else "", count, limit,
     )  # fmt: skip
     return Decision(Outcome.RUN_AGAIN, failure, nodes=nodes)
+
+
+def run_smaller(
+    run_dir: RunDir,
+    env: DistEnv,
+    failure: Failure,
+    allocation: Optional[Allocation],
+    can_run_again: bool,
+    label: str,
+) -> Optional[Decision]:
+    """A micro-batch that ran out where the strategy's steps communicate (fsdp under ``data.batch_size=auto``: no
+    rank could stop in the step and agree): the attempt again where it ran, from the newest checkpoint, its probe
+    under half of it (``trainer.memory.below``). It spends no budget, and cannot loop: each time halves the
+    micro-batch, and at one the rank raises the memory failure that ends the run. None where nothing can run it
+    again here."""
+    nodes = allocation.pick(excluded_hosts(run_dir.events())) if allocation is not None else ()
+    if allocation is not None and not nodes:
+        return None
+    if not nodes and not can_run_again:
+        return None
+    log.warning(
+        "%sout of memory with a micro-batch of %d on rank %s (%s): running the attempt again here at half of it",
+        label, failure.micro_batch, failure.rank, failure.error,
+    )  # fmt: skip
+    if nodes:
+        run_dir.log_event(
+            "restarted", job_id=env.job_id, restart_count=env.restart_count, launch=env.launch + 1, step=failure.step,
+            kind=failure.kind.value, count=0, nodes=list(nodes),
+        )  # fmt: skip
+    return Decision(Outcome.RUN_AGAIN, failure, nodes=tuple(nodes))
 
 
 def failed(

@@ -136,6 +136,7 @@ def this_allocation(
     restarts = sum(
         1 for e in events
         if e["event"] == "restarted" and e.get("job_id") == env.job_id and e.get("restart_count") == env.restart_count
+        and e.get("kind") != "memory"  # a micro-batch halved (policy.run_smaller): outside slurm.max_restarts
     )  # fmt: skip
     return Allocation(live, step_nodes, min(step_nodes, slurm.min_nodes) if slurm.elastic else step_nodes, restarts)
 

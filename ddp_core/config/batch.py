@@ -21,10 +21,6 @@ from ddp_core.errors import DdpJobError
 KEY = "data.global_batch_size"
 MAX_GLOBAL_BATCH = 1 << 30  # past it a value is a typo
 AUTO = "auto"  # data.batch_size: each attempt fits the micro-batch to its memory (``trainer.memory``)
-# The strategies whose forward and backward hold no collective of another process: one rank's out-of-memory there
-# can be agreed on after its micro-batches (ddp reduces the gradients itself then). fsdp gathers parameters inside
-# the forward and a pipeline sends activations: a rank that stops there leaves its peers waiting in a collective.
-AUTO_STRATEGIES = (StrategyName.ddp, *SINGLE_PROCESS_STRATEGIES)
 
 
 def is_auto(data: DataConfig) -> bool:
@@ -68,15 +64,19 @@ def per_replica(data: DataConfig, data_world: int, where: str = "the job") -> in
     return share
 
 
-def micro_batch_candidates(share: int) -> list[int]:
+def micro_batch_candidates(share: int, multiple: int = 1) -> list[int]:
     """The micro-batches a replica with ``share`` samples per step may take, smallest first: the divisors of
-    ``share`` (accumulation makes up the step exactly)."""
-    return [n for n in range(1, share + 1) if share % n == 0]
+    ``share`` (accumulation makes up the step exactly) that are multiples of ``multiple`` (a pipeline's
+    ``strategy.microbatches``: every micro-batch is cut into that many)."""
+    return [n for n in range(multiple, share + 1, multiple) if share % n == 0]
 
 
 def validate_auto(cfg: Config) -> None:
-    """``data.batch_size=auto``: a fixed global batch, a strategy whose ranks can agree on an out-of-memory, and not
-    ``train.invariant``, whose micro-batch is the leaf of its summation tree and so decides the bits."""
+    """``data.batch_size=auto``: a fixed global batch, and not ``train.invariant``, whose micro-batch is the leaf of
+    its summation tree and so decides the bits. Every strategy takes it: ddp's and one process's steps hold no
+    collective until their micro-batches are done (a rank's out-of-memory is agreed on and the step done again);
+    fsdp's and a pipeline's do, so there the attempt ends and the allocation runs it again at half the micro-batch
+    (``trainer.redo``, ``cluster.policy``)."""
     if not is_auto(cfg.data):
         return
     if cfg.data.global_batch_size is None:
@@ -92,13 +92,6 @@ def validate_auto(cfg: Config) -> None:
             "the tree of two over 4",
             "give data.batch_size the number that fits (a run without train.invariant can probe it: auto), or set "
             "train.invariant=false",
-        )
-    if cfg.strategy.name not in AUTO_STRATEGIES:
-        names = ", ".join(s.value for s in AUTO_STRATEGIES)
-        raise DdpJobError(
-            f"config key 'data.batch_size' = 'auto' is invalid with strategy.name={cfg.strategy.name.value!r}: its "
-            "ranks meet in collectives inside the forward, where one rank's out-of-memory cannot be agreed on",
-            f"give data.batch_size a number (the largest that fits), or use one of: {names}",
         )
 
 
@@ -226,7 +219,15 @@ def validate_batches(cfg: Config) -> None:
     for world, data_world in zip(job_world_sizes(cfg), job_replicas(cfg), strict=True):
         where = f"the job at {world // ranks_per_node(cfg)} node(s)" if cfg.slurm.elastic else "the job"
         if auto:  # each replica's share, which the fitted micro-batch divides
-            per_replica(cfg.data, data_world, where)
+            share = per_replica(cfg.data, data_world, where)
+            if s.name is StrategyName.pipeline and share % s.microbatches:
+                raise DdpJobError(
+                    f"config key '{KEY}' = {value} is invalid with data.batch_size=auto and strategy.microbatches="
+                    f"{s.microbatches}: {where}'s share of a replica, {share}, has no micro-batch that is a multiple "
+                    "of it",
+                    f"set {KEY} to a multiple of {s.microbatches * data_world}, or strategy.microbatches to a divisor "
+                    f"of {share}",
+                )
         else:  # and train.invariant's shards, at every world size
             grad_accum(cfg.data, cfg.train, data_world, where)
 

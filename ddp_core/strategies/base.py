@@ -47,6 +47,9 @@ class Strategy(ABC):
 
     # Whether this rank's losses count in the logged average (a pipeline's last stage only sees losses).
     reports_loss: ClassVar[bool] = True
+    # Whether a step's forward and backward meet other processes in collectives (fsdp's gathers, a pipeline's sends):
+    # a rank that runs out of memory there leaves its peers waiting, so the attempt ends instead (``trainer.redo``).
+    steps_communicate: ClassVar[bool] = False
 
     def forward_backward(self, task: Task, model: nn.Module, batch: Any, grad_accum: int, sync: bool) -> torch.Tensor:
         """Forward and backward of one micro-batch of ``grad_accum``; ``sync`` on the last one, where gradient
@@ -86,6 +89,15 @@ class Strategy(ABC):
         keeping them: activation checkpointing turned on in a running attempt, the lever against an out-of-memory
         that keeps every bit (``trainer.redo``). False where they already are, or where this strategy does not."""
         return False
+
+    @property
+    def micro_multiple(self) -> int:
+        """What every micro-batch must be a multiple of (a pipeline's ``strategy.microbatches``)."""
+        return 1
+
+    def probed(self) -> None:
+        """After the probe's steps (``trainer.memory``): forget what they fixed for later ones (a pipeline's shapes)."""
+        return None
 
     def begin_step(self, step: int) -> None:
         """Called before each optimizer step's micro-batches with the step's number (0-based, counted over the

@@ -42,6 +42,7 @@ _FULL = StateDictOptions(full_state_dict=True)
 
 class FSDPStrategy(Strategy):
     checkpoint_kind = "sharded"
+    steps_communicate = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if not any(p.requires_grad for p in model.parameters()):

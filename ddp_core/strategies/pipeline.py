@@ -35,6 +35,7 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int3
 
 class PipelineStrategy(Strategy):
     checkpoint_kind = "sharded"
+    steps_communicate = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         blocks = model_blocks(model, self.task, "pipeline")
@@ -93,6 +94,16 @@ class PipelineStrategy(Strategy):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, StageModule) else model
+
+    @property
+    def micro_multiple(self) -> int:
+        return self.cfg.microbatches
+
+    def probed(self) -> None:
+        # A stage infers its micro-batches' shapes at its first step, and keeps them: the probe's were larger.
+        stage = self.stage
+        self.stage = PipelineStage(stage.submod, stage.stage_index, stage.num_stages, self.device, group=self.pp_group)
+        self._schedule = None
 
     @property
     def data_rank(self) -> int:

@@ -168,7 +168,8 @@ class Trainer:
         parts = (task, strategy, model, optimizer, self.train_sums, self.amp, record)
         self.redo: Optional[redo.RedoneStep] = None
         if share is not None:
-            self.redo = redo.fitted(parts, train_set, collate, share, cfg.data.batch_headroom)
+            ran_out = memory.below(self.run_dir.events(), env.job_id, env.restart_count)  # this allocation's
+            self.redo = redo.fitted(parts, train_set, collate, share, cfg.data.batch_headroom, ran_out)
         elif cfg.train.invariant:
             self.redo = redo.recomputing(parts, fixed_micro(cfg.data))
 

@@ -13,6 +13,11 @@ untouched, and the ranks agree on the smallest answer: the one collective.
 **A step** that runs out of memory is done again (``trainer.redo``): at half the micro-batch (``Fit.shrink``: the
 largest divisor of the share at most half of it). At a micro-batch of one there is nothing left to halve:
 ``OutOfMemory``, a user error that names the memory used, the memory there is and the keys to change.
+
+**Where the strategy's steps communicate** (fsdp, pipeline: ``Strategy.steps_communicate``) a rank that runs out
+cannot stop and agree: the probe tries one micro-batch, on the wrapped model, and a rank that runs out (there or in
+a step) raises ``RanOut``; the allocation runs the attempt again (``cluster.policy``), whose probe stays under half
+of it (``below``).
 """
 
 from __future__ import annotations
@@ -49,6 +54,16 @@ ERRNO = re.compile(r"\. Error code \d+ \([^)]*\)$")  # and ends so: its errno's 
 
 class OutOfMemory(DdpJobError):
     """Not even a micro-batch of one fits: the failure table's memory kind (``failures.out_of_memory``)."""
+
+
+class RanOut(OutOfMemory):
+    """A micro-batch of ``micro_batch`` ran out where the strategy's steps communicate (fsdp): the peers wait in a
+    collective, so this attempt ends. The rank's ``rank_failed`` event carries ``micro_batch`` (``failures.record``),
+    and the allocation runs the attempt again (``cluster.policy``), whose probe takes half of it (``below``)."""
+
+    def __init__(self, micro_batch: int, message: str) -> None:
+        super().__init__(message, "the allocation runs the attempt again at half the micro-batch")
+        self.micro_batch = micro_batch
 
 
 def rows(batch: Any) -> int:
@@ -212,6 +227,11 @@ class Fit:
     micro: int
     probe_s: float = 0.0
     tried: list[tuple[int, bool]] = field(default_factory=list)
+    multiple: int = 1  # what the micro-batch must be a multiple of (``Strategy.micro_multiple``)
+
+    @property
+    def candidates(self) -> list[int]:
+        return micro_batch_candidates(self.share, self.multiple)
 
     @property
     def accumulation(self) -> int:
@@ -227,7 +247,7 @@ class Fit:
 
     def shrink(self, step: int, device: torch.device, what: str) -> int:
         """Half the micro-batch (the largest divisor of the share at most half of it); ``OutOfMemory`` at one."""
-        smaller = [n for n in micro_batch_candidates(self.share) if n <= self.micro // 2]
+        smaller = [n for n in self.candidates if n <= self.micro // 2]
         if not smaller:
             raise out_of_memory_error(step, self.micro, device, what)
         self.micro = smaller[-1]
@@ -243,31 +263,47 @@ def probe(
     share: int,
     headroom: float,
     amp: ContextManager[Any],
+    cap: Optional[int] = None,
 ) -> Fit:
-    """Collective: the attempt's micro-batch (module docstring). ``batch``: the training set's first samples, at
-    least ``share x (1 + headroom)`` (``first_samples``; repeated if the set is smaller)."""
+    """Collective: the attempt's micro-batch (module docstring), at most ``cap`` (``below``). ``batch``: the training
+    set's first samples, at least ``share x (1 + headroom)`` (``first_samples``; repeated if the set is smaller).
+    Where the strategy's steps communicate (fsdp) it tries one, the largest, on the wrapped model, every rank in
+    step: a rank that runs out raises ``RanOut`` (the attempt ends; the next one's cap is half), or at the smallest
+    candidate ``OutOfMemory``."""
     started, device, local = time.perf_counter(), strategy.device, strategy.local_model(model)
     weights = {k: v.detach().to("cpu", copy=True) for k, v in local.state_dict().items()}
     saved = copy.deepcopy(optimizer.state_dict())  # before the first step: its hyperparameters, no state yet
+    candidates = [n for n in micro_batch_candidates(share, strategy.micro_multiple) if cap is None or n <= cap]
+    if not candidates:  # the allocation's earlier attempt ran out at the smallest already: a user error (policy)
+        raise out_of_memory_error(0, 1, device, "")
+    every = candidates
+    if strategy.steps_communicate:
+        candidates = candidates[-1:]
 
     def fits(micro: int) -> bool:
-        sample = to_device(repeat(batch, math.ceil(micro * (1 + headroom))), device)
+        n = math.ceil(micro * (1 + headroom) / strategy.micro_multiple) * strategy.micro_multiple
+        sample = to_device(repeat(batch, n), device)
         try:
             with amp:
-                loss = task.compute(local, sample).loss
-            loss.backward()
+                if strategy.steps_communicate:  # on the wrapped model, whose forward gathers the parameters
+                    strategy.forward_backward(task, model, sample, 1, True)
+                else:
+                    task.compute(local, sample).loss.backward()
             optimizer.step()  # its state (AdamW's two moments) is allocated here, at the first step
             return True
         except Exception as err:  # only an allocator's failure means "does not fit"
             if not out_of_memory(err):
                 raise
+            if strategy.steps_communicate:  # the peers wait in a collective: the attempt ends here
+                raise give_up(micro, every, 0, device, allocator_words(err)) from None
             return False
         finally:
             optimizer.zero_grad(set_to_none=True)
             free(device)
 
     with rng.rng_untouched():
-        best, tried = search(micro_batch_candidates(share), fits)
+        best, tried = search(candidates, fits)
+    strategy.probed()
     local.load_state_dict(weights)
     optimizer.load_state_dict(saved)
     optimizer.state.clear()  # load_state_dict keeps state it was not given
@@ -275,7 +311,31 @@ def probe(
     agreed = agree_min(best or 0)
     if not agreed:
         raise out_of_memory_error(0, 1, device, "")
-    return Fit(share, agreed, time.perf_counter() - started, tried)
+    return Fit(share, agreed, time.perf_counter() - started, tried, strategy.micro_multiple)
+
+
+def give_up(micro: int, candidates: list[int], step: int, device: torch.device, what: str) -> OutOfMemory:
+    """A communicating strategy's out-of-memory at ``micro``: ``RanOut`` while a smaller candidate is left (the
+    allocation runs the attempt again under it), else ``OutOfMemory``, the run's end."""
+    if micro <= candidates[0]:
+        return out_of_memory_error(step, micro, device, what)
+    said = f" ({memory_report(device)}): {what}" if what else f" ({memory_report(device)})"
+    return RanOut(micro, f"a micro-batch of {micro} ran out at step {step}{said}")
+
+
+def below(
+    events: list[dict[str, Any]], job_id: Optional[str], restart_count: int
+) -> tuple[Optional[int], Optional[dict[str, Any]]]:
+    """The micro-batch this attempt's probe must stay under, half of the smallest one that ran out in this
+    allocation's earlier attempts (``failure`` events of the same job and restart count with ``micro_batch``: the
+    same nodes, so the same memory; a requeue elsewhere probes afresh), and that failure if it is what ended the
+    attempt before this one (the shrink to record); else (None, None)."""
+    mine = [e for e in events if e["event"] == "failure" and e.get("job_id") == job_id]
+    mine = [e for e in mine if e.get("restart_count") == restart_count]
+    ran_out = [e for e in mine if e.get("micro_batch")]
+    if not ran_out:
+        return None, None
+    return min(int(e["micro_batch"]) for e in ran_out) // 2, mine[-1] if mine[-1] is ran_out[-1] else None
 
 
 def agree_min(value: int) -> int:

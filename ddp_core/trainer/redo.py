@@ -17,6 +17,11 @@ Two reliefs, one per mode:
 
 Where the relief is spent (a micro-batch of one; activations already recomputed) the step raises ``OutOfMemory``:
 one line with the memory used, the memory there is and the keys to change.
+
+Where the strategy's steps communicate (fsdp: ``Strategy.steps_communicate``) no rank can stop in a step and agree:
+its peers wait in the forward's collectives. A rank that runs out raises ``memory.RanOut`` with its micro-batch
+instead; the attempt ends, the allocation runs it again from the newest checkpoint (``cluster.policy``), and the
+next attempt's probe takes half (``memory.below``; its rank 0 records the ``micro_batch_shrunk`` event).
 """
 
 from __future__ import annotations
@@ -29,15 +34,18 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddp_core.cluster.failures import Kind, classify, out_of_memory
+from ddp_core.config.batch import micro_batch_candidates
 from ddp_core.distributed import collectives, rng
 from ddp_core.strategies import Strategy
 from ddp_core.tasks.base import Task
 from ddp_core.trainer.memory import (
     Fit,
     OutOfMemory,
+    RanOut,
     allocator_words,
     first_samples,
     free,
+    give_up,
     out_of_memory_error,
     probe,
     ranks_out,
@@ -47,6 +55,7 @@ from ddp_core.trainer.metrics import TrainSums
 from ddp_core.trainer.steps import to_device
 
 log = logging.getLogger(__name__)
+Ran = tuple[Optional[int], Optional[dict[str, Any]]]  # memory.below's: the cap, and the failure to record
 INVARIANT_FIX = "more memory (slurm.mem_gb), or a smaller data.batch_size (other shards, other bits)"
 
 
@@ -58,6 +67,8 @@ class StepAbandoned(RuntimeError):
 def ends_the_job(error: Exception) -> bool:
     """Whether no attempt of this job runs again after this rank's ``error``: a user error, an out-of-memory, or a
     peer's out-of-memory that a step could not survive (``StepAbandoned``, which the peer's error decides)."""
+    if isinstance(error, RanOut):  # the allocation runs the attempt again, from these copies too
+        return False
     return isinstance(error, StepAbandoned) or classify(error) in (Kind.user, Kind.memory)
 
 
@@ -70,6 +81,10 @@ class Halve:
 
     def cut(self, group: list[Any]) -> list[Any]:
         return split(group[0], self.fit.micro)  # the loader gives the share whole: one "micro-batch" of it
+
+    def give_up(self, step: int, device: torch.device, words: str) -> OutOfMemory:
+        """Where the strategy's steps communicate: this attempt's end (``memory.give_up``)."""
+        return give_up(self.fit.micro, self.fit.candidates, step, device, words)
 
     def relieve(self, step: int, device: torch.device, words: str) -> tuple[str, dict[str, Any], str]:
         was = self.fit.micro
@@ -114,6 +129,7 @@ class RedoneStep:
     ) -> None:
         self.relief, self.task, self.strategy, self.amp = relief, task, strategy, amp
         self.model, self.local, self.sums, self.record = model, strategy.local_model(model), sums, record
+        self.step = -1
 
     @property
     def fit(self) -> Optional[Fit]:
@@ -121,6 +137,9 @@ class RedoneStep:
         return self.relief.fit
 
     def __call__(self, group: list[Any], step: int) -> list[torch.Tensor]:
+        self.step = step
+        if self.strategy.steps_communicate:  # no rank can stop and agree: one that runs out ends the attempt
+            return self.run(self.relief.cut(group))[0]
         self.strategy.sync_buffers(self.model)  # before any micro-batch: no rank can have run out yet
         streams, mark = rng.rng_state(), self.sums.mark()
         while True:
@@ -148,31 +167,48 @@ class RedoneStep:
 
     def run(self, parts: list[Any]) -> tuple[list[torch.Tensor], Optional[str]]:
         """This rank's micro-batches; the allocator's message if it ran out (the references to the failed step's
-        tensors dropped with the exception)."""
+        tensors dropped with the exception). Where the strategy's steps communicate: on the wrapped model, the
+        gradients reduced with the last, and an out-of-memory raised (``Halve.give_up``)."""
         losses: list[torch.Tensor] = []
-        what = None
+        what, talks = None, self.strategy.steps_communicate
         try:
-            for part in parts:
+            for i, part in enumerate(parts):
                 with self.amp:
                     batch = to_device(part, self.strategy.device)
-                    losses.append(self.strategy.forward_backward(self.task, self.local, batch, len(parts), False))
+                    sync = talks and i == len(parts) - 1
+                    model = self.model if talks else self.local
+                    losses.append(self.strategy.forward_backward(self.task, model, batch, len(parts), sync))
         except Exception as err:  # an allocator's failure is agreed on; the rest is raised
             if not out_of_memory(err):
                 raise
             what = allocator_words(err)[:300]
+            if talks and isinstance(self.relief, Halve):
+                raise self.relief.give_up(self.step, self.strategy.device, what) from None
         if what is not None:  # the exception, and the step's tensors its frames held, are gone here
             free(self.strategy.device)
             return [], what
         return losses, None
 
 
-def fitted(parts: tuple[Any, ...], train_set: Dataset, collate: Any, share: int, headroom: float) -> RedoneStep:
+def fitted(
+    parts: tuple[Any, ...], train_set: Dataset, collate: Any, share: int, headroom: float, ran_out: Ran
+) -> RedoneStep:
     """Collective, ``data.batch_size=auto``: the attempt's probe (``memory.probe``, on the training set's first
-    samples) and the steps that cut each share into the micro-batch it chose. ``parts``: the task, strategy,
-    model, optimizer, training sums, autocast context and rank 0's event writer."""
+    samples, under ``ran_out``'s cap: ``memory.below``) and the steps that cut each share into the micro-batch it
+    chose. ``parts``: the task, strategy, model, optimizer, training sums, autocast context and rank 0's event
+    writer, which records the shrink when the attempt before this one ran out (a strategy whose steps communicate)."""
     task, strategy, model, optimizer, sums, amp, record = parts
+    cap, failure = ran_out
+    smaller = [n for n in micro_batch_candidates(share, strategy.micro_multiple) if cap is not None and n <= cap]
+    if failure is not None and smaller and record is not None:  # what the probe tries now: the largest under cap
+        was, why = int(failure["micro_batch"]), f"rank {failure.get('rank')}: {failure.get('error')}"
+        log.warning(
+            "the attempt before ran out with a micro-batch of %d: this one tries %d (%s)", was, smaller[-1], why
+        )
+        fields = {"was": was, "micro_batch": smaller[-1], "grad_accum": share // smaller[-1], "restarted": True}
+        record("micro_batch_shrunk", step=failure.get("step"), **fields, ranks=[failure.get("rank")], error=why)
     batch = first_samples(train_set, int(share * (1 + headroom)) + 1, collate)
-    fit = probe(task, strategy, model, optimizer, batch, share, headroom, amp)
+    fit = probe(task, strategy, model, optimizer, batch, share, headroom, amp, cap)
     return RedoneStep(Halve(fit), task, strategy, model, sums, amp, record)
 
 

@@ -50,7 +50,9 @@ def memory_note(name: str, events: list[dict[str, Any]]) -> Optional[str]:
     starts = [i for i, e in enumerate(events) if e["event"] == "start"]
     if not starts:
         return None
-    start, after = events[starts[-1]], events[starts[-1] :]
+    # A strategy whose steps communicate (fsdp) records its shrink before its start: the attempt before ran out.
+    before = events[starts[-2] + 1 if len(starts) > 1 else 0 : starts[-1]]
+    start, after = events[starts[-1]], [e for e in before if e.get("restarted")] + events[starts[-1] :]
     if "micro_batch" not in start:
         again = next((e for e in after if e["event"] == "activations_recomputed"), None)
         if again is None:

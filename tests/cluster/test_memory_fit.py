@@ -196,3 +196,42 @@ def test_invariant_survives_an_out_of_memory_by_recomputing_activations_with_the
         r"\(hint: more memory \(slurm.mem_gb\), or a smaller data.batch_size",
         failed["reason"],
     ), failed
+
+
+# fsdp gathers each unit's parameters inside the forward: a rank that runs out leaves its peer in a collective, so
+# no step can be done again in place. The same limit as the first test (4 fits, 8 and 16 do not, rank 1's samples of
+# step 6 need twice): each out-of-memory ends the attempt, and the allocation runs it again at half, from step 4's
+# checkpoint for the one at step 6.
+FSDP = [*WIDE, "strategy.name=fsdp", "checkpoint.every_steps=4"]
+
+
+def test_fsdp_runs_the_attempt_again_at_half_the_micro_batch_that_ran_out(slurm_cluster, tmp_path):
+    """Under fsdp the probe tries one micro-batch, the largest under what ran out before: 16 and 8 run out (two
+    attempts, restarted in the allocation), 4 fits; at step 6 rank 1 runs out again, and the attempt after it goes on
+    from step 4 at 2. The run completes, no restart budget or failure budget spent, bitwise equal to the run at a fixed
+    micro-batch of 4 to step 4 continued at 2; status says what was halved, and when."""
+    ref = tmp_path / "reference"
+    before = run_trainer(DIGITS, ref, [*FSDP, "data.batch_size=4", "train.max_steps=4"], nproc=2, env=MALLOC)
+    peak_mib = max(int(n) for n in ADDRESS_SPACE.findall(before))
+    (reference,) = set(final_digests(run_trainer(DIGITS, ref, [*FSDP, "data.batch_size=2"], nproc=2, env=MALLOC)))
+
+    proc = run_cli("submit", DIGITS, *FSDP, "data.batch_size=auto", "slurm.max_restarts=0", "slurm.max_failures=0",
+                   limited((peak_mib + MARGIN_MIB) * 1024), cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+    assert wait_gone(job_id, 300) == "COMPLETED", rank_logs(run_dir, job_id)
+    shrunk = [(e["was"], e["micro_batch"], e["grad_accum"]) for e in events(run_dir, "micro_batch_shrunk")]
+    assert shrunk == [(16, 8, 2), (8, 4, 4), (4, 2, 8)], events(run_dir)
+    failures = events(run_dir, "failure")
+    assert [(e["kind"], e["micro_batch"], e["step"]) for e in failures] == [
+        ("memory", 16, 0), ("memory", 8, 0), ("memory", 4, HEAVY_STEP)
+    ], failures  # fmt: skip
+    assert all("can't allocate memory" in e["error"] for e in failures), failures
+    assert [e["kind"] for e in events(run_dir, "restarted")] == ["memory"] * 3
+    starts = [(e["step"], e["micro_batch"], e["probed"]) for e in events(run_dir, "start")]
+    assert starts == [(0, 4, [[4, True]]), (4, 2, [[2, True]])], starts
+    assert not events(run_dir, "failed") and not events(run_dir, "requeued")
+    assert set(digests(rank_logs(run_dir, job_id)).values()) == {reference}
+    status = run_cli("status", str(run_dir), cwd=tmp_path)
+    assert f"micro-batch in {run_dir.name}: 2 x 8 a replica" in status.stdout, status.stdout
+    assert f"halved to 2 at step {HEAVY_STEP}, out of memory on rank 1:" in status.stdout, status.stdout

@@ -19,7 +19,7 @@ from ddp_core.cluster.failures import Failure, Kind, attempt_events
 from ddp_core.cluster.policy import Allocation, Outcome
 from ddp_core.cluster.slurm import SlurmGateway
 from ddp_core.run import private
-from tests.support.policy import Slurm, decide, events, run_dir
+from tests.support.policy import ENV, Slurm, decide, events, run_dir
 
 TWO_OF_THREE = Allocation(live=("n1", "n2", "n3"), step_nodes=2, fewest=2, restarts=0)
 
@@ -158,3 +158,24 @@ def test_a_step_srun_could_not_start_is_slurms_not_ready_and_runs_again_after_a_
         assert decide(run, slurm, failure, allocation=allocation).nodes == ("n1", "n2")
     assert slept == [policy.STEP_RETRY_S, 2 * policy.STEP_RETRY_S]
     assert [e.get("kind") for e in run.events() if e["event"] == "failure"] == ["infrastructure"] * 2
+
+
+def test_a_micro_batch_that_ran_out_under_fsdp_runs_again_in_the_allocation_outside_every_budget(tmp_path, monkeypatch):
+    """A rank's ``RanOut`` (``data.batch_size=auto`` where the steps communicate) carries the micro-batch: the
+    attempt runs again on the same nodes, whatever slurm.max_restarts says and without spending it; the attempt after
+    it probes under half (``memory.below``). Without the micro-batch (a fixed one, or one) it is the run's end."""
+    run, slurm = run_dir(tmp_path, "slurm.max_restarts=0", "slurm.max_failures=0"), Slurm()
+    ran_out = Failure(Kind.memory, 1, "n2", 6, "RanOut: a micro-batch of 4 ran out at step 6", micro_batch=4)
+    spent = Allocation(TWO_OF_THREE.live, 2, 2, restarts=0)
+    decision = decide(run, slurm, ran_out, allocation=spent)
+    assert (decision.outcome, decision.nodes) == (Outcome.RUN_AGAIN, ("n1", "n2")) and slurm.asked() == []
+    assert events(run) == [("failure", "n2"), ("restarted", "memory")]
+    assert run.events()[0]["micro_batch"] == 4
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-3]")  # the batch script's environment
+    assert supervise.this_allocation(ENV, slurm.gateway, run.load_config().slurm, run.events()).restarts == 0
+    # A search's trial step (no allocation of its own, can run again there): the same.
+    assert decide(run, slurm, ran_out, can_run_again=True).outcome is Outcome.RUN_AGAIN
+    # Neither: the end, as for any memory failure.
+    assert decide(run, slurm, ran_out).outcome is Outcome.FAILED
+    at_one = Failure(Kind.memory, 1, "n2", 6, "OutOfMemory: a micro-batch of 1 does not fit at step 6")
+    assert decide(run, slurm, at_one, allocation=spent).outcome is Outcome.FAILED

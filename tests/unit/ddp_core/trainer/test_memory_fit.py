@@ -69,8 +69,10 @@ def test_a_step_done_again_counts_its_sums_once():
         (["data.batch_size=auto"], "config key 'data.batch_size' = 'auto' needs data.global_batch_size"),
         (["data.batch_size=auto", "data.global_batch_size=64", "train.invariant=true"],
          "is invalid with train.invariant=true: the micro-batch is the leaf"),
-        (["data.batch_size=auto", "data.global_batch_size=64", "strategy.name=fsdp"],
-         "is invalid with strategy.name='fsdp': its ranks meet in collectives inside the forward"),
+        (["data.batch_size=auto", "data.global_batch_size=64", "strategy.name=pipeline", "strategy.stages=2",
+          "strategy.microbatches=3"],
+         "= 64 is invalid with data.batch_size=auto and strategy.microbatches=3: the job's share of a replica, 64, "
+         "has no micro-batch that is a multiple of it"),
         (["data.batch_size=auto", "data.global_batch_size=63"],
          "= 63 is invalid with data.batch_size=auto: the job has 2 data-parallel replicas"),
         (["data.batch_size=auto", "data.global_batch_size=64", "train.grad_accum=2"],
@@ -84,7 +86,9 @@ def test_auto_is_refused_in_one_line_where_it_cannot_work(overrides, says):
     with pytest.raises(DdpJobError) as err:
         load_config(DIGITS, overrides)
     assert says in str(err.value) and "\n" not in str(err.value)
-    assert load_config(DIGITS, ["data.batch_size=auto", "data.global_batch_size=64"]).data.batch_size == "auto"
+    for strategy in ("ddp", "fsdp"):
+        taken = load_config(DIGITS, ["data.batch_size=auto", "data.global_batch_size=64", f"strategy.name={strategy}"])
+        assert taken.data.batch_size == "auto"
 
 
 def test_every_attempt_probes_again_and_the_run_goes_on_as_if_uninterrupted(tmp_path):
@@ -156,3 +160,56 @@ def test_a_peers_out_of_memory_a_step_could_not_survive_ends_the_job_on_every_ra
     assert classify(StepAbandoned("step 3 abandoned: rank 1 could not fit it")) is Kind.unknown  # rank 1's decides
     assert ends_the_job(StepAbandoned("step 3 abandoned")) and ends_the_job(OutOfMemory("no fit", "more memory"))
     assert not ends_the_job(RuntimeError("a peer's socket closed"))
+
+
+def test_under_fsdp_a_rank_that_runs_out_ends_the_attempt_with_its_micro_batch_and_the_next_probes_under_half(
+    tmp_path,
+):
+    """fsdp's steps meet in collectives, so a rank that runs out raises ``RanOut``: a memory failure whose
+    ``rank_failed`` event carries the micro-batch (``failures.record``), which keeps the node-local copies (the
+    allocation runs the attempt again from them), and whose attempt after it probes under half of the smallest that
+    ran out in the same allocation (``memory.below``: the same job and restart count; a requeue probes afresh). At the
+    smallest there is nothing to halve: ``OutOfMemory``, the run's end."""
+    from ddp_core.cluster.env import DistEnv
+    from ddp_core.cluster.failures import Failure, record
+    from ddp_core.run.rundir import RunDir
+    from ddp_core.trainer.memory import RanOut, below, give_up
+    from ddp_core.trainer.redo import ends_the_job
+
+    cpu, every = torch.device("cpu"), micro_batch_candidates(16)
+    err = give_up(8, every, 6, cpu, "DefaultCPUAllocator: can't allocate memory")
+    assert isinstance(err, RanOut) and err.micro_batch == 8 and classify(err) is Kind.memory
+    assert str(err).startswith("a micro-batch of 8 ran out at step 6 (host: ") and not ends_the_job(err)
+    last = give_up(1, every, 6, cpu, "can't allocate memory")
+    assert not isinstance(last, RanOut) and ends_the_job(last)
+    assert str(last).startswith("a micro-batch of 1 does not fit at step 6")
+
+    run = RunDir(tmp_path)
+    record(run, DistEnv(job_id="57", restart_count=0, rank=1), err, 6)
+    (event,) = run.events()
+    assert (event["kind"], event["micro_batch"]) == ("memory", 8)
+    failure = Failure.of_rank(Kind.memory, event)
+    assert failure.micro_batch == 8 and failure.fields()["micro_batch"] == 8
+    earlier = [
+        {"event": "failure", "job_id": "57", "restart_count": 0, "micro_batch": 16},
+        {"event": "failure", "job_id": "57", "restart_count": 0, "micro_batch": 8, "step": 6},
+    ]
+    assert below(earlier, "57", 0) == (4, earlier[-1])
+    infra = {"event": "failure", "job_id": "57", "restart_count": 0, "kind": "infrastructure"}
+    assert below([*earlier, infra], "57", 0) == (4, None)  # still under it, the shrink recorded already
+    assert below(earlier, "57", 1) == (None, None) and below(earlier, "58", 0) == (None, None)
+
+
+def test_a_pipeline_probes_then_trains_at_its_choice_as_a_run_that_wrote_it_in(tmp_path):
+    """A pipeline's stages fix their micro-batches' shapes at their first step: the probe's (its headroom's 40
+    samples, cut into 2) are forgotten after it (``Strategy.probed``), and the run trains at the 32 it chose, bitwise
+    as the run with ``data.batch_size=32`` written in."""
+    from tests.support.helpers import events, final_digests, run_trainer
+
+    common = ["data.global_batch_size=32", "strategy.name=pipeline", "strategy.stages=2", "strategy.microbatches=2",
+              "train.max_steps=4", "optim.warmup_steps=0", "train.eval_every=0", "wandb.mode=disabled"]  # fmt: skip
+    auto = run_trainer(DIGITS, tmp_path / "auto", [*common, "data.batch_size=auto"], nproc=2)
+    (start,) = events(tmp_path / "auto", "start")
+    assert (start["micro_batch"], start["probed"]) == (32, [[32, True]]), start
+    fixed = run_trainer(DIGITS, tmp_path / "fixed", [*common, "data.batch_size=32"], nproc=2)
+    assert len(set(final_digests(auto))) == 1 and set(final_digests(auto)) == set(final_digests(fixed))

@@ -74,6 +74,12 @@ def test_a_fitted_micro_batch_is_noted_with_each_halving_of_the_newest_attempt()
         "micro-batch in r: 16 x 1 a replica (data.batch_size=auto, probed in 0.25 s at step 10)"
     )  # another attempt, on other hardware: probed anew
     assert notes.memory_note("r", [{"event": "start", "step": 0}]) is None  # a fixed micro-batch
+    # fsdp: the attempt that ran out ended, and its successor's rank 0 records the shrink before its start.
+    restarted = {**shrunk, "micro_batch": 4, "restarted": True}
+    assert notes.memory_note("r", [first, restarted, {**again, "micro_batch": 4, "grad_accum": 4}]) == (
+        "micro-batch in r: 4 x 4 a replica (data.batch_size=auto, probed in 0.25 s at step 10); halved to 4 at step 6, "
+        "out of memory on rank 1: can't allocate memory"
+    )
 
 
 def test_activations_recomputed_under_invariant_are_noted_for_the_newest_attempt():
