@@ -90,6 +90,11 @@ class Strategy(ABC):
         that keeps every bit (``trainer.redo``). False where they already are, or where this strategy does not."""
         return False
 
+    def recomputes(self) -> bool:
+        """Whether the units' activations are recomputed in the backward now (``strategy.activation_checkpointing``,
+        or ``recompute_activations`` since): an out-of-memory's fix then is not to turn it on."""
+        return self.cfg.activation_checkpointing
+
     @property
     def micro_multiple(self) -> int:
         """What every micro-batch must be a multiple of (a pipeline's ``strategy.microbatches``)."""

@@ -21,6 +21,8 @@ def flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
 
 
 class DDPStrategy(Strategy):
+    recomputing = False  # activation checkpointing turned on in this attempt (``recompute_activations``)
+
     def wrap(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
         if self.cfg.activation_checkpointing:
@@ -37,6 +39,18 @@ class DDPStrategy(Strategy):
 
     def local_model(self, model: nn.Module) -> nn.Module:
         return self.unwrap(model)  # DDP's forward may broadcast buffers; its backward hooks stay idle without it
+
+    def recompute_activations(self, model: nn.Module) -> bool:
+        """Activation checkpointing from now on (``trainer.redo``): the same units ``strategy.activation_checkpointing``
+        would recompute; recomputation restores the RNG state, so dropout masks, and so the bits, are kept."""
+        if self.recomputes():
+            return False
+        checkpoint_activations(candidate_units(model, self.cfg.wrap_classes))
+        self.recomputing = True
+        return True
+
+    def recomputes(self) -> bool:
+        return self.recomputing or self.cfg.activation_checkpointing
 
     def sync_buffers(self, model: nn.Module) -> None:
         """DDP's forward broadcasts rank 0's buffers (``broadcast_buffers``): the same before each step, once."""

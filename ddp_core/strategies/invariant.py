@@ -84,7 +84,6 @@ class InvariantDDPStrategy(DDPStrategy):
         self.seed, self.step, self.done = 0, 0, 0  # train.seed; the optimizer step; this step's shards run so far
         self.tree = PairwiseSum()
         self.params: list[nn.Parameter] = []  # the trainable parameters, listed at each step's first shard
-        self.recomputing = self.cfg.activation_checkpointing
 
     def wrap(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
@@ -97,15 +96,6 @@ class InvariantDDPStrategy(DDPStrategy):
 
     def begin_step(self, step: int) -> None:
         self.step, self.done, self.tree = step, 0, PairwiseSum()  # a step done again starts its tree again
-
-    def recompute_activations(self, model: nn.Module) -> bool:
-        """Activation checkpointing from now on (``trainer.redo``): the same units ``strategy.activation_checkpointing``
-        would recompute; recomputation restores the RNG state, so dropout masks, and so the bits, are kept."""
-        if self.recomputing:
-            return False
-        checkpoint_activations(candidate_units(model, self.cfg.wrap_classes))
-        self.recomputing = True
-        return True
 
     def reduce_gradients(self, model: nn.Module) -> None:
         """After every shard ran on this rank without its last one's combine (``trainer.redo``): the same sum."""

@@ -87,7 +87,8 @@ class Trainer:
         except BaseException as err:
             error = err
             if failures.out_of_memory(err) and not isinstance(err, memory.OutOfMemory):  # said with the numbers
-                error = memory.ran_out(err, self.at_step(), getattr(self, "device", torch.device("cpu")))
+                device, invariant = getattr(self, "device", torch.device("cpu")), self.cfg.train.invariant
+                error = memory.ran_out(err, self.at_step(), device, invariant)
                 raise error from err
             raise
         finally:

@@ -46,6 +46,8 @@ from ddp_core.trainer.steps import map_tensors, to_device
 
 log = logging.getLogger(__name__)
 FIX = "more memory (slurm.mem_gb), strategy.activation_checkpointing=true, a smaller data.global_batch_size, or fsdp"
+RECOMPUTING_FIX = "more memory (slurm.mem_gb), a smaller data.global_batch_size, or fsdp"  # checkpointing on already
+INVARIANT_FIX = "more memory (slurm.mem_gb), or a smaller data.batch_size (other shards, other bits)"
 
 
 ENFORCE = re.compile(r"^\[enforce fail at [^\]]*\] err == 0\. ")  # the CPU allocator's message starts so
@@ -206,15 +208,27 @@ def out_of_memory_error(
     return OutOfMemory(f"{unit} of {micro} does not fit at step {step}{how} ({memory_report(device)}){said}", fix)
 
 
+def no_fit(step: int, micro: int, device: torch.device, what: str, recomputing: bool) -> OutOfMemory:
+    """The smallest micro-batch does not fit: ``out_of_memory_error``, said ``even recomputing its activations``
+    (and without that fix) where they are (``Strategy.recomputes``)."""
+    if recomputing:
+        return out_of_memory_error(
+            step, micro, device, what, how=" even recomputing its activations", fix=RECOMPUTING_FIX
+        )
+    return out_of_memory_error(step, micro, device, what)
+
+
 def allocator_words(err: BaseException) -> str:
     """An allocator's failure in its first line, without the CPU allocator's ``[enforce fail ...]`` prefix."""
     return ERRNO.sub("", ENFORCE.sub("", (str(err).strip().splitlines() or [type(err).__name__])[0]))
 
 
-def ran_out(err: BaseException, step: Optional[int], device: torch.device) -> OutOfMemory:
+def ran_out(err: BaseException, step: Optional[int], device: torch.device, invariant: bool = False) -> OutOfMemory:
     """An allocator's failure this attempt did not survive (a fixed micro-batch, an evaluation, a checkpoint's full
-    state dict): the same, said with the memory used and there."""
-    hint = "data.batch_size=auto fits the micro-batch to memory, the global batch kept; or " + FIX
+    state dict): the same, said with the memory used and there, and the keys that fix it (``invariant``: a
+    train.invariant run's, which takes no data.batch_size=auto)."""
+    auto = "data.batch_size=auto fits the micro-batch to memory, the global batch kept; or " + FIX
+    hint = f"strategy.activation_checkpointing=true, {INVARIANT_FIX}" if invariant else auto
     return OutOfMemory(f"ran out {when(step)} ({memory_report(device)}): {allocator_words(err)}", hint)
 
 
@@ -228,6 +242,7 @@ class Fit:
     probe_s: float = 0.0
     tried: list[tuple[int, bool]] = field(default_factory=list)
     multiple: int = 1  # what the micro-batch must be a multiple of (``Strategy.micro_multiple``)
+    recomputed: bool = False  # not even the smallest fitted until the probe turned activation checkpointing on
 
     @property
     def candidates(self) -> list[int]:
@@ -239,11 +254,19 @@ class Fit:
 
     def fields(self) -> dict[str, Any]:
         """The start event's record: the micro-batch chosen, what the probe tried (micro-batch, fits), its time."""
-        return {"micro_batch": self.micro, "probe_s": round(self.probe_s, 3), "probed": [list(t) for t in self.tried]}
+        recomputed = {"activations_recomputed": True} if self.recomputed else {}
+        return {"micro_batch": self.micro, "probe_s": round(self.probe_s, 3), "probed": [list(t) for t in self.tried],
+                **recomputed}  # fmt: skip
 
     def said(self) -> str:
         """The start log line's note of the probe."""
-        return f" (data.batch_size=auto, probed in {self.probe_s:.2f} s)"
+        recomputed = ", activations recomputed" if self.recomputed else ""
+        return f" (data.batch_size=auto, probed in {self.probe_s:.2f} s{recomputed})"
+
+    @property
+    def smallest(self) -> bool:
+        """Nothing left to halve: no candidate at most half the micro-batch."""
+        return not [n for n in self.candidates if n <= self.micro // 2]
 
     def shrink(self, step: int, device: torch.device, what: str) -> int:
         """Half the micro-batch (the largest divisor of the share at most half of it); ``OutOfMemory`` at one."""
@@ -275,7 +298,7 @@ def probe(
     saved = copy.deepcopy(optimizer.state_dict())  # before the first step: its hyperparameters, no state yet
     candidates = [n for n in micro_batch_candidates(share, strategy.micro_multiple) if cap is None or n <= cap]
     if not candidates:  # the allocation's earlier attempt ran out at the smallest already: a user error (policy)
-        raise out_of_memory_error(0, 1, device, "")
+        raise no_fit(0, 1, device, "", strategy.recomputes())
     every = candidates
     if strategy.steps_communicate:
         candidates = candidates[-1:]
@@ -295,7 +318,7 @@ def probe(
             if not out_of_memory(err):
                 raise
             if strategy.steps_communicate:  # the peers wait in a collective: the attempt ends here
-                raise give_up(micro, every, 0, device, allocator_words(err)) from None
+                raise give_up(micro, every, 0, device, allocator_words(err), strategy.recomputes()) from None
             return False
         finally:
             optimizer.zero_grad(set_to_none=True)
@@ -303,6 +326,10 @@ def probe(
 
     with rng.rng_untouched():
         best, tried = search(candidates, fits)
+        recomputed = best is None and strategy.recompute_activations(local)  # the last resort: the same bits
+        if recomputed:
+            best, more = search(candidates, fits)
+            tried += more
     strategy.probed()
     local.load_state_dict(weights)
     optimizer.load_state_dict(saved)
@@ -310,15 +337,17 @@ def probe(
     free(device)
     agreed = agree_min(best or 0)
     if not agreed:
-        raise out_of_memory_error(0, 1, device, "")
-    return Fit(share, agreed, time.perf_counter() - started, tried, strategy.micro_multiple)
+        raise no_fit(0, every[0], device, "", strategy.recomputes())
+    return Fit(share, agreed, time.perf_counter() - started, tried, strategy.micro_multiple, recomputed)
 
 
-def give_up(micro: int, candidates: list[int], step: int, device: torch.device, what: str) -> OutOfMemory:
+def give_up(
+    micro: int, candidates: list[int], step: int, device: torch.device, what: str, recomputing: bool
+) -> OutOfMemory:
     """A communicating strategy's out-of-memory at ``micro``: ``RanOut`` while a smaller candidate is left (the
     allocation runs the attempt again under it), else ``OutOfMemory``, the run's end."""
     if micro <= candidates[0]:
-        return out_of_memory_error(step, micro, device, what)
+        return no_fit(step, micro, device, what, recomputing)
     said = f" ({memory_report(device)}): {what}" if what else f" ({memory_report(device)})"
     return RanOut(micro, f"a micro-batch of {micro} ran out at step {step}{said}")
 

@@ -9,7 +9,8 @@ otherwise the gradients are reduced (``Strategy.reduce_gradients``) and the trai
 Two reliefs, one per mode:
 
 - ``data.batch_size=auto`` (``Halve``): half the micro-batch, twice the accumulation (``memory.Fit.shrink``), the
-  event ``micro_batch_shrunk``. The bits are those of the smaller micro-batch.
+  event ``micro_batch_shrunk``. The bits are those of the smaller micro-batch. At the smallest, activations are
+  recomputed once (as below) before the run ends.
 - ``train.invariant`` (``Recompute``): its micro-batch is the leaf of the fixed summation tree, so it is never cut.
   Activation checkpointing is turned on for the rest of the attempt instead (``Strategy.recompute_activations``):
   the units' activations are recomputed in the backward from the same inputs, with the same random streams, so
@@ -39,6 +40,7 @@ from ddp_core.distributed import collectives, rng
 from ddp_core.strategies import Strategy
 from ddp_core.tasks.base import Task
 from ddp_core.trainer.memory import (
+    INVARIANT_FIX,
     Fit,
     OutOfMemory,
     RanOut,
@@ -46,6 +48,7 @@ from ddp_core.trainer.memory import (
     first_samples,
     free,
     give_up,
+    no_fit,
     out_of_memory_error,
     probe,
     ranks_out,
@@ -56,7 +59,6 @@ from ddp_core.trainer.steps import to_device
 
 log = logging.getLogger(__name__)
 Ran = tuple[Optional[int], Optional[dict[str, Any]]]  # memory.below's: the cap, and the failure to record
-INVARIANT_FIX = "more memory (slurm.mem_gb), or a smaller data.batch_size (other shards, other bits)"
 
 
 class StepAbandoned(RuntimeError):
@@ -76,18 +78,23 @@ class Halve:
     """``data.batch_size=auto``: each replica's share of a step cut into the fitted micro-batch, halved when a rank
     runs out."""
 
-    def __init__(self, fit: Fit) -> None:
-        self.fit = fit
+    def __init__(self, fit: Fit, strategy: Strategy, local: nn.Module) -> None:
+        self.fit, self.strategy, self.local = fit, strategy, local
 
     def cut(self, group: list[Any]) -> list[Any]:
         return split(group[0], self.fit.micro)  # the loader gives the share whole: one "micro-batch" of it
 
     def give_up(self, step: int, device: torch.device, words: str) -> OutOfMemory:
         """Where the strategy's steps communicate: this attempt's end (``memory.give_up``)."""
-        return give_up(self.fit.micro, self.fit.candidates, step, device, words)
+        return give_up(self.fit.micro, self.fit.candidates, step, device, words, self.strategy.recomputes())
 
     def relieve(self, step: int, device: torch.device, words: str) -> tuple[str, dict[str, Any], str]:
         was = self.fit.micro
+        if self.fit.smallest:  # nothing left to halve: activations recomputed (the same bits), once, before the end
+            if not self.strategy.recompute_activations(self.local):
+                raise no_fit(step, was, device, words, self.strategy.recomputes())
+            again = f"with a micro-batch of {was}, the smallest: the step again, its activations recomputed"
+            return "activations_recomputed", {"micro_batch": was}, again
         self.fit.shrink(step, device, words)
         fields = {"was": was, "micro_batch": self.fit.micro, "grad_accum": self.fit.accumulation}
         again = f"with a micro-batch of {was}: the step again with {self.fit.micro} x {self.fit.accumulation}"
@@ -209,7 +216,7 @@ def fitted(
         record("micro_batch_shrunk", step=failure.get("step"), **fields, ranks=[failure.get("rank")], error=why)
     batch = first_samples(train_set, int(share * (1 + headroom)) + 1, collate)
     fit = probe(task, strategy, model, optimizer, batch, share, headroom, amp, cap)
-    return RedoneStep(Halve(fit), task, strategy, model, sums, amp, record)
+    return RedoneStep(Halve(fit, strategy, strategy.local_model(model)), task, strategy, model, sums, amp, record)
 
 
 def recomputing(parts: tuple[Any, ...], micro: int) -> RedoneStep:

@@ -58,11 +58,14 @@ def memory_note(name: str, events: list[dict[str, Any]]) -> Optional[str]:
         if again is None:
             return None
         return f"activations recomputed from step {again.get('step')} in {name}, out of memory on {again.get('error')}"
+    recomputed = ", activations recomputed" if start.get("activations_recomputed") else ""
     note = (f"micro-batch in {name}: {start['micro_batch']} x {start.get('grad_accum')} a replica (data.batch_size="
-            f"auto, probed in {start.get('probe_s', 0):.2f} s at step {start.get('step')})")  # fmt: skip
+            f"auto, probed in {start.get('probe_s', 0):.2f} s at step {start.get('step')}{recomputed})")  # fmt: skip
     for e in after:
         if e["event"] == "micro_batch_shrunk":
             note += f"; halved to {e.get('micro_batch')} at step {e.get('step')}, out of memory on {e.get('error')}"
+        elif e["event"] == "activations_recomputed":  # at the smallest micro-batch, before the end
+            note += f"; activations recomputed from step {e.get('step')}, out of memory on {e.get('error')}"
     return note
 
 

@@ -118,6 +118,8 @@ def test_an_out_of_memory_the_attempt_did_not_survive_is_said_with_the_memory_us
     assert str(said).startswith("ran out at step 5 (host: ") and "): DefaultCPUAllocator: can't allocate" in str(said)
     assert said.hint.startswith("data.batch_size=auto fits the micro-batch to memory")
     assert str(ran_out(MemoryError(), None, torch.device("cpu"))).startswith("ran out before its first step (host: ")
+    invariant = ran_out(raw, 5, torch.device("cpu"), invariant=True)  # its micro-batch is a shard: no auto
+    assert invariant.hint.startswith("strategy.activation_checkpointing=true, more memory (slurm.mem_gb), or a smaller")
 
 
 def test_under_invariant_the_relief_is_recomputing_activations_once_then_an_out_of_memory():
@@ -177,10 +179,10 @@ def test_under_fsdp_a_rank_that_runs_out_ends_the_attempt_with_its_micro_batch_a
     from ddp_core.trainer.redo import ends_the_job
 
     cpu, every = torch.device("cpu"), micro_batch_candidates(16)
-    err = give_up(8, every, 6, cpu, "DefaultCPUAllocator: can't allocate memory")
+    err = give_up(8, every, 6, cpu, "DefaultCPUAllocator: can't allocate memory", False)
     assert isinstance(err, RanOut) and err.micro_batch == 8 and classify(err) is Kind.memory
     assert str(err).startswith("a micro-batch of 8 ran out at step 6 (host: ") and not ends_the_job(err)
-    last = give_up(1, every, 6, cpu, "can't allocate memory")
+    last = give_up(1, every, 6, cpu, "can't allocate memory", False)
     assert not isinstance(last, RanOut) and ends_the_job(last)
     assert str(last).startswith("a micro-batch of 1 does not fit at step 6")
 
@@ -213,3 +215,27 @@ def test_a_pipeline_probes_then_trains_at_its_choice_as_a_run_that_wrote_it_in(t
     assert (start["micro_batch"], start["probed"]) == (32, [[32, True]]), start
     fixed = run_trainer(DIGITS, tmp_path / "fixed", [*common, "data.batch_size=32"], nproc=2)
     assert len(set(final_digests(auto))) == 1 and set(final_digests(auto)) == set(final_digests(fixed))
+
+
+def test_at_the_smallest_micro_batch_auto_recomputes_activations_once_before_the_end():
+    """``data.batch_size=auto``'s last resort, in a step and in the probe: activation checkpointing turned on (the
+    same bits), once; then the one line, which no longer offers it as a fix."""
+    from ddp_core.cluster.env import DistEnv
+    from ddp_core.config import StrategyConfig
+    from ddp_core.strategies import build_strategy
+    from ddp_core.trainer.redo import Halve
+
+    strategy = build_strategy(StrategyConfig(), DistEnv(), torch.device("cpu"), None, None)
+    model = strategy.wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)))
+    relief = Halve(Fit(share=4, micro=2), strategy, strategy.local_model(model))
+    assert relief.relieve(3, torch.device("cpu"), "rank 1: can't allocate")[:2] == (
+        "micro_batch_shrunk", {"was": 2, "micro_batch": 1, "grad_accum": 4}
+    )  # fmt: skip
+    event, fields, again = relief.relieve(4, torch.device("cpu"), "rank 1: can't allocate")
+    assert (event, fields) == ("activations_recomputed", {"micro_batch": 1}) and strategy.recomputes()
+    assert again.startswith("with a micro-batch of 1, the smallest: the step again")
+    assert "recomputed" in model[0].forward.__name__
+    with pytest.raises(OutOfMemory) as err:
+        relief.relieve(5, torch.device("cpu"), "rank 1: can't allocate")
+    assert str(err.value).startswith("a micro-batch of 1 does not fit at step 5 even recomputing its activations")
+    assert "activation_checkpointing" not in err.value.hint
