@@ -23,13 +23,14 @@ Torch-free.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import sys
 import threading
 from dataclasses import replace
-from typing import Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 from ddp_core.cluster import exits
 from ddp_core.cluster.env import LAUNCH_VAR, DistEnv
@@ -85,16 +86,38 @@ def run(
         # The trial's steps take the whole allocation: a restart runs on all of it or not at all.
         allocation = Allocation(here, len(here), len(here), restarts=launch)
         step_env = replace(env, launch=launch)  # the failed step's: its events, and the restart's count
-        decision = decide_after(
-            failure, run_dir, step_env, gateway, run_dir.load_config().slurm, job=job_of(env, gateway), here=here,
-            can_run_again=True, array_job_id=os.environ.get("SLURM_ARRAY_JOB_ID", ""),
-            label=f"trial {run_dir.name}: ", allocation=allocation,
-        )  # fmt: skip
+        with told_to(run_dir, env):
+            decision = decide_after(
+                failure, run_dir, step_env, gateway, run_dir.load_config().slurm, job=job_of(env, gateway), here=here,
+                can_run_again=True, array_job_id=os.environ.get("SLURM_ARRAY_JOB_ID", ""),
+                label=f"trial {run_dir.name}: ", allocation=allocation,
+            )  # fmt: skip
         launch += 1
         if decision.outcome is Outcome.REQUEUED:
             return 0  # the worker's job is requeued off an excluded node: Slurm ends this step's worker
         if decision.outcome is not Outcome.RUN_AGAIN:
             return code
+
+
+@contextlib.contextmanager
+def told_to(run_dir: RunDir, env: DistEnv) -> Iterator[None]:
+    """What the policy logs about a trial (a spent budget, a restart) goes to the trial's own log too, beside its rank
+    0's (``RUN/slurm/JOB_0_log.err``, what ``ddpjob logs RUN`` shows), not only to the worker's or the pack's."""
+    if not env.slurm_job_id:
+        yield
+        return
+    try:
+        handler = logging.FileHandler(run_dir.slurm / f"{env.slurm_job_id}_0_log.err", mode="a")
+    except OSError:  # the trial's folder is unwritable: the worker's log still has it
+        yield
+        return
+    handler.setFormatter(logging.Formatter("%(asctime)s [worker] %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        handler.close()
 
 
 def job_of(env: DistEnv, gateway: SlurmGateway) -> Optional[JobInfo]:

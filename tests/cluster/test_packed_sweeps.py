@@ -109,6 +109,8 @@ def test_a_trial_that_kills_itself_fails_alone_and_its_slot_runs_the_next_trial(
     assert re.search(rf"FAILED .*{crashed[0]}", shown.stdout), shown.stdout
     logs = run_cli("logs", str(root / crashed[0]), cwd=tmp_path)  # a trial's own ranks' logs, as any run's
     assert logs.returncode == 0 and re.search(r"slurm on n\d: rank 0/1 ", logs.stdout), logs.stdout + logs.stderr
+    said = r"\[worker\] ERROR ddp_core: requeue budget exhausted after 1 failure \(slurm.max_failures=0\); continue"
+    assert re.search(said, logs.stdout), logs.stdout  # the pack's decision, in the trial's own log too
     report = run_cli("report", str(root), "--metric", "min:train/loss", cwd=tmp_path)
     assert report.returncode == 0 and Path(field(report.stdout, "html")).exists(), report.stdout + report.stderr
     slots = served(root, array)
