@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -50,7 +51,8 @@ def job(folder: Path, limit_kib: int, steps: int, *args: str) -> tuple[list[dict
     setup = f"slurm.setup=['ulimit -v {limit_kib}', {MALLOC}]"
     cmd = [sys.executable, "-m", "jobs", "submit", str(ROOT / "configs" / "digits.yaml"), *FSDP, *args, setup,
            f"train.max_steps={steps}", "--no-snapshot", "--wait"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=folder, capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the task's module (tests.support), here and on the nodes
+    proc = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, env=env)
     run = re.search(r"^run dir:\s+(\S+)$", proc.stdout, re.M)
     assert proc.returncode == 0 and run, proc.stdout + proc.stderr
     rows = [r for r in records(Path(run[1]), "metrics.jsonl") if r.get("split") == "train"]
