@@ -66,7 +66,7 @@ def run(
     """Run the trial's step, again after each failure the module docstring retries here; returns the last code.
     ``slot``: a packed sweep's slot (``search.pack``), whose node the step runs on and whose worker makes the requeue
     that the step's rank 0 deferred to it (``REQUEUE_DEFERRED`` is returned)."""
-    env, launch = DistEnv.from_env(), 0
+    env, launch, halved = DistEnv.from_env(), 0, 0  # halved: the launches a micro-batch's halving took (no budget)
     while True:
         before = len(run_dir.events())
         code, stderr = call(command, launch, slot.environment() if slot is not None else {})
@@ -84,7 +84,7 @@ def run(
         failure = diagnose(ranks, srun_task_ends(stderr), code, last, srun_step_error(stderr))
         here = (slot.node,) if slot is not None else tuple(sorted(nodes_of(os.environ.get("SLURM_JOB_NODELIST", ""))))
         # The trial's steps take the whole allocation: a restart runs on all of it or not at all.
-        allocation = Allocation(here, len(here), len(here), restarts=launch)
+        allocation = Allocation(here, len(here), len(here), restarts=launch - halved)
         step_env = replace(env, launch=launch)  # the failed step's: its events, and the restart's count
         with told_to(run_dir, env):
             decision = decide_after(
@@ -93,6 +93,7 @@ def run(
                 label=f"trial {run_dir.name}: ", allocation=allocation,
             )  # fmt: skip
         launch += 1
+        halved += decision.outcome is Outcome.RUN_AGAIN and decision.failure.micro_batch is not None
         if decision.outcome is Outcome.REQUEUED:
             return 0  # the worker's job is requeued off an excluded node: Slurm ends this step's worker
         if decision.outcome is not Outcome.RUN_AGAIN:
