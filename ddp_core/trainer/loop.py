@@ -75,6 +75,7 @@ class Trainer:
         self.profiler: Optional[Profiler] = None
         self.primed = False  # this attempt's first step done (``Strategy.prime``)
         self.restored: Optional[Restored] = None  # the checkpoint tier and step this attempt started from
+        self.resumed = False  # resume() done: the train state's step is the run's (before it, 0 for any attempt)
         self.interrupted = False  # stopped on a signal, to be continued (what the trackers record at the end)
 
     def fit(self) -> Outcome:
@@ -96,9 +97,8 @@ class Trainer:
         return outcome
 
     def at_step(self) -> Optional[int]:
-        """The step this rank has reached; None before its train state exists (a failure in build or resume)."""
-        state = getattr(self, "state", None)
-        return None if state is None else state.pos.step
+        """The step this rank has reached; None before the attempt resumed (a failure in build, the probe, resume)."""
+        return self.state.pos.step if self.resumed else None
 
     def build(self) -> None:
         """Device, model, optimizer, schedule, data and the components around them, on every rank."""
@@ -179,6 +179,7 @@ class Trainer:
         assert self.checkpoints is not None
         with keeps_implementation(self.optimizer):  # optim.implementation is this attempt's, not the checkpoint's
             self.restored = self.checkpoints.load_latest(self.state)
+        self.resumed = True
 
     def start(self) -> None:
         """The attempt's start event, its records and progress lines, and rank 0's deadline stop."""

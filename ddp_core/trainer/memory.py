@@ -200,15 +200,21 @@ def memory_report(device: torch.device) -> str:
 
 
 def out_of_memory_error(
-    step: int, micro: int, device: torch.device, what: str, unit: str = "a micro-batch", how: str = "", fix: str = FIX
+    step: Optional[int],
+    micro: int,
+    device: torch.device,
+    what: str,
+    unit: str = "a micro-batch",
+    how: str = "",
+    fix: str = FIX,
 ) -> OutOfMemory:
     """Not even a micro-batch of ``micro`` (one, or the probe's smallest; under train.invariant a shard, ``how``
     it ran) fits: one line, the memory used and the memory there is (``memory_report``), and the keys to change."""
     said = f": {what}" if what else ""
-    return OutOfMemory(f"{unit} of {micro} does not fit at step {step}{how} ({memory_report(device)}){said}", fix)
+    return OutOfMemory(f"{unit} of {micro} does not fit {when(step)}{how} ({memory_report(device)}){said}", fix)
 
 
-def no_fit(step: int, micro: int, device: torch.device, what: str, recomputing: bool) -> OutOfMemory:
+def no_fit(step: Optional[int], micro: int, device: torch.device, what: str, recomputing: bool) -> OutOfMemory:
     """The smallest micro-batch does not fit: ``out_of_memory_error``, said ``even recomputing its activations``
     (and without that fix) where they are (``Strategy.recomputes``)."""
     if recomputing:
@@ -298,7 +304,7 @@ def probe(
     saved = copy.deepcopy(optimizer.state_dict())  # before the first step: its hyperparameters, no state yet
     candidates = [n for n in micro_batch_candidates(share, strategy.micro_multiple) if cap is None or n <= cap]
     if not candidates:  # the allocation's earlier attempt ran out at the smallest already: a user error (policy)
-        raise no_fit(0, 1, device, "", strategy.recomputes())
+        raise no_fit(None, 1, device, "", strategy.recomputes())
     every = candidates
     if strategy.steps_communicate:
         candidates = candidates[-1:]
@@ -318,7 +324,7 @@ def probe(
             if not out_of_memory(err):
                 raise
             if strategy.steps_communicate:  # the peers wait in a collective: the attempt ends here
-                raise give_up(micro, every, 0, device, allocator_words(err), strategy.recomputes()) from None
+                raise give_up(micro, every, None, device, allocator_words(err), strategy.recomputes()) from None
             return False
         finally:
             optimizer.zero_grad(set_to_none=True)
@@ -337,19 +343,19 @@ def probe(
     free(device)
     agreed = agree_min(best or 0)
     if not agreed:
-        raise no_fit(0, every[0], device, "", strategy.recomputes())
+        raise no_fit(None, every[0], device, "", strategy.recomputes())
     return Fit(share, agreed, time.perf_counter() - started, tried, strategy.micro_multiple, recomputed)
 
 
 def give_up(
-    micro: int, candidates: list[int], step: int, device: torch.device, what: str, recomputing: bool
+    micro: int, candidates: list[int], step: Optional[int], device: torch.device, what: str, recomputing: bool
 ) -> OutOfMemory:
     """A communicating strategy's out-of-memory at ``micro``: ``RanOut`` while a smaller candidate is left (the
     allocation runs the attempt again under it), else ``OutOfMemory``, the run's end."""
     if micro <= candidates[0]:
         return no_fit(step, micro, device, what, recomputing)
     said = f" ({memory_report(device)}): {what}" if what else f" ({memory_report(device)})"
-    return RanOut(micro, f"a micro-batch of {micro} ran out at step {step}{said}")
+    return RanOut(micro, f"a micro-batch of {micro} ran out {when(step)}{said}")
 
 
 def below(

@@ -63,9 +63,9 @@ def memory_note(name: str, events: list[dict[str, Any]]) -> Optional[str]:
             f"auto, probed in {start.get('probe_s', 0):.2f} s at step {start.get('step')}{recomputed})")  # fmt: skip
     for e in after:
         if e["event"] == "micro_batch_shrunk":
-            note += f"; halved to {e.get('micro_batch')} at step {e.get('step')}, out of memory on {e.get('error')}"
+            note += f"; halved to {e.get('micro_batch')} {when(e.get('step'))}, out of memory on {e.get('error')}"
         elif e["event"] == "activations_recomputed":  # at the smallest micro-batch, before the end
-            note += f"; activations recomputed from step {e.get('step')}, out of memory on {e.get('error')}"
+            note += f"; activations recomputed {when(e.get('step'))} on, out of memory on {e.get('error')}"
     return note
 
 

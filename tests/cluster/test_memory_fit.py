@@ -100,9 +100,9 @@ def test_auto_fits_the_micro_batch_under_a_memory_limit_and_survives_a_larger_ba
         ("failure", "memory"), ("failed", None)
     ]  # fmt: skip
     assert re.match(
-        r"out of host memory on n\d \(rank \d\) at step 0: OutOfMemory: a micro-batch of 1 does not fit at step 0 "
-        r"even recomputing its activations \(host: address space at peak [\d.]+ GiB of ulimit -v [\d.]+ GiB\) "
-        r"\(hint: more memory \(slurm.mem_gb\), a smaller data.global_batch_size, or fsdp\)",
+        r"out of host memory on n\d \(rank \d\) before its first step: OutOfMemory: a micro-batch of 1 does not fit "
+        r"before its first step even recomputing its activations \(host: address space at peak [\d.]+ GiB of "
+        r"ulimit -v [\d.]+ GiB\) \(hint: more memory \(slurm.mem_gb\), a smaller data.global_batch_size, or fsdp\)",
         failed["reason"],
     ), failed  # the probe's last resort, activation checkpointing, tried already: not in the hint
     status = run_cli("status", str(run_dir), cwd=tmp_path)
@@ -225,7 +225,7 @@ def test_fsdp_runs_the_attempt_again_at_half_the_micro_batch_that_ran_out(slurm_
     assert shrunk == [(16, 8, 2), (8, 4, 4), (4, 2, 8)], events(run_dir)
     failures = events(run_dir, "failure")
     assert [(e["kind"], e["micro_batch"], e["step"]) for e in failures] == [
-        ("memory", 16, 0), ("memory", 8, 0), ("memory", 4, HEAVY_STEP)
+        ("memory", 16, None), ("memory", 8, None), ("memory", 4, HEAVY_STEP)
     ], failures  # fmt: skip
     assert all("can't allocate memory" in e["error"] for e in failures), failures
     assert [e["kind"] for e in events(run_dir, "restarted")] == ["memory"] * 3

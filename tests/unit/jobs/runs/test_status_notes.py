@@ -76,7 +76,7 @@ def test_a_fitted_micro_batch_is_noted_with_each_halving_of_the_newest_attempt()
     assert notes.memory_note("r", [{"event": "start", "step": 0}]) is None  # a fixed micro-batch
     recomputed = {"event": "activations_recomputed", "step": 7, "micro_batch": 4, "error": "rank 0: can't allocate"}
     assert notes.memory_note("r", [first, shrunk, recomputed]).endswith(
-        "; activations recomputed from step 7, out of memory on rank 0: can't allocate"
+        "; activations recomputed at step 7 on, out of memory on rank 0: can't allocate"
     )  # at the smallest micro-batch: the last resort
     # fsdp: the attempt that ran out ended, and its successor's rank 0 records the shrink before its start.
     restarted = {**shrunk, "micro_batch": 4, "restarted": True}
