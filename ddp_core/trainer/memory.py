@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_core.cluster.failures import out_of_memory, when
+from ddp_core.config import StrategyName
 from ddp_core.config.batch import micro_batch_candidates
 from ddp_core.distributed import collectives, rng
 from ddp_core.errors import DdpJobError
@@ -46,7 +47,6 @@ from ddp_core.trainer.steps import map_tensors, to_device
 
 log = logging.getLogger(__name__)
 FIX = "more memory (slurm.mem_gb), strategy.activation_checkpointing=true, a smaller data.global_batch_size, or fsdp"
-RECOMPUTING_FIX = "more memory (slurm.mem_gb), a smaller data.global_batch_size, or fsdp"  # checkpointing on already
 INVARIANT_FIX = "more memory (slurm.mem_gb), or a smaller data.batch_size (other shards, other bits)"
 
 
@@ -214,14 +214,14 @@ def out_of_memory_error(
     return OutOfMemory(f"{unit} of {micro} does not fit {when(step)}{how} ({memory_report(device)}){said}", fix)
 
 
-def no_fit(step: Optional[int], micro: int, device: torch.device, what: str, recomputing: bool) -> OutOfMemory:
+def no_fit(step: Optional[int], micro: int, device: torch.device, what: str, strategy: Strategy) -> OutOfMemory:
     """The smallest micro-batch does not fit: ``out_of_memory_error``, said ``even recomputing its activations``
-    (and without that fix) where they are (``Strategy.recomputes``)."""
-    if recomputing:
-        return out_of_memory_error(
-            step, micro, device, what, how=" even recomputing its activations", fix=RECOMPUTING_FIX
-        )
-    return out_of_memory_error(step, micro, device, what)
+    (and without that fix) where they are (``Strategy.recomputes``), and without fsdp's under fsdp."""
+    keys = ["more memory (slurm.mem_gb)", "strategy.activation_checkpointing=true", "a smaller data.global_batch_size"]
+    keys = [k for k in keys if not (strategy.recomputes() and "checkpointing" in k)]
+    keys += [] if strategy.cfg.name is StrategyName.fsdp else ["fsdp"]
+    how = " even recomputing its activations" if strategy.recomputes() else ""
+    return out_of_memory_error(step, micro, device, what, how=how, fix=", ".join(keys[:-1]) + ", or " + keys[-1])
 
 
 def allocator_words(err: BaseException) -> str:
@@ -304,7 +304,7 @@ def probe(
     saved = copy.deepcopy(optimizer.state_dict())  # before the first step: its hyperparameters, no state yet
     candidates = [n for n in micro_batch_candidates(share, strategy.micro_multiple) if cap is None or n <= cap]
     if not candidates:  # the allocation's earlier attempt ran out at the smallest already: a user error (policy)
-        raise no_fit(None, 1, device, "", strategy.recomputes())
+        raise no_fit(None, 1, device, "", strategy)
     every = candidates
     if strategy.steps_communicate:
         candidates = candidates[-1:]
@@ -324,7 +324,7 @@ def probe(
             if not out_of_memory(err):
                 raise
             if strategy.steps_communicate:  # the peers wait in a collective: the attempt ends here
-                raise give_up(micro, every, None, device, allocator_words(err), strategy.recomputes()) from None
+                raise give_up(micro, every, None, device, allocator_words(err), strategy) from None
             return False
         finally:
             optimizer.zero_grad(set_to_none=True)
@@ -343,17 +343,17 @@ def probe(
     free(device)
     agreed = agree_min(best or 0)
     if not agreed:
-        raise no_fit(None, every[0], device, "", strategy.recomputes())
+        raise no_fit(None, every[0], device, "", strategy)
     return Fit(share, agreed, time.perf_counter() - started, tried, strategy.micro_multiple, recomputed)
 
 
 def give_up(
-    micro: int, candidates: list[int], step: Optional[int], device: torch.device, what: str, recomputing: bool
+    micro: int, candidates: list[int], step: Optional[int], device: torch.device, what: str, strategy: Strategy
 ) -> OutOfMemory:
     """A communicating strategy's out-of-memory at ``micro``: ``RanOut`` while a smaller candidate is left (the
     allocation runs the attempt again under it), else ``OutOfMemory``, the run's end."""
     if micro <= candidates[0]:
-        return no_fit(step, micro, device, what, recomputing)
+        return no_fit(step, micro, device, what, strategy)
     said = f" ({memory_report(device)}): {what}" if what else f" ({memory_report(device)})"
     return RanOut(micro, f"a micro-batch of {micro} ran out {when(step)}{said}")
 

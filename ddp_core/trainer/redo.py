@@ -86,13 +86,13 @@ class Halve:
 
     def give_up(self, step: int, device: torch.device, words: str) -> OutOfMemory:
         """Where the strategy's steps communicate: this attempt's end (``memory.give_up``)."""
-        return give_up(self.fit.micro, self.fit.candidates, step, device, words, self.strategy.recomputes())
+        return give_up(self.fit.micro, self.fit.candidates, step, device, words, self.strategy)
 
     def relieve(self, step: int, device: torch.device, words: str) -> tuple[str, dict[str, Any], str]:
         was = self.fit.micro
         if self.fit.smallest:  # nothing left to halve: activations recomputed (the same bits), once, before the end
             if not self.strategy.recompute_activations(self.local):
-                raise no_fit(step, was, device, words, self.strategy.recomputes())
+                raise no_fit(step, was, device, words, self.strategy)
             again = f"with a micro-batch of {was}, the smallest: the step again, its activations recomputed"
             return "activations_recomputed", {"micro_batch": was}, again
         self.fit.shrink(step, device, words)

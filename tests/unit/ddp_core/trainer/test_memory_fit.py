@@ -174,17 +174,24 @@ def test_under_fsdp_a_rank_that_runs_out_ends_the_attempt_with_its_micro_batch_a
     smallest there is nothing to halve: ``OutOfMemory``, the run's end."""
     from ddp_core.cluster.env import DistEnv
     from ddp_core.cluster.failures import Failure, record
+    from ddp_core.config import StrategyConfig, StrategyName
     from ddp_core.run.rundir import RunDir
+    from ddp_core.strategies import build_strategy
     from ddp_core.trainer.memory import RanOut, below, give_up
     from ddp_core.trainer.redo import ends_the_job
 
     cpu, every = torch.device("cpu"), micro_batch_candidates(16)
-    err = give_up(8, every, 6, cpu, "DefaultCPUAllocator: can't allocate memory", False)
+    fsdp = build_strategy(StrategyConfig(name=StrategyName.fsdp), DistEnv(), cpu, None, None)
+    err = give_up(8, every, 6, cpu, "DefaultCPUAllocator: can't allocate memory", fsdp)
     assert isinstance(err, RanOut) and err.micro_batch == 8 and classify(err) is Kind.memory
     assert str(err).startswith("a micro-batch of 8 ran out at step 6 (host: ") and not ends_the_job(err)
-    last = give_up(1, every, 6, cpu, "can't allocate memory", False)
+    last = give_up(1, every, 6, cpu, "can't allocate memory", fsdp)
     assert not isinstance(last, RanOut) and ends_the_job(last)
     assert str(last).startswith("a micro-batch of 1 does not fit at step 6")
+    assert (
+        last.hint == "more memory (slurm.mem_gb), strategy.activation_checkpointing=true, or a smaller "
+        "data.global_batch_size"
+    )  # fsdp's own fix is not offered to an fsdp run
 
     run = RunDir(tmp_path)
     record(run, DistEnv(job_id="57", restart_count=0, rank=1), err, 6)
