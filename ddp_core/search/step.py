@@ -104,21 +104,21 @@ def run(
 def told_to(run_dir: RunDir, env: DistEnv) -> Iterator[None]:
     """What the policy logs about a trial (a spent budget, a restart) goes to the trial's own log too, beside its rank
     0's (``RUN/slurm/JOB_0_log.err``, what ``ddpjob logs RUN`` shows), not only to the worker's or the pack's."""
-    if not env.slurm_job_id:
-        yield
-        return
+    handler = None
     try:
-        handler = logging.FileHandler(run_dir.slurm / f"{env.slurm_job_id}_0_log.err", mode="a")
+        if env.slurm_job_id:
+            handler = logging.FileHandler(run_dir.slurm / f"{env.slurm_job_id}_0_log.err", mode="a")
     except OSError:  # the trial's folder is unwritable: the worker's log still has it
-        yield
-        return
-    handler.setFormatter(logging.Formatter("%(asctime)s [worker] %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
-    log.addHandler(handler)
+        pass
+    if handler is not None:
+        handler.setFormatter(logging.Formatter("%(asctime)s [worker] %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
     try:
         yield
     finally:
-        log.removeHandler(handler)
-        handler.close()
+        if handler is not None:
+            log.removeHandler(handler)
+            handler.close()
 
 
 def job_of(env: DistEnv, gateway: SlurmGateway) -> Optional[JobInfo]:

@@ -270,16 +270,15 @@ class Fit:
         return f" (data.batch_size=auto, probed in {self.probe_s:.2f} s{recomputed})"
 
     @property
-    def smallest(self) -> bool:
-        """Nothing left to halve: no candidate at most half the micro-batch."""
-        return not [n for n in self.candidates if n <= self.micro // 2]
+    def halved(self) -> Optional[int]:
+        """Half the micro-batch: the largest candidate at most half of it; None at the smallest."""
+        return max(under(self.share, self.multiple, self.micro // 2), default=None)
 
     def shrink(self, step: int, device: torch.device, what: str) -> int:
         """Half the micro-batch (the largest divisor of the share at most half of it); ``OutOfMemory`` at one."""
-        smaller = [n for n in self.candidates if n <= self.micro // 2]
-        if not smaller:
+        if (half := self.halved) is None:
             raise out_of_memory_error(step, self.micro, device, what)
-        self.micro = smaller[-1]
+        self.micro = half
         return self.micro
 
 
@@ -302,9 +301,9 @@ def probe(
     started, device, local = time.perf_counter(), strategy.device, strategy.local_model(model)
     weights = {k: v.detach().to("cpu", copy=True) for k, v in local.state_dict().items()}
     saved = copy.deepcopy(optimizer.state_dict())  # before the first step: its hyperparameters, no state yet
-    candidates = [n for n in micro_batch_candidates(share, strategy.micro_multiple) if cap is None or n <= cap]
+    candidates = under(share, strategy.micro_multiple, cap)
     if not candidates:  # the allocation's earlier attempt ran out at the smallest already: a user error (policy)
-        raise no_fit(None, 1, device, "", strategy)
+        raise no_fit(None, micro_batch_candidates(share, strategy.micro_multiple)[0], device, "", strategy)
     every = candidates
     if strategy.steps_communicate:
         candidates = candidates[-1:]
@@ -345,6 +344,12 @@ def probe(
     if not agreed:
         raise no_fit(None, every[0], device, "", strategy)
     return Fit(share, agreed, time.perf_counter() - started, tried, strategy.micro_multiple, recomputed)
+
+
+def under(share: int, multiple: int, cap: Optional[int]) -> list[int]:
+    """The micro-batch candidates of ``share`` (multiples of ``multiple``) at most ``cap`` (None: all), smallest
+    first."""
+    return [n for n in micro_batch_candidates(share, multiple) if cap is None or n <= cap]
 
 
 def give_up(

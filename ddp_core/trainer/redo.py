@@ -35,7 +35,6 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddp_core.cluster.failures import Kind, classify, out_of_memory
-from ddp_core.config.batch import micro_batch_candidates
 from ddp_core.distributed import collectives, rng
 from ddp_core.strategies import Strategy
 from ddp_core.tasks.base import Task
@@ -53,6 +52,7 @@ from ddp_core.trainer.memory import (
     probe,
     ranks_out,
     split,
+    under,
 )
 from ddp_core.trainer.metrics import TrainSums
 from ddp_core.trainer.steps import to_device
@@ -90,7 +90,9 @@ class Halve:
 
     def relieve(self, step: int, device: torch.device, words: str) -> tuple[str, dict[str, Any], str]:
         was = self.fit.micro
-        if self.fit.smallest:  # nothing left to halve: activations recomputed (the same bits), once, before the end
+        if (
+            self.fit.halved is None
+        ):  # nothing left to halve: activations recomputed (the same bits), once, before the end
             if not self.strategy.recompute_activations(self.local):
                 raise no_fit(step, was, device, words, self.strategy)
             again = f"with a micro-batch of {was}, the smallest: the step again, its activations recomputed"
@@ -136,7 +138,6 @@ class RedoneStep:
     ) -> None:
         self.relief, self.task, self.strategy, self.amp = relief, task, strategy, amp
         self.model, self.local, self.sums, self.record = model, strategy.local_model(model), sums, record
-        self.step = -1
 
     @property
     def fit(self) -> Optional[Fit]:
@@ -144,13 +145,12 @@ class RedoneStep:
         return self.relief.fit
 
     def __call__(self, group: list[Any], step: int) -> list[torch.Tensor]:
-        self.step = step
         if self.strategy.steps_communicate:  # no rank can stop and agree: one that runs out ends the attempt
-            return self.run(self.relief.cut(group))[0]
+            return self.run(self.relief.cut(group), step)[0]
         self.strategy.sync_buffers(self.model)  # before any micro-batch: no rank can have run out yet
         streams, mark = rng.rng_state(), self.sums.mark()
         while True:
-            losses, what = self.run(self.relief.cut(group))
+            losses, what = self.run(self.relief.cut(group), step)
             ran_out = ranks_out(what is not None)
             if not ran_out:
                 break
@@ -172,7 +172,7 @@ class RedoneStep:
         self.strategy.reduce_gradients(self.local)
         return losses
 
-    def run(self, parts: list[Any]) -> tuple[list[torch.Tensor], Optional[str]]:
+    def run(self, parts: list[Any], step: int) -> tuple[list[torch.Tensor], Optional[str]]:
         """This rank's micro-batches; the allocator's message if it ran out (the references to the failed step's
         tensors dropped with the exception). Where the strategy's steps communicate: on the wrapped model, the
         gradients reduced with the last, and an out-of-memory raised (``Halve.give_up``)."""
@@ -190,7 +190,7 @@ class RedoneStep:
                 raise
             what = allocator_words(err)[:300]
             if talks and isinstance(self.relief, Halve):
-                raise self.relief.give_up(self.step, self.strategy.device, what) from None
+                raise self.relief.give_up(step, self.strategy.device, what) from None
         if what is not None:  # the exception, and the step's tensors its frames held, are gone here
             free(self.strategy.device)
             return [], what
@@ -206,7 +206,7 @@ def fitted(
     writer, which records the shrink when the attempt before this one ran out (a strategy whose steps communicate)."""
     task, strategy, model, optimizer, sums, amp, record = parts
     cap, failure = ran_out
-    smaller = [n for n in micro_batch_candidates(share, strategy.micro_multiple) if cap is not None and n <= cap]
+    smaller = under(share, strategy.micro_multiple, cap) if cap is not None else []
     if failure is not None and smaller and record is not None:  # what the probe tries now: the largest under cap
         was, why = int(failure["micro_batch"]), f"rank {failure.get('rank')}: {failure.get('error')}"
         log.warning(
