@@ -71,12 +71,20 @@ def micro_batch_candidates(share: int, multiple: int = 1) -> list[int]:
     return [n for n in range(multiple, share + 1, multiple) if share % n == 0]
 
 
+def invariant_micro_batches(global_batch: int, data_worlds: list[int]) -> list[int]:
+    """``data.batch_size=auto`` under ``train.invariant``: the micro-batches (the tree's shards) it may take, smallest
+    first: ``global / micro`` is a power of two of shards that every replica count in ``data_worlds`` divides."""
+    found = [global_batch >> k for k in range(global_batch.bit_length()) if global_batch % (1 << k) == 0]
+    return sorted(m for m in found if all((global_batch // m) % w == 0 for w in data_worlds))
+
+
 def validate_auto(cfg: Config) -> None:
-    """``data.batch_size=auto``: a fixed global batch, and not ``train.invariant``, whose micro-batch is the leaf of
-    its summation tree and so decides the bits. Every strategy takes it: ddp's and one process's steps hold no
+    """``data.batch_size=auto``: a fixed global batch. Every strategy takes it: ddp's and one process's steps hold no
     collective until their micro-batches are done (a rank's out-of-memory is agreed on and the step done again);
     fsdp's and a pipeline's do, so there the attempt ends and the allocation runs it again at half the micro-batch
-    (``trainer.redo``, ``cluster.policy``)."""
+    (``trainer.redo``, ``cluster.policy``). Under ``train.invariant`` the micro-batch is the leaf of the fixed
+    summation tree, so it decides the bits: the run's first probe chooses it among ``invariant_micro_batches``, and
+    every later attempt keeps it (``trainer.redo.sharded``)."""
     if not is_auto(cfg.data):
         return
     if cfg.data.global_batch_size is None:
@@ -85,13 +93,14 @@ def validate_auto(cfg: Config) -> None:
             "and accumulation makes up a global batch that must not change with it",
             f"set {KEY} (the samples of one optimizer step), or give data.batch_size a number",
         )
-    if cfg.train.invariant:
+    worlds = job_replicas(cfg)
+    if cfg.train.invariant and not invariant_micro_batches(cfg.data.global_batch_size, worlds):
+        counts = ", ".join(map(str, worlds))
         raise DdpJobError(
-            "config key 'data.batch_size' = 'auto' is invalid with train.invariant=true: the micro-batch is the leaf "
-            "of the fixed summation tree, and a weight gradient summed over 8 samples in one kernel is not bitwise "
-            "the tree of two over 4",
-            "give data.batch_size the number that fits (a run without train.invariant can probe it: auto), or set "
-            "train.invariant=false",
+            f"config key '{KEY}' = {cfg.data.global_batch_size} is invalid with train.invariant=true and "
+            f"data.batch_size=auto: no micro-batch cuts it into a power of two of shards that the job's "
+            f"data-parallel replicas ({counts}) divide",
+            f"set {KEY} to a power of two times a micro-batch (e.g. {max(worlds) * 16}), and run on 1, 2, 4, ... ranks",
         )
 
 
@@ -190,7 +199,7 @@ def validate_batches(cfg: Config) -> None:
     ``data.global_batch_size`` (a range, train.grad_accum left to it, a multiple of the micro-batch times the replicas
     of every world size the job may run at: an elastic job's each node count)."""
     s = cfg.strategy
-    validate_auto(cfg)  # auto: with a global batch, a strategy that can agree on an out-of-memory, no invariant
+    validate_auto(cfg)  # auto: with a global batch (and, under train.invariant, shards the replicas divide)
     auto = is_auto(cfg.data)
     if not auto and s.name is StrategyName.pipeline and s.microbatches >= 1 and fixed_micro(cfg.data) % s.microbatches:
         raise DdpJobError(

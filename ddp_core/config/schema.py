@@ -103,7 +103,8 @@ class DataConfig:
     # Per data-parallel replica (per rank for DDP; per node for dp): global batch = batch_size x ranks x
     # train.grad_accum. With data.global_batch_size set, the micro-batch: the samples of one forward on one replica;
     # "auto" (needs data.global_batch_size): each attempt probes the largest that fits in memory before its first
-    # step, and halves it when a step runs out of memory (docs/memory.md).
+    # step, and halves it when a step runs out of memory (under train.invariant: chosen by the run's first attempt,
+    # kept by every later one; docs/memory.md).
     batch_size: Union[int, str] = 64
     # data.batch_size=auto: the probe takes a micro-batch only if one this much larger fits too (0.25: 25% more
     # samples), room for a longer batch later and for the allocator's fragmentation.

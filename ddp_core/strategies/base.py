@@ -50,6 +50,9 @@ class Strategy(ABC):
     # Whether a step's forward and backward meet other processes in collectives (fsdp's gathers, a pipeline's sends):
     # a rank that runs out of memory there leaves its peers waiting, so the attempt ends instead (``trainer.redo``).
     steps_communicate: ClassVar[bool] = False
+    # train.invariant's (``strategies.invariant``): a fixed summation tree whose leaves, the micro-batches, decide the
+    # bits, which fsdp does not keep.
+    invariant: ClassVar[bool] = False
 
     def forward_backward(self, task: Task, model: nn.Module, batch: Any, grad_accum: int, sync: bool) -> torch.Tensor:
         """Forward and backward of one micro-batch of ``grad_accum``; ``sync`` on the last one, where gradient

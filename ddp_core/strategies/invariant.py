@@ -79,6 +79,8 @@ class PairwiseSum:
 class InvariantDDPStrategy(DDPStrategy):
     """ddp (or one process) with ``train.invariant``: per-shard RNG, a fixed summation tree over shards and ranks."""
 
+    invariant = True
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.seed, self.step, self.done = 0, 0, 0  # train.seed; the optimizer step; this step's shards run so far
@@ -198,15 +200,15 @@ def invariance_warnings(
     return [w for w in found if w is not None]
 
 
-def log_invariance(cfg: Config, strategy: Any, model: nn.Module, step_samples: int, grad_accum: int) -> None:
-    """Rank 0, at start: what train.invariant holds to, and what in this run may break it (warnings)."""
-    assert isinstance(strategy, InvariantDDPStrategy)
+def log_invariance(cfg: Config, strategy: Any, model: nn.Module, micro: int, grad_accum: int) -> None:
+    """Rank 0, at start: what train.invariant holds to (``micro``: its shard's samples, data.batch_size or the probe's
+    choice), and what in this run may break it (warnings)."""
+    assert isinstance(strategy, InvariantDDPStrategy) and cfg.data.global_batch_size is not None
     received, ring = strategy.exchange_bytes(model)
-    assert isinstance(cfg.data.batch_size, int)  # validate_auto: never auto under train.invariant
     log.info(
         "train.invariant: %d shards of %d samples, %d per rank, %d intra-op threads per rank (weights match only "
         "across runs with the same count); gradient exchange %d bytes per rank per step (a ring all-reduce: %d)",
-        step_samples // cfg.data.batch_size, cfg.data.batch_size, grad_accum, torch.get_num_threads(), received, ring,
+        cfg.data.global_batch_size // micro, micro, grad_accum, torch.get_num_threads(), received, ring,
     )  # fmt: skip
     train = cfg.train
     found = invariance_warnings(

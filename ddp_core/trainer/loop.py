@@ -169,8 +169,7 @@ class Trainer:
         parts = (task, strategy, model, optimizer, self.train_sums, self.amp, record)
         self.redo: Optional[redo.RedoneStep] = None
         if share is not None:
-            ran_out = memory.below(self.run_dir.events(), env.job_id, env.restart_count)  # this allocation's
-            self.redo = redo.fitted(parts, train_set, collate, share, cfg.data.batch_headroom, ran_out)
+            self.redo = redo.fitted(parts, train_set, collate, share, cfg, self.run_dir.events(), env)
         elif cfg.train.invariant:
             self.redo = redo.recomputing(parts, fixed_micro(cfg.data))
 
@@ -186,7 +185,7 @@ class Trainer:
         step = self.state.pos.step
         if self.env.is_main:
             fit = self.redo.fit if self.redo is not None else None  # data.batch_size=auto: the probe's choice
-            micro, accum = (fit.micro, fit.accumulation) if fit else (self.cfg.data.batch_size, self.grad_accum)
+            micro, accum = (fit.micro, fit.accumulation) if fit else (fixed_micro(self.cfg.data), self.grad_accum)
             self.run_dir.log_event(
                 "start",
                 job_id=self.env.job_id,
@@ -207,7 +206,7 @@ class Trainer:
                 self.data.step_samples, micro, accum, self.strategy.data_world, fit.said() if fit else "",
             )  # fmt: skip
             if self.cfg.train.invariant:
-                log_invariance(self.cfg, self.strategy, self.model, self.data.step_samples, self.grad_accum)
+                log_invariance(self.cfg, self.strategy, self.model, micro, accum)
         self.records = Records(self.cfg, self.run_dir, self.env, step)
         scheduler = self.state.scheduler
         self.lines = ProgressLines(

@@ -219,7 +219,7 @@ def no_fit(step: Optional[int], micro: int, device: torch.device, what: str, str
     (and without that fix) where they are (``Strategy.recomputes``), and without fsdp's under fsdp."""
     keys = ["more memory (slurm.mem_gb)", "strategy.activation_checkpointing=true", "a smaller data.global_batch_size"]
     keys = [k for k in keys if not (strategy.recomputes() and "checkpointing" in k)]
-    keys += [] if strategy.cfg.name is StrategyName.fsdp else ["fsdp"]
+    keys += [] if strategy.cfg.name is StrategyName.fsdp or strategy.invariant else ["fsdp"]
     how = " even recomputing its activations" if strategy.recomputes() else ""
     return out_of_memory_error(step, micro, device, what, how=how, fix=", ".join(keys[:-1]) + ", or " + keys[-1])
 
@@ -232,7 +232,7 @@ def allocator_words(err: BaseException) -> str:
 def ran_out(err: BaseException, step: Optional[int], device: torch.device, invariant: bool = False) -> OutOfMemory:
     """An allocator's failure this attempt did not survive (a fixed micro-batch, an evaluation, a checkpoint's full
     state dict): the same, said with the memory used and there, and the keys that fix it (``invariant``: a
-    train.invariant run's, which takes no data.batch_size=auto)."""
+    train.invariant run's, whose micro-batch decides its bits)."""
     auto = "data.batch_size=auto fits the micro-batch to memory, the global batch kept; or " + FIX
     hint = f"strategy.activation_checkpointing=true, {INVARIANT_FIX}" if invariant else auto
     return OutOfMemory(f"ran out {when(step)} ({memory_report(device)}): {allocator_words(err)}", hint)
@@ -249,6 +249,8 @@ class Fit:
     tried: list[tuple[int, bool]] = field(default_factory=list)
     multiple: int = 1  # what the micro-batch must be a multiple of (``Strategy.micro_multiple``)
     recomputed: bool = False  # not even the smallest fitted until the probe turned activation checkpointing on
+    shards: Optional[int] = None  # train.invariant: the global batch's shards of ``micro`` (the tree's leaves)
+    kept: bool = False  # train.invariant: the micro-batch of the run's first probe, kept (``trainer.redo.sharded``)
 
     @property
     def candidates(self) -> list[int]:
@@ -261,13 +263,15 @@ class Fit:
     def fields(self) -> dict[str, Any]:
         """The start event's record: the micro-batch chosen, what the probe tried (micro-batch, fits), its time."""
         recomputed = {"activations_recomputed": True} if self.recomputed else {}
+        shards = {"shards": self.shards, "kept": self.kept} if self.shards else {}
         return {"micro_batch": self.micro, "probe_s": round(self.probe_s, 3), "probed": [list(t) for t in self.tried],
-                **recomputed}  # fmt: skip
+                **recomputed, **shards}  # fmt: skip
 
     def said(self) -> str:
         """The start log line's note of the probe."""
         recomputed = ", activations recomputed" if self.recomputed else ""
-        return f" (data.batch_size=auto, probed in {self.probe_s:.2f} s{recomputed})"
+        kept = ", train.invariant's shard kept from the run's first probe" if self.kept else ""
+        return f" (data.batch_size=auto, probed in {self.probe_s:.2f} s{recomputed}{kept})"
 
     @property
     def halved(self) -> Optional[int]:
@@ -292,8 +296,10 @@ def probe(
     headroom: float,
     amp: ContextManager[Any],
     cap: Optional[int] = None,
+    candidates: Optional[list[int]] = None,
 ) -> Fit:
-    """Collective: the attempt's micro-batch (module docstring), at most ``cap`` (``below``). ``batch``: the training
+    """Collective: the attempt's micro-batch (module docstring), at most ``cap`` (``below``), among ``candidates``
+    (train.invariant's: ``trainer.redo.sharded``; else the share's divisors). ``batch``: the training
     set's first samples, at least ``share x (1 + headroom)`` (``first_samples``; repeated if the set is smaller).
     Where the strategy's steps communicate (fsdp) it tries one, the largest, on the wrapped model, every rank in
     step: a rank that runs out raises ``RanOut`` (the attempt ends; the next one's cap is half), or at the smallest
@@ -301,7 +307,7 @@ def probe(
     started, device, local = time.perf_counter(), strategy.device, strategy.local_model(model)
     weights = {k: v.detach().to("cpu", copy=True) for k, v in local.state_dict().items()}
     saved = copy.deepcopy(optimizer.state_dict())  # before the first step: its hyperparameters, no state yet
-    candidates = under(share, strategy.micro_multiple, cap)
+    candidates = under(share, strategy.micro_multiple, cap) if candidates is None else candidates
     if not candidates:  # the allocation's earlier attempt ran out at the smallest already: a user error (policy)
         raise no_fit(None, micro_batch_candidates(share, strategy.micro_multiple)[0], device, "", strategy)
     every = candidates

@@ -14,7 +14,9 @@ Two reliefs, one per mode:
 - ``train.invariant`` (``Recompute``): its micro-batch is the leaf of the fixed summation tree, so it is never cut.
   Activation checkpointing is turned on for the rest of the attempt instead (``Strategy.recompute_activations``):
   the units' activations are recomputed in the backward from the same inputs, with the same random streams, so
-  the step's gradients are bitwise what they would have been; the event ``activations_recomputed``.
+  the step's gradients are bitwise what they would have been; the event ``activations_recomputed``. With
+  ``data.batch_size=auto`` the leaf is chosen once, by the run's first probe, and kept by every later attempt on
+  any hardware (``sharded``): the run's bits are those of the run with that micro-batch written in.
 
 Where the relief is spent (a micro-batch of one; activations already recomputed) the step raises ``OutOfMemory``:
 one line with the memory used, the memory there is and the keys to change.
@@ -34,8 +36,12 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.failures import Kind, classify, out_of_memory
+from ddp_core.config import Config
+from ddp_core.config.batch import invariant_micro_batches, job_replicas
 from ddp_core.distributed import collectives, rng
+from ddp_core.errors import DdpJobError
 from ddp_core.strategies import Strategy
 from ddp_core.tasks.base import Task
 from ddp_core.trainer.memory import (
@@ -44,6 +50,7 @@ from ddp_core.trainer.memory import (
     OutOfMemory,
     RanOut,
     allocator_words,
+    below,
     first_samples,
     free,
     give_up,
@@ -58,7 +65,7 @@ from ddp_core.trainer.metrics import TrainSums
 from ddp_core.trainer.steps import to_device
 
 log = logging.getLogger(__name__)
-Ran = tuple[Optional[int], Optional[dict[str, Any]]]  # memory.below's: the cap, and the failure to record
+Events = list[dict[str, Any]]  # the run's (``RunDir.events``)
 
 
 class StepAbandoned(RuntimeError):
@@ -104,16 +111,14 @@ class Halve:
 
 
 class Recompute:
-    """``train.invariant``: the loader's micro-batches (the tree's shards) as they are; activations recomputed from
-    the first out-of-memory on."""
+    """``train.invariant``: the loader's micro-batches (the tree's shards) as they are, or under auto (``fit``) the
+    share cut into the kept shard; activations recomputed from the first out-of-memory on."""
 
-    fit: Optional[Fit] = None
-
-    def __init__(self, strategy: Strategy, model: nn.Module, micro: int) -> None:
-        self.strategy, self.model, self.micro = strategy, model, micro
+    def __init__(self, strategy: Strategy, model: nn.Module, micro: int, fit: Optional[Fit] = None) -> None:
+        self.strategy, self.model, self.micro, self.fit = strategy, model, micro, fit
 
     def cut(self, group: list[Any]) -> list[Any]:
-        return group
+        return split(group[0], self.micro) if self.fit is not None else group
 
     def relieve(self, step: int, device: torch.device, words: str) -> tuple[str, dict[str, Any], str]:
         if not self.strategy.recompute_activations(self.model):
@@ -141,7 +146,7 @@ class RedoneStep:
 
     @property
     def fit(self) -> Optional[Fit]:
-        """The probe's choice under ``data.batch_size=auto``; None under ``train.invariant``."""
+        """The probe's choice under ``data.batch_size=auto``; None with the micro-batch written in."""
         return self.relief.fit
 
     def __call__(self, group: list[Any], step: int) -> list[torch.Tensor]:
@@ -198,14 +203,18 @@ class RedoneStep:
 
 
 def fitted(
-    parts: tuple[Any, ...], train_set: Dataset, collate: Any, share: int, headroom: float, ran_out: Ran
+    parts: tuple[Any, ...], train_set: Dataset, collate: Any, share: int, cfg: Config, events: Events, env: DistEnv
 ) -> RedoneStep:
     """Collective, ``data.batch_size=auto``: the attempt's probe (``memory.probe``, on the training set's first
-    samples, under ``ran_out``'s cap: ``memory.below``) and the steps that cut each share into the micro-batch it
-    chose. ``parts``: the task, strategy, model, optimizer, training sums, autocast context and rank 0's event
-    writer, which records the shrink when the attempt before this one ran out (a strategy whose steps communicate)."""
+    samples) and the steps that cut each share into the micro-batch it chose. ``parts``: the task, strategy, model,
+    optimizer, training sums, autocast context and rank 0's event writer. ``events``: the run's, for the cap of this
+    allocation's earlier out-of-memory (``memory.below``: a strategy whose steps communicate; its rank 0 records the
+    shrink) or, under ``train.invariant``, the shard the run's first probe chose (``sharded``)."""
     task, strategy, model, optimizer, sums, amp, record = parts
-    cap, failure = ran_out
+    batch = first_samples(train_set, int(share * (1 + cfg.data.batch_headroom)) + 1, collate)
+    if cfg.train.invariant:
+        return sharded(parts, batch, share, cfg, kept_shard(events))
+    cap, failure = below(events, env.job_id, env.restart_count)
     smaller = under(share, strategy.micro_multiple, cap) if cap is not None else []
     if failure is not None and smaller and record is not None:  # what the probe tries now: the largest under cap
         was, why = int(failure["micro_batch"]), f"rank {failure.get('rank')}: {failure.get('error')}"
@@ -214,9 +223,38 @@ def fitted(
         )
         fields = {"was": was, "micro_batch": smaller[-1], "grad_accum": share // smaller[-1], "restarted": True}
         record("micro_batch_shrunk", step=failure.get("step"), **fields, ranks=[failure.get("rank")], error=why)
-    batch = first_samples(train_set, int(share * (1 + headroom)) + 1, collate)
-    fit = probe(task, strategy, model, optimizer, batch, share, headroom, amp, cap)
+    fit = probe(task, strategy, model, optimizer, batch, share, cfg.data.batch_headroom, amp, cap)
     return RedoneStep(Halve(fit, strategy, strategy.local_model(model)), task, strategy, model, sums, amp, record)
+
+
+def kept_shard(events: Events) -> Optional[int]:
+    """The micro-batch a ``train.invariant`` run's first probe chose (its first ``start`` event with shards), if
+    an attempt got that far."""
+    return next((int(e["micro_batch"]) for e in events if e["event"] == "start" and e.get("shards")), None)
+
+
+def sharded(parts: tuple[Any, ...], batch: Any, share: int, cfg: Config, kept: Optional[int]) -> RedoneStep:
+    """Collective, ``data.batch_size=auto`` under ``train.invariant``: the shard is the summation tree's leaf, so it
+    decides the bits. The run's first probe chooses it, the largest that fits with the headroom among the shards
+    every replica count of the job divides (``config.batch.invariant_micro_batches``); a later attempt (a restart, a
+    requeue or resume on other hardware) keeps it and only checks that it fits, with activation checkpointing
+    turned on where it does not (the same bits). A step that runs out later recomputes its activations too."""
+    task, strategy, model, optimizer, sums, amp, record = parts
+    assert cfg.data.global_batch_size is not None  # config.batch.validate_auto's
+    total, worlds = cfg.data.global_batch_size, [*job_replicas(cfg), strategy.data_world]
+    choices = invariant_micro_batches(total, worlds)
+    if kept is not None and kept not in choices:
+        raise DdpJobError(
+            f"config key 'train.invariant' = true: this run's shard of {kept} samples (its first probe's choice, "
+            f"kept for its bits) does not cut data.global_batch_size={total} into a power of two of shards that "
+            f"{strategy.data_world} data-parallel replicas divide",
+            f"resume it with its global batch on 1, 2, 4, ... up to {total // kept} ranks, or start a new run",
+        )
+    headroom, among = (cfg.data.batch_headroom, choices) if kept is None else (0.0, [kept])  # what its steps take
+    fit = probe(task, strategy, model, optimizer, batch, share, headroom, amp, None, among)
+    fit.shards, fit.kept = total // fit.micro, kept is not None
+    local = strategy.local_model(model)
+    return RedoneStep(Recompute(strategy, local, fit.micro, fit), task, strategy, model, sums, amp, record)
 
 
 def recomputing(parts: tuple[Any, ...], micro: int) -> RedoneStep:

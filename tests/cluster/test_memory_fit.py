@@ -166,7 +166,8 @@ def test_invariant_survives_an_out_of_memory_by_recomputing_activations_with_the
     """Under ``train.invariant`` the micro-batch is the summation tree's leaf, never cut: rank 1's longer samples of
     step 3 run it out of memory under the limit (the plain steps' peak + 72 MiB), both ranks do the step again with
     activation checkpointing on, and the run completes bitwise equal to the same run without a limit (no
-    checkpointing, resumed from step 3 on: a resume keeps the bits). With activations recomputed from the start
+    checkpointing, resumed from step 3 on: a resume keeps the bits); so does the run with ``data.batch_size=auto``,
+    whose probe chooses 4 under the limit. With activations recomputed from the start
     and samples eight times as long, there is nothing left to give: the job fails at step 3, out of memory, in one
     line."""
     ref = tmp_path / "reference"
@@ -185,6 +186,18 @@ def test_invariant_survives_an_out_of_memory_by_recomputing_activations_with_the
     assert set(digests(rank_logs(run_dir, job_id)).values()) == {reference}
     status = run_cli("status", str(run_dir), cwd=tmp_path)
     assert f"activations recomputed from step {INV_STEP} in {run_dir.name}, out of memory on rank 1:" in status.stdout
+
+    # data.batch_size=auto under the same limit: the shards of 16 a step that 2 ranks divide are 8, 4, 2 and 1; 8 does
+    # not fit with the probe's headroom (10 samples), 4 does (5), and the run is the one at a fixed 4, step 3 included.
+    proc = run_cli("submit", DIGITS, *INVARIANT, "data.batch_size=auto", limit, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id, run_dir = field(proc.stdout, "job"), Path(field(proc.stdout, "run dir"))
+    assert wait_gone(job_id, 240) == "COMPLETED", rank_logs(run_dir, job_id)
+    (start,) = events(run_dir, "start")
+    assert (start["micro_batch"], start["shards"], start["kept"], start["probed"][0]) == (4, 4, False, [8, False])
+    (again,) = events(run_dir, "activations_recomputed")
+    assert (again["step"], again["ranks"]) == (INV_STEP, [1]), again
+    assert set(digests(rank_logs(run_dir, job_id)).values()) == {reference}
 
     spent = [*INVARIANT, "task.data.heavy_factor=8", "strategy.activation_checkpointing=true", limit]
     proc = run_cli("submit", DIGITS, *spent, cwd=tmp_path)

@@ -67,8 +67,11 @@ def test_a_step_done_again_counts_its_sums_once():
     ("overrides", "says"),
     [
         (["data.batch_size=auto"], "config key 'data.batch_size' = 'auto' needs data.global_batch_size"),
-        (["data.batch_size=auto", "data.global_batch_size=64", "train.invariant=true"],
-         "is invalid with train.invariant=true: the micro-batch is the leaf"),
+        (["data.batch_size=auto", "data.global_batch_size=24", "train.invariant=true", "slurm.tasks_per_node=16"],
+         "= 24 is invalid with train.invariant=true and data.batch_size=auto: no micro-batch cuts it into a power of "
+         "two of shards that the job's data-parallel replicas (16) divide"),
+        (["data.batch_size=auto", "data.global_batch_size=24", "train.invariant=true", "slurm.tasks_per_node=3"],
+         "replicas (3) divide"),
         (["data.batch_size=auto", "data.global_batch_size=64", "strategy.name=pipeline", "strategy.stages=2",
           "strategy.microbatches=3"],
          "= 64 is invalid with data.batch_size=auto and strategy.microbatches=3: the job's share of a replica, 64, "
@@ -86,9 +89,36 @@ def test_auto_is_refused_in_one_line_where_it_cannot_work(overrides, says):
     with pytest.raises(DdpJobError) as err:
         load_config(DIGITS, overrides)
     assert says in str(err.value) and "\n" not in str(err.value)
-    for strategy in ("ddp", "fsdp"):
-        taken = load_config(DIGITS, ["data.batch_size=auto", "data.global_batch_size=64", f"strategy.name={strategy}"])
-        assert taken.data.batch_size == "auto"
+    for taken in ("strategy.name=ddp", "strategy.name=fsdp", "train.invariant=true"):
+        taken_cfg = load_config(DIGITS, ["data.batch_size=auto", "data.global_batch_size=64", taken])
+        assert taken_cfg.data.batch_size == "auto"
+
+
+def test_under_invariant_the_micro_batches_auto_may_take_cut_a_power_of_two_of_shards_every_replica_count_divides():
+    from ddp_core.config.batch import invariant_micro_batches
+
+    assert invariant_micro_batches(16, [2]) == [1, 2, 4, 8]
+    assert invariant_micro_batches(48, [1, 2, 4]) == [3, 6, 12]  # 48 = 3 x 16: 16, 8 or 4 shards
+    assert invariant_micro_batches(24, [16]) == [] and invariant_micro_batches(64, [3]) == []
+
+
+def test_under_invariant_auto_chooses_the_shard_once_and_a_resume_at_another_world_size_keeps_it(tmp_path):
+    """The run's first probe (2 ranks: a share of 32, every shard fits) chooses 32, 2 shards; the resume on one rank,
+    whose own probe would take its share of 64, keeps 32 (``kept``: 2 shards, 2 micro-batches a step), and the run
+    ends bitwise equal to the run with ``data.batch_size=32`` written in, uninterrupted, at 2 ranks."""
+    from tests.support.helpers import events, final_digests, run_trainer
+
+    common = ["data.global_batch_size=64", "train.invariant=true", "optim.schedule=constant", "optim.warmup_steps=0",
+              "train.eval_every=0", "wandb.mode=disabled", "slurm.tasks_per_node=1"]  # fmt: skip
+    run = tmp_path / "auto"
+    run_trainer(DIGITS, run, [*common, "data.batch_size=auto", "train.max_steps=4"], nproc=2)
+    resumed = run_trainer(DIGITS, run, [*common, "data.batch_size=auto", "train.max_steps=8"], torchrun=True)
+    starts = [(e["step"], e["world_size"], e["micro_batch"], e["grad_accum"], e["shards"], e["kept"], e["probed"])
+              for e in events(run, "start")]  # fmt: skip
+    assert starts == [(0, 2, 32, 1, 2, False, [[32, True]]), (4, 1, 32, 2, 2, True, [[32, True]])], starts
+    assert "train.invariant's shard kept from the run's first probe" in resumed
+    fixed = run_trainer(DIGITS, tmp_path / "fixed", [*common, "data.batch_size=32", "train.max_steps=8"], nproc=2)
+    assert len(set(final_digests(fixed))) == 1 and set(final_digests(resumed)) == set(final_digests(fixed))
 
 
 def test_every_attempt_probes_again_and_the_run_goes_on_as_if_uninterrupted(tmp_path):
