@@ -59,6 +59,9 @@ def memory_note(name: str, events: list[dict[str, Any]]) -> Optional[str]:
             return None
         return f"activations recomputed from step {again.get('step')} in {name}, out of memory on {again.get('error')}"
     recomputed = ", activations recomputed" if start.get("activations_recomputed") else ""
+    if shards := start.get("shards"):  # train.invariant: the run's first probe chose it, the later ones keep it
+        kept = ", kept from the run's first probe" if start.get("kept") else ""
+        recomputed += f", train.invariant's {shards} shards{kept}"
     note = (f"micro-batch in {name}: {start['micro_batch']} x {start.get('grad_accum')} a replica (data.batch_size="
             f"auto, probed in {start.get('probe_s', 0):.2f} s at step {start.get('step')}{recomputed})")  # fmt: skip
     for e in after:

@@ -198,6 +198,8 @@ def test_invariant_survives_an_out_of_memory_by_recomputing_activations_with_the
     (again,) = events(run_dir, "activations_recomputed")
     assert (again["step"], again["ranks"]) == (INV_STEP, [1]), again
     assert set(digests(rank_logs(run_dir, job_id)).values()) == {reference}
+    status = run_cli("status", str(run_dir), cwd=tmp_path).stdout
+    assert "micro-batch in " in status and " s at step 0, train.invariant's 4 shards); activations recomputed" in status
 
     spent = [*INVARIANT, "task.data.heavy_factor=8", "strategy.activation_checkpointing=true", limit]
     proc = run_cli("submit", DIGITS, *spent, cwd=tmp_path)

@@ -78,6 +78,11 @@ def test_a_fitted_micro_batch_is_noted_with_each_halving_of_the_newest_attempt()
     assert notes.memory_note("r", [first, shrunk, recomputed]).endswith(
         "; activations recomputed at step 7 on, out of memory on rank 0: can't allocate"
     )  # at the smallest micro-batch: the last resort
+    kept = {**again, "micro_batch": 8, "grad_accum": 2, "shards": 2, "kept": True}  # train.invariant's later attempt
+    assert notes.memory_note("r", [first, kept]) == (
+        "micro-batch in r: 8 x 2 a replica (data.batch_size=auto, probed in 0.25 s at step 10, train.invariant's 2 "
+        "shards, kept from the run's first probe)"
+    )
     # fsdp: the attempt that ran out ended, and its successor's rank 0 records the shrink before its start.
     restarted = {**shrunk, "micro_batch": 4, "restarted": True}
     assert notes.memory_note("r", [first, restarted, {**again, "micro_batch": 4, "grad_accum": 4}]) == (
