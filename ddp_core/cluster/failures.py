@@ -5,9 +5,10 @@ script's watcher (``cluster.supervise``) as well as by the ranks.
 **The failure table.** A rank that raises records a ``rank_failed`` event (its rank, host, step, error and kind);
 a rank that dies by a signal records nothing, and srun's own line (``srun: error: n2: task 1: Killed``) names it.
 
-- **infrastructure**, requeued: a rank killed by a signal (SIGKILL: the OOM killer; SIGSEGV, SIGBUS, SIGABRT from
-  a library); a broken collective (a peer gone, a connection reset or closed, a NCCL or gloo error or timeout); a
-  CUDA device error (ECC, a device lost or unavailable); an I/O error of the node (EIO, a stale file handle).
+- **infrastructure**, requeued: a rank killed by a signal (SIGKILL: a user's or Slurm's kill, an OOM killer whose
+  log cannot be read; SIGSEGV, SIGBUS, SIGABRT from a library); a broken collective (a peer gone, a connection
+  reset or closed, a NCCL or gloo error or timeout); a CUDA device error (ECC, a device lost or unavailable); an I/O
+  error of the node (EIO, a stale file handle).
 - **user**, fails at once: an exception from the task's or the script's own code (ValueError, KeyError, ...), a
   non-finite loss, a bad config or import.
 - **storage**, requeued, no node excluded: the run directory's filesystem is full or failing (ENOSPC, EDQUOT; or
@@ -22,8 +23,9 @@ a rank that dies by a signal records nothing, and srun's own line (``srun: error
   same request runs out again on any node: the job ends FAILED naming the peak and the limit, host or device, and
   the keys that fix it; ``ddpjob resume RUN KEY=...`` continues it. One exception: under ``data.batch_size=auto``
   a strategy whose steps communicate (fsdp) cannot survive it inside the step, so its rank's event carries the
-  micro-batch that ran out, and the allocation runs the attempt again at half of it (``cluster.policy``). (Where
-  nothing limits memory, the kernel's OOM killer SIGKILLs a task: that reads as a signal, infrastructure.)
+  micro-batch that ran out, and the allocation runs the attempt again at half of it (``cluster.policy``). Where
+  nothing of Slurm's limits memory, the kernel's OOM killer SIGKILLs a task: its kill, in the kernel's log of the
+  watcher's node where this user may read it (``oom_log``), makes the signal's kill a memory one too.
 - **unknown**, requeued once: anything else (an unrecognised RuntimeError, an attempt that ended with no record);
   the same failure at the same step again is a user error.
 
@@ -43,10 +45,11 @@ import errno
 import re
 import socket
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from ddp_core.cluster import node_state
 from ddp_core.cluster.env import DistEnv
+from ddp_core.cluster.oom_log import KernelLog
 from ddp_core.config import SlurmConfig
 from ddp_core.run.rundir import RunDir
 
@@ -276,11 +279,13 @@ def diagnose(
     status: int,
     last_step: Optional[int],
     step_error: str = "",
+    kernel: Optional[Callable[[], KernelLog]] = None,
 ) -> Failure:
     """The attempt's failure from its ranks' ``rank_failed`` events and srun's report (``ends``, and ``step_error``:
     ``srun_step_error``'s line). A failed health check comes first (the others' errors follow from its rank leaving),
     then a user error any rank raised; else a task killed by a signal (likewise: srun's report, or a torchrun agent's
-    ``rank_failed`` with the ``signal``); else a step srun could not start; else the first rank's error."""
+    ``rank_failed`` with the ``signal``), out of memory where ``kernel`` (this node's log: ``oom_log.read``, read
+    only then) has the OOM killer's kill; else a step srun could not start; else the first rank's error."""
     by_time = sorted(rank_failures, key=lambda e: e.get("t", 0))
     steps = [e["step"] for e in by_time if isinstance(e.get("step"), int)]
     step = max(steps) if steps else last_step
@@ -292,6 +297,8 @@ def diagnose(
     killed = [e for e in ends if e.by_signal]
     if killed:
         end = killed[0]
+        if kernel is not None and (memory := by_the_oom_killer(killed, kernel(), step)) is not None:
+            return memory
         return Failure(Kind.infrastructure, end.rank, end.host, step, f"killed by a signal ({end.what})")
     if by_signal := [e for e in by_time if e.get("signal")]:  # a torchrun agent's report of its worker (as srun's)
         return Failure.of_rank(Kind.infrastructure, by_signal[0])
@@ -303,6 +310,14 @@ def diagnose(
         end = ends[0]
         return Failure(Kind.unknown, end.rank, end.host, step, f"task ended: {end.what}")
     return Failure(Kind.unknown, None, None, step, f"the job step ended with status {status} and no rank said why")
+
+
+def by_the_oom_killer(killed: list[TaskEnd], log: KernelLog, step: Optional[int]) -> Optional[Failure]:
+    """The memory failure of a task SIGKILLed on the node whose log the kernel's OOM killer's kill is in."""
+    here = [e for e in killed if e.host == log.host and e.what == "Killed"]
+    if not here or not log.kills:
+        return None
+    return Failure(Kind.memory, here[0].rank, here[0].host, step, log.kills[-1].said())
 
 
 def as_repeated(failure: Failure, earlier: list[dict[str, Any]]) -> Failure:

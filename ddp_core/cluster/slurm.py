@@ -7,6 +7,7 @@ the login node (``jobs``, which queues every job here: ``sbatch``) and the compu
 
 from __future__ import annotations
 
+import datetime
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -72,6 +73,14 @@ class JobInfo:
     end_time: Optional[str]  # ISO time, or None when unknown/unlimited
     restarts: int
     raw: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def started(self) -> Optional[float]:
+        """When this allocation started (a requeue's is its own), as ``time.time()`` says it; None when unknown."""
+        try:
+            return datetime.datetime.fromisoformat(self.raw.get("StartTime", "")).timestamp()
+        except ValueError:
+            return None
 
 
 def _time(value: str) -> Optional[str]:

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ddp_core.cluster import exits, node_loss
+from ddp_core.cluster import exits, node_loss, oom_log
 from ddp_core.cluster.env import DistEnv, expand_nodelist
 from ddp_core.cluster.failures import (
     DECIDED,
@@ -102,6 +102,7 @@ def decide(
         status,
         max(metric_steps) if metric_steps else None,
         srun_step_error(lines),
+        oom_log.reader(job.started if job is not None else None, env.slurm_job_id),  # the kernel's OOM killer
     )
     allocation = this_allocation(env, gateway, cfg.slurm, events) if in_allocation and job is not None else None
     if allocation is not None:

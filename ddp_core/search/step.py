@@ -29,10 +29,11 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 from typing import Iterator, Mapping, Optional, Sequence
 
-from ddp_core.cluster import exits
+from ddp_core.cluster import exits, oom_log
 from ddp_core.cluster.env import LAUNCH_VAR, DistEnv
 from ddp_core.cluster.failures import DECIDED, diagnose, srun_step_error, srun_task_ends
 from ddp_core.cluster.policy import Allocation, Outcome, decide_after, nodes_of
@@ -68,7 +69,7 @@ def run(
     that the step's rank 0 deferred to it (``REQUEUE_DEFERRED`` is returned)."""
     env, launch, halved = DistEnv.from_env(), 0, 0  # halved: the launches a micro-batch's halving took (no budget)
     while True:
-        before = len(run_dir.events())
+        before, launched = len(run_dir.events()), time.time()
         code, stderr = call(command, launch, slot.environment() if slot is not None else {})
         new = run_dir.events()[before:]
         # Rank 0 decided a requeue inside a container image without scontrol: this worker, outside it, makes it (a
@@ -81,7 +82,8 @@ def run(
         steps = [r["step"] for r in run_dir.metrics()]
         ranks = [e for e in new if e["event"] == "rank_failed"]
         last = max(steps) if steps else None
-        failure = diagnose(ranks, srun_task_ends(stderr), code, last, srun_step_error(stderr))
+        oom = oom_log.reader(launched, env.slurm_job_id)  # the kernel's OOM killer, in this node's log
+        failure = diagnose(ranks, srun_task_ends(stderr), code, last, srun_step_error(stderr), oom)
         here = (slot.node,) if slot is not None else tuple(sorted(nodes_of(os.environ.get("SLURM_JOB_NODELIST", ""))))
         # The trial's steps take the whole allocation: a restart runs on all of it or not at all.
         allocation = Allocation(here, len(here), len(here), restarts=launch - halved)

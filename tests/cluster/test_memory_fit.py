@@ -21,6 +21,7 @@ import pytest
 
 from tests.support.cli_runner import field, run_cli
 from tests.support.helpers import ROOT, digests, events, final_digests, rank_logs, run_trainer, wait_gone
+from tests.support.memcg import memory_cgroup
 
 pytestmark = [pytest.mark.cluster_shared("a")]  # 2 ranks of one CPU on one node
 DIGITS = str(ROOT / "configs" / "digits.yaml")
@@ -146,6 +147,42 @@ def test_a_script_that_runs_out_of_host_memory_is_reported_as_out_of_memory_and_
     assert re.search(r"^\s+\d+\s+OUT_OF_MEMORY\s", status.stdout, re.M), status.stdout
     noted = r"out of host memory in \S+ before its first step on n\d \(rank 1\): RuntimeError: .*can't allocate"
     assert re.search(noted + r" memory.* \(not retried: give it slurm.mem_gb=N\)", status.stdout), status.stdout
+
+
+def test_a_rank_the_kernels_oom_killer_ends_is_out_of_memory_by_the_kernel_log_and_not_retried(slurm_cluster, tmp_path):
+    """Nothing of Slurm's limits memory on this cluster: rank 1 of a user's script joins a memory cgroup of 256 MiB
+    that the test made (as a node's own limit, or its whole RAM, would be) and takes more; the kernel's OOM killer
+    SIGKILLs it, and srun says only ``task 1: Killed``. The watcher reads the kill in the kernel's log: out of
+    memory, host, with the resident memory at the kill; the job fails once, no restart and no requeue, though both
+    budgets have room."""
+    with memory_cgroup(256 << 20) as procs:
+        script = tmp_path / "takes_all.py"
+        script.write_text(
+            "import os\n"
+            "import torch\n"
+            "import torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\n"
+            "if dist.get_rank() == 1:\n"
+            f"    open({str(procs)!r}, 'w').write(str(os.getpid()))\n"
+            "    held = [torch.ones(16 << 20, dtype=torch.uint8) for _ in range(64)]  # 1 GiB, touched\n"
+            "dist.barrier()\n"
+        )
+        args = ["slurm.tasks_per_node=2", "slurm.max_restarts=2", "slurm.max_failures=2"]
+        proc = run_cli("submit", "--script", str(script), *args, "--wait", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    run_dir = Path(field(proc.stdout, "run dir"))
+    assert [(e["event"], e.get("kind")) for e in events(run_dir) if e["event"] != "rank_failed"] == [
+        ("start", None), ("failure", "memory"), ("failed", None)
+    ]  # fmt: skip
+    (failed,) = events(run_dir, "failed")
+    said = (
+        r"out of host memory on n\d \(rank 1\) before its first step: killed by the kernel's OOM killer: resident "
+        r"(\d+) MiB at the kill, a memory cgroup's limit of 256 MiB \(kernel log: Memory cgroup out of memory: Killed "
+        r"process \d+ \(python"
+    )
+    assert (found := re.match(said, failed["reason"])) and int(found[1]) >= 256, failed  # with what it held before
+    status = run_cli("status", str(run_dir), cwd=tmp_path).stdout
+    assert "killed by the kernel's OOM killer" in status and "(not retried: give it slurm.mem_gb=N)" in status, status
 
 
 # train.invariant: 4 shards of 4 samples a step, 2 a rank, through 6 Spread units that each keep about 24 MiB a shard
