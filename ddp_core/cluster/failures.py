@@ -294,13 +294,14 @@ def diagnose(
             return Failure.of_rank(kind, found[0])
     if oom := [e for e in ends if e.out_of_memory]:  # the others' errors (a peer gone) follow from it
         return Failure(Kind.memory, oom[0].rank, oom[0].host, step, LIMIT_KILLED)
-    killed = [e for e in ends if e.by_signal]
+    killed, by_signal = [e for e in ends if e.by_signal], [e for e in by_time if e.get("signal")]  # srun's, an agent's
+    tasks = killed or [TaskEnd(str(e.get("host")), e.get("rank") or 0, e["signal"]) for e in by_signal]
+    if tasks and kernel is not None and (memory := by_the_oom_killer(tasks, kernel(), step)) is not None:
+        return memory
     if killed:
         end = killed[0]
-        if kernel is not None and (memory := by_the_oom_killer(killed, kernel(), step)) is not None:
-            return memory
         return Failure(Kind.infrastructure, end.rank, end.host, step, f"killed by a signal ({end.what})")
-    if by_signal := [e for e in by_time if e.get("signal")]:  # a torchrun agent's report of its worker (as srun's)
+    if by_signal:
         return Failure.of_rank(Kind.infrastructure, by_signal[0])
     if step_error:  # no rank ran: Slurm was not ready for the step
         return Failure(Kind.infrastructure, None, None, step, f"{NOT_STARTED}: {step_error}")
@@ -314,10 +315,8 @@ def diagnose(
 
 def by_the_oom_killer(killed: list[TaskEnd], log: KernelLog, step: Optional[int]) -> Optional[Failure]:
     """The memory failure of a task SIGKILLed on the node whose log the kernel's OOM killer's kill is in."""
-    here = [e for e in killed if e.host == log.host and e.what == "Killed"]
-    if not here or not log.kills:
-        return None
-    return Failure(Kind.memory, here[0].rank, here[0].host, step, log.kills[-1].said())
+    here = [e for e in killed if e.host in log.hosts and e.what in ("Killed", "SIGKILL")]
+    return Failure(Kind.memory, here[0].rank, here[0].host, step, log.kills[-1].said()) if here and log.kills else None
 
 
 def as_repeated(failure: Failure, earlier: list[dict[str, Any]]) -> Failure:

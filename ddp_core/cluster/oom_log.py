@@ -63,9 +63,9 @@ def node() -> str:
 
 @dataclass(frozen=True)
 class KernelLog:
-    """The kills ``read`` found, on ``host`` (the node whose log it is: Slurm's name for it)."""
+    """The kills ``read`` found, on the node whose log it is (``hosts``: Slurm's name for it and its hostname)."""
 
-    host: str
+    hosts: frozenset[str]
     kills: list[Kill] = field(default_factory=list)
 
 
@@ -121,8 +121,8 @@ def read(since: float, job_id: Optional[str], path: str = KMSG) -> KernelLog:
         job = JOB.search(kill.cgroup)
         return kill.uid == uid and kill.at >= since and (job is None or job[1] == job_id)
 
-    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # as srun's report names it
-    return KernelLog(host, [k for k in kills(records(path)) if ours(k)])
+    hosts = frozenset({os.environ.get("SLURMD_NODENAME") or "", socket.gethostname()} - {""})  # srun's, an agent's
+    return KernelLog(hosts, [k for k in kills(records(path)) if ours(k)])
 
 
 def since_boot(wall: float) -> float:

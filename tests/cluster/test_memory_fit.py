@@ -149,12 +149,15 @@ def test_a_script_that_runs_out_of_host_memory_is_reported_as_out_of_memory_and_
     assert re.search(noted + r" memory.* \(not retried: give it slurm.mem_gb=N\)", status.stdout), status.stdout
 
 
-def test_a_rank_the_kernels_oom_killer_ends_is_out_of_memory_by_the_kernel_log_and_not_retried(slurm_cluster, tmp_path):
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+def test_a_rank_the_kernels_oom_killer_ends_is_out_of_memory_by_the_kernel_log_and_not_retried(
+    slurm_cluster, tmp_path, launcher
+):
     """Nothing of Slurm's limits memory on this cluster: rank 1 of a user's script joins a memory cgroup of 256 MiB
     that the test made (as a node's own limit, or its whole RAM, would be) and takes more; the kernel's OOM killer
-    SIGKILLs it, and srun says only ``task 1: Killed``. The watcher reads the kill in the kernel's log: out of
-    memory, host, with the resident memory at the kill; the job fails once, no restart and no requeue, though both
-    budgets have room."""
+    SIGKILLs it, and srun (or the torchrun agent, for its worker) says only that it was killed. The watcher reads the
+    kill in the kernel's log: out of memory, host, with the resident memory at the kill; the job fails once, no
+    restart and no requeue, though both budgets have room."""
     with memory_cgroup(256 << 20) as procs:
         script = tmp_path / "takes_all.py"
         script.write_text(
@@ -167,7 +170,7 @@ def test_a_rank_the_kernels_oom_killer_ends_is_out_of_memory_by_the_kernel_log_a
             "    held = [torch.ones(16 << 20, dtype=torch.uint8) for _ in range(64)]  # 1 GiB, touched\n"
             "dist.barrier()\n"
         )
-        args = ["slurm.tasks_per_node=2", "slurm.max_restarts=2", "slurm.max_failures=2"]
+        args = ["slurm.tasks_per_node=2", "slurm.max_restarts=2", "slurm.max_failures=2", f"script.launcher={launcher}"]
         proc = run_cli("submit", "--script", str(script), *args, "--wait", cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     run_dir = Path(field(proc.stdout, "run dir"))

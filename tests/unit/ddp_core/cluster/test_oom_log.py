@@ -10,6 +10,7 @@ from ddp_core.cluster.failures import Kind, TaskEnd, diagnose
 from ddp_core.cluster.oom_log import KernelLog, Kill, kills, read, records
 
 UID = os.getuid()
+N1 = frozenset({"n1"})  # the node whose kernel log it is
 
 
 def kmsg(at: float, message: str) -> str:
@@ -62,11 +63,16 @@ def test_only_this_users_kills_since_the_step_began_and_none_of_another_job(tmp_
 def test_a_task_sigkilled_where_the_log_has_a_kill_is_out_of_memory_else_a_signal():
     ends = [TaskEnd("n1", 1, "Killed"), TaskEnd("n1", 0, "Terminated")]
     kill = Kill(9, "python3", 300 << 10, UID, 1.0, "", "Out of memory")
-    memory = diagnose([], ends, 137, 5, kernel=lambda: KernelLog("n1", [kill]))
+    memory = diagnose([], ends, 137, 5, kernel=lambda: KernelLog(N1, [kill]))
     assert (memory.kind, memory.rank, memory.host, memory.step) == (Kind.memory, 1, "n1", 5)
     assert memory.error.startswith("killed by the kernel's OOM killer: resident 300 MiB at the kill")
-    for log in (KernelLog("n1", []), KernelLog("n2", [kill])):  # nothing in the log; another node's log
+    for log in (KernelLog(N1, []), KernelLog(frozenset({"n2"}), [kill])):  # nothing there; another node's log
         signal = diagnose([], ends, 137, 5, kernel=lambda log=log: log)
         assert (signal.kind, signal.error) == (Kind.infrastructure, "killed by a signal (Killed)")
-    assert diagnose([], [TaskEnd("n1", 1, "Segmentation fault")], 139, 5, kernel=lambda: KernelLog("n1", [kill])).kind \
-        is Kind.infrastructure  # fmt: skip
+    segfault = diagnose([], [TaskEnd("n1", 1, "Segmentation fault")], 139, 5, kernel=lambda: KernelLog(N1, [kill]))
+    assert segfault.kind is Kind.infrastructure  # a kill in the log, but this task was not SIGKILLed
+    # script.launcher=torchrun: the agent is the task, and reports its worker's signal in a rank_failed event.
+    agent = {"event": "rank_failed", "rank": 3, "host": "n1", "step": None, "kind": "infrastructure",
+             "error": "killed by a signal (SIGKILL)", "signal": "SIGKILL", "t": 1.0}  # fmt: skip
+    assert diagnose([agent], [], 1, None, kernel=lambda: KernelLog(N1, [kill])).rank == 3
+    assert diagnose([agent], [], 1, None, kernel=lambda: KernelLog(N1, [])).error == agent["error"]
