@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from ddp_core.checkpoint import step_refs
-from ddp_core.cluster import batch_node, exits, failures, run_lock, signals
+from ddp_core.cluster import batch_node, exits, failures, oom_log, run_lock, signals
 from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.exits import ExitCode, after_submitit, leave, without_result
 from ddp_core.cluster.log import log_failure, setup_logging
@@ -43,6 +43,7 @@ def _train(cfg: Config, run_dir: RunDir, env: DistEnv, stop_flag: StopFlag) -> O
     trainer: Optional[Trainer] = None
     try:
         cfg = step_refs.resolve(cfg, run_dir)  # a pipeline step's ${steps.NAME.FIELD}: resolved as it starts
+        oom_log.note_pid(run_dir.slurm, env)  # where the watcher looks if the kernel's OOM killer ends this rank
         snapshot.activate(run_dir)  # before the task's module is imported: the code that was submitted
         lock = None
         if env.is_main:

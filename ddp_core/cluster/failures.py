@@ -45,11 +45,11 @@ import errno
 import re
 import socket
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ddp_core.cluster import node_state
 from ddp_core.cluster.env import DistEnv
-from ddp_core.cluster.oom_log import KernelLog
+from ddp_core.cluster.oom_log import Question
 from ddp_core.config import SlurmConfig
 from ddp_core.run.rundir import RunDir
 
@@ -279,13 +279,13 @@ def diagnose(
     status: int,
     last_step: Optional[int],
     step_error: str = "",
-    kernel: Optional[Callable[[], KernelLog]] = None,
+    kernel: Optional[Question] = None,
 ) -> Failure:
     """The attempt's failure from its ranks' ``rank_failed`` events and srun's report (``ends``, and ``step_error``:
     ``srun_step_error``'s line). A failed health check comes first (the others' errors follow from its rank leaving),
     then a user error any rank raised; else a task killed by a signal (likewise: srun's report, or a torchrun agent's
-    ``rank_failed`` with the ``signal``), out of memory where ``kernel`` (this node's log: ``oom_log.read``, read
-    only then) has the OOM killer's kill; else a step srun could not start; else the first rank's error."""
+    ``rank_failed`` with the ``signal``), out of memory where ``kernel`` (``oom_log.reader``) finds the OOM
+    killer's kill of a SIGKILLed one; else a step srun could not start; else the first rank's error."""
     by_time = sorted(rank_failures, key=lambda e: e.get("t", 0))
     steps = [e["step"] for e in by_time if isinstance(e.get("step"), int)]
     step = max(steps) if steps else last_step
@@ -296,8 +296,10 @@ def diagnose(
         return Failure(Kind.memory, oom[0].rank, oom[0].host, step, LIMIT_KILLED)
     killed, by_signal = [e for e in ends if e.by_signal], [e for e in by_time if e.get("signal")]  # srun's, an agent's
     tasks = killed or [TaskEnd(str(e.get("host")), e.get("rank") or 0, e["signal"]) for e in by_signal]
-    if tasks and kernel is not None and (memory := by_the_oom_killer(tasks, kernel(), step)) is not None:
-        return memory
+    asked = kernel or (lambda host, rank: None)  # the kernel's OOM killer's kill of it, in this node's log
+    for task in [t for t in tasks if t.what in ("Killed", "SIGKILL")]:
+        if (kill := asked(task.host, task.rank)) is not None:
+            return Failure(Kind.memory, task.rank, task.host, step, kill.said())
     if killed:
         end = killed[0]
         return Failure(Kind.infrastructure, end.rank, end.host, step, f"killed by a signal ({end.what})")
@@ -311,12 +313,6 @@ def diagnose(
         end = ends[0]
         return Failure(Kind.unknown, end.rank, end.host, step, f"task ended: {end.what}")
     return Failure(Kind.unknown, None, None, step, f"the job step ended with status {status} and no rank said why")
-
-
-def by_the_oom_killer(killed: list[TaskEnd], log: KernelLog, step: Optional[int]) -> Optional[Failure]:
-    """The memory failure of a task SIGKILLed on the node whose log the kernel's OOM killer's kill is in."""
-    here = [e for e in killed if e.host in log.hosts and e.what in ("Killed", "SIGKILL")]
-    return Failure(Kind.memory, here[0].rank, here[0].host, step, log.kills[-1].said()) if here and log.kills else None
 
 
 def as_repeated(failure: Failure, earlier: list[dict[str, Any]]) -> Failure:

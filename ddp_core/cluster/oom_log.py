@@ -5,13 +5,16 @@ A rank the OOM killer ends dies of SIGKILL, which srun reports as ``task 1: Kill
 by anyone. Where Slurm limits memory its cgroup's handler says so itself (``failures.LIMIT_KILLED``); where nothing
 does (no cgroup plugin, or a limit that is not Slurm's), only the kernel's log tells the two apart: ``Out of memory:
 Killed process PID (NAME) total-vm:..., anon-rss:...`` (``Memory cgroup out of memory: ...`` under a cgroup's
-limit), after an ``oom-kill:`` line that names the process's cgroup and user. ``read`` gives the kills of this
-job's user since a time, and none of another job's (a Slurm cgroup path ``job_<id>`` names its job). Only this
-node's log can be read: a rank killed on another node stays a signal's kill.
+limit), after an ``oom-kill:`` line that names the process's cgroup and user. Each rank of a Slurm job notes its
+pid where the watcher finds it (``note_pid``: ``RUN/slurm/<job>_<rank>.pid``, rewritten by each job step), and a
+killed task is out of memory only if the log has the kill of that pid, of this user, since the step began, and of
+no other job's (a Slurm cgroup path ``job_<id>`` names its job). Only this node's log can be read: a rank killed
+on another node stays a signal's kill.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -19,6 +22,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
+
+from ddp_core.cluster.env import DistEnv
 
 KMSG = "/dev/kmsg"
 KILLED = re.compile(
@@ -130,9 +135,35 @@ def since_boot(wall: float) -> float:
     return wall - time.time() + time.clock_gettime(time.CLOCK_MONOTONIC)
 
 
-def reader(started: Optional[float], job_id: Optional[str]) -> Optional[Callable[[], KernelLog]]:
-    """What ``failures.diagnose`` calls for this node's kills since ``started`` (a wall-clock time: the job step's
-    launch, the allocation's start); None when it is not known."""
-    if started is None:
+def pid_file(slurm_folder: Path, job_id: str, rank: int) -> Path:
+    return slurm_folder / f"{job_id}_{rank}.pid"
+
+
+def note_pid(slurm_folder: Path, env: DistEnv) -> None:
+    """This rank's pid, where the watcher looks for it if a task is killed (``reader``); a Slurm job's ranks only."""
+    if env.slurm_job_id:
+        with contextlib.suppress(OSError):  # a rank is not stopped for it: its kill then reads as a signal's
+            pid_file(slurm_folder, env.slurm_job_id, env.rank).write_text(f"{os.getpid()}\n")
+
+
+Question = Callable[[str, int], Optional[Kill]]  # a SIGKILLed task's host and rank -> the OOM killer's kill of it
+
+
+def reader(slurm_folder: Path, started: Optional[float], job_id: Optional[str], path: str = KMSG) -> Optional[Question]:
+    """What ``failures.diagnose`` asks of a task killed by SIGKILL: the OOM killer's kill of the pid its rank noted
+    (``note_pid``) in this node's log (read once, at the first question), since ``started`` (a wall-clock time: the
+    allocation's start, the trial step's launch); None when that is not known."""
+    if started is None or not job_id:
         return None
-    return lambda: read(since_boot(started) - 1.0, job_id)  # the log's clock and the wall's: a second apart at most
+    logs: list[KernelLog] = []
+
+    def kill_of(host: str, rank: int) -> Optional[Kill]:
+        if not logs:
+            logs.append(read(since_boot(started) - 1.0, job_id, path))  # the two clocks: a second apart at most
+        try:
+            pid = int(pid_file(slurm_folder, job_id, rank).read_text())
+        except (OSError, ValueError):
+            return None
+        return next((k for k in reversed(logs[0].kills) if k.pid == pid), None) if host in logs[0].hosts else None
+
+    return kill_of

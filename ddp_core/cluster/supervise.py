@@ -102,7 +102,7 @@ def decide(
         status,
         max(metric_steps) if metric_steps else None,
         srun_step_error(lines),
-        oom_log.reader(job.started if job is not None else None, env.slurm_job_id),  # the kernel's OOM killer
+        oom_log.reader(run_dir.slurm, job.started if job is not None else None, env.slurm_job_id),  # the kernel's
     )
     allocation = this_allocation(env, gateway, cfg.slurm, events) if in_allocation and job is not None else None
     if allocation is not None:

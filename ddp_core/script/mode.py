@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Optional, Sequence
 
 from ddp_core.checkpoint import step_refs
-from ddp_core.cluster import exits, failures, health, rendezvous, run_lock, signals
+from ddp_core.cluster import exits, failures, health, oom_log, rendezvous, run_lock, signals
 from ddp_core.cluster.env import DistEnv, process_started
 from ddp_core.cluster.exits import ExitCode, after_submitit, leave, without_result
 from ddp_core.cluster.log import log_failure, setup_logging
@@ -279,6 +279,7 @@ def _run(run_dir_arg: str) -> int:
         return _run_agent(run_dir, cfg, env)  # this process starts the node's ranks; each runs _run again
     _start_logging(env)
     try:
+        oom_log.note_pid(run_dir.slurm, env)  # where the watcher looks if the kernel's OOM killer ends this rank
         record = snapshot.activate(run_dir)  # first on sys.path: the script's siblings / package as submitted
         spec = spec_from_config(cfg.script, str(run_dir.config_file), record, resumed_attempt(run_dir, env))
     except DdpJobError as err:

@@ -82,7 +82,7 @@ def run(
         steps = [r["step"] for r in run_dir.metrics()]
         ranks = [e for e in new if e["event"] == "rank_failed"]
         last = max(steps) if steps else None
-        oom = oom_log.reader(launched, env.slurm_job_id)  # the kernel's OOM killer, in this node's log
+        oom = oom_log.reader(run_dir.slurm, launched, env.slurm_job_id)  # the kernel's OOM killer, in this node's log
         failure = diagnose(ranks, srun_task_ends(stderr), code, last, srun_step_error(stderr), oom)
         here = (slot.node,) if slot is not None else tuple(sorted(nodes_of(os.environ.get("SLURM_JOB_NODELIST", ""))))
         # The trial's steps take the whole allocation: a restart runs on all of it or not at all.

@@ -5,12 +5,13 @@ real kill, through Slurm, is tests/cluster/test_memory_fit.py's."""
 from __future__ import annotations
 
 import os
+import time
 
+from ddp_core.cluster.env import DistEnv
 from ddp_core.cluster.failures import Kind, TaskEnd, diagnose
-from ddp_core.cluster.oom_log import KernelLog, Kill, kills, read, records
+from ddp_core.cluster.oom_log import Kill, kills, note_pid, read, reader, records
 
 UID = os.getuid()
-N1 = frozenset({"n1"})  # the node whose kernel log it is
 
 
 def kmsg(at: float, message: str) -> str:
@@ -60,19 +61,29 @@ def test_only_this_users_kills_since_the_step_began_and_none_of_another_job(tmp_
     assert [k.pid for k in read(10.0, "42", str(log)).kills] == [4, 5]
 
 
-def test_a_task_sigkilled_where_the_log_has_a_kill_is_out_of_memory_else_a_signal():
-    ends = [TaskEnd("n1", 1, "Killed"), TaskEnd("n1", 0, "Terminated")]
-    kill = Kill(9, "python3", 300 << 10, UID, 1.0, "", "Out of memory")
-    memory = diagnose([], ends, 137, 5, kernel=lambda: KernelLog(N1, [kill]))
+def test_a_task_sigkilled_is_out_of_memory_only_where_the_log_has_the_kill_of_the_pid_its_rank_noted(
+    tmp_path, monkeypatch
+):
+    log, slurm = tmp_path / "kmsg", tmp_path / "slurm"
+    slurm.mkdir()
+    log.write_text(memcg_kill(20.0, 4242, "/ddpjob-test") + memcg_kill(21.0, 777, "/ddpjob-test"))
+    monkeypatch.setenv("SLURMD_NODENAME", "n1")
+    monkeypatch.setattr(os, "getpid", lambda: 4242)
+    note_pid(slurm, DistEnv(rank=1, slurm_job_id="42"))
+    assert (slurm / "42_1.pid").read_text() == "4242\n"
+    (slurm / "42_0.pid").write_text("999\n")  # rank 0's process: not killed by the OOM killer
+    started = time.time() - time.clock_gettime(time.CLOCK_MONOTONIC) + 10.0  # 10 s after boot, as a wall time
+    kernel = reader(slurm, started, "42", str(log))
+    assert kernel is not None and reader(slurm, None, "42") is None
+    killed = [TaskEnd("n1", 0, "Killed"), TaskEnd("n1", 1, "Killed")]
+    memory = diagnose([], killed, 137, 5, kernel=kernel)
     assert (memory.kind, memory.rank, memory.host, memory.step) == (Kind.memory, 1, "n1", 5)
-    assert memory.error.startswith("killed by the kernel's OOM killer: resident 300 MiB at the kill")
-    for log in (KernelLog(N1, []), KernelLog(frozenset({"n2"}), [kill])):  # nothing there; another node's log
-        signal = diagnose([], ends, 137, 5, kernel=lambda log=log: log)
-        assert (signal.kind, signal.error) == (Kind.infrastructure, "killed by a signal (Killed)")
-    segfault = diagnose([], [TaskEnd("n1", 1, "Segmentation fault")], 139, 5, kernel=lambda: KernelLog(N1, [kill]))
-    assert segfault.kind is Kind.infrastructure  # a kill in the log, but this task was not SIGKILLed
+    assert memory.error.startswith("killed by the kernel's OOM killer: resident 227 MiB at the kill, a memory cgroup")
+    for ends in ([TaskEnd("n1", 0, "Killed")], [TaskEnd("n2", 1, "Killed")], [TaskEnd("n1", 1, "Segmentation fault")]):
+        signal = diagnose([], ends, 137, 5, kernel=kernel)  # another pid; another node's task; not a SIGKILL
+        assert signal.kind is Kind.infrastructure and signal.error.startswith("killed by a signal ("), signal
     # script.launcher=torchrun: the agent is the task, and reports its worker's signal in a rank_failed event.
-    agent = {"event": "rank_failed", "rank": 3, "host": "n1", "step": None, "kind": "infrastructure",
+    agent = {"event": "rank_failed", "rank": 1, "host": "n1", "step": None, "kind": "infrastructure",
              "error": "killed by a signal (SIGKILL)", "signal": "SIGKILL", "t": 1.0}  # fmt: skip
-    assert diagnose([agent], [], 1, None, kernel=lambda: KernelLog(N1, [kill])).rank == 3
-    assert diagnose([agent], [], 1, None, kernel=lambda: KernelLog(N1, [])).error == agent["error"]
+    assert diagnose([agent], [], 1, None, kernel=kernel).kind is Kind.memory
+    assert diagnose([{**agent, "rank": 0}], [], 1, None, kernel=kernel).error == agent["error"]
