@@ -25,10 +25,11 @@ from ddp_core.cluster.slurm_text import (
     effective_preempt_mode,
     exit_text,
     first_word_state,
+    out_of_memory_peak,
     parse_fields,
     parse_node,
+    queue_extra,
     rate_limited,
-    rss_bytes,
 )
 from ddp_core.errors import DdpJobError
 
@@ -270,7 +271,7 @@ class SlurmGateway:
         proc = _answered(self.run("squeue", "-h", "-r", "-t", "all", "-O", fmt, "-j", ",".join(job_ids)))
         rows = (line.strip().split("|") for line in proc.stdout.splitlines() if proc.returncode == 0)
         return [
-            QueuedJob(r[0], r[1], r[2], int(r[3]) if r[3].isdigit() else 0, exit_text(r[4]), *extra(r[5:7]))
+            QueuedJob(r[0], r[1], r[2], int(r[3]) if r[3].isdigit() else 0, exit_text(r[4]), *queue_extra(r[5:7]))
             for r in rows
             if len(r) >= 5
         ]
@@ -368,11 +369,8 @@ class SlurmGateway:
             proc = self.run("sacct", "-n", "-P", "-j", job_id, "-o", "JobID,State,MaxRSS,ReqMem")
             if proc.returncode != 0:
                 return None
-            rows = [line.split("|") for line in proc.stdout.splitlines() if line.count("|") == 3]
-            asked = next((r[3] for r in rows if r[0] == job_id and r[3]), "")
-            peaks = [r[2] for r in rows if r[1].startswith("OUT_OF_MEMORY") and rss_bytes(r[2]) > 0]
-            if peaks:
-                return max(peaks, key=rss_bytes), asked
+            if (said := out_of_memory_peak(proc.stdout, job_id)) is not None:
+                return said
             time.sleep(1.0)
         return None
 
@@ -390,12 +388,6 @@ class SlurmGateway:
             return None
         lines = (line.split("|") for line in proc.stdout.splitlines() if line.strip())
         return [dict(zip(fields, values, strict=False)) for values in lines]
-
-
-def extra(fields: list[str]) -> tuple[str, str]:
-    """A queue row's reason and start time, "" where squeue left them out or does not know (N/A, (null))."""
-    reason, start = [*(f.strip() if f.strip() not in ("N/A", "(null)", "Unknown") else "" for f in fields), "", ""][:2]
-    return reason, start
 
 
 GATEWAY = SlurmGateway()

@@ -134,3 +134,18 @@ def rss_bytes(text: str) -> float:
         return float(text.rstrip("KMGTkmgt")) * scale
     except ValueError:
         return 0.0
+
+
+def out_of_memory_peak(text: str, job_id: str) -> Optional[tuple[str, str]]:
+    """From ``sacct -P -o JobID,State,MaxRSS,ReqMem``'s ``text``: (the highest MaxRSS of a step that ran out of memory,
+    the memory the job asked for), as sacct writes them; None before accounting holds such a peak."""
+    rows = [line.split("|") for line in text.splitlines() if line.count("|") == 3]
+    asked = next((r[3] for r in rows if r[0] == job_id and r[3]), "")
+    peaks = [r[2] for r in rows if r[1].startswith("OUT_OF_MEMORY") and rss_bytes(r[2]) > 0]
+    return (max(peaks, key=rss_bytes), asked) if peaks else None
+
+
+def queue_extra(fields: list[str]) -> tuple[str, str]:
+    """A queue row's reason and start time, "" where squeue left them out or does not know (N/A, (null))."""
+    reason, start = [*(f.strip() if f.strip() not in ("N/A", "(null)", "Unknown") else "" for f in fields), "", ""][:2]
+    return reason, start
